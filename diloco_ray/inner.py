@@ -1,0 +1,261 @@
+"""What one FSDP rank of one replica does: the inner loop.
+
+A :class:`RankWorker` owns a model shard, its inner optimizer (whose state stays with the
+replica across rounds) and its view of the data. Each round it loads its rows of the
+global weights, runs ``max_steps`` inner steps, and returns its rows of the
+pseudo-gradient ``global - local``. It is a plain class: the replica wraps it with
+``ray.remote`` at creation, and tests can drive it in-process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from diloco_ray import data, modeling
+from diloco_ray.config import TrainerConfig
+from diloco_ray.errors import ConfigError
+from diloco_ray.sharding import local_rows
+
+
+def inner_lr_at(step: int, config: TrainerConfig) -> float:
+    """Inner learning rate at global inner step ``step`` (0-based, counted over the run).
+
+    Linear warmup over ``warmup_steps``, then ``lr_schedule`` decays from ``lr`` to
+    ``lr * min_lr_ratio`` at the run's last inner step (``max_steps * diloco_loops``).
+    """
+    if step < config.warmup_steps:
+        return config.lr * (step + 1) / config.warmup_steps
+    if config.lr_schedule == "constant":
+        return config.lr
+    total = max(1, config.max_steps * config.diloco_loops - config.warmup_steps)
+    frac = min(1.0, (step - config.warmup_steps) / total)
+    floor = config.lr * config.min_lr_ratio
+    if config.lr_schedule == "cosine":
+        return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return floor + (config.lr - floor) * (1.0 - frac)
+
+
+def build_inner_optimizer(params, config: TrainerConfig) -> torch.optim.Optimizer:
+    """``torch.optim.<inner_opt>(params, lr=lr, **inner_opt_kwargs)``."""
+    cls = getattr(torch.optim, config.inner_opt, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
+        raise ConfigError(f"inner_opt: '{config.inner_opt}' is not a torch.optim optimizer; "
+                          "allowed: e.g. AdamW, Adam, SGD, Adafactor")
+    try:
+        return cls(params, **{"lr": config.lr, **config.inner_opt_kwargs})
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"inner_opt_kwargs: {e} (for {config.inner_opt})") from None
+
+
+@dataclass
+class RoundStats:
+    """What a rank reports about its round (small; travels through the driver)."""
+
+    rank: int
+    inner_steps: int
+    tokens: int
+    loss_sum: float       # sum of per-step mean losses
+    compute_seconds: float  # the inner steps alone
+    load_seconds: float   # copying the global weights in
+    bytes_up: int         # pseudo-gradient bytes this rank sent
+
+
+class RankWorker:
+    """One rank of one replica.
+
+    Args:
+        config: the job's TrainerConfig (as a dict, so it pickles without surprises).
+        replica_id: the replica this rank belongs to.
+        rank: this rank's index inside the replica.
+        world_size: ranks in the replica (``ranks_per_replica``).
+        device: ``"cpu"`` or ``"cuda"``.
+    """
+
+    def __init__(self, config: dict, replica_id: int, rank: int, world_size: int, device: str = "cpu"):
+        self.config = TrainerConfig.from_dict(config)
+        self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.model = None
+
+    # ---- set-up -----------------------------------------------------------------------
+    def rendezvous_address(self) -> tuple[str, int]:
+        """(node ip, free port) for the process group; asked of rank 0."""
+        import socket
+
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), s.getsockname()[1]
+
+    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict[str, tuple]:
+        """Join the replica's process group, load data and model, shard it, build the
+        inner optimizer. Returns name -> full shape of the trained parameters."""
+        cfg = self.config
+        torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
+                                    rank=self.rank, world_size=self.world_size)
+        self.tokenizer = modeling.load_tokenizer(cfg)
+        self.blocks = data.load_token_blocks(cfg, self.tokenizer)
+        model = modeling.build_model(cfg, self.tokenizer)
+        self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
+        model.to(self.device)
+        if self.world_size > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in modeling.decoder_layers(model):
+                fully_shard(layer)
+            fully_shard(model)
+        self.model = model
+        self.params = modeling.trained_parameters(model)
+        self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
+        self._anchor: dict[str, torch.Tensor] = {}
+        return self.shapes
+
+    def num_train_blocks(self) -> int:
+        return len(self.blocks.train)
+
+    def local_shards(self) -> dict[str, np.ndarray]:
+        """This rank's rows of every trained parameter (fp32), e.g. to seed the server."""
+        return {n: _local(p).detach().float().cpu().numpy() for n, p in self.params}
+
+    # ---- one round --------------------------------------------------------------------
+    @torch.no_grad()
+    def load_global(self, weights: dict[str, np.ndarray]) -> None:
+        """Copy this rank's rows of the global weights into the model, and remember them
+        as the anchor the pseudo-gradient is measured from."""
+        for name, p in self.params:
+            full = _as_tensor(weights[name])
+            rows = local_rows(full, self.world_size, self.rank)
+            local = _local(p)
+            local.copy_(rows)
+            self._anchor[name] = local.detach().float().clone()
+
+    def run_round(self, weights: dict[str, np.ndarray], round_index: int, start: int):
+        """Load the global weights, run ``max_steps`` inner steps on the stream range
+        starting at ``start``, and return ``(pseudo_grad_rows, RoundStats)``."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        self.load_global(weights)
+        t1 = time.perf_counter()
+        self.model.train()
+        steps = data.rank_batches(start, cfg, self.rank, len(self.blocks.train))
+        sharded = self.world_size > 1 and cfg.grad_accum > 1
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for t, micro_batches in enumerate(steps):
+            lr = inner_lr_at(round_index * cfg.max_steps + t, cfg)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            for m, idx in enumerate(micro_batches):
+                if sharded:  # reduce-scatter gradients once per step, not per micro-batch
+                    self.model.set_requires_gradient_sync(m == len(micro_batches) - 1)
+                batch = torch.from_numpy(self.blocks.train[idx]).to(self.device)
+                with self._autocast():
+                    loss = self.model(input_ids=batch, labels=batch).loss / len(micro_batches)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                loss_sum += loss.detach()
+                tokens += batch.numel()
+            self._optimizer_step()
+        t2 = time.perf_counter()
+        pseudo_grad = self.pseudo_gradient()
+        stats = RoundStats(rank=self.rank, inner_steps=len(steps), tokens=tokens,
+                           loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=t1 - t0,
+                           bytes_up=sum(a.nbytes for a in pseudo_grad.values()))
+        return pseudo_grad, stats
+
+    def _optimizer_step(self) -> None:
+        cfg = self.config
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if cfg.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], cfg.max_grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> dict[str, np.ndarray]:
+        """This rank's rows of ``global - local`` in fp32."""
+        return {n: (self._anchor[n] - _local(p).float()).cpu().numpy() for n, p in self.params}
+
+    def _autocast(self):
+        if self.config.mixed_precision == "no":
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if self.config.mixed_precision == "bf16" else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    # ---- eval and output --------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, weights: dict[str, np.ndarray]) -> tuple[float, int]:
+        """Mean-loss sum and batch count over this rank's share of the eval batches.
+
+        Every rank runs the same number of forwards (FSDP's collectives need it); a rank
+        with no batch left scores a repeat with weight 0.
+        """
+        cfg = self.config
+        self.load_global(weights)
+        self.model.eval()
+        mine = data.eval_batches_for_rank(len(self.blocks.eval), cfg.eval_batches, cfg.batch_size,
+                                          self.rank, self.world_size)
+        per_rank = -(-cfg.eval_batches // self.world_size)
+        total, count = 0.0, 0
+        for i in range(per_rank):
+            real = i < len(mine)
+            idx = mine[i] if real else np.arange(min(cfg.batch_size, max(1, len(self.blocks.eval))))
+            if len(self.blocks.eval) == 0:
+                break
+            batch = torch.from_numpy(self.blocks.eval[idx]).to(self.device)
+            with self._autocast():
+                loss = self.model(input_ids=batch, labels=batch).loss
+            if real:
+                total, count = total + float(loss), count + 1
+        return total, count
+
+    def save_final(self, weights: dict[str, np.ndarray], path: str) -> str:
+        """Write the global weights as a Hugging Face model folder (rank 0 only)."""
+        if self.rank == 0:
+            from transformers import AutoModelForCausalLM
+
+            # A fresh unsharded skeleton of the same architecture receives the weights.
+            skeleton = AutoModelForCausalLM.from_config(self.model.config)
+            modeling.save_hf(skeleton, self.tokenizer, {n: _as_tensor(w) for n, w in weights.items()}, path)
+        return path
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """The rows of ``p`` this process holds (the local shard of an FSDP DTensor)."""
+    return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+def _as_tensor(array) -> torch.Tensor:
+    if isinstance(array, torch.Tensor):
+        return array
+    with warnings.catch_warnings():
+        # Arrays from Ray's object store are read-only views; we only read them.
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(array)
+

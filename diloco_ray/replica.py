@@ -1,0 +1,108 @@
+"""One DiLoCo replica as the driver sees it: a placement group and its rank actors.
+
+A :class:`Replica` reserves ``ranks_per_replica`` bundles in one STRICT_PACK placement
+group (so its FSDP ranks share a node and a fast interconnect), starts one
+:class:`~diloco_ray.inner.RankWorker` actor per bundle, and turns "run a round" into one
+call per rank. It returns object references, never values: the driver decides what to
+wait for, and the big arrays go from the ranks to the server through the object store.
+The worker class is made remote here, at creation, so tests can pass a fake.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from diloco_ray.config import TrainerConfig
+from diloco_ray.inner import RankWorker
+
+# Quiet, reproducible rank processes: tokenizers' own thread pool fights the inner loop
+# for cores and warns after fork.
+_RANK_ENV = {"TOKENIZERS_PARALLELISM": "false"}
+
+
+class PlacementTimeout(RuntimeError):
+    """The cluster had no room for a replica's placement group in time."""
+
+
+class Replica:
+    """Handle for one replica's placement group and rank actors.
+
+    Args:
+        replica_id: stable id (never reused within a run).
+        config: the job's TrainerConfig.
+        device: ``"cpu"`` or ``"cuda"`` (one GPU per rank).
+        worker_cls: the rank class to run (``RankWorker``; tests may pass a fake).
+    """
+
+    def __init__(self, replica_id: int, config: TrainerConfig, device: str, worker_cls: type = RankWorker):
+        self.id = replica_id
+        self.config = config
+        self.world_size = config.ranks_per_replica
+        bundle: dict[str, float] = {"CPU": config.cpus_per_rank}
+        if device == "cuda":
+            bundle["GPU"] = 1
+        self.bundle = bundle
+        self.pg = placement_group([dict(bundle)] * self.world_size, strategy="STRICT_PACK",
+                                  name=f"diloco-replica-{replica_id}")
+        remote_cls = ray.remote(worker_cls)
+        self.ranks = [
+            remote_cls.options(
+                num_cpus=config.cpus_per_rank,
+                num_gpus=1 if device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                runtime_env={"env_vars": _RANK_ENV},
+                name=None,
+            ).remote(config.to_dict(), replica_id, r, self.world_size, device)
+            for r in range(self.world_size)
+        ]
+
+    def wait_placed(self, timeout_s: float) -> None:
+        """Block until the placement group is reserved, or raise PlacementTimeout."""
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
+        if not ready:
+            raise PlacementTimeout(
+                f"replica {self.id}: the cluster has no room for {self.world_size} x {self.bundle} "
+                f"on one node after {timeout_s:.0f}s (cluster resources: {ray.cluster_resources()})")
+
+    def setup(self) -> list:
+        """Start the ranks' set-up (process group, data, model, FSDP); refs to their
+        parameter shapes."""
+        addr, port = None, None
+        if self.world_size > 1:
+            addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+        return [r.setup.remote(addr, port) for r in self.ranks]
+
+    def local_shards(self) -> list:
+        return [r.local_shards.remote() for r in self.ranks]
+
+    def run_round(self, weights_ref: Any, round_index: int, start: int) -> tuple[list, list]:
+        """Start one round on every rank: (pseudo-gradient shard refs, stats refs)."""
+        shards, stats = [], []
+        for r in self.ranks:
+            shard_ref, stats_ref = r.run_round.options(num_returns=2).remote(weights_ref, round_index, start)
+            shards.append(shard_ref)
+            stats.append(stats_ref)
+        return shards, stats
+
+    def evaluate(self, weights_ref: Any) -> list:
+        return [r.evaluate.remote(weights_ref) for r in self.ranks]
+
+    def save_final(self, weights_ref: Any, path: str) -> list:
+        return [r.save_final.remote(weights_ref, path) for r in self.ranks]
+
+    def stop(self) -> None:
+        """Kill the rank actors and release the placement group (idempotent)."""
+        for r in self.ranks:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception:  # already dead: nothing to release
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+        self.ranks = []

@@ -1,0 +1,110 @@
+"""The parameter server: the one source of truth for the global weights.
+
+A thin adapter around :class:`~diloco_ray.outer.OuterOptimizer`. It holds the fp32
+global weights, the outer optimizer state, the round index and the data position, and
+applies a round as one unit: either every field advances together or none does.
+Pseudo-gradients arrive as object-store references that the server resolves itself, so
+they travel replica -> server directly, never through the driver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from diloco_ray.config import TrainerConfig
+from diloco_ray.outer import OuterOptimizer
+from diloco_ray.sharding import assemble
+
+
+@dataclass
+class Contribution:
+    """One replica's part of a round, as the driver hands it to the server.
+
+    Args:
+        replica_id: the replica.
+        shard_refs: one object ref per rank, each resolving to that rank's rows of the
+            pseudo-gradient (name -> array). Wrapped in a list so Ray does not resolve
+            them on the driver's behalf.
+        weight: its weight in the mean (tokens it trained on).
+    """
+
+    replica_id: int
+    shard_refs: list
+    weight: float
+
+
+@dataclass
+class AppliedRound:
+    """What the server reports after a round (small; goes to the driver)."""
+
+    applied: bool
+    round: int                    # index of the round that was (or would have been) applied
+    outer_lr: float
+    pseudo_grad_norm: float | None
+    accepted: list[int] = field(default_factory=list)   # replica ids
+    rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
+    data_position: int = 0
+
+
+class ParameterServer:
+    """Holds the global model state and applies outer updates.
+
+    Args:
+        config: the job's TrainerConfig, as a dict.
+    """
+
+    def __init__(self, config: dict):
+        self.config = TrainerConfig.from_dict(config)
+        self.optimizer: OuterOptimizer | None = None
+        self.shapes: dict[str, tuple] = {}
+        self.data_position = 0
+
+    def initialize(self, shard_refs: list, shapes: dict[str, tuple]) -> int:
+        """Seed the global weights from one replica's rank shards; returns their bytes."""
+        import ray
+
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        params = assemble(ray.get(shard_refs), self.shapes)
+        self.optimizer = OuterOptimizer(params, self.config)
+        return self.weight_bytes()
+
+    def weights(self) -> dict[str, np.ndarray]:
+        """The current global weights (fp32 numpy; Ray stores them once per version)."""
+        return {n: t.numpy() for n, t in self.optimizer.params.items()}
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.optimizer.params.values())
+
+    def position(self) -> tuple[int, int]:
+        """(round index to run next, data position)."""
+        return self.optimizer.round, self.data_position
+
+    def apply(self, contributions: list[Contribution], consumed: int) -> AppliedRound:
+        """Average the contributions, take the outer step, and advance the data position
+        by ``consumed`` stream samples, all or nothing.
+
+        A contribution whose shards do not assemble, or whose pseudo-gradient holds
+        NaN/Inf or mismatched shapes, is rejected and reported, never applied.
+        """
+        import ray
+
+        rejected: dict[int, str] = {}
+        usable: list[tuple[Contribution, dict[str, torch.Tensor]]] = []
+        for c in contributions:
+            try:
+                usable.append((c, assemble(ray.get(c.shard_refs), self.shapes)))
+            except ValueError as e:
+                rejected[c.replica_id] = str(e)
+        self.optimizer.step([g for _, g in usable], [c.weight for c, _ in usable])
+        info = self.optimizer.last_step
+        for i, reason in info.reasons.items():
+            rejected[usable[i][0].replica_id] = reason
+        if info.applied:
+            self.data_position += consumed
+        return AppliedRound(applied=info.applied, round=info.round, outer_lr=info.lr,
+                            pseudo_grad_norm=info.grad_norm,
+                            accepted=[usable[i][0].replica_id for i in info.accepted],
+                            rejected=rejected, data_position=self.data_position)
