@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -45,9 +46,9 @@ class TrainerConfig:
     """
 
     # --- model -----------------------------------------------------------------------
-    model_name: Optional[str] = _f(None, "Hugging Face hub id or local folder of a causal LM (from_pretrained)")
-    model_config: Optional[dict] = _f(None, "build a fresh model from an architecture instead, e.g. {model_type: llama, hidden_size: 64}")
-    tokenizer_name: Optional[str] = _f(None, "tokenizer hub id or folder (default: model_name); 'builtin:char' is a character tokenizer")
+    model_name: Optional[str] = _f(None, "Hugging Face hub id or local folder of a causal LM (from_pretrained); replaces model_config")
+    model_config: Optional[dict] = _f(None, "architecture of a fresh model, used when model_name is null, e.g. {model_type: llama, hidden_size: 64}")
+    tokenizer_name: Optional[str] = _f(None, "tokenizer hub id or folder (default: model_name, or 'builtin:char' for model_config)")
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "inner-loop compute precision; master weights stay fp32")
     # --- data ------------------------------------------------------------------------
     dataset_name: Optional[str] = _f(None, "datasets.load_dataset name or folder; 'builtin:arithmetic' is generated offline")
@@ -56,7 +57,7 @@ class TrainerConfig:
     eval_split: Optional[str] = _f(None, "split to evaluate on (default: hold out split_ratio of the training split)")
     split_ratio: float = _f(0.05, "fraction of the training split held out for eval when there is no eval_split", gt=0.0, le=0.5)
     dataset_kwargs: dict = _f({}, "extra keyword arguments to load_dataset (e.g. data_files) or to a builtin generator")
-    json_file_path: Optional[str] = _f(None, "local JSON/JSONL file to train on (instead of dataset_name)")
+    json_file_path: Optional[str] = _f(None, "local JSON/JSONL file to train on; when set, it replaces dataset_name")
     text_field: Optional[str] = _f(None, "column holding the text (default: 'text', else the only string column)")
     seq_len: int = _f(512, "tokens per training sequence (texts are packed to this length)", ge=8)
     batch_size: int = _f(8, "sequences per micro-batch, per rank", ge=1)
@@ -278,12 +279,16 @@ _HINTS = typing.get_type_hints(TrainerConfig, include_extras=False)
 
 def validate(cfg: TrainerConfig) -> None:
     """Check types, ranges and cross-field rules; raise ConfigError on the first problem."""
+    if cfg.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
+        cfg.mixed_precision = "no"
     for name, f in FIELDS.items():
         value = getattr(cfg, name)
         ok, value = _coerce(value, _HINTS[name])
         if not ok:
             raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(_HINTS[name])}")
         setattr(cfg, name, value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             m = f.metadata
             for rule, op, word in (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"),
@@ -294,18 +299,19 @@ def validate(cfg: TrainerConfig) -> None:
 
 
 def _validate_cross_field(cfg: TrainerConfig) -> None:
+    # Precedence, so that overlaying a recipe with --set model_name=... or
+    # --set json_file_path=... switches the source cleanly; the loser is cleared, so the
+    # resolved config.yaml shows what was used.
+    if cfg.model_name is not None:
+        cfg.model_config = None
+    if cfg.json_file_path is not None:
+        cfg.dataset_name, cfg.subset = None, None
     if cfg.model_name is None and cfg.model_config is None:
         raise ConfigError("model_name: not set; give a hub id or local folder, or model_config to build a model")
-    if cfg.model_name is not None and cfg.model_config is not None:
-        raise ConfigError("model_config: set together with model_name; use one of them")
     if cfg.model_config is not None and "model_type" not in cfg.model_config:
         raise ConfigError("model_config: needs a model_type (e.g. llama) naming a transformers architecture")
-    if cfg.model_name is None and cfg.tokenizer_name is None:
-        raise ConfigError("tokenizer_name: needed when the model is built from model_config (e.g. builtin:char)")
     if cfg.dataset_name is None and cfg.json_file_path is None:
         raise ConfigError("dataset_name: not set; give a data set name or folder, or json_file_path")
-    if cfg.dataset_name is not None and cfg.json_file_path is not None:
-        raise ConfigError("json_file_path: set together with dataset_name; use one of them")
     lo, hi = cfg.replica_bounds
     if not lo <= cfg.num_replicas <= hi:
         raise ConfigError(f"num_replicas: {cfg.num_replicas} is outside [min_replicas={lo}, max_replicas={hi}]")

@@ -144,17 +144,26 @@ def _short(e: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(e).__name__
 
 
-def resolve_text_field(columns: list[str], text_field: str | None, source: str) -> str:
+def resolve_text_field(columns: list[str], text_field: str | None, source: str,
+                       string_columns: list[str] | None = None) -> str:
     """The column holding the text: ``text_field`` if given, else 'text', else the only
-    string column. Errors list the columns so the user can pick one."""
+    string column. Errors list the columns so the user can pick one.
+
+    Args:
+        columns: every column of the data set.
+        text_field: the configured column, or None to detect it.
+        source: how to name the data set in errors.
+        string_columns: the columns holding strings (default: all of them).
+    """
     if text_field is not None:
         if text_field not in columns:
             raise DataError(f"text_field: '{text_field}' is not a column of {source}; columns: {columns}")
         return text_field
     if "text" in columns:
         return "text"
-    if len(columns) == 1:
-        return columns[0]
+    strings = columns if string_columns is None else string_columns
+    if len(strings) == 1:
+        return strings[0]
     raise DataError(f"text_field: not set and {source} has no 'text' column; "
                     f"set text_field to one of {columns}")
 
@@ -199,14 +208,20 @@ def load_token_blocks(config: TrainerConfig, tokenizer) -> TokenBlocks:
     """Load, tokenise and pack both splits as configured."""
     train_raw, eval_raw = load_raw_splits(config)
     source = f"'{config.json_file_path or config.dataset_name}'"
-    field = resolve_text_field(train_raw.column_names, config.text_field, source)
+    field = resolve_text_field(train_raw.column_names, config.text_field, source, _string_columns(train_raw))
     train = _as_array(pack_texts(train_raw, tokenizer, field, config.seq_len), config.seq_len)
-    eval_field = resolve_text_field(eval_raw.column_names, config.text_field, f"{source} (eval split)")
+    eval_field = resolve_text_field(eval_raw.column_names, config.text_field, f"{source} (eval split)",
+                                    _string_columns(eval_raw))
     evals = _as_array(pack_texts(eval_raw, tokenizer, eval_field, config.seq_len), config.seq_len)
     if len(train) == 0:
         raise DataError(f"seq_len: {source} holds fewer than seq_len={config.seq_len} tokens; "
                         "lower seq_len or use more data")
     return TokenBlocks(train, evals)
+
+
+def _string_columns(dataset) -> list[str]:
+    return [name for name, feature in dataset.features.items()
+            if getattr(feature, "dtype", None) in ("string", "large_string")]
 
 
 def _as_array(dataset, seq_len: int) -> np.ndarray:

@@ -27,8 +27,9 @@ from diloco_ray.sharding import local_rows
 def inner_lr_at(step: int, config: TrainerConfig) -> float:
     """Inner learning rate at global inner step ``step`` (0-based, counted over the run).
 
-    Linear warmup over ``warmup_steps``, then ``lr_schedule`` decays from ``lr`` to
-    ``lr * min_lr_ratio`` at the run's last inner step (``max_steps * diloco_loops``).
+    Linear warmup over ``warmup_steps``, then ``lr_schedule`` decays from ``lr`` towards
+    ``lr * min_lr_ratio``, reached at step ``max_steps * diloco_loops`` (one past the last
+    step, as in transformers' schedules).
     """
     if step < config.warmup_steps:
         return config.lr * (step + 1) / config.warmup_steps
@@ -232,11 +233,10 @@ class RankWorker:
     def save_final(self, weights: dict[str, np.ndarray], path: str) -> str:
         """Write the global weights as a Hugging Face model folder (rank 0 only)."""
         if self.rank == 0:
-            from transformers import AutoModelForCausalLM
-
-            # A fresh unsharded skeleton of the same architecture receives the weights.
-            skeleton = AutoModelForCausalLM.from_config(self.model.config)
-            modeling.save_hf(skeleton, self.tokenizer, {n: _as_tensor(w) for n, w in weights.items()}, path)
+            # An unsharded copy of the starting model supplies what DiLoCo does not train
+            # (frozen weights, buffers); the global weights overwrite the rest.
+            model = modeling.build_model(self.config, self.tokenizer)
+            modeling.save_hf(model, self.tokenizer, {n: _as_tensor(w) for n, w in weights.items()}, path)
         return path
 
     def shutdown(self) -> None:

@@ -40,7 +40,7 @@ def char_tokenizer():
 
 def load_tokenizer(config: TrainerConfig):
     """The tokenizer named by ``tokenizer_name`` (default ``model_name``), with a pad token."""
-    name = config.tokenizer_name or config.model_name
+    name = config.tokenizer_name or config.model_name or BUILTIN_CHAR_TOKENIZER
     if name == BUILTIN_CHAR_TOKENIZER:
         tok = char_tokenizer()
     else:
@@ -111,22 +111,25 @@ def decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
 
 
 def save_hf(model: nn.Module, tokenizer, weights: dict[str, torch.Tensor], path: str) -> None:
-    """Write ``weights`` into ``model``'s architecture as a Hugging Face folder.
+    """Load ``weights`` into ``model`` and write it as a Hugging Face folder.
 
     Args:
-        model: a module of the trained architecture (only its config and non-trained
-            tensors such as buffers are used; it may be sharded).
+        model: an unsharded model of the trained architecture, holding the right values
+            for everything that is not in ``weights`` (frozen parameters, buffers).
+            Loading copies in place, so tied parameters stay tied.
         tokenizer: saved beside the weights.
-        weights: the full fp32 global weights, by parameter name.
+        weights: the global weights, by parameter name.
         path: the destination folder (written to ``path.tmp`` then renamed, so a crash
-            never leaves a half-written ``final/``).
+            never leaves a half-written folder).
     """
     import shutil
 
+    result = model.load_state_dict({n: torch.as_tensor(w) for n, w in weights.items()}, strict=False)
+    if result.unexpected_keys:
+        raise ValueError(f"weights hold tensors the model does not have: {result.unexpected_keys[:5]}")
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    state = {n: t.detach().cpu().clone() for n, t in weights.items()}
-    model.save_pretrained(tmp, state_dict=state)  # safetensors by default
+    model.save_pretrained(tmp)  # safetensors
     tokenizer.save_pretrained(tmp)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)

@@ -92,6 +92,13 @@ class DilocoFSDPTrainer:
         with self._lock:
             return self._target
 
+    def global_weights(self) -> dict:
+        """A copy of the current global weights on the driver (name -> numpy array).
+
+        For inspection and tests: the round loop itself never pulls weights here.
+        """
+        return {n: w.copy() for n, w in ray.get(self._weights_ref).items()}
+
     def train(self) -> TrainResult:
         """Run ``diloco_loops`` outer rounds; blocks until done. Returns the records."""
         result = TrainResult(output_dir=self.config.output_dir)

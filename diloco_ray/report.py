@@ -1,0 +1,80 @@
+"""``diloco-ray report OUTPUT_DIR``: a picture and a summary table of a run.
+
+Reads ``metrics.jsonl`` and writes ``report.png`` with three panels (train and eval loss,
+replicas applied, bytes per round) and returns a plain-text table, one row per round.
+"""
+
+from __future__ import annotations
+
+import os
+
+from diloco_ray.errors import DataError
+from diloco_ray.metrics import read_events
+
+
+def load_rounds(output_dir: str) -> list[dict]:
+    """The round records of a run; DataError if there are none to report."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise DataError(f"output_dir: '{output_dir}' has no metrics.jsonl (is it a diloco-ray run?)")
+    rounds = read_events(output_dir, "round")
+    if not rounds:
+        raise DataError(f"output_dir: '{path}' holds no round records yet")
+    return rounds
+
+
+def summary_table(rounds: list[dict]) -> str:
+    """One row per round: loss, replicas, dropped, tokens, MB moved, seconds."""
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    header = f"{'round':>5} {'train_loss':>10} {'eval_loss':>9} {'replicas':>8} {'dropped':>7} " \
+             f"{'tokens':>9} {'MB_up':>8} {'MB_down':>8} {'seconds':>7} {'sync_s':>6}"
+    rows = [header]
+    for r in rounds:
+        rows.append(f"{r['round']:>5} {fmt(r['train_loss'], '.4f'):>10} {fmt(r['eval_loss'], '.4f'):>9} "
+                    f"{r['replicas']:>8} {len(r['dropped']):>7} {r['tokens']:>9} "
+                    f"{r['bytes_up'] / 1e6:>8.2f} {r['bytes_down'] / 1e6:>8.2f} "
+                    f"{r['round_seconds']:>7.1f} {r['sync_seconds']:>6.2f}")
+    total_up = sum(r["bytes_up"] for r in rounds) / 1e6
+    total_tokens = sum(r["tokens"] for r in rounds)
+    rows.append(f"{len(rounds)} rounds, {total_tokens} tokens, {total_up:.2f} MB sent to the server")
+    return "\n".join(rows)
+
+
+def plot(rounds: list[dict], path: str) -> None:
+    """Write the three-panel figure to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    x = [r["round"] for r in rounds]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(x, [r["train_loss"] for r in rounds], marker="o", label="train (inner mean)")
+    evals = [(r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
+    if evals:
+        axes[0].plot(*zip(*evals), marker="s", label="eval (after outer step)")
+    axes[0].set(title="loss", xlabel="outer round", ylabel="loss")
+    axes[0].legend()
+    axes[1].step(x, [r["replicas"] for r in rounds], where="mid", label="applied")
+    axes[1].bar(x, [len(r["dropped"]) for r in rounds], color="tab:red", alpha=0.5, label="dropped")
+    axes[1].set(title="replicas per round", xlabel="outer round", ylim=(0, None))
+    axes[1].yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[1].legend()
+    axes[2].bar([i - 0.2 for i in x], [r["bytes_up"] / 1e6 for r in rounds], width=0.4, label="up (to server)")
+    axes[2].bar([i + 0.2 for i in x], [r["bytes_down"] / 1e6 for r in rounds], width=0.4, label="down")
+    axes[2].set(title="MB moved per round", xlabel="outer round")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(output_dir: str) -> str:
+    """Write ``output_dir/report.png``; return the summary table."""
+    rounds = load_rounds(output_dir)
+    path = os.path.join(output_dir, "report.png")
+    plot(rounds, path)
+    return summary_table(rounds) + f"\nwrote {path}"

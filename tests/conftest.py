@@ -1,0 +1,36 @@
+"""Shared test set-up: offline Hugging Face, a tiny job config, one local Ray per module."""
+
+import os
+
+# Before anything imports huggingface_hub: tests never touch the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.pop("RAY_ADDRESS", None)
+
+import pytest
+
+from diloco_ray.config import TrainerConfig
+
+TINY_MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": False}
+
+
+def tiny_config(output_dir, **overrides) -> TrainerConfig:
+    """A job small enough to run a few rounds in seconds on one CPU core per rank."""
+    fields = dict(model_config=TINY_MODEL, tokenizer_name="builtin:char", dataset_name="builtin:arithmetic",
+                  dataset_kwargs={"num_samples": 2000, "digits": 2}, seq_len=32, batch_size=4, max_steps=4,
+                  diloco_loops=3, lr=3e-3, warmup_steps=2, num_replicas=2, eval_batches=2,
+                  cpus_per_rank=0.5, server_cpus=0.25, output_dir=str(output_dir), seed=0)
+    fields.update(overrides)
+    return TrainerConfig(**fields)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray instance per test module, with more logical CPUs than cores."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
