@@ -30,10 +30,11 @@ from diloco_ray.errors import ConfigError, DataError
 # ---------------------------------------------------------------------------------------
 
 
-def arithmetic_rows(num_samples: int = 20000, digits: int = 2, seed: int = 0) -> list[dict]:
+def arithmetic_rows(num_samples: int = 20000, digits: int = 1, seed: int = 0) -> list[dict]:
     """Rows ``{"text": "a+b=c", "question": "a+b", "answer": "c"}`` with a, b < 10**digits.
 
-    A task with a checkable answer, so a user can watch a tiny model learn it.
+    A task with a checkable answer, so a user can watch a tiny model learn it: with one
+    digit a 2-layer model gets most sums right within a couple of minutes on a CPU.
     """
     rng = random.Random(seed)
     hi = 10 ** digits - 1

@@ -163,3 +163,12 @@ def test_scale_from_a_callback(ray_local, tmp_path):
         assert all(k in rec for k in CONTRACT_KEYS)
         assert rec["eval_loss"] is None
         assert rec["bytes_up"] > 0 and rec["bytes_down"] > 0
+
+
+def test_bf16_autocast_on_cpu(ray_local, tmp_path):
+    cfg = tiny_config(tmp_path / "run", num_replicas=1, mixed_precision="bf16", diloco_loops=2, max_steps=6)
+    result = DilocoFSDPTrainer(cfg).train()
+    losses = [r["eval_loss"] for r in result.rounds]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    weights = load_file(os.path.join(result.final_path, "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())  # fp32 master weights
