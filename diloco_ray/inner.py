@@ -127,9 +127,6 @@ class RankWorker:
         self._anchor: dict[str, torch.Tensor] = {}
         return self.shapes
 
-    def num_train_blocks(self) -> int:
-        return len(self.blocks.train)
-
     def local_shards(self) -> dict[str, np.ndarray]:
         """This rank's rows of every trained parameter (fp32), e.g. to seed the server."""
         return {n: _local(p).detach().float().cpu().numpy() for n, p in self.params}

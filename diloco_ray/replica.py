@@ -46,6 +46,7 @@ class Replica:
         if device == "cuda":
             bundle["GPU"] = 1
         self.bundle = bundle
+        self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
         self.pg = placement_group([dict(bundle)] * self.world_size, strategy="STRICT_PACK",
                                   name=f"diloco-replica-{replica_id}")
         remote_cls = ray.remote(worker_cls)

@@ -72,6 +72,8 @@ class DilocoFSDPTrainer:
         self._target = config.num_replicas
         self._lock = threading.Lock()
         self._next_id = 0
+        self.round_index = 0      # mirrors the server's round index between rounds
+        self.data_position = 0    # likewise its position in the data stream
         self._started_ray = False
         self.server = None
         self.metrics: Optional[MetricsLogger] = None
@@ -126,10 +128,10 @@ class DilocoFSDPTrainer:
         cfg.to_yaml(os.path.join(cfg.output_dir, "config.yaml"))
         self.metrics = MetricsLogger(cfg.output_dir, cfg.log_with, cfg.log_dir, cfg.to_dict())
         self.server = ray.remote(self.server_cls).options(num_cpus=cfg.server_cpus).remote(cfg.to_dict())
-        first = self._start_replicas(cfg.num_replicas)
-        shapes = ray.get(first[0][1])[0]
-        self.weight_bytes = ray.get(self.server.initialize.remote(first[0][0].local_shards(), shapes))
-        self.num_train_blocks = ray.get(first[0][0].ranks[0].num_train_blocks.remote())
+        self._start_replicas(cfg.num_replicas)
+        # Every rank builds the same initial model, so replica 0 seeds the global weights.
+        seed = self.replicas[0]
+        self.weight_bytes = ray.get(self.server.initialize.remote(seed.local_shards(), seed.shapes))
         self.round_index, self.data_position = ray.get(self.server.position.remote())
         self._weights_ref = self.server.weights.remote()
 
@@ -154,7 +156,7 @@ class DilocoFSDPTrainer:
             raise ConfigError("device: 'cuda' but the Ray cluster has no GPUs; use device: cpu or auto")
         return "cuda" if want == "cuda" or (want == "auto" and has_gpu) else "cpu"
 
-    def _start_replicas(self, n: int) -> list[tuple[Replica, list]]:
+    def _start_replicas(self, n: int) -> None:
         """Start ``n`` new replicas and wait until they are set up."""
         started = []
         for _ in range(n):
@@ -165,11 +167,10 @@ class DilocoFSDPTrainer:
             rep.wait_placed(PLACEMENT_TIMEOUT_S)
         pending = [(rep, rep.setup()) for rep in started]
         for rep, refs in pending:
-            ray.get(refs)
+            rep.shapes = ray.get(refs)[0]
             self.replicas.append(rep)
             self._log({"event": "membership", "action": "join", "replica_id": rep.id,
-                       "round": getattr(self, "round_index", 0), "replicas": len(self.replicas)})
-        return pending
+                       "round": self.round_index, "replicas": len(self.replicas)})
 
     # ---- one round --------------------------------------------------------------------
     def run_round(self) -> dict:

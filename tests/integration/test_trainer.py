@@ -1,6 +1,7 @@
 """The driver end to end on a local Ray (CPU, gloo): rounds, FSDP inside replicas, the
 outer update the server applies, faults injected at a given round, scaling."""
 
+import glob
 import math
 import os
 import sys
@@ -156,9 +157,10 @@ def test_scale_from_a_callback(ray_local, tmp_path):
         def on_round_end(self, trainer, record):
             trainer.scale({0: 3, 1: 1}.get(record["round"], 1))
 
-    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0)
+    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, log_with="tensorboard")
     result = DilocoFSDPTrainer(cfg, callbacks=[Scaler()]).train()
     assert [r["replicas"] for r in result.rounds] == [2, 3, 1]
+    assert glob.glob(os.path.join(cfg.output_dir, "logs", "events.out.tfevents.*"))
     for rec in read_events(cfg.output_dir, "round"):
         assert all(k in rec for k in CONTRACT_KEYS)
         assert rec["eval_loss"] is None
