@@ -9,6 +9,8 @@ config=${1:-configs/tiny.yaml}; shift || true
 port=${RAY_HEAD_PORT:-6390}
 dash=${RAY_DASHBOARD_PORT:-8275}
 out=${OUTPUT_DIR:-$(mktemp -d)/run}
+# Ray 2.5x+ enables token auth on new clusters; every process here must use the same mode.
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-token}
 trap 'ray stop --force >/dev/null 2>&1 || true' EXIT
 
 ray start --head --port "$port" --num-cpus 2 --dashboard-host 127.0.0.1 --dashboard-port "$dash" \
