@@ -1,4 +1,5 @@
-"""The ``diloco-ray`` command: ``train CONFIG [--set KEY=VALUE ...]`` and ``report OUTPUT_DIR``.
+"""The ``diloco-ray`` command: ``train CONFIG [--set KEY=VALUE ...]``, ``report OUTPUT_DIR``
+and ``scale OUTPUT_DIR N``.
 
 Exit status: 0 done; 2 bad config or input (one line naming the field or file and what
 is allowed, no traceback); 1 any other failure.
@@ -34,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override a field; VALUE is YAML (e.g. lr=3e-4, target_modules=[q_proj,v_proj])")
     report = sub.add_parser("report", help="plot and summarise a run's metrics.jsonl")
     report.add_argument("output_dir", help="a run's output_dir")
+    scale = sub.add_parser("scale", help="ask a running job to change its replica count at the next round")
+    scale.add_argument("output_dir", help="the running job's output_dir")
+    scale.add_argument("replicas", type=int, help="the new target (clamped to [min_replicas, max_replicas])")
     return parser
 
 
@@ -45,6 +49,13 @@ def _train(args) -> int:
     result = DilocoFSDPTrainer(config, callbacks=[_PrintProgress(config.diloco_loops)]).train()
     last = result.rounds[-1] if result.rounds else {}
     print(f"done: {len(result.rounds)} rounds, eval_loss {last.get('eval_loss')}, model in {result.final_path}")
+    return EXIT_OK
+
+
+def _scale(args) -> int:
+    from diloco_ray.trainer import request_scale
+
+    print(f"requested {args.replicas} replicas: {request_scale(args.output_dir, args.replicas)}")
     return EXIT_OK
 
 
@@ -72,7 +83,7 @@ class _PrintProgress:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return _train(args) if args.command == "train" else _report(args)
+        return {"train": _train, "report": _report, "scale": _scale}[args.command](args)
     except KeyboardInterrupt:
         print("diloco-ray: interrupted", file=sys.stderr)
         return EXIT_FAILURE

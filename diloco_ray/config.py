@@ -92,6 +92,8 @@ class TrainerConfig:
     cpus_per_rank: float = _f(1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
     round_timeout_s: Optional[float] = _f(None, "straggler deadline for one round; late replicas are dropped from it", gt=0.0)
+    join_timeout_s: float = _f(0.0, "how long a round boundary waits for starting replicas before going on without them", ge=0.0)
+    placement_timeout_s: float = _f(600.0, "how long to wait for room for min_replicas replicas before giving up", gt=0.0)
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server")
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next round")
     # --- PEFT ------------------------------------------------------------------------
@@ -107,7 +109,7 @@ class TrainerConfig:
     output_dir: str = _f("outputs/diloco", "where config.yaml, metrics.jsonl, checkpoints/ and final/ go")
     overwrite_output_dir: bool = _f(False, "allow a new run into an output_dir that already holds one")
     eval_batches: int = _f(10, "eval batches after each outer update (0: no eval)", ge=0)
-    checkpoint_steps: Optional[int] = _f(None, "checkpoint at the first round boundary after this many inner steps", ge=1)
+    checkpoint_steps: Optional[int] = _f(None, "checkpoint at the first round boundary after this many inner steps (null: never)", ge=1)
     save_total_limit: Optional[int] = _f(None, "checkpoints kept (oldest pruned; null: all)", ge=1)
     resume_from: Optional[str] = _f(None, "checkpoint folder to resume from, or an output_dir meaning its latest")
     log_with: Optional[Union[str, list]] = _f(None, "tensorboard, wandb, or a list of both (metrics.jsonl is always written)")
@@ -337,8 +339,6 @@ _UNBUILT: dict[str, tuple[Any, str]] = {
     "prompt_template": (None, "prompt/completion templates are not implemented yet"),
     "dynamic_batch": (False, "dynamic batching is not implemented yet"),
     "num_workers": (0, "DataLoader workers are not implemented yet; data is read in the rank process"),
-    "checkpoint_steps": (None, "checkpoints are not implemented yet"),
-    "resume_from": (None, "resume is not implemented yet"),
 }
 
 

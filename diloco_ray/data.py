@@ -9,15 +9,18 @@ Two halves:
   round or per rank).
 * **The data plan** (pure functions over integers): the training stream is an endless
   sequence of block indices, one seeded permutation per epoch. The parameter server owns
-  a position in it; each round, replica slot ``s`` reads the ``s``-th contiguous range
-  after the position. Order is therefore a function of (seed, round, slot) alone, and
-  membership changes neither repeat nor skip samples.
+  a :class:`DataCursor` into it: a frontier, plus ranges that were handed out but never
+  applied (a replica died, was late, or was rejected). Each round, replica slot ``s``
+  gets the ``s``-th batch of ranges: returned ranges first, then fresh ones from the
+  frontier. Only the ranges of applied replicas are committed, so with any history of
+  joins, drops, retries and resumes every stream position is trained on exactly once.
 """
 
 from __future__ import annotations
 
 import os
 import random
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -252,21 +255,110 @@ def stream_indices(start: int, count: int, num_blocks: int, seed: int) -> np.nda
     return out
 
 
-def replica_ranges(position: int, slots: int, per_replica: int) -> list[tuple[int, int]]:
-    """(start, count) of the stream for each of ``slots`` replicas in one round."""
-    return [(position + s * per_replica, per_replica) for s in range(slots)]
+Range = tuple[int, int]  # (start, count) of stream positions
 
 
-def rank_batches(start: int, config: TrainerConfig, rank: int, num_blocks: int) -> list[list[np.ndarray]]:
+@dataclass
+class DataCursor:
+    """Where the training stream stands.
+
+    Args:
+        frontier: every position before it has been handed out at least once.
+        returned: ranges handed out but not applied, to be handed out again first
+            (sorted, non-overlapping).
+    """
+
+    frontier: int = 0
+    returned: list[Range] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"frontier": self.frontier, "returned": [list(r) for r in self.returned]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataCursor":
+        return cls(int(d["frontier"]), [(int(s), int(c)) for s, c in d["returned"]])
+
+
+def _normalise(ranges: list[Range]) -> list[Range]:
+    """Sorted, with adjacent or overlapping ranges merged and empty ones dropped."""
+    out: list[list[int]] = []
+    for start, count in sorted(r for r in ranges if r[1] > 0):
+        if out and start <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][0] + out[-1][1], start + count) - out[-1][0]
+        else:
+            out.append([start, count])
+    return [(s, c) for s, c in out]
+
+
+def plan_round(cursor: DataCursor, slots: int, per_replica: int) -> list[list[Range]]:
+    """The ranges each of ``slots`` replicas trains on this round (``per_replica`` each):
+    returned ranges first, in order, then fresh positions from the frontier."""
+    returned = list(cursor.returned)
+    frontier = cursor.frontier
+    plans = []
+    for _ in range(slots):
+        need, mine = per_replica, []
+        while need and returned:
+            start, count = returned[0]
+            take = min(need, count)
+            mine.append((start, take))
+            need -= take
+            returned[0] = (start + take, count - take)
+            if returned[0][1] == 0:
+                returned.pop(0)
+        if need:
+            mine.append((frontier, need))
+            frontier += need
+        plans.append(_normalise(mine))
+    return plans
+
+
+def commit_round(cursor: DataCursor, plans: list[list[Range]], applied: list[bool]) -> DataCursor:
+    """The cursor after a round in which ``plans[i]`` was applied iff ``applied[i]``.
+
+    Everything handed out is taken off the cursor; what was not applied goes back to
+    ``returned``, so the next round hands it out again.
+    """
+    handed = [r for plan in plans for r in plan]
+    fresh_end = max([s + c for s, c in handed if s + c > cursor.frontier] + [cursor.frontier])
+    leftover = _subtract(cursor.returned, handed)
+    back = [r for plan, ok in zip(plans, applied) if not ok for r in plan]
+    return DataCursor(fresh_end, _normalise(leftover + back))
+
+
+def _subtract(ranges: list[Range], taken: list[Range]) -> list[Range]:
+    """The parts of ``ranges`` not covered by ``taken`` (interval arithmetic)."""
+    out = []
+    for start, count in ranges:
+        pieces = [(start, start + count)]
+        for t_start, t_count in taken:
+            t_end = t_start + t_count
+            pieces = [piece for a, b in pieces
+                      for piece in ([(a, b)] if t_end <= a or t_start >= b else
+                                    [p for p in ((a, min(b, t_start)), (max(a, t_end), b)) if p[1] > p[0]])]
+        out.extend((a, b - a) for a, b in pieces)
+    return _normalise(out)
+
+
+def plan_indices(plan: list[Range], num_blocks: int, seed: int) -> np.ndarray:
+    """Block indices of a replica's plan, in order."""
+    if not plan:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([stream_indices(s, c, num_blocks, seed) for s, c in plan])
+
+
+def rank_batches(plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int) -> list[list[np.ndarray]]:
     """The micro-batches one rank trains on in one round: ``[step][micro] -> block indices``.
 
-    A replica's range is consumed step by step; inside a step, micro-batch ``m`` of rank
+    A replica's plan is consumed step by step; inside a step, micro-batch ``m`` of rank
     ``j`` is the ``(m * ranks + j)``-th run of ``batch_size`` blocks. One replica with one
-    rank therefore reads its range in order, which makes DiLoCo with one replica
+    rank therefore reads its plan in order, which makes DiLoCo with one replica
     comparable batch for batch with a plain training loop.
     """
     ranks, bs, accum = config.ranks_per_replica, config.batch_size, config.grad_accum
-    indices = stream_indices(start, config.sequences_per_replica_round, num_blocks, config.seed)
+    indices = plan_indices(plan, num_blocks, config.seed)
+    if len(indices) != config.sequences_per_replica_round:
+        raise ValueError(f"plan holds {len(indices)} positions, a round needs {config.sequences_per_replica_round}")
     steps = []
     for t in range(config.max_steps):
         micro = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import time
 import warnings
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ class RoundStats:
     compute_seconds: float  # the inner steps alone
     load_seconds: float   # copying the global weights in
     bytes_up: int         # pseudo-gradient bytes this rank sent
+    aborted: bool = False  # stopped early by abort(): nothing to apply
 
 
 class RankWorker:
@@ -84,6 +86,7 @@ class RankWorker:
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.model = None
+        self._abort_round = -1  # set from another thread by abort()
 
     # ---- set-up -----------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -143,19 +146,22 @@ class RankWorker:
             local.copy_(rows)
             self._anchor[name] = local.detach().float().clone()
 
-    def run_round(self, weights: dict[str, np.ndarray], round_index: int, start: int):
-        """Load the global weights, run ``max_steps`` inner steps on the stream range
-        starting at ``start``, and return ``(pseudo_grad_rows, RoundStats)``."""
+    def run_round(self, weights: dict[str, np.ndarray], round_index: int, plan: list):
+        """Load the global weights, run ``max_steps`` inner steps on this replica's stream
+        ranges ``plan``, and return ``(pseudo_grad_rows, RoundStats)``."""
         cfg = self.config
         t0 = time.perf_counter()
         self.load_global(weights)
         t1 = time.perf_counter()
         self.model.train()
-        steps = data.rank_batches(start, cfg, self.rank, len(self.blocks.train))
+        steps = data.rank_batches(plan, cfg, self.rank, len(self.blocks.train))
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
-        tokens = 0
+        tokens, aborted = 0, False
         for t, micro_batches in enumerate(steps):
+            if self._stop_requested(round_index):
+                aborted = True
+                break
             lr = inner_lr_at(round_index * cfg.max_steps + t, cfg)
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
@@ -170,11 +176,30 @@ class RankWorker:
                 tokens += batch.numel()
             self._optimizer_step()
         t2 = time.perf_counter()
-        pseudo_grad = self.pseudo_gradient()
-        stats = RoundStats(rank=self.rank, inner_steps=len(steps), tokens=tokens,
+        pseudo_grad = {} if aborted else self.pseudo_gradient()
+        stats = RoundStats(rank=self.rank, inner_steps=t if aborted else len(steps), tokens=tokens,
                            loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=t1 - t0,
-                           bytes_up=sum(a.nbytes for a in pseudo_grad.values()))
+                           bytes_up=sum(a.nbytes for a in pseudo_grad.values()), aborted=aborted)
         return pseudo_grad, stats
+
+    def abort(self, round_index: int) -> None:
+        """Ask a running ``run_round(round_index)`` to stop at its next step boundary.
+
+        Called from another thread (the replica's control concurrency group) when the
+        round's deadline has passed, so a straggler is free for the next round at once.
+        """
+        self._abort_round = round_index
+
+    def _stop_requested(self, round_index: int) -> bool:
+        stop = self._abort_round == round_index
+        if self.world_size > 1 and self.config.round_timeout_s is not None:
+            # Every rank must stop at the same step, or FSDP's collectives hang.
+            import torch.distributed as dist
+
+            flag = torch.tensor([float(stop)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        return stop
 
     def _optimizer_step(self) -> None:
         cfg = self.config
@@ -236,6 +261,38 @@ class RankWorker:
             modeling.save_hf(model, self.tokenizer, {n: _as_tensor(w) for n, w in weights.items()}, path)
         return path
 
+    # ---- inner state: what a checkpoint keeps of a replica -------------------------------
+    def save_inner_state(self, folder: str, slot: int) -> None:
+        """Write this rank's inner optimizer state and RNG state to ``folder`` as
+        ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle)."""
+        from diloco_ray import checkpoint
+
+        state = {"optimizer": _to_local_tree(self.optimizer.state_dict()),
+                 "rng_cpu": torch.get_rng_state(),
+                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                 "world_size": self.world_size}
+        sub = os.path.join(folder, "replicas")
+        os.makedirs(sub, exist_ok=True)
+        checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
+
+    def load_inner_state(self, folder: str, slot: int) -> bool:
+        """Restore what :meth:`save_inner_state` wrote; False (and a fresh optimizer) when
+        the checkpoint has no state for this slot and rank."""
+        from diloco_ray import checkpoint
+
+        name = f"slot-{slot}-rank-{self.rank}"
+        sub = os.path.join(folder, "replicas")
+        if not os.path.exists(os.path.join(sub, f"{name}.json")):
+            return False
+        state = checkpoint.load_state(sub, name)
+        if state["world_size"] != self.world_size:
+            return False
+        self.optimizer.load_state_dict(_like_params(state["optimizer"], [p for _, p in self.params]))
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"])
+        return True
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
@@ -246,6 +303,33 @@ class RankWorker:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The rows of ``p`` this process holds (the local shard of an FSDP DTensor)."""
     return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+def _to_local_tree(obj):
+    """The same structure with every DTensor replaced by its local shard."""
+    if hasattr(obj, "to_local"):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: _to_local_tree(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_local_tree(v) for v in obj)
+    return obj
+
+
+def _like_params(optim_state: dict, params: list) -> dict:
+    """Wrap saved local optimizer tensors back into DTensors shaped like their params,
+    so a sharded optimizer can load them (plain tensors for unsharded params)."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for idx, entries in optim_state["state"].items():
+        p = params[int(idx)]
+        state[idx] = {
+            k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape)
+            else v
+            for k, v in entries.items()}
+    return {**optim_state, "state": state}
 
 
 def _as_tensor(array) -> torch.Tensor:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any, Optional
 
 
@@ -41,12 +42,14 @@ class MetricsLogger:
                                      name=os.path.basename(os.path.abspath(output_dir)))
 
     def log(self, record: dict[str, Any]) -> None:
-        """Append one event; round events also go to the trackers, keyed by round."""
+        """Append one event (stamped with ``time``); round events also go to the trackers,
+        keyed by round."""
+        record = {**record, "time": record.get("time", time.time())}
         self._file.write(json.dumps(record, default=_jsonable) + "\n")
         if record.get("event") != "round":
             return
-        scalars = {k: v for k, v in record.items()
-                   if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "round"}
+        scalars = {k: v for k, v in record.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+                   and math.isfinite(v) and k not in ("round", "time")}
         step = record["round"]
         if self._tb is not None:
             for k, v in scalars.items():
@@ -80,6 +83,31 @@ def read_events(output_dir: str, event: Optional[str] = None) -> list[dict]:
             if event is None or rec.get("event") == event:
                 out.append(rec)
     return out
+
+
+def truncate_rounds(output_dir: str, from_round: int) -> int:
+    """Drop the round records with ``round >= from_round`` from metrics.jsonl (atomically),
+    before those rounds are run again after a resume. Returns how many were dropped."""
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return 0
+    kept, dropped = [], 0
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                dropped += 1  # a line torn by the crash being recovered from
+                continue
+            if rec.get("event") == "round" and rec.get("round", -1) >= from_round:
+                dropped += 1
+            else:
+                kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(kept)
+    os.replace(tmp, path)
+    return dropped
 
 
 def _jsonable(value: Any) -> Any:

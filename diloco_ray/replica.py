@@ -24,10 +24,6 @@ from diloco_ray.inner import RankWorker
 _RANK_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 
 
-class PlacementTimeout(RuntimeError):
-    """The cluster had no room for a replica's placement group in time."""
-
-
 class Replica:
     """Handle for one replica's placement group and rank actors.
 
@@ -47,27 +43,27 @@ class Replica:
             bundle["GPU"] = 1
         self.bundle = bundle
         self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
+        self.setup_refs: list | None = None  # set once set-up has been started
+        self.requested_at = 0.0
         self.pg = placement_group([dict(bundle)] * self.world_size, strategy="STRICT_PACK",
                                   name=f"diloco-replica-{replica_id}")
-        remote_cls = ray.remote(worker_cls)
+        # "control" lets abort() reach a rank while run_round() is busy; every other call
+        # stays in the default group and runs in order.
+        remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         self.ranks = [
             remote_cls.options(
                 num_cpus=config.cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
                 runtime_env={"env_vars": _RANK_ENV},
-                name=None,
             ).remote(config.to_dict(), replica_id, r, self.world_size, device)
             for r in range(self.world_size)
         ]
+        self.placed_ref = self.pg.ready()
 
-    def wait_placed(self, timeout_s: float) -> None:
-        """Block until the placement group is reserved, or raise PlacementTimeout."""
-        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
-        if not ready:
-            raise PlacementTimeout(
-                f"replica {self.id}: the cluster has no room for {self.world_size} x {self.bundle} "
-                f"on one node after {timeout_s:.0f}s (cluster resources: {ray.cluster_resources()})")
+    def pending_refs(self) -> list:
+        """What this replica's start is waiting on: placement, then the ranks' set-up."""
+        return [self.placed_ref] if self.setup_refs is None else list(self.setup_refs)
 
     def setup(self) -> list:
         """Start the ranks' set-up (process group, data, model, FSDP); refs to their
@@ -80,14 +76,25 @@ class Replica:
     def local_shards(self) -> list:
         return [r.local_shards.remote() for r in self.ranks]
 
-    def run_round(self, weights_ref: Any, round_index: int, start: int) -> tuple[list, list]:
+    def run_round(self, weights_ref: Any, round_index: int, plan: list) -> tuple[list, list]:
         """Start one round on every rank: (pseudo-gradient shard refs, stats refs)."""
         shards, stats = [], []
         for r in self.ranks:
-            shard_ref, stats_ref = r.run_round.options(num_returns=2).remote(weights_ref, round_index, start)
+            shard_ref, stats_ref = r.run_round.options(num_returns=2).remote(weights_ref, round_index, plan)
             shards.append(shard_ref)
             stats.append(stats_ref)
         return shards, stats
+
+    def abort(self, round_index: int) -> None:
+        """Tell every rank to stop ``round_index`` at its next step (fire and forget)."""
+        for r in self.ranks:
+            r.abort.options(concurrency_group="control").remote(round_index)
+
+    def save_inner_state(self, folder: str, slot: int) -> list:
+        return [r.save_inner_state.remote(folder, slot) for r in self.ranks]
+
+    def load_inner_state(self, folder: str, slot: int) -> list:
+        return [r.load_inner_state.remote(folder, slot) for r in self.ranks]
 
     def evaluate(self, weights_ref: Any) -> list:
         return [r.evaluate.remote(weights_ref) for r in self.ranks]

@@ -9,11 +9,13 @@ they travel replica -> server directly, never through the driver.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from diloco_ray import data
 from diloco_ray.config import TrainerConfig
 from diloco_ray.outer import OuterOptimizer
 from diloco_ray.sharding import assemble
@@ -46,7 +48,7 @@ class AppliedRound:
     pseudo_grad_norm: float | None
     accepted: list[int] = field(default_factory=list)   # replica ids
     rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
-    data_position: int = 0
+    data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> applied stream ranges
 
 
 class ParameterServer:
@@ -60,7 +62,7 @@ class ParameterServer:
         self.config = TrainerConfig.from_dict(config)
         self.optimizer: OuterOptimizer | None = None
         self.shapes: dict[str, tuple] = {}
-        self.data_position = 0
+        self.cursor = data.DataCursor()
 
     def initialize(self, shard_refs: list, shapes: dict[str, tuple]) -> int:
         """Seed the global weights from one replica's rank shards; returns their bytes."""
@@ -78,13 +80,50 @@ class ParameterServer:
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.optimizer.params.values())
 
-    def position(self) -> tuple[int, int]:
-        """(round index to run next, data position)."""
-        return self.optimizer.round, self.data_position
+    # ---- checkpoints: the server writes and reads its own state ------------------------
+    def save(self, folder: str) -> None:
+        """Write the whole server state into ``folder`` (a checkpoint being assembled):
+        ``global.safetensors`` (the weights, loadable on their own), ``outer`` (the outer
+        optimizer) and ``server.json`` (round index, data cursor)."""
+        import json
 
-    def apply(self, contributions: list[Contribution], consumed: int) -> AppliedRound:
-        """Average the contributions, take the outer step, and advance the data position
-        by ``consumed`` stream samples, all or nothing.
+        from diloco_ray import checkpoint
+
+        sd = self.optimizer.state_dict()
+        checkpoint.save_tensors(os.path.join(folder, "global.safetensors"), sd["params"])
+        checkpoint.save_state(folder, "outer", {"optimizer": sd["optimizer"], "round": sd["round"]})
+        with open(os.path.join(folder, "server.json"), "w") as f:
+            json.dump({"round": sd["round"], "cursor": self.cursor.to_dict(),
+                       "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
+
+    def load(self, folder: str) -> int:
+        """Restore the state :meth:`save` wrote; returns the weights' bytes."""
+        import json
+
+        from diloco_ray import checkpoint
+
+        with open(os.path.join(folder, "server.json")) as f:
+            meta = json.load(f)
+        self.shapes = {n: tuple(s) for n, s in meta["shapes"].items()}
+        params = checkpoint.load_tensors(os.path.join(folder, "global.safetensors"))
+        outer = checkpoint.load_state(folder, "outer")
+        self.optimizer = OuterOptimizer(params, self.config)
+        self.optimizer.load_state_dict({"params": params, **outer})
+        self.cursor = data.DataCursor.from_dict(meta["cursor"])
+        return self.weight_bytes()
+
+    def round_index(self) -> int:
+        """The index of the next round to apply."""
+        return self.optimizer.round
+
+    def plan(self, slots: int) -> list[list[tuple[int, int]]]:
+        """The stream ranges each of ``slots`` replicas trains on next (no state change)."""
+        return data.plan_round(self.cursor, slots, self.config.sequences_per_replica_round)
+
+    def apply(self, contributions: list[Contribution], plans: dict[int, list]) -> AppliedRound:
+        """Average the contributions, take the outer step, and commit the data cursor,
+        all or nothing. ``plans`` maps every replica that was handed data this round to
+        its ranges; only the applied ones count as consumed.
 
         A contribution whose shards do not assemble, or whose pseudo-gradient holds
         NaN/Inf or mismatched shapes, is rejected and reported, never applied.
@@ -102,9 +141,10 @@ class ParameterServer:
         info = self.optimizer.last_step
         for i, reason in info.reasons.items():
             rejected[usable[i][0].replica_id] = reason
+        accepted = [usable[i][0].replica_id for i in info.accepted] if info.applied else []
         if info.applied:
-            self.data_position += consumed
+            ids = list(plans)
+            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in accepted for i in ids])
         return AppliedRound(applied=info.applied, round=info.round, outer_lr=info.lr,
-                            pseudo_grad_norm=info.grad_norm,
-                            accepted=[usable[i][0].replica_id for i in info.accepted],
-                            rejected=rejected, data_position=self.data_position)
+                            pseudo_grad_norm=info.grad_norm, accepted=accepted, rejected=rejected,
+                            data_ranges={i: plans[i] for i in accepted})

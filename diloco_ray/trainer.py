@@ -1,37 +1,40 @@
 """DilocoFSDPTrainer: the driver that owns the server, the replicas and the round loop.
 
-Each outer round: hand every replica the current global weights (an object ref), let it
-run its inner steps on its slice of the data stream, wait for the replicas until the
-straggler deadline, have the server apply the pseudo-gradients that arrived, evaluate,
-record. Between rounds the driver reconciles the replica count with the target that
+Each outer round: hand every active replica the current global weights (an object ref)
+and its slice of the data stream, wait for the replicas until the straggler deadline,
+have the server apply the pseudo-gradients that arrived, evaluate, record, checkpoint.
+Between rounds the driver reconciles the replica count with the target that
 :meth:`DilocoFSDPTrainer.scale` sets. The driver only ever holds object refs and small
-stats; weights and pseudo-gradients go between replicas and server through Ray's
-object store.
+stats; weights and pseudo-gradients go between replicas and server through Ray's object
+store. If the server dies, it is recreated from the latest checkpoint.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import data
+from diloco_ray import checkpoint
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
-from diloco_ray.metrics import MetricsLogger
+from diloco_ray.membership import Membership
+from diloco_ray.metrics import MetricsLogger, truncate_rounds
 from diloco_ray.replica import Replica
 from diloco_ray.server import Contribution, ParameterServer
 
 # A round that too few replicas finish is run again; this many times in a row is fatal.
 MAX_ROUND_RETRIES = 3
-PLACEMENT_TIMEOUT_S = 600.0
+SCALE_REQUEST_FILE = "scale_request.json"
 
 
 @dataclass
@@ -39,7 +42,7 @@ class TrainResult:
     """What :meth:`DilocoFSDPTrainer.train` returns.
 
     Args:
-        rounds: round records written to metrics.jsonl, in order.
+        rounds: the round records of this run (as in metrics.jsonl), in order.
         output_dir: the run's folder.
         final_path: the Hugging Face model folder (``output_dir/final``).
     """
@@ -68,15 +71,17 @@ class DilocoFSDPTrainer:
         self.config = config
         self.callbacks = list(callbacks or [])
         self.worker_cls, self.server_cls = worker_cls, server_cls
-        self.replicas: list[Replica] = []
         self._target = config.num_replicas
         self._lock = threading.Lock()
-        self._next_id = 0
-        self.round_index = 0      # mirrors the server's round index between rounds
-        self.data_position = 0    # likewise its position in the data stream
         self._started_ray = False
+        self._scale_mtime = 0.0
+        self.round_index = 0       # mirrors the server's round index between rounds
+        self.records: list[dict] = []
         self.server = None
+        self.members: Optional[Membership] = None
         self.metrics: Optional[MetricsLogger] = None
+        self.checkpoint_root = os.path.join(config.output_dir, "checkpoints")
+        self._last_checkpoint_round: Optional[int] = None
 
     # ---- public API -------------------------------------------------------------------
     def scale(self, n: int) -> int:
@@ -94,6 +99,11 @@ class DilocoFSDPTrainer:
         with self._lock:
             return self._target
 
+    @property
+    def replicas(self) -> list[Replica]:
+        """The active replicas, in slot order."""
+        return self.members.active if self.members else []
+
     def global_weights(self) -> dict:
         """A copy of the current global weights on the driver (name -> numpy array).
 
@@ -102,12 +112,12 @@ class DilocoFSDPTrainer:
         return {n: w.copy() for n, w in ray.get(self._weights_ref).items()}
 
     def train(self) -> TrainResult:
-        """Run ``diloco_loops`` outer rounds; blocks until done. Returns the records."""
+        """Run outer rounds until ``diloco_loops`` are applied; blocks. Returns the records."""
         result = TrainResult(output_dir=self.config.output_dir)
         try:
             self.setup()
             while self.round_index < self.config.diloco_loops:
-                result.rounds.append(self.run_round())
+                self.run_round()
             result.final_path = self.save_final()
         except RayTaskError as e:
             cause = unwrap(e)
@@ -116,24 +126,61 @@ class DilocoFSDPTrainer:
             raise
         finally:
             self.shutdown()
+        result.rounds = list(self.records)
         return result
 
     # ---- set-up -----------------------------------------------------------------------
     def setup(self) -> None:
-        """Prepare output_dir, connect to Ray, start the server and the replicas."""
+        """Prepare output_dir, connect to Ray, start (or restore) the server and the
+        replicas."""
         cfg = self.config
-        _prepare_output_dir(cfg)
+        resume = checkpoint.resolve_resume(cfg.resume_from) if cfg.resume_from else None
+        _prepare_output_dir(cfg, resuming=resume is not None)
         self._connect_ray()
         self.device = self._resolve_device()
         cfg.to_yaml(os.path.join(cfg.output_dir, "config.yaml"))
         self.metrics = MetricsLogger(cfg.output_dir, cfg.log_with, cfg.log_dir, cfg.to_dict())
-        self.server = ray.remote(self.server_cls).options(num_cpus=cfg.server_cpus).remote(cfg.to_dict())
-        self._start_replicas(cfg.num_replicas)
-        # Every rank builds the same initial model, so replica 0 seeds the global weights.
-        seed = self.replicas[0]
-        self.weight_bytes = ray.get(self.server.initialize.remote(seed.local_shards(), seed.shapes))
-        self.round_index, self.data_position = ray.get(self.server.position.remote())
+        self.server = self._new_server()
+        restore_from = resume[0] if resume else None
+        self.members = Membership(cfg, self.device, self.worker_cls, self._log,
+                                  on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from))
+        self.members.reconcile(cfg.num_replicas, wait_s=cfg.placement_timeout_s)
+        if len(self.replicas) < cfg.min_replicas:
+            raise RuntimeError(f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas could be "
+                               f"placed within placement_timeout_s={cfg.placement_timeout_s:g}s "
+                               f"(cluster resources: {ray.cluster_resources()})")
+        restore_from = None  # replicas that join later start with a fresh inner state
+        if resume:
+            self._load_server(resume[0], skipped=resume[1], reason="resume")
+        else:
+            seed = self.replicas[0]  # every rank builds the same initial model
+            self.weight_bytes = ray.get(self.server.initialize.remote(seed.local_shards(), seed.shapes))
+            self.round_index = 0
+            self._weights_ref = self.server.weights.remote()
+            if cfg.checkpoint_steps is not None:
+                self.save_checkpoint()  # so a lost server can always be recreated
+
+    def _new_server(self):
+        return ray.remote(self.server_cls).options(num_cpus=self.config.server_cpus).remote(self.config.to_dict())
+
+    def _restore_inner(self, rep: Replica, slot: int, folder: Optional[str]) -> None:
+        if folder is not None:
+            ray.get(rep.load_inner_state(folder, slot))
+
+    def _load_server(self, path: str, skipped: list, reason: str) -> None:
+        """Load the server state from checkpoint ``path`` and rewind the records to it."""
+        for bad, why in skipped:
+            print(f"diloco-ray: checkpoint {bad} is unusable ({why}); using an older one", file=sys.stderr)
+            self._log({"event": "checkpoint", "action": "skipped", "path": bad, "reason": why})
+        self.weight_bytes = ray.get(self.server.load.remote(path))
+        self.round_index = ray.get(self.server.round_index.remote())
+        self._last_checkpoint_round = self.round_index
+        self.members.round_index = self.round_index
+        # Rounds after the checkpoint will be run again; their old records go.
+        truncate_rounds(self.config.output_dir, self.round_index)
+        self.records = [r for r in self.records if r["round"] < self.round_index]
         self._weights_ref = self.server.weights.remote()
+        self._log({"event": "checkpoint", "action": reason, "path": path, "round": self.round_index})
 
     def _connect_ray(self) -> None:
         if ray.is_initialized():
@@ -156,57 +203,50 @@ class DilocoFSDPTrainer:
             raise ConfigError("device: 'cuda' but the Ray cluster has no GPUs; use device: cpu or auto")
         return "cuda" if want == "cuda" or (want == "auto" and has_gpu) else "cpu"
 
-    def _start_replicas(self, n: int) -> None:
-        """Start ``n`` new replicas and wait until they are set up."""
-        started = []
-        for _ in range(n):
-            rep = Replica(self._next_id, self.config, self.device, self.worker_cls)
-            self._next_id += 1
-            started.append(rep)
-        for rep in started:
-            rep.wait_placed(PLACEMENT_TIMEOUT_S)
-        pending = [(rep, rep.setup()) for rep in started]
-        for rep, refs in pending:
-            rep.shapes = ray.get(refs)[0]
-            self.replicas.append(rep)
-            self._log({"event": "membership", "action": "join", "replica_id": rep.id,
-                       "round": self.round_index, "replicas": len(self.replicas)})
-
     # ---- one round --------------------------------------------------------------------
     def run_round(self) -> dict:
         """Run and apply one outer round (retrying if too few replicas report)."""
-        for attempt in range(MAX_ROUND_RETRIES + 1):
+        for _ in range(MAX_ROUND_RETRIES + 1):
             record = self._attempt_round()
             if record is not None:
                 return record
             self._reconcile()
-        raise RuntimeError(f"round {self.round_index}: fewer than min_replicas="
-                           f"{self.config.min_replicas} replicas reported in {MAX_ROUND_RETRIES + 1} attempts")
+        raise RuntimeError(f"round {self.round_index}: fewer than min_replicas={self.config.min_replicas} "
+                           f"replicas reported in {MAX_ROUND_RETRIES + 1} attempts")
 
     def _attempt_round(self) -> Optional[dict]:
         cfg = self.config
         t_start = time.perf_counter()
         members = list(self.replicas)
-        per_replica = cfg.sequences_per_replica_round
-        ranges = data.replica_ranges(self.data_position, len(members), per_replica)
-        launched = {rep.id: (rep, *rep.run_round(self._weights_ref, self.round_index, start))
-                    for rep, (start, _) in zip(members, ranges)}
-        reported, dropped, failed = self._gather(launched, cfg.round_timeout_s)
+        try:
+            plans = dict(zip([rep.id for rep in members], ray.get(self.server.plan.remote(len(members)))))
+        except RayActorError:
+            self._recover_server()
+            return None
+        launched = {rep.id: (rep, *rep.run_round(self._weights_ref, self.round_index, plans[rep.id]))
+                    for rep in members}
+        reported, late, failed = self._gather(launched, cfg.round_timeout_s)
         for rep in failed:
-            self._remove(rep, "failed")
+            self.members.remove(rep, "failed")
         if len(reported) < cfg.min_replicas:
             return None
 
         contributions = [Contribution(rid, launched[rid][1], float(sum(s.tokens for s in stats)))
                          for rid, stats in reported.items()]
-        applied = ray.get(self.server.apply.remote(contributions, per_replica * len(members)))
+        try:
+            applied = ray.get(self.server.apply.remote(contributions, plans))
+        except RayActorError:
+            self._recover_server()
+            return None
         if not applied.applied:
             return None
         t_applied = time.perf_counter()
-        self.round_index, self.data_position = applied.round + 1, applied.data_position
+        self.round_index = self.members.round_index = applied.round + 1
         self._weights_ref = self.server.weights.remote()
 
+        t_eval = time.perf_counter()
         eval_loss = self._evaluate()
+        eval_seconds = time.perf_counter() - t_eval
         ok = [reported[rid] for rid in applied.accepted]
         all_stats = [s for stats in ok for s in stats]
         compute = max(max(s.compute_seconds for s in stats) for stats in ok)
@@ -216,7 +256,8 @@ class DilocoFSDPTrainer:
             "round": applied.round,
             "replicas": len(applied.accepted),
             "replica_ids": applied.accepted,
-            "dropped": sorted(set(dropped) | {r.id for r in failed} | set(applied.rejected)),
+            "dropped": sorted(set(late) | {r.id for r in failed} | set(applied.rejected)),
+            "late": sorted(late),
             "rejected": {str(k): v for k, v in applied.rejected.items()},
             "inner_steps": cfg.max_steps,
             "tokens": sum(s.tokens for s in all_stats),
@@ -225,73 +266,149 @@ class DilocoFSDPTrainer:
             "eval_ppl": math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
             "outer_lr": applied.outer_lr,
             "pseudo_grad_norm": applied.pseudo_grad_norm,
+            "data_ranges": {str(k): v for k, v in applied.data_ranges.items()},
             "bytes_up": sum(s.bytes_up for stats in reported.values() for s in stats),
             "bytes_down": self.weight_bytes * len(members),
             "round_seconds": time.perf_counter() - t_start,
             "sync_seconds": max(0.0, (t_applied - t_start) - compute),
             "compute_seconds": compute,
+            "eval_seconds": eval_seconds,
         }
+        self.records.append(record)
         self._log(record)
+        self._maybe_checkpoint()
         for cb in self.callbacks:
-            hook: Optional[Callable] = getattr(cb, "on_round_end", None)
+            hook = getattr(cb, "on_round_end", None)
             if hook is not None:
                 hook(self, record)
         self._reconcile()
         return record
 
     def _gather(self, launched: dict, timeout_s: Optional[float]):
-        """Wait for every replica's stats until the deadline.
+        """Wait for every replica's stats until the deadline; tell the late ones to stop.
 
-        Returns (reported: id -> [RoundStats], dropped: late ids, failed: dead replicas).
+        Returns (reported: id -> [RoundStats], late ids, failed replicas).
         """
-        owner = {ref: rid for rid, (_, _, stats) in launched.items() for ref in stats}
-        refs = list(owner)
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)
-        ready = set(ready)
-        reported, dropped, failed = {}, [], []
+        refs = [ref for (_, _, stats) in launched.values() for ref in stats]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)[0])
+        reported, late, failed = {}, [], []
         for rid, (rep, _, stats_refs) in launched.items():
             if not all(r in ready for r in stats_refs):
-                dropped.append(rid)
+                late.append(rid)
+                rep.abort(self.round_index)  # free it for the next round
                 continue
             try:
-                reported[rid] = ray.get(stats_refs)
+                stats = ray.get(stats_refs)
             except RayActorError:
                 failed.append(rep)
+                continue
             except RayTaskError as e:
                 if isinstance(unwrap(e), UserInputError):
                     raise
                 failed.append(rep)
-        return reported, dropped, failed
+                continue
+            if any(s.aborted for s in stats):
+                late.append(rid)
+            else:
+                reported[rid] = stats
+        return reported, late, failed
 
     def _evaluate(self) -> Optional[float]:
-        if self.config.eval_batches == 0 or not self.replicas:
+        if self.config.eval_batches == 0:
             return None
-        results = ray.get(self.replicas[0].evaluate(self._weights_ref))
-        total, count = sum(r[0] for r in results), sum(r[1] for r in results)
-        return total / count if count else None
+        for rep in list(self.replicas):
+            try:
+                results = ray.get(rep.evaluate(self._weights_ref))
+            except RayActorError:
+                self.members.remove(rep, "failed")
+                continue
+            total, count = sum(r[0] for r in results), sum(r[1] for r in results)
+            return total / count if count else None
+        return None
 
-    # ---- membership -------------------------------------------------------------------
+    # ---- membership, checkpoints, recovery --------------------------------------------
     def _reconcile(self) -> None:
         """Move the replica count towards the target, at a round boundary."""
-        target = self.target_replicas
-        while len(self.replicas) > target:
-            self._remove(self.replicas[-1], "scaled down")
-        if len(self.replicas) < target:
-            self._start_replicas(target - len(self.replicas))
+        self._read_scale_request()
+        self.members.reconcile(self.target_replicas, wait_s=self.config.join_timeout_s)
+        if len(self.replicas) < self.config.min_replicas:
+            # Too few to run a round at all: wait for starting replicas, up to the limit.
+            self.members.admit_ready(self.config.placement_timeout_s)
+            if len(self.replicas) < self.config.min_replicas:
+                raise RuntimeError(f"{len(self.replicas)} replicas are running and no more could be placed within "
+                                   f"placement_timeout_s={self.config.placement_timeout_s:g}s; "
+                                   f"min_replicas={self.config.min_replicas}")
 
-    def _remove(self, rep: Replica, reason: str) -> None:
-        rep.stop()
-        if rep in self.replicas:
-            self.replicas.remove(rep)
-        self._log({"event": "membership", "action": "leave", "replica_id": rep.id, "reason": reason,
-                   "round": self.round_index, "replicas": len(self.replicas)})
+    def _read_scale_request(self) -> None:
+        """Apply a target written by ``diloco-ray scale OUTPUT_DIR N`` (another process)."""
+        path = os.path.join(self.config.output_dir, SCALE_REQUEST_FILE)
+        try:
+            mtime = os.path.getmtime(path)
+            if mtime <= self._scale_mtime:
+                return
+            with open(path) as f:
+                target = int(json.load(f)["target"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        self._scale_mtime = mtime
+        self.scale(target)
+        self._log({"event": "membership", "action": "scale", "target": self.target_replicas,
+                   "round": self.round_index})
+
+    def _maybe_checkpoint(self) -> None:
+        every = self.config.checkpoint_steps
+        if every is None:
+            return
+        since = (self.round_index - (self._last_checkpoint_round or 0)) * self.config.max_steps
+        if since >= every:
+            self.save_checkpoint()
+
+    def save_checkpoint(self) -> Optional[str]:
+        """Write the server's state and every active replica's inner state as one
+        checkpoint (temp folder, checksums, rename); prune old ones. Returns its path,
+        or None if a replica died while it was being written (the round goes on)."""
+        cfg = self.config
+        tmp = checkpoint.begin(self.checkpoint_root, self.round_index)
+        members = list(self.replicas)
+        refs = [self.server.save.remote(tmp)]
+        for slot, rep in enumerate(members):
+            refs += rep.save_inner_state(tmp, slot)
+        try:
+            ray.get(refs)
+        except RayActorError as e:
+            self._log({"event": "checkpoint", "action": "failed", "round": self.round_index,
+                       "reason": str(e).splitlines()[0][:200]})
+            return None
+        meta = {"replica_ids": [r.id for r in members], "ranks_per_replica": cfg.ranks_per_replica,
+                "seed": cfg.seed, "max_steps": cfg.max_steps}
+        path = checkpoint.commit(tmp, self.checkpoint_root, self.round_index, meta)
+        self._last_checkpoint_round = self.round_index
+        pruned = checkpoint.prune(self.checkpoint_root, cfg.save_total_limit)
+        self._log({"event": "checkpoint", "action": "saved", "path": path, "round": self.round_index,
+                   "pruned": pruned})
+        return path
+
+    def _recover_server(self) -> None:
+        """The server died: start a new one from the latest good checkpoint."""
+        path, skipped = checkpoint.latest_valid(self.checkpoint_root)
+        if path is None:
+            raise RuntimeError("the parameter server died and there is no checkpoint to recreate it from; "
+                               "set checkpoint_steps to make a run survive that")
+        self._log({"event": "server", "action": "restart", "round": self.round_index, "from": path})
+        self.server = self._new_server()
+        self._load_server(path, skipped, reason="server_restart")
 
     # ---- output and teardown ----------------------------------------------------------
     def save_final(self) -> str:
         """Write the global weights as a Hugging Face model to ``output_dir/final``."""
         path = os.path.abspath(os.path.join(self.config.output_dir, "final"))
-        ray.get(self.replicas[0].save_final(self._weights_ref, path))
-        return path
+        for rep in list(self.replicas):
+            try:
+                ray.get(rep.save_final(self._weights_ref, path))
+                return path
+            except RayActorError:
+                self.members.remove(rep, "failed")
+        raise RuntimeError("no replica is left to write final/")
 
     def _log(self, record: dict) -> None:
         if self.metrics is not None:
@@ -299,9 +416,8 @@ class DilocoFSDPTrainer:
 
     def shutdown(self) -> None:
         """Stop replicas and server; stop Ray if this trainer started it."""
-        for rep in list(self.replicas):
-            rep.stop()
-        self.replicas = []
+        if self.members is not None:
+            self.members.stop_all()
         if self.server is not None:
             try:
                 ray.kill(self.server, no_restart=True)
@@ -316,12 +432,26 @@ class DilocoFSDPTrainer:
             self._started_ray = False
 
 
-def _prepare_output_dir(cfg: TrainerConfig) -> None:
+def request_scale(output_dir: str, target: int) -> str:
+    """Ask the driver of the run in ``output_dir`` (another process) to scale to
+    ``target`` replicas at its next round boundary. Returns the request file's path."""
+    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
+        raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale")
+    path = os.path.join(output_dir, SCALE_REQUEST_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"target": int(target), "time": time.time()}, f)
+    os.replace(tmp, path)
+    return path
+
+
+def _prepare_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
     """Create output_dir; refuse to mix a new run into one that already holds a run."""
     path = cfg.output_dir
-    if os.path.exists(os.path.join(path, "metrics.jsonl")) and not cfg.overwrite_output_dir:
+    metrics = os.path.join(path, "metrics.jsonl")
+    if os.path.exists(metrics) and not (resuming or cfg.overwrite_output_dir):
         raise ConfigError(f"output_dir: '{path}' already holds a run (metrics.jsonl); choose a new "
-                          "output_dir or set overwrite_output_dir: true")
-    if cfg.overwrite_output_dir and os.path.exists(os.path.join(path, "metrics.jsonl")):
-        os.remove(os.path.join(path, "metrics.jsonl"))
+                          "output_dir, set resume_from to continue it, or set overwrite_output_dir: true")
+    if cfg.overwrite_output_dir and not resuming and os.path.exists(metrics):
+        os.remove(metrics)
     os.makedirs(path, exist_ok=True)

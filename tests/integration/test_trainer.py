@@ -32,9 +32,9 @@ CONTRACT_KEYS = ["round", "replicas", "replica_ids", "dropped", "inner_steps", "
 class RecordingServer(ParameterServer):
     """Keeps every rank shard it was sent, so the test can redo the outer step itself."""
 
-    def apply(self, contributions, consumed):
+    def apply(self, contributions, plans):
         self.recorded = [(c.replica_id, c.weight, ray.get(c.shard_refs)) for c in contributions]
-        return super().apply(contributions, consumed)
+        return super().apply(contributions, plans)
 
     def get_recorded(self):
         return self.recorded
@@ -43,10 +43,10 @@ class RecordingServer(ParameterServer):
 class CrashingWorker(RankWorker):
     """Replica 1's process dies in the middle of round 1."""
 
-    def run_round(self, weights, round_index, start):
+    def run_round(self, weights, round_index, plan):
         if self.replica_id == 1 and round_index == 1:
             os._exit(1)
-        return super().run_round(weights, round_index, start)
+        return super().run_round(weights, round_index, plan)
 
 
 class NaNWorker(RankWorker):
@@ -116,7 +116,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path):
     opt = build_inner_optimizer(params, cfg)
     for r in range(cfg.diloco_loops):
         start = r * cfg.sequences_per_replica_round
-        for t, micro in enumerate(data.rank_batches(start, cfg, 0, len(blocks.train))):
+        for t, micro in enumerate(data.rank_batches([(start, cfg.sequences_per_replica_round)], cfg, 0, len(blocks.train))):
             for g in opt.param_groups:
                 g["lr"] = inner_lr_at(r * cfg.max_steps + t, cfg)
             for idx in micro:
@@ -130,7 +130,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path):
 
 
 def test_replica_dies_mid_round(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3)
+    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120)
     result = DilocoFSDPTrainer(cfg, worker_cls=CrashingWorker).train()
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2]
@@ -157,7 +157,8 @@ def test_scale_from_a_callback(ray_local, tmp_path):
         def on_round_end(self, trainer, record):
             trainer.scale({0: 3, 1: 1}.get(record["round"], 1))
 
-    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, log_with="tensorboard")
+    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, log_with="tensorboard",
+                      join_timeout_s=120)
     result = DilocoFSDPTrainer(cfg, callbacks=[Scaler()]).train()
     assert [r["replicas"] for r in result.rounds] == [2, 3, 1]
     assert glob.glob(os.path.join(cfg.output_dir, "logs", "events.out.tfevents.*"))

@@ -284,8 +284,6 @@ _UNBUILT_VALUES = {
     "prompt_template": "{question}",
     "dynamic_batch": True,
     "num_workers": 2,
-    "checkpoint_steps": 5,
-    "resume_from": "outputs/old",
 }
 
 

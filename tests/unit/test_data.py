@@ -73,13 +73,54 @@ def test_stream_range_equals_concatenated_pieces(start, count):
     assert np.array_equal(got, pieces)
 
 
-def test_replica_ranges():
-    ranges = data.replica_ranges(position=17, slots=3, per_replica=5)
-    assert ranges == [(17, 5), (22, 5), (27, 5)]
-    assert ranges[0][0] == 17
-    for (s0, c0), (s1, _) in zip(ranges, ranges[1:]):
-        assert s0 + c0 == s1  # contiguous and disjoint
-    assert data.replica_ranges(0, 0, 5) == []
+def positions_of(plan):
+    return [p for start, count in plan for p in range(start, start + count)]
+
+
+def test_plan_round_hands_out_contiguous_fresh_ranges():
+    cursor = data.DataCursor(frontier=17)
+    assert data.plan_round(cursor, 3, 5) == [[(17, 5)], [(22, 5)], [(27, 5)]]
+    assert data.plan_round(cursor, 0, 5) == []
+    assert cursor == data.DataCursor(17)  # planning changes nothing
+
+
+def test_plan_round_reissues_returned_ranges_first():
+    cursor = data.DataCursor(frontier=40, returned=[(10, 3), (20, 4)])
+    plans = data.plan_round(cursor, 2, 5)
+    assert plans == [[(10, 3), (20, 2)], [(22, 2), (40, 3)]]
+
+
+def test_commit_round_returns_what_was_not_applied():
+    cursor = data.DataCursor(frontier=0)
+    plans = data.plan_round(cursor, 3, 4)
+    after = data.commit_round(cursor, plans, [True, False, True])
+    assert after == data.DataCursor(frontier=12, returned=[(4, 4)])
+    nxt = data.plan_round(after, 2, 4)
+    assert nxt == [[(4, 4)], [(12, 4)]]
+    assert data.commit_round(after, nxt, [True, True]) == data.DataCursor(frontier=16, returned=[])
+
+
+def test_any_history_of_drops_uses_every_position_exactly_once():
+    rng = np.random.default_rng(0)
+    cursor, used = data.DataCursor(), []
+    for _ in range(200):
+        slots = int(rng.integers(1, 5))
+        plans = data.plan_round(cursor, slots, 7)
+        applied = [bool(rng.random() < 0.7) for _ in plans]
+        if not any(applied):
+            continue  # a round nobody finished is not applied: the cursor stays
+        for plan, ok in zip(plans, applied):
+            if ok:
+                used.extend(positions_of(plan))
+        cursor = data.commit_round(cursor, plans, applied)
+    returned = positions_of(cursor.returned)
+    assert len(used) == len(set(used))                       # never repeated
+    assert sorted(used + returned) == list(range(cursor.frontier))  # never skipped
+
+
+def test_cursor_dict_round_trip():
+    cursor = data.DataCursor(frontier=9, returned=[(1, 2), (5, 1)])
+    assert data.DataCursor.from_dict(cursor.to_dict()) == cursor
 
 
 # --- what each rank reads -----------------------------------------------------------------
@@ -88,7 +129,7 @@ def test_rank_batches_two_ranks_cover_the_round_exactly():
     cfg = make(ranks_per_replica=2, grad_accum=2, batch_size=3, max_steps=2, seed=9)
     assert cfg.sequences_per_replica_round == 24
     num_blocks, start = 30, 11
-    per_rank = [data.rank_batches(start, cfg, r, num_blocks) for r in range(2)]
+    per_rank = [data.rank_batches([(start, 24)], cfg, r, num_blocks) for r in range(2)]
     for batches in per_rank:
         assert len(batches) == 2 and all(len(step) == 2 for step in batches)
         assert all(len(mb) == 3 for step in batches for mb in step)
@@ -111,16 +152,25 @@ def test_rank_batches_two_ranks_cover_the_round_exactly():
 def test_rank_batches_two_ranks_no_duplicate_blocks_within_an_epoch():
     cfg = make(ranks_per_replica=2, grad_accum=2, batch_size=3, max_steps=2, seed=0)
     num_blocks = 100
-    taken = np.concatenate([mb for r in range(2) for step in data.rank_batches(0, cfg, r, num_blocks)
+    taken = np.concatenate([mb for r in range(2) for step in data.rank_batches([(0, 24)], cfg, r, num_blocks)
                             for mb in step])
     assert len(np.unique(taken)) == 24
     assert set(taken.tolist()) == set(data.stream_indices(0, 24, num_blocks, 0).tolist())
 
 
+def test_rank_batches_reads_a_split_plan_in_order():
+    cfg = make(ranks_per_replica=1, grad_accum=1, batch_size=2, max_steps=3, seed=4)
+    plan = [(3, 2), (40, 4)]
+    flat = np.concatenate([mb for step in data.rank_batches(plan, cfg, 0, 50) for mb in step])
+    assert np.array_equal(flat, np.concatenate([data.stream_indices(3, 2, 50, 4), data.stream_indices(40, 4, 50, 4)]))
+    with pytest.raises(ValueError):
+        data.rank_batches([(0, 5)], cfg, 0, 50)
+
+
 def test_rank_batches_one_rank_reads_in_order():
     cfg = make(ranks_per_replica=1, grad_accum=2, batch_size=3, max_steps=2, seed=4)
     start, n = 5, 13
-    batches = data.rank_batches(start, cfg, 0, n)
+    batches = data.rank_batches([(start, 12)], cfg, 0, n)
     flat = np.concatenate([mb for step in batches for mb in step])
     assert np.array_equal(flat, data.stream_indices(start, 12, n, 4))
 

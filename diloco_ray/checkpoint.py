@@ -1,0 +1,649 @@
+"""Checkpoints on disk: their format, their integrity, and which one to resume from.
+
+This module owns the bytes of a checkpoint and nothing above them. A checkpoint is a
+folder ``root/round-{round:08d}`` (``round`` = outer rounds applied when it was saved,
+i.e. the index of the next round to run) holding any number of *states* written with
+:func:`save_state` plus a ``manifest.json`` that lists every file with its SHA-256.
+
+* Nothing is ever unpickled. A state (any nesting of dicts with str/int keys, lists,
+  tuples, tensors, ints, floats, bools, None and strs, e.g. a ``torch.optim`` state dict)
+  is split by :func:`flatten_state` into a flat tensor dict, stored as safetensors, and a
+  JSON *skeleton* that records the structure exactly (int keys, tuples, inf/nan floats).
+* Writes are atomic at the folder level: :func:`begin` makes a hidden temp folder
+  ``root/.tmp-round-XXXXXXXX-*``; :func:`commit` writes the manifest *last*, fsyncs,
+  and renames the folder into place. A crash at any point leaves either the previous
+  checkpoints untouched or a temp folder that is never listed and that :func:`prune`
+  removes later.
+* :func:`verify` re-hashes every listed file; :func:`latest_valid`,
+  :func:`resolve_resume` and :func:`prune` only ever trust checkpoints that verify.
+
+It knows nothing about Ray or the trainer: callers decide what states to save and what
+``meta`` to put in the manifest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from diloco_ray.errors import ConfigError, DataError
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST",
+    "begin",
+    "commit",
+    "flatten_state",
+    "latest_valid",
+    "list_checkpoints",
+    "load_state",
+    "load_tensors",
+    "prune",
+    "read_manifest",
+    "resolve_resume",
+    "save_state",
+    "save_tensors",
+    "sha256_file",
+    "unflatten_state",
+    "verify",
+]
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_TMP_PREFIX = ".tmp-"
+_FINAL_RE = re.compile(r"^round-(\d+)$")
+_CHUNK = 1 << 20
+
+# Skeleton tags. Every JSON object in a skeleton is exactly one of these single-key
+# objects, so user dict keys (even ones spelled like a tag) can never be misread as one.
+_DICT = "$dict"  # dict with str keys only: {"$dict": {key: value}}
+_ITEMS = "$items"  # dict with any int key: {"$items": [[key, value], ...]} keeps key types
+_TUPLE = "$tuple"  # {"$tuple": [...]}; plain JSON lists are Python lists
+_TENSOR = "$tensor"  # {"$tensor": "key in the flat tensor dict"}
+_FLOAT = "$float"  # {"$float": "inf" | "-inf" | "nan"}; JSON has no literal for these
+
+
+# ------------------------------------------------------------------ state <-> files
+
+
+def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, Tensor], Any]:
+    """Split a nested state into a flat tensor dict and a JSON-serialisable skeleton.
+
+    Args:
+        state: any nesting of dicts (str or int keys), lists, tuples, tensors, ints,
+            floats (inf/nan included), bools, None and strs.
+        prefix: first component of every tensor key (``"opt"`` gives ``"opt.state.0.step"``);
+            lets several states share one tensor file without clashing.
+
+    Returns:
+        ``(tensors, skeleton)``: tensor keys are the dotted paths to each tensor (with a
+        ``#n`` suffix when two paths would spell the same key, e.g. int key 0 and str key
+        "0"); the tensors are the caller's own objects, not copies. The skeleton survives
+        ``json.loads(json.dumps(skeleton))`` and :func:`unflatten_state` rebuilds ``state``.
+
+    Raises:
+        TypeError: a value or dict key of an unsupported type, named by its path.
+    """
+    tensors: dict[str, Tensor] = {}
+
+    def key_for(path: list[str]) -> str:
+        parts = ([prefix] if prefix else []) + path
+        key = ".".join(parts) if parts else "root"
+        if key in tensors:
+            n = 1
+            while f"{key}#{n}" in tensors:
+                n += 1
+            key = f"{key}#{n}"
+        return key
+
+    def walk(obj: Any, path: list[str]) -> Any:
+        where = ".".join(path) or "<root>"
+        if isinstance(obj, Tensor):
+            if obj.is_sparse or obj.layout != torch.strided:
+                raise TypeError(f"cannot checkpoint {where}: {obj.layout} tensors are not supported")
+            key = key_for(path)
+            tensors[key] = obj
+            return {_TENSOR: key}
+        # bool before int: bool is an int subclass and must come back as a bool.
+        if obj is None or isinstance(obj, bool):
+            return obj
+        if isinstance(obj, int):
+            return int(obj)
+        if isinstance(obj, float):
+            value = float(obj)
+            if math.isfinite(value):
+                return value
+            return {_FLOAT: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+        if isinstance(obj, str):
+            return str(obj)
+        if isinstance(obj, tuple):
+            return {_TUPLE: [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [walk(v, path + [str(i)]) for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            for k in obj:
+                if not isinstance(k, (str, int)):
+                    raise TypeError(f"cannot checkpoint {where}: dict key {k!r} is a {type(k).__name__}, "
+                                    "only str and int keys are supported")
+            if all(isinstance(k, str) for k in obj):
+                return {_DICT: {k: walk(v, path + [k]) for k, v in obj.items()}}
+            return {_ITEMS: [[k, walk(v, path + [str(k)])] for k, v in obj.items()]}
+        raise TypeError(f"cannot checkpoint {where}: a {type(obj).__name__} is not a supported type")
+
+    skeleton = walk(state, [])
+    return tensors, skeleton
+
+
+def unflatten_state(tensors: Mapping[str, Tensor], skeleton: Any) -> Any:
+    """Rebuild the state that :func:`flatten_state` split into ``(tensors, skeleton)``.
+
+    Args:
+        tensors: the flat tensor dict (e.g. from :func:`load_tensors`); may hold extra keys.
+        skeleton: the skeleton, possibly after a JSON round trip.
+
+    Returns:
+        The nested state, with the tensors from ``tensors`` (not copied) in place.
+
+    Raises:
+        DataError: the skeleton is malformed or names a tensor that ``tensors`` lacks.
+    """
+
+    def walk(node: Any) -> Any:
+        if node is None or isinstance(node, (bool, int, float, str)):
+            return node
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        if not (isinstance(node, dict) and len(node) == 1):
+            raise DataError(f"malformed checkpoint skeleton: unexpected {type(node).__name__} {_short(node)}")
+        (tag, body), = node.items()
+        if tag == _TENSOR and isinstance(body, str):
+            if body not in tensors:
+                raise DataError(f"checkpoint skeleton refers to tensor {body!r}, missing from the tensor file")
+            return tensors[body]
+        if tag == _DICT and isinstance(body, dict):
+            return {k: walk(v) for k, v in body.items()}
+        if tag == _ITEMS and isinstance(body, list):
+            out: dict[Any, Any] = {}
+            for item in body:
+                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))):
+                    raise DataError(f"malformed checkpoint skeleton: bad dict item {_short(item)}")
+                out[item[0]] = walk(item[1])
+            return out
+        if tag == _TUPLE and isinstance(body, list):
+            return tuple(walk(v) for v in body)
+        if tag == _FLOAT and body in ("inf", "-inf", "nan"):
+            return float(body)
+        raise DataError(f"malformed checkpoint skeleton: unknown node {_short(node)}")
+
+    return walk(skeleton)
+
+
+def _short(obj: Any, limit: int = 80) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def save_tensors(path: str, tensors: Mapping[str, Tensor]) -> None:
+    """Write ``tensors`` to a safetensors file at ``path`` (replaced atomically).
+
+    Args:
+        path: destination file.
+        tensors: str key -> tensor, on any device, any layout of strides. Each is saved
+            as a contiguous CPU clone: safetensors refuses non-contiguous tensors and
+            tensors sharing storage (views of one buffer, tied weights), and a clone
+            gives each its own exact-size buffer.
+    """
+    from safetensors.torch import save_file
+
+    copies = {str(k): t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+              for k, t in tensors.items()}
+    # Write beside the target then rename, so a reader never sees half a file.
+    tmp = _sibling_tmp(path)
+    try:
+        save_file(copies, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_tensors(path: str) -> dict[str, Tensor]:
+    """Read a safetensors file written by :func:`save_tensors` onto the CPU.
+
+    Args:
+        path: the ``.safetensors`` file.
+
+    Raises:
+        DataError: the file is missing or not a valid safetensors file.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if not os.path.isfile(path):
+        raise DataError(f"checkpoint tensor file {path!r} does not exist")
+    try:
+        return load_file(path, device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise DataError(f"checkpoint tensor file {path!r} cannot be read: {exc}") from exc
+
+
+def save_state(folder: str, name: str, state: Any) -> list[str]:
+    """Write ``state`` as ``folder/name.safetensors`` plus ``folder/name.json``.
+
+    Args:
+        folder: an existing folder, normally the temp folder from :func:`begin`.
+        name: base file name (no extension, no path separators), e.g. ``"global"``.
+        state: anything :func:`flatten_state` accepts.
+
+    Returns:
+        The two file names written, relative to ``folder``. The safetensors file is
+        written even when the state holds no tensors, so every state has both files.
+    """
+    if not name or name != os.path.basename(name) or name in (".", ".."):
+        raise ValueError(f"state name must be a plain file name, got {name!r}")
+    tensors, skeleton = flatten_state(state)
+    tensor_file, json_file = f"{name}.safetensors", f"{name}.json"
+    save_tensors(os.path.join(folder, tensor_file), tensors)
+    doc = {"format": FORMAT, "skeleton": skeleton}
+    _write_text_atomic(os.path.join(folder, json_file), json.dumps(doc, allow_nan=False, indent=1))
+    return [tensor_file, json_file]
+
+
+def load_state(folder: str, name: str) -> Any:
+    """Read back a state written by :func:`save_state`.
+
+    Args:
+        folder: the folder holding ``name.json`` and ``name.safetensors``.
+        name: the base name given to :func:`save_state`.
+
+    Raises:
+        DataError: a file is missing, unreadable, of an unknown format, or inconsistent.
+    """
+    json_path = os.path.join(folder, f"{name}.json")
+    doc = _read_json(json_path, what="checkpoint state")
+    if not (isinstance(doc, dict) and doc.get("format") == FORMAT and "skeleton" in doc):
+        raise DataError(f"checkpoint state {json_path!r} has an unsupported format "
+                        f"(expected format {FORMAT} with a skeleton)")
+    tensors = load_tensors(os.path.join(folder, f"{name}.safetensors"))
+    try:
+        return unflatten_state(tensors, doc["skeleton"])
+    except DataError as exc:
+        raise DataError(f"{json_path!r}: {exc}") from exc
+
+
+def sha256_file(path: str) -> str:
+    """Hex SHA-256 of the file at ``path``, read in 1 MiB chunks.
+
+    Args:
+        path: a readable file.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------- checkpoint folders
+
+
+def _final_name(round: int) -> str:
+    return f"round-{round:08d}"
+
+
+def _check_round(round: int) -> int:
+    if isinstance(round, bool) or not isinstance(round, int) or round < 0:
+        raise ValueError(f"checkpoint round must be an int >= 0, got {round!r}")
+    return round
+
+
+def _round_of(path: str) -> int | None:
+    """The round in a final folder's name, or None if it is not named ``round-N``."""
+    m = _FINAL_RE.match(os.path.basename(os.path.normpath(path)))
+    return int(m.group(1)) if m else None
+
+
+def begin(root: str, round: int) -> str:
+    """Start writing the checkpoint for ``round``: a fresh temp folder under ``root``.
+
+    Args:
+        root: the checkpoints folder (created if missing).
+        round: outer rounds applied so far (the index of the next round to run).
+
+    Returns:
+        The temp folder's path; write states into it, then :func:`commit` it.
+    """
+    _check_round(round)
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{_final_name(round)}-", dir=root)
+
+
+def commit(tmp: str, root: str, round: int, meta: dict) -> str:
+    """Seal the temp folder from :func:`begin` and move it into place as ``root/round-XXXXXXXX``.
+
+    Args:
+        tmp: the temp folder, with every state already written into it.
+        root: the checkpoints folder ``tmp`` lives in (the rename must not cross filesystems).
+        round: the round given to :func:`begin`.
+        meta: JSON-serialisable (finite floats only) caller data stored in the manifest.
+
+    Returns:
+        The final checkpoint folder. A folder of the same round that already exists (a
+        rerun of that round after a crash or a resume) is replaced.
+
+    Raises:
+        ValueError: bad round, ``tmp`` is not a folder, or ``meta`` is not JSON-serialisable.
+    """
+    _check_round(round)
+    if not os.path.isdir(tmp):
+        raise ValueError(f"checkpoint temp folder {tmp!r} does not exist")
+    try:
+        json.dumps(meta, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"checkpoint meta must be JSON-serialisable with finite floats: {exc}") from exc
+
+    files: dict[str, str] = {}
+    dirs = [tmp]
+    for dirpath, dirnames, filenames in os.walk(tmp):
+        dirnames.sort()
+        dirs.extend(os.path.join(dirpath, d) for d in dirnames)
+        for fn in sorted(filenames):
+            full = os.path.join(dirpath, fn)
+            rel = os.path.relpath(full, tmp).replace(os.sep, "/")
+            if rel == MANIFEST:
+                continue  # a stale manifest from an interrupted commit is rewritten below
+            _fsync_file(full)
+            files[rel] = sha256_file(full)
+
+    manifest = {"format": FORMAT, "round": round, "meta": meta, "files": files}
+    # The manifest goes last: its presence is what marks the file set as complete.
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+        f.write(json.dumps(manifest, allow_nan=False, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    for d in dirs:
+        _fsync_dir(d)
+
+    final = os.path.join(root, _final_name(round))
+    old = None
+    if os.path.exists(final):
+        # Move the old one aside under a temp name rather than deleting it first: if we
+        # crash between the two renames, prune() still finds and removes it.
+        old = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}old-{_final_name(round)}-", dir=root)
+        os.rmdir(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_manifest(path: str) -> dict:
+    """The parsed ``manifest.json`` of the checkpoint folder ``path``.
+
+    Args:
+        path: a checkpoint folder (or its ``manifest.json``).
+
+    Raises:
+        DataError: no manifest, or it is not a JSON object.
+    """
+    file = path if os.path.basename(path) == MANIFEST else os.path.join(path, MANIFEST)
+    doc = _read_json(file, what="checkpoint manifest")
+    if not isinstance(doc, dict):
+        raise DataError(f"checkpoint manifest {file!r} is not a JSON object")
+    return doc
+
+
+def verify(path: str) -> str | None:
+    """Check that the checkpoint at ``path`` is complete and intact.
+
+    Args:
+        path: a checkpoint folder.
+
+    Returns:
+        None when it is, else a one-line reason: missing folder or manifest, a manifest
+        that is not valid JSON or not format 1, a listed file that is missing, or the
+        first file whose SHA-256 differs (``checksum mismatch for 'global.safetensors'``).
+        Files not listed in the manifest are ignored.
+    """
+    if not os.path.isdir(path):
+        return "not a folder"
+    file = os.path.join(path, MANIFEST)
+    if not os.path.isfile(file):
+        return f"no {MANIFEST} (incomplete checkpoint)"
+    try:
+        with open(file, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"{MANIFEST} cannot be read: {exc}"
+    except json.JSONDecodeError as exc:
+        return f"{MANIFEST} is not valid JSON ({exc.msg} at line {exc.lineno})"
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        return f"{MANIFEST} has unsupported format {got!r} (expected {FORMAT})"
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        return f"{MANIFEST} has no valid 'files' table"
+    named = _round_of(path)
+    if named is not None and manifest.get("round") != named:
+        return f"{MANIFEST} says round {manifest.get('round')!r} but the folder is round {named}"
+    for rel, digest in files.items():
+        parts = rel.split("/")
+        if not rel or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
+            return f"{MANIFEST} lists an unsafe path {rel!r}"
+        full = os.path.join(path, *parts)
+        if not os.path.isfile(full):
+            return f"missing file {rel!r}"
+        try:
+            actual = sha256_file(full)
+        except OSError as exc:
+            return f"cannot read {rel!r}: {exc}"
+        if actual != digest:
+            return f"checksum mismatch for {rel!r}"
+    return None
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Final checkpoint folders (``root/round-N``, never temp folders), oldest round first.
+
+    Args:
+        root: the checkpoints folder; a missing one has no checkpoints.
+
+    Returns:
+        Paths (``root`` joined with the folder name), valid or not: see :func:`verify`.
+    """
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for entry in os.listdir(root):
+        m = _FINAL_RE.match(entry)
+        full = os.path.join(root, entry)
+        if m and os.path.isdir(full):
+            found.append((int(m.group(1)), full))
+    return [p for _, p in sorted(found)]
+
+
+def latest_valid(root: str) -> tuple[str | None, list[tuple[str, str]]]:
+    """The newest checkpoint under ``root`` that verifies.
+
+    Args:
+        root: the checkpoints folder.
+
+    Returns:
+        ``(path or None, skipped)`` where ``skipped`` lists ``(path, reason)`` for each
+        newer checkpoint that failed :func:`verify`, newest first (all of them when
+        nothing verifies).
+    """
+    skipped: list[tuple[str, str]] = []
+    for path in reversed(list_checkpoints(root)):
+        reason = verify(path)
+        if reason is None:
+            return path, skipped
+        skipped.append((path, reason))
+    return None, skipped
+
+
+def prune(root: str, keep: int | None) -> list[str]:
+    """Delete old checkpoints and stale temp folders under ``root``.
+
+    Call it only when no :func:`begin`/:func:`commit` is in flight under ``root``:
+    every ``.tmp-*`` folder is taken to be left over from a crash.
+
+    Args:
+        root: the checkpoints folder.
+        keep: how many valid checkpoints to keep, newest first (>= 1); every other
+            checkpoint, valid or not, is deleted. None keeps all checkpoints (only temp
+            folders go). The newest valid checkpoint is never deleted.
+
+    Returns:
+        The deleted paths.
+    """
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ValueError(f"keep must be None or an int >= 1, got {keep!r}")
+    if not os.path.isdir(root):
+        return []
+    deleted: list[str] = []
+    for entry in sorted(os.listdir(root)):
+        full = os.path.join(root, entry)
+        if entry.startswith(_TMP_PREFIX) and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+            deleted.append(full)
+    if keep is None:
+        return deleted
+    kept = 0
+    # Newest first, verifying only until `keep` valid ones are found: everything older
+    # goes regardless, so there is no point hashing it.
+    for path in reversed(list_checkpoints(root)):
+        if kept < keep and verify(path) is None:
+            kept += 1
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        deleted.append(path)
+    return deleted
+
+
+def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
+    """Turn a ``resume_from`` setting into the checkpoint folder to load.
+
+    Args:
+        resume_from: one of
+            * a checkpoint folder (holds ``manifest.json`` or is named ``round-N``): that
+              one, or if it does not verify, the newest valid one older than it beside it;
+            * a run's ``output_dir`` (holds ``checkpoints/``): its newest valid checkpoint;
+            * a checkpoints folder (holds ``round-N`` folders): its newest valid one.
+
+    Returns:
+        ``(absolute checkpoint path, skipped)`` with ``skipped`` the ``(path, reason)``
+        of each checkpoint passed over because it failed :func:`verify`, newest first.
+
+    Raises:
+        ConfigError: the path does not exist, holds no checkpoints, or none verifies;
+            the message names ``resume_from``, the folder searched and the reasons.
+    """
+    if not os.path.exists(resume_from):
+        raise ConfigError(f"resume_from: {resume_from!r} does not exist")
+    if not os.path.isdir(resume_from):
+        raise ConfigError(f"resume_from: {resume_from!r} is not a folder (expected a checkpoint "
+                          "folder, a checkpoints folder or a run's output_dir)")
+    path = os.path.abspath(resume_from)
+    skipped: list[tuple[str, str]] = []
+
+    if os.path.isfile(os.path.join(path, MANIFEST)) or _round_of(path) is not None:
+        root = os.path.dirname(path)
+        reason = verify(path)
+        if reason is None:
+            return path, []
+        skipped.append((path, reason))
+        mine = _round_of(path)
+        if mine is None:
+            # Not named round-N: its round is only in the manifest, if that is readable.
+            try:
+                mine = int(read_manifest(path).get("round"))
+            except (DataError, TypeError, ValueError):
+                mine = None
+        older = [p for p in list_checkpoints(root) if mine is not None and _round_of(p) < mine]
+        for cand in reversed(older):
+            reason = verify(cand)
+            if reason is None:
+                return cand, skipped
+            skipped.append((cand, reason))
+        where = f" or in an older checkpoint beside it in {root!r}" if mine is not None else ""
+        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint{where} "
+                          f"({_reasons(skipped)})")
+
+    root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
+    if not list_checkpoints(root):
+        raise ConfigError(f"resume_from: {resume_from!r} holds no checkpoints (no round-XXXXXXXX folders "
+                          f"in {root!r}; expected a checkpoint folder, a checkpoints folder or a run's "
+                          "output_dir)")
+    found, skipped = latest_valid(root)
+    if found is None:
+        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint in {root!r} "
+                          f"({_reasons(skipped)})")
+    return found, skipped
+
+
+def _reasons(skipped: list[tuple[str, str]]) -> str:
+    return "; ".join(f"{os.path.basename(p)}: {r}" for p, r in skipped)
+
+
+# ----------------------------------------------------------------------- file helpers
+
+
+def _sibling_tmp(path: str) -> str:
+    folder, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".part", dir=folder)
+    os.close(fd)
+    return tmp
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    tmp = _sibling_tmp(path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _read_json(path: str, what: str) -> Any:
+    if not os.path.isfile(path):
+        raise DataError(f"{what} {path!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{what} {path!r} is not valid JSON: {exc}") from exc
+
+
+def _fsync_file(path: str) -> None:
+    # Some platforms (Windows) cannot fsync a read-only handle; durability there is best effort.
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    # Makes renames and new entries durable on POSIX; directories cannot be opened on Windows.
+    if os.name == "nt":
+        return
+    _fsync_file(path)

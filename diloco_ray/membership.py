@@ -1,0 +1,138 @@
+"""Who takes part in the next round: the pure membership policy, and the driver's
+bookkeeping of replicas that are starting.
+
+:func:`decide` is a pure function from (target, active ids, starting ids) to a
+:class:`Decision`; :class:`Membership` carries it out with Ray: it requests placement
+groups, starts set-up once a group is placed, and admits a replica once its set-up is
+done, all without blocking the round loop unless asked to wait.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import ray
+
+from diloco_ray.config import TrainerConfig
+from diloco_ray.replica import Replica
+
+
+@dataclass
+class Decision:
+    """What to change at a round boundary.
+
+    Args:
+        start: how many new replicas to request.
+        stop: ids of active replicas to stop (newest first).
+        cancel: ids of starting replicas to give up on (newest first).
+    """
+
+    start: int = 0
+    stop: list[int] = field(default_factory=list)
+    cancel: list[int] = field(default_factory=list)
+
+
+def decide(target: int, active: list[int], starting: list[int]) -> Decision:
+    """Move towards ``target`` replicas: start the shortfall, or stop the newest extras.
+
+    Starting replicas count towards the target, so a slow start is not requested twice.
+    """
+    if len(active) >= target:
+        return Decision(stop=sorted(active, reverse=True)[:len(active) - target],
+                        cancel=sorted(starting, reverse=True))
+    missing = target - len(active)
+    if len(starting) > missing:
+        return Decision(cancel=sorted(starting, reverse=True)[:len(starting) - missing])
+    return Decision(start=missing - len(starting))
+
+
+class Membership:
+    """The active replicas (in slot order) and the ones still starting.
+
+    Args:
+        config: the job's TrainerConfig.
+        device: ``"cpu"`` or ``"cuda"``.
+        worker_cls: the rank class for new replicas.
+        on_event: called with each membership event (a dict) for metrics.jsonl.
+        on_admit: called with (replica, slot) just before a replica becomes active, e.g.
+            to restore its inner state from a checkpoint.
+    """
+
+    def __init__(self, config: TrainerConfig, device: str, worker_cls: type,
+                 on_event: Callable[[dict], None], on_admit: Optional[Callable[[Replica, int], None]] = None):
+        self.config, self.device, self.worker_cls = config, device, worker_cls
+        self.on_event, self.on_admit = on_event, on_admit
+        self.active: list[Replica] = []
+        self.starting: list[Replica] = []
+        self._next_id = 0
+        self.round_index = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return [r.id for r in self.active]
+
+    def reconcile(self, target: int, wait_s: float = 0.0) -> None:
+        """Apply :func:`decide`, then admit starting replicas that are ready, waiting up
+        to ``wait_s`` seconds for the rest."""
+        d = decide(target, self.ids, [r.id for r in self.starting])
+        for rid in d.stop:
+            self.remove(next(r for r in self.active if r.id == rid), "scaled down")
+        for rid in d.cancel:
+            rep = next(r for r in self.starting if r.id == rid)
+            self.starting.remove(rep)
+            rep.stop()
+        for _ in range(d.start):
+            rep = Replica(self._next_id, self.config, self.device, self.worker_cls)
+            rep.requested_at = time.time()
+            self._next_id += 1
+            self.starting.append(rep)
+        self.admit_ready(wait_s)
+
+    def admit_ready(self, wait_s: float) -> None:
+        """Advance starting replicas (placed -> set up -> active), waiting up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while self.starting:
+            for rep in list(self.starting):
+                self._advance(rep)
+            waiting = [ref for rep in self.starting for ref in rep.pending_refs()]
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            ray.wait(waiting, num_returns=1, timeout=remaining)
+
+    def _advance(self, rep: Replica) -> None:
+        if rep.setup_refs is None:
+            if ray.wait([rep.placed_ref], timeout=0)[0]:
+                rep.setup_refs = rep.setup()
+            return
+        if len(ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)[0]) < len(rep.setup_refs):
+            return
+        self.starting.remove(rep)
+        try:
+            rep.shapes = ray.get(rep.setup_refs)[0]
+            slot = len(self.active)
+            if self.on_admit is not None:
+                self.on_admit(rep, slot)
+        except ray.exceptions.RayActorError as e:  # died while starting: try again later
+            rep.stop()
+            self.on_event({"event": "membership", "action": "failed_start", "replica_id": rep.id,
+                           "round": self.round_index, "reason": str(e).splitlines()[0][:200]})
+            return
+        self.active.append(rep)
+        self.on_event({"event": "membership", "action": "join", "replica_id": rep.id, "round": self.round_index,
+                       "replicas": len(self.active), "start_seconds": time.time() - rep.requested_at})
+
+    def remove(self, rep: Replica, reason: str) -> None:
+        """Stop ``rep`` and forget it (its placement group is released)."""
+        rep.stop()
+        if rep in self.active:
+            self.active.remove(rep)
+        self.on_event({"event": "membership", "action": "leave", "replica_id": rep.id, "reason": reason,
+                       "round": self.round_index, "replicas": len(self.active)})
+
+    def stop_all(self) -> None:
+        for rep in self.active + self.starting:
+            rep.stop()
+        self.active, self.starting = [], []
