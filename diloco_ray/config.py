@@ -91,6 +91,7 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")
     cpus_per_rank: float = _f(1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
+    server_resources: dict = _f({}, "custom Ray resources the server actor needs, to pin it to a node (e.g. {head: 1})")
     round_timeout_s: Optional[float] = _f(None, "straggler deadline for one round; late replicas are dropped from it", gt=0.0)
     join_timeout_s: float = _f(0.0, "how long a round boundary waits for starting replicas before going on without them", ge=0.0)
     placement_timeout_s: float = _f(600.0, "how long to wait for room for min_replicas replicas before giving up", gt=0.0)

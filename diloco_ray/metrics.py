@@ -58,6 +58,15 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({f"round/{k}": v for k, v in scalars.items()}, step=step)
 
+    def truncate_rounds(self, from_round: int) -> int:
+        """Drop the round records from ``from_round`` on (they are about to be rerun),
+        keeping this logger appending to the rewritten file."""
+        self._file.close()
+        try:
+            return truncate_rounds(os.path.dirname(self.path), from_round)
+        finally:
+            self._file = open(self.path, "a", buffering=1)
+
     def close(self) -> None:
         self._file.close()
         if self._tb is not None:

@@ -266,7 +266,8 @@ class OuterOptimizer:
         return self.params
 
     def state_dict(self) -> dict[str, Any]:
-        """Snapshot: ``{"params": name -> clone, "optimizer": torch state, "round": int}``.
+        """Snapshot: ``{"params": name -> clone, "optimizer": torch state, "round": int,
+        "names": param order}``.
 
         The optimizer state is deep-copied: torch updates its buffers in place, so a
         shallow snapshot would drift as training continues.
@@ -275,6 +276,8 @@ class OuterOptimizer:
             "params": {k: v.detach().clone() for k, v in self._params.items()},
             "optimizer": copy.deepcopy(self._optimizer.state_dict()),
             "round": self.round,
+            # torch keys optimizer state by position; the names make it loadable by name.
+            "names": list(self._params),
         }
 
     def load_state_dict(self, sd: Mapping[str, Any]) -> None:
@@ -291,6 +294,14 @@ class OuterOptimizer:
         with torch.no_grad():
             for name, p in self._params.items():
                 p.copy_(saved[name])
+        optim = copy.deepcopy(sd["optimizer"])
+        names = sd.get("names")
+        if names is not None and list(names) != list(self._params):
+            if sorted(names) != sorted(self._params):
+                raise ValueError("cannot load outer optimizer state: its parameter names differ")
+            # Saved in another order: move each state entry to where its param is now.
+            position = {name: i for i, name in enumerate(self._params)}
+            optim["state"] = {position[names[int(i)]]: v for i, v in optim["state"].items()}
         # torch's load_state_dict keeps same-dtype/device state tensors by reference.
-        self._optimizer.load_state_dict(copy.deepcopy(sd["optimizer"]))
+        self._optimizer.load_state_dict(optim)
         self.round = int(sd["round"])

@@ -91,7 +91,7 @@ class ParameterServer:
 
         sd = self.optimizer.state_dict()
         checkpoint.save_tensors(os.path.join(folder, "global.safetensors"), sd["params"])
-        checkpoint.save_state(folder, "outer", {"optimizer": sd["optimizer"], "round": sd["round"]})
+        checkpoint.save_state(folder, "outer", {"optimizer": sd["optimizer"], "round": sd["round"], "names": sd["names"]})
         with open(os.path.join(folder, "server.json"), "w") as f:
             json.dump({"round": sd["round"], "cursor": self.cursor.to_dict(),
                        "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
@@ -105,7 +105,8 @@ class ParameterServer:
         with open(os.path.join(folder, "server.json")) as f:
             meta = json.load(f)
         self.shapes = {n: tuple(s) for n, s in meta["shapes"].items()}
-        params = checkpoint.load_tensors(os.path.join(folder, "global.safetensors"))
+        loaded = checkpoint.load_tensors(os.path.join(folder, "global.safetensors"))
+        params = {n: loaded[n] for n in self.shapes}  # the original order (safetensors sorts keys)
         outer = checkpoint.load_state(folder, "outer")
         self.optimizer = OuterOptimizer(params, self.config)
         self.optimizer.load_state_dict({"params": params, **outer})

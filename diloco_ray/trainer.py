@@ -28,7 +28,7 @@ from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership
-from diloco_ray.metrics import MetricsLogger, truncate_rounds
+from diloco_ray.metrics import MetricsLogger
 from diloco_ray.replica import Replica
 from diloco_ray.server import Contribution, ParameterServer
 
@@ -161,7 +161,9 @@ class DilocoFSDPTrainer:
                 self.save_checkpoint()  # so a lost server can always be recreated
 
     def _new_server(self):
-        return ray.remote(self.server_cls).options(num_cpus=self.config.server_cpus).remote(self.config.to_dict())
+        cfg = self.config
+        return ray.remote(self.server_cls).options(num_cpus=cfg.server_cpus, resources=cfg.server_resources or None
+                                                   ).remote(cfg.to_dict())
 
     def _restore_inner(self, rep: Replica, slot: int, folder: Optional[str]) -> None:
         if folder is not None:
@@ -177,7 +179,7 @@ class DilocoFSDPTrainer:
         self._last_checkpoint_round = self.round_index
         self.members.round_index = self.round_index
         # Rounds after the checkpoint will be run again; their old records go.
-        truncate_rounds(self.config.output_dir, self.round_index)
+        self.metrics.truncate_rounds(self.round_index)
         self.records = [r for r in self.records if r["round"] < self.round_index]
         self._weights_ref = self.server.weights.remote()
         self._log({"event": "checkpoint", "action": reason, "path": path, "round": self.round_index})

@@ -10,6 +10,8 @@ os.environ.pop("RAY_ADDRESS", None)
 
 import pytest
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 from diloco_ray.config import TrainerConfig
 
 TINY_MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,

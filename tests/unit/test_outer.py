@@ -354,3 +354,20 @@ def test_last_step_is_outer_step_info():
     assert opt.last_step is None
     opt.step([{"w": t(1.0)}], [1.0])
     assert isinstance(opt.last_step, OuterStepInfo)
+
+
+def test_load_state_dict_by_name_when_param_order_differs():
+    """A checkpoint read back in another key order (safetensors sorts keys) must still map
+    each momentum buffer to its own parameter."""
+    config = cfg(outer_lr=0.7, outer_momentum=0.9)
+    params = {"b": torch.tensor([1.0, 2.0]), "a": torch.tensor([3.0])}
+    uninterrupted = OuterOptimizer(params, config)
+    grads = [{"b": torch.tensor([0.5, -0.5]), "a": torch.tensor([0.25])}]
+    uninterrupted.step(grads, [1.0])
+    sd = uninterrupted.state_dict()
+    reordered = OuterOptimizer({"a": sd["params"]["a"], "b": sd["params"]["b"]}, config)
+    reordered.load_state_dict(sd)
+    uninterrupted.step(grads, [1.0])
+    reordered.step(grads, [1.0])
+    for name in params:
+        assert torch.equal(reordered.params[name], uninterrupted.params[name])

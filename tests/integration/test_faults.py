@@ -1,0 +1,144 @@
+"""Faults injected at a given round, torchft style, each checked against the round
+records and the final state: the driver SIGKILLed and resumed, the server actor killed,
+a straggler past the deadline; and every stream position trained on exactly once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import ray
+import torch
+from safetensors.torch import load_file
+
+from conftest import ROOT, tiny_config
+from diloco_ray import DilocoFSDPTrainer, checkpoint
+from diloco_ray.inner import RankWorker
+from diloco_ray.metrics import read_events
+
+pytestmark = pytest.mark.integration
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def final_weights(output_dir):
+    return load_file(os.path.join(output_dir, "final", "model.safetensors"))
+
+
+def applied_positions(rounds):
+    """Every stream position the applied replicas trained on, over all round records."""
+    return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
+
+
+KILL_SCRIPT = """
+import json, os, signal, sys
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+fields, kill_after = json.loads(sys.argv[1]), int(sys.argv[2])
+class Kill:
+    def on_round_end(self, trainer, record):
+        if record["round"] == kill_after:
+            os.kill(os.getpid(), signal.SIGKILL)   # no clean-up of any kind
+DilocoFSDPTrainer(TrainerConfig(**fields), callbacks=[Kill()]).train()
+"""
+
+
+def test_sigkill_driver_then_resume_equals_uninterrupted(ray_local, tmp_path):
+    common = dict(diloco_loops=5, max_steps=3, checkpoint_steps=3, eval_batches=1)
+    reference = tiny_config(tmp_path / "reference", **common)
+    DilocoFSDPTrainer(reference).train()
+
+    killed = tiny_config(tmp_path / "killed", **common)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-c", KILL_SCRIPT, json.dumps(killed.to_dict()), "2"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert [r["round"] for r in read_events(killed.output_dir, "round")] == [0, 1, 2]
+    assert not os.path.exists(os.path.join(killed.output_dir, "final"))
+    root = os.path.join(killed.output_dir, "checkpoints")
+    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(root)][-1] == "round-00000003"
+
+    # The newest checkpoint is damaged: resume must notice and use the one before.
+    newest = checkpoint.list_checkpoints(root)[-1]
+    with open(os.path.join(newest, "global.safetensors"), "r+b") as f:
+        f.seek(-8, os.SEEK_END)
+        f.write(b"\x00" * 8)
+
+    resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(killed.output_dir, "config.yaml"),
+                              "--set", f"resume_from={killed.output_dir}"],
+                             env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "round-00000003" in resumed.stderr and "unusable" in resumed.stderr
+
+    rounds = read_events(killed.output_dir, "round")
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]  # round 2 rerun once, contiguous
+    got, want = final_weights(killed.output_dir), final_weights(reference.output_dir)
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
+    positions = applied_positions(rounds)
+    assert sorted(positions) == list(range(len(positions)))  # the resumed stream neither repeats nor skips
+
+
+class SlowWorker(RankWorker):
+    """Replica 1 takes 3 s per inner step in round 1 (a straggler)."""
+
+    def _optimizer_step(self):
+        if self.replica_id == 1 and getattr(self, "_round", None) == 1:
+            time.sleep(3.0)
+        super()._optimizer_step()
+
+    def run_round(self, weights, round_index, plan):
+        self._round = round_index
+        return super().run_round(weights, round_index, plan)
+
+
+def test_straggler_is_dropped_then_rejoins(ray_local, tmp_path):
+    cfg = tiny_config(tmp_path / "run", diloco_loops=4, max_steps=4, round_timeout_s=6.0, eval_batches=0)
+    result = DilocoFSDPTrainer(cfg, worker_cls=SlowWorker).train()
+    rounds = result.rounds
+    assert rounds[1]["replica_ids"] == [0] and rounds[1]["late"] == [1] and rounds[1]["dropped"] == [1]
+    # The same replica (no replacement) is back for the next round: the abort freed it.
+    assert rounds[2]["replica_ids"] == [0, 1] and rounds[3]["replica_ids"] == [0, 1]
+    assert not [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "leave"]
+    assert rounds[1]["round_seconds"] < 6.0 + 5.0
+    positions = applied_positions(rounds)
+    assert sorted(positions) == list(range(len(positions)))  # its data was handed out again
+
+
+def test_server_actor_killed_is_recreated_from_checkpoint(ray_local, tmp_path):
+    class KillServer:
+        def on_round_end(self, trainer, record):
+            if record["round"] == 1:
+                ray.kill(trainer.server, no_restart=True)
+
+    cfg = tiny_config(tmp_path / "run", diloco_loops=4, checkpoint_steps=4, max_steps=4, eval_batches=1)
+    result = DilocoFSDPTrainer(cfg, callbacks=[KillServer()]).train()
+    assert [r["round"] for r in result.rounds] == [0, 1, 2, 3]
+    events = read_events(cfg.output_dir)
+    restarts = [e for e in events if e.get("event") == "server" and e["action"] == "restart"]
+    assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
+    assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2, 3]
+    assert all(np.isfinite(r["eval_loss"]) for r in result.rounds)
+    positions = applied_positions(result.rounds)
+    assert sorted(positions) == list(range(len(positions)))
+
+
+def test_scale_two_three_two(ray_local, tmp_path):
+    class Scaler:
+        def on_round_end(self, trainer, record):
+            if record["round"] == 1:
+                trainer.scale(3)
+            if record["round"] == 2:
+                trainer.scale(2)
+
+    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=4, eval_batches=0, join_timeout_s=120)
+    result = DilocoFSDPTrainer(cfg, callbacks=[Scaler()]).train()
+    assert [r["replicas"] for r in result.rounds] == [2, 2, 3, 2]
+    assert result.rounds[2]["replica_ids"] == [0, 1, 2]
+    joins = [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "join"]
+    assert [e["replica_id"] for e in joins] == [0, 1, 2] and joins[-1]["start_seconds"] > 0
+    positions = applied_positions(result.rounds)
+    assert sorted(positions) == list(range(len(positions)))

@@ -1,0 +1,67 @@
+"""A whole node lost mid-round, on a two-node ``ray.cluster_utils.Cluster``: the round is
+applied with the survivor, and a replacement joins once a new node gives it room."""
+
+import sys
+import threading
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from conftest import tiny_config
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.inner import RankWorker
+from diloco_ray.metrics import read_events
+
+pytestmark = pytest.mark.integration
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+class SlowRoundOne(RankWorker):
+    """Round 1 takes at least 3 s, so the node is lost while it runs."""
+
+    def run_round(self, weights, round_index, plan):
+        if round_index == 1:
+            time.sleep(3.0)
+        return super().run_round(weights, round_index, plan)
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    # Head: the server (0.5 CPU) and one replica (1 CPU); the worker node: the other replica.
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"head": 1}})
+    worker = cluster.add_node(num_cpus=1)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster, worker
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def test_node_lost_mid_round(two_nodes, tmp_path):
+    cluster, worker = two_nodes
+
+    class LoseNode:
+        def on_round_end(self, trainer, record):
+            if record["round"] == 0:
+                def lose():
+                    time.sleep(1.0)  # round 1 is under way
+                    cluster.remove_node(worker, allow_graceful=False)
+                threading.Thread(target=lose, daemon=True).start()
+            if record["round"] == 1:
+                cluster.add_node(num_cpus=1)  # room for a replacement (main thread only)
+
+    cfg = tiny_config(tmp_path / "run", diloco_loops=4, max_steps=4, cpus_per_rank=1, server_cpus=0.5,
+                      server_resources={"head": 1},
+                      min_replicas=1, join_timeout_s=180, placement_timeout_s=180, eval_batches=1)
+    result = DilocoFSDPTrainer(cfg, callbacks=[LoseNode()], worker_cls=SlowRoundOne).train()
+    rounds = result.rounds
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert rounds[1]["replicas"] == 1 and len(rounds[1]["dropped"]) == 1
+    lost = rounds[1]["dropped"][0]
+    assert rounds[-1]["replicas"] == 2 and lost not in rounds[-1]["replica_ids"]
+    events = read_events(cfg.output_dir, "membership")
+    assert any(e["action"] == "leave" and e["replica_id"] == lost for e in events)
+    assert any(e["action"] == "join" and e["replica_id"] == 2 for e in events)
+    positions = [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
+    assert sorted(positions) == list(range(len(positions)))
