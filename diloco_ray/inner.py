@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import data, modeling
+from diloco_ray import data, modeling, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.sharding import local_rows
@@ -68,6 +68,7 @@ class RoundStats:
     load_seconds: float   # copying the global weights in
     bytes_up: int         # pseudo-gradient bytes this rank sent
     aborted: bool = False  # stopped early by abort(): nothing to apply
+    resumed_step: int = 0  # inner steps restored from an in-flight snapshot
 
 
 class RankWorker:
@@ -146,9 +147,19 @@ class RankWorker:
             local.copy_(rows)
             self._anchor[name] = local.detach().float().clone()
 
-    def run_round(self, weights: dict[str, np.ndarray], round_index: int, plan: list):
+    def run_round(self, weights: dict[str, np.ndarray], round_index: int, plan: list,
+                  snapshots: dict | None = None):
         """Load the global weights, run ``max_steps`` inner steps on this replica's stream
-        ranges ``plan``, and return ``(pseudo_grad_rows, RoundStats)``."""
+        ranges ``plan``, and return ``(pseudo_grad_rows, RoundStats)``.
+
+        Args:
+            weights: the global weights (resolved from the object store by Ray).
+            round_index: the round being run (drives the lr schedule).
+            plan: this replica's ``(start, count)`` ranges of the data stream.
+            snapshots: in-flight snapshot settings, or None: ``folder`` (this round's),
+                ``slot``, ``every`` (inner steps between snapshots) and ``resume_step``
+                (continue from that snapshot instead of step 0, or None).
+        """
         cfg = self.config
         t0 = time.perf_counter()
         self.load_global(weights)
@@ -157,8 +168,11 @@ class RankWorker:
         steps = data.rank_batches(plan, cfg, self.rank, len(self.blocks.train))
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
-        tokens, aborted = 0, False
-        for t, micro_batches in enumerate(steps):
+        tokens, aborted, first = 0, False, 0
+        if snapshots and snapshots.get("resume_step"):
+            first, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
+        for t in range(first, len(steps)):
+            micro_batches = steps[t]
             if self._stop_requested(round_index):
                 aborted = True
                 break
@@ -175,12 +189,40 @@ class RankWorker:
                 loss_sum += loss.detach()
                 tokens += batch.numel()
             self._optimizer_step()
+            if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
+                self._save_snapshot(snapshots, plan, t + 1, loss_sum, tokens)
         t2 = time.perf_counter()
         pseudo_grad = {} if aborted else self.pseudo_gradient()
         stats = RoundStats(rank=self.rank, inner_steps=t if aborted else len(steps), tokens=tokens,
                            loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=t1 - t0,
-                           bytes_up=sum(a.nbytes for a in pseudo_grad.values()), aborted=aborted)
+                           bytes_up=sum(a.nbytes for a in pseudo_grad.values()), aborted=aborted,
+                           resumed_step=first)
         return pseudo_grad, stats
+
+    def _save_snapshot(self, snapshots: dict, plan: list, step: int, loss_sum: torch.Tensor, tokens: int) -> None:
+        state = {"rows": {n: _local(p).detach().cpu() for n, p in self.params},
+                 "optimizer": _to_local_tree(self.optimizer.state_dict()),
+                 "rng_cpu": torch.get_rng_state(),
+                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+                 "plan": [list(r) for r in plan], "loss_sum": float(loss_sum), "tokens": tokens}
+        snapshot.save(snapshots["folder"], snapshots["slot"], self.rank, step, state)
+
+    @torch.no_grad()
+    def _restore_snapshot(self, snapshots: dict, plan: list, loss_sum: torch.Tensor) -> tuple[int, int]:
+        """Continue a round from an in-flight snapshot: (first step to run, tokens so far).
+        A snapshot taken with another data plan does not apply: (0, 0)."""
+        step = snapshots["resume_step"]
+        state = snapshot.load(snapshots["folder"], snapshots["slot"], self.rank, step)
+        if state["plan"] != [list(r) for r in plan]:
+            return 0, 0
+        for name, p in self.params:
+            _local(p).copy_(state["rows"][name])
+        self.optimizer.load_state_dict(_like_params(state["optimizer"], [p for _, p in self.params]))
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["rng_cuda"])
+        loss_sum += state["loss_sum"]
+        return step, state["tokens"]
 
     def abort(self, round_index: int) -> None:
         """Ask a running ``run_round(round_index)`` to stop at its next step boundary.

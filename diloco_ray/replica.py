@@ -76,11 +76,13 @@ class Replica:
     def local_shards(self) -> list:
         return [r.local_shards.remote() for r in self.ranks]
 
-    def run_round(self, weights_ref: Any, round_index: int, plan: list) -> tuple[list, list]:
+    def run_round(self, weights_ref: Any, round_index: int, plan: list,
+                  snapshots: dict | None = None) -> tuple[list, list]:
         """Start one round on every rank: (pseudo-gradient shard refs, stats refs)."""
         shards, stats = [], []
         for r in self.ranks:
-            shard_ref, stats_ref = r.run_round.options(num_returns=2).remote(weights_ref, round_index, plan)
+            shard_ref, stats_ref = r.run_round.options(num_returns=2).remote(weights_ref, round_index, plan,
+                                                                             snapshots)
             shards.append(shard_ref)
             stats.append(stats_ref)
         return shards, stats

@@ -23,7 +23,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import checkpoint
+from diloco_ray import checkpoint, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
@@ -81,7 +81,9 @@ class DilocoFSDPTrainer:
         self.members: Optional[Membership] = None
         self.metrics: Optional[MetricsLogger] = None
         self.checkpoint_root = os.path.join(config.output_dir, "checkpoints")
+        self.inflight_root = os.path.join(self.checkpoint_root, "inflight")
         self._last_checkpoint_round: Optional[int] = None
+        self._resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
 
     # ---- public API -------------------------------------------------------------------
     def scale(self, n: int) -> int:
@@ -152,6 +154,11 @@ class DilocoFSDPTrainer:
         restore_from = None  # replicas that join later start with a fresh inner state
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
+            folder = snapshot.round_dir(self.inflight_root, self.round_index)
+            for slot in range(len(self.replicas)):
+                step = snapshot.common_step(folder, slot, cfg.ranks_per_replica)
+                if step is not None:
+                    self._resume_steps[slot] = step
         else:
             seed = self.replicas[0]  # every rank builds the same initial model
             self.weight_bytes = ray.get(self.server.initialize.remote(seed.local_shards(), seed.shapes))
@@ -225,8 +232,10 @@ class DilocoFSDPTrainer:
         except RayActorError:
             self._recover_server()
             return None
-        launched = {rep.id: (rep, *rep.run_round(self._weights_ref, self.round_index, plans[rep.id]))
-                    for rep in members}
+        launched = {rep.id: (rep, *rep.run_round(self._weights_ref, self.round_index, plans[rep.id],
+                                                 self._snapshot_settings(slot)))
+                    for slot, rep in enumerate(members)}
+        self._resume_steps = {}  # in-flight progress applies to the first attempt only
         reported, late, failed = self._gather(launched, cfg.round_timeout_s)
         for rep in failed:
             self.members.remove(rep, "failed")
@@ -269,6 +278,8 @@ class DilocoFSDPTrainer:
             "outer_lr": applied.outer_lr,
             "pseudo_grad_norm": applied.pseudo_grad_norm,
             "data_ranges": {str(k): v for k, v in applied.data_ranges.items()},
+            "resumed_steps": {str(rid): reported[rid][0].resumed_step for rid in applied.accepted
+                              if reported[rid][0].resumed_step},
             "bytes_up": sum(s.bytes_up for stats in reported.values() for s in stats),
             "bytes_down": self.weight_bytes * len(members),
             "round_seconds": time.perf_counter() - t_start,
@@ -285,6 +296,15 @@ class DilocoFSDPTrainer:
                 hook(self, record)
         self._reconcile()
         return record
+
+    def _snapshot_settings(self, slot: int) -> Optional[dict]:
+        """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
+        because round checkpoints already come at least as often)."""
+        every = self.config.checkpoint_steps
+        if every is None or every >= self.config.max_steps:
+            return None
+        return {"folder": snapshot.round_dir(self.inflight_root, self.round_index), "slot": slot,
+                "every": every, "resume_step": self._resume_steps.get(slot)}
 
     def _gather(self, launched: dict, timeout_s: Optional[float]):
         """Wait for every replica's stats until the deadline; tell the late ones to stop.
@@ -385,6 +405,7 @@ class DilocoFSDPTrainer:
                 "seed": cfg.seed, "max_steps": cfg.max_steps}
         path = checkpoint.commit(tmp, self.checkpoint_root, self.round_index, meta)
         self._last_checkpoint_round = self.round_index
+        snapshot.clear_before(self.inflight_root, self.round_index)
         pruned = checkpoint.prune(self.checkpoint_root, cfg.save_total_limit)
         self._log({"event": "checkpoint", "action": "saved", "path": path, "round": self.round_index,
                    "pruned": pruned})

@@ -90,9 +90,9 @@ class SlowWorker(RankWorker):
             time.sleep(3.0)
         super()._optimizer_step()
 
-    def run_round(self, weights, round_index, plan):
+    def run_round(self, weights, round_index, plan, snapshots=None):
         self._round = round_index
-        return super().run_round(weights, round_index, plan)
+        return super().run_round(weights, round_index, plan, snapshots)
 
 
 def test_straggler_is_dropped_then_rejoins(ray_local, tmp_path):
@@ -142,3 +142,47 @@ def test_scale_two_three_two(ray_local, tmp_path):
     assert [e["replica_id"] for e in joins] == [0, 1, 2] and joins[-1]["start_seconds"] > 0
     positions = applied_positions(result.rounds)
     assert sorted(positions) == list(range(len(positions)))
+
+
+MID_ROUND_KILL_SCRIPT = """
+import json, os, signal, sys, time
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+from diloco_ray.inner import RankWorker
+os.environ["DRIVER_PID"] = str(os.getpid())   # Ray's local workers inherit it
+
+class KillDriverMidRound(RankWorker):
+    def _save_snapshot(self, snapshots, plan, step, loss_sum, tokens):
+        super()._save_snapshot(snapshots, plan, step, loss_sum, tokens)
+        if self.replica_id == 0 and "round-00000002" in snapshots["folder"] and step == 4:
+            os.kill(int(os.environ["DRIVER_PID"]), signal.SIGKILL)
+            time.sleep(60)   # the cluster goes down with its driver
+
+DilocoFSDPTrainer(TrainerConfig(**json.loads(sys.argv[1])), worker_cls=KillDriverMidRound).train()
+"""
+
+
+def test_driver_killed_mid_round_resumes_from_inflight_snapshot(ray_local, tmp_path):
+    common = dict(diloco_loops=4, max_steps=6, checkpoint_steps=2, eval_batches=1)
+    reference = tiny_config(tmp_path / "reference", **common)
+    DilocoFSDPTrainer(reference).train()
+
+    killed = tiny_config(tmp_path / "killed", **common)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-c", MID_ROUND_KILL_SCRIPT, json.dumps(killed.to_dict())],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    assert [r["round"] for r in read_events(killed.output_dir, "round")] == [0, 1]
+
+    resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(killed.output_dir, "config.yaml"),
+                              "--set", f"resume_from={killed.output_dir}"],
+                             env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rounds = read_events(killed.output_dir, "round")
+    assert [r["round"] for r in rounds] == [0, 1, 2, 3]
+    assert rounds[2]["resumed_steps"]["0"] == 4  # replica 0 went on from its step-4 snapshot
+    got, want = final_weights(killed.output_dir), final_weights(reference.output_dir)
+    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
+    # Snapshots of rounds a round checkpoint covers are cleaned up.
+    assert not os.path.exists(os.path.join(killed.output_dir, "checkpoints", "inflight", "round-00000002"))

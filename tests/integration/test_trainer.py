@@ -43,10 +43,10 @@ class RecordingServer(ParameterServer):
 class CrashingWorker(RankWorker):
     """Replica 1's process dies in the middle of round 1."""
 
-    def run_round(self, weights, round_index, plan):
+    def run_round(self, weights, round_index, plan, snapshots=None):
         if self.replica_id == 1 and round_index == 1:
             os._exit(1)
-        return super().run_round(weights, round_index, plan)
+        return super().run_round(weights, round_index, plan, snapshots)
 
 
 class NaNWorker(RankWorker):
