@@ -101,7 +101,7 @@ def test_straggler_is_dropped_then_rejoins(ray_local, tmp_path):
     rounds = result.rounds
     assert rounds[1]["replica_ids"] == [0] and rounds[1]["late"] == [1] and rounds[1]["dropped"] == [1]
     # The same replica (no replacement) is back for the next round: the abort freed it.
-    assert rounds[2]["replica_ids"] == [0, 1] and rounds[3]["replica_ids"] == [0, 1]
+    assert sorted(rounds[2]["replica_ids"]) == [0, 1] and sorted(rounds[3]["replica_ids"]) == [0, 1]
     assert not [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "leave"]
     assert rounds[1]["round_seconds"] < 6.0 + 5.0
     positions = applied_positions(rounds)
@@ -137,9 +137,11 @@ def test_scale_two_three_two(ray_local, tmp_path):
     cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=4, eval_batches=0, join_timeout_s=120)
     result = DilocoFSDPTrainer(cfg, callbacks=[Scaler()]).train()
     assert [r["replicas"] for r in result.rounds] == [2, 2, 3, 2]
-    assert result.rounds[2]["replica_ids"] == [0, 1, 2]
+    assert sorted(result.rounds[2]["replica_ids"]) == [0, 1, 2]
     joins = [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "join"]
-    assert [e["replica_id"] for e in joins] == [0, 1, 2] and joins[-1]["start_seconds"] > 0
+    # The first two join in whichever order their set-up finishes; the third is new.
+    assert sorted(e["replica_id"] for e in joins) == [0, 1, 2]
+    assert joins[-1]["replica_id"] == 2 and joins[-1]["start_seconds"] > 0
     positions = applied_positions(result.rounds)
     assert sorted(positions) == list(range(len(positions)))
 

@@ -135,7 +135,7 @@ def test_replica_dies_mid_round(ray_local, tmp_path):
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[1]["replica_ids"] == [0] and rounds[1]["dropped"] == [1]
-    assert rounds[2]["replicas"] == 2 and rounds[2]["replica_ids"] == [0, 2]  # a replacement joined
+    assert sorted(rounds[2]["replica_ids"]) == [0, 2]  # a replacement joined
     events = read_events(cfg.output_dir, "membership")
     assert {"action": "leave", "replica_id": 1} in [{k: e[k] for k in ("action", "replica_id")} for e in events]
     assert all(math.isfinite(r["eval_loss"]) for r in rounds)
