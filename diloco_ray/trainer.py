@@ -307,33 +307,47 @@ class DilocoFSDPTrainer:
                 "every": every, "resume_step": self._resume_steps.get(slot)}
 
     def _gather(self, launched: dict, timeout_s: Optional[float]):
-        """Wait for every replica's stats until the deadline; tell the late ones to stop.
+        """Collect every replica's stats as they arrive, until the deadline.
 
-        Returns (reported: id -> [RoundStats], late ids, failed replicas).
+        A rank that fails takes its whole replica down at once: its partners would
+        otherwise wait in an FSDP collective forever. Replicas still running at the
+        deadline are told to stop. Returns (reported: id -> [RoundStats], late ids,
+        failed replicas).
         """
-        refs = [ref for (_, _, stats) in launched.values() for ref in stats]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s, fetch_local=False)[0])
-        reported, late, failed = {}, [], []
+        owner = {ref: rid for rid, (_, _, stats) in launched.items() for ref in stats}
+        results: dict[int, list] = {rid: [] for rid in launched}
+        failed: dict[int, Replica] = {}
+        pending = set(owner)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining, fetch_local=False)
+            if not ready:
+                break  # the deadline passed
+            for ref in ready:
+                pending.discard(ref)
+                rid = owner[ref]
+                if rid in failed:
+                    continue
+                try:
+                    results[rid].append(ray.get(ref))
+                except (RayActorError, RayTaskError) as e:
+                    if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
+                        raise
+                    failed[rid] = launched[rid][0]
+                    failed[rid].stop()  # frees ranks blocked in a collective with the dead one
+                    pending -= {r for r in pending if owner[r] == rid}
+        reported, late = {}, []
         for rid, (rep, _, stats_refs) in launched.items():
-            if not all(r in ready for r in stats_refs):
+            if rid in failed:
+                continue
+            stats = results[rid]
+            if len(stats) < len(stats_refs) or any(s.aborted for s in stats):
                 late.append(rid)
                 rep.abort(self.round_index)  # free it for the next round
-                continue
-            try:
-                stats = ray.get(stats_refs)
-            except RayActorError:
-                failed.append(rep)
-                continue
-            except RayTaskError as e:
-                if isinstance(unwrap(e), UserInputError):
-                    raise
-                failed.append(rep)
-                continue
-            if any(s.aborted for s in stats):
-                late.append(rid)
             else:
-                reported[rid] = stats
-        return reported, late, failed
+                reported[rid] = sorted(stats, key=lambda s: s.rank)
+        return reported, late, list(failed.values())
 
     def _evaluate(self) -> Optional[float]:
         if self.config.eval_batches == 0:

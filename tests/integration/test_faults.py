@@ -188,3 +188,22 @@ def test_driver_killed_mid_round_resumes_from_inflight_snapshot(ray_local, tmp_p
     assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
     # Snapshots of rounds a round checkpoint covers are cleaned up.
     assert not os.path.exists(os.path.join(killed.output_dir, "checkpoints", "inflight", "round-00000002"))
+
+
+def test_scale_request_from_another_process(ray_local, tmp_path):
+    class AskFromOutside:
+        def on_round_end(self, trainer, record):
+            if record["round"] == 0:  # a separate process, as a user at a terminal would
+                r = subprocess.run([sys.executable, "-m", "diloco_ray", "scale", trainer.config.output_dir, "3"],
+                                   capture_output=True, text=True, cwd=ROOT)
+                assert r.returncode == 0, r.stderr
+
+    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, join_timeout_s=120)
+    result = DilocoFSDPTrainer(cfg, callbacks=[AskFromOutside()]).train()
+    assert [r["replicas"] for r in result.rounds] == [2, 3, 3]
+    scale_events = [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "scale"]
+    assert [e["target"] for e in scale_events] == [3]
+
+    missing = subprocess.run([sys.executable, "-m", "diloco_ray", "scale", str(tmp_path / "nothing"), "2"],
+                             capture_output=True, text=True, cwd=ROOT)
+    assert missing.returncode == 2 and "holds no run" in missing.stderr

@@ -41,12 +41,17 @@ class RecordingServer(ParameterServer):
 
 
 class CrashingWorker(RankWorker):
-    """Replica 1's process dies in the middle of round 1."""
+    """The last rank of replica 1 dies at inner step 2 of round 1."""
 
     def run_round(self, weights, round_index, plan, snapshots=None):
-        if self.replica_id == 1 and round_index == 1:
-            os._exit(1)
+        self._round, self._step = round_index, 0
         return super().run_round(weights, round_index, plan, snapshots)
+
+    def _optimizer_step(self):
+        self._step += 1
+        if self.replica_id == 1 and self.rank == self.world_size - 1 and self._round == 1 and self._step == 2:
+            os._exit(1)
+        super()._optimizer_step()
 
 
 class NaNWorker(RankWorker):
@@ -129,8 +134,12 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path):
         torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-5)
 
 
-def test_replica_dies_mid_round(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120)
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_replica_dies_mid_round(ray_local, tmp_path, ranks):
+    # With 2 ranks, the survivor of the dead rank's replica is blocked in a collective:
+    # the driver must not wait for it (no round_timeout_s is set).
+    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120,
+                      ranks_per_replica=ranks)
     result = DilocoFSDPTrainer(cfg, worker_cls=CrashingWorker).train()
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2]
