@@ -28,6 +28,34 @@ def final_weights(output_dir):
     return load_file(os.path.join(output_dir, "final", "model.safetensors"))
 
 
+def subprocess_env():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    env.pop("RAY_ADDRESS", None)
+    return env
+
+
+def run_until_killed(script, cfg, *args):
+    """Run ``script`` (which SIGKILLs its own driver) in a fresh process; check it died so."""
+    run = subprocess.run([sys.executable, "-c", script, json.dumps(cfg.to_dict()), *args],
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+
+
+def resume_cli(cfg):
+    """``diloco-ray train OUTPUT_DIR/config.yaml --set resume_from=OUTPUT_DIR``, as a user would."""
+    out = cfg.output_dir
+    resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(out, "config.yaml"),
+                              "--set", f"resume_from={out}"],
+                             env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed
+
+
+def max_abs_diff(a_dir, b_dir):
+    a, b = final_weights(a_dir), final_weights(b_dir)
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
 def applied_positions(rounds):
     """Every stream position the applied replicas trained on, over all round records."""
     return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
@@ -51,11 +79,7 @@ def test_sigkill_driver_then_resume_equals_uninterrupted(ray_local, tmp_path):
     DilocoFSDPTrainer(reference).train()
 
     killed = tiny_config(tmp_path / "killed", **common)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run([sys.executable, "-c", KILL_SCRIPT, json.dumps(killed.to_dict()), "2"],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    run_until_killed(KILL_SCRIPT, killed, "2")
     assert [r["round"] for r in read_events(killed.output_dir, "round")] == [0, 1, 2]
     assert not os.path.exists(os.path.join(killed.output_dir, "final"))
     root = os.path.join(killed.output_dir, "checkpoints")
@@ -67,16 +91,12 @@ def test_sigkill_driver_then_resume_equals_uninterrupted(ray_local, tmp_path):
         f.seek(-8, os.SEEK_END)
         f.write(b"\x00" * 8)
 
-    resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(killed.output_dir, "config.yaml"),
-                              "--set", f"resume_from={killed.output_dir}"],
-                             env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resumed = resume_cli(killed)
     assert "round-00000003" in resumed.stderr and "unusable" in resumed.stderr
 
     rounds = read_events(killed.output_dir, "round")
     assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]  # round 2 rerun once, contiguous
-    got, want = final_weights(killed.output_dir), final_weights(reference.output_dir)
-    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    worst = max_abs_diff(killed.output_dir, reference.output_dir)
     assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
     positions = applied_positions(rounds)
     assert sorted(positions) == list(range(len(positions)))  # the resumed stream neither repeats nor skips
@@ -169,22 +189,14 @@ def test_driver_killed_mid_round_resumes_from_inflight_snapshot(ray_local, tmp_p
     DilocoFSDPTrainer(reference).train()
 
     killed = tiny_config(tmp_path / "killed", **common)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run([sys.executable, "-c", MID_ROUND_KILL_SCRIPT, json.dumps(killed.to_dict())],
-                         env=env, capture_output=True, text=True, timeout=300)
-    assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
+    run_until_killed(MID_ROUND_KILL_SCRIPT, killed)
     assert [r["round"] for r in read_events(killed.output_dir, "round")] == [0, 1]
 
-    resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(killed.output_dir, "config.yaml"),
-                              "--set", f"resume_from={killed.output_dir}"],
-                             env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    resume_cli(killed)
     rounds = read_events(killed.output_dir, "round")
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert rounds[2]["resumed_steps"]["0"] == 4  # replica 0 went on from its step-4 snapshot
-    got, want = final_weights(killed.output_dir), final_weights(reference.output_dir)
-    worst = max((got[n] - want[n]).abs().max().item() for n in want)
+    worst = max_abs_diff(killed.output_dir, reference.output_dir)
     assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
     # Snapshots of rounds a round checkpoint covers are cleaned up.
     assert not os.path.exists(os.path.join(killed.output_dir, "checkpoints", "inflight", "round-00000002"))
@@ -195,7 +207,7 @@ def test_scale_request_from_another_process(ray_local, tmp_path):
         def on_round_end(self, trainer, record):
             if record["round"] == 0:  # a separate process, as a user at a terminal would
                 r = subprocess.run([sys.executable, "-m", "diloco_ray", "scale", trainer.config.output_dir, "3"],
-                                   capture_output=True, text=True, cwd=ROOT)
+                                   capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
                 assert r.returncode == 0, r.stderr
 
     cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, join_timeout_s=120)
