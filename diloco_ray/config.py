@@ -50,6 +50,9 @@ class TrainerConfig:
     model_config: Optional[dict] = _f(None, "architecture of a fresh model, used when model_name is null, e.g. {model_type: llama, hidden_size: 64}")
     tokenizer_name: Optional[str] = _f(None, "tokenizer hub id or folder (default: model_name, or 'builtin:char' for model_config)")
     mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "inner-loop compute precision; master weights stay fp32")
+    attn_implementation: Optional[str] = _f(None, "attention kernel passed to transformers (sdpa, eager, flash_attention_2; null: its default)")
+    gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
+    torch_compile: bool = _f(False, "torch.compile the model on each rank")
     # --- data ------------------------------------------------------------------------
     dataset_name: Optional[str] = _f(None, "datasets.load_dataset name or folder; 'builtin:arithmetic' is generated offline")
     subset: Optional[str] = _f(None, "dataset configuration name (load_dataset's second argument)")
@@ -104,12 +107,19 @@ class TrainerConfig:
     lora_alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r)", gt=0.0)
     lora_dropout: float = _f(0.05, "LoRA dropout", ge=0.0, lt=1.0)
     target_modules: Optional[list] = _f(None, "module names to adapt (default: peft's choice for the architecture)")
+    peft_bias: Literal["none", "all", "lora_only"] = _f("none", "which biases LoRA trains")
+    merge_adapter: bool = _f(False, "also write the adapter merged into the base weights to output_dir/final_merged")
     prompt_template: Optional[str] = _f(None, "format string over a row's columns for the prompt (no loss on it)")
     completion_template: Optional[str] = _f(None, "format string over a row's columns for the completion (loss on it)")
+    prompt_func: Optional[str] = _f(None, "module:function building the prompt from a row (instead of prompt_template)")
+    completion_func: Optional[str] = _f(None, "module:function building the completion from a row")
+    group_by_length: bool = _f(False, "order each replica's samples so batches hold similar lengths (less padding)")
     # --- output, eval, checkpoints, logging ------------------------------------------
     output_dir: str = _f("outputs/diloco", "where config.yaml, metrics.jsonl, checkpoints/ and final/ go")
     overwrite_output_dir: bool = _f(False, "allow a new run into an output_dir that already holds one")
     eval_batches: int = _f(10, "eval batches after each outer update (0: no eval)", ge=0)
+    early_stopping_patience: Optional[int] = _f(None, "stop after this many rounds without eval loss improving (null: never)", ge=1)
+    early_stopping_threshold: float = _f(0.0, "how much eval loss must fall to count as improving", ge=0.0)
     checkpoint_steps: Optional[int] = _f(None, "checkpoint at the first round boundary after this many inner steps (null: never)", ge=1)
     save_total_limit: Optional[int] = _f(None, "checkpoints kept (oldest pruned; null: all)", ge=1)
     resume_from: Optional[str] = _f(None, "checkpoint folder to resume from, or an output_dir meaning its latest")
@@ -328,6 +338,14 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         raise ConfigError(f"target_modules: {cfg.target_modules!r} is not allowed; expected a list of module names")
     if (cfg.prompt_template is None) != (cfg.completion_template is None):
         raise ConfigError("completion_template: prompt_template and completion_template go together; set both or neither")
+    if (cfg.prompt_func is None) != (cfg.completion_func is None):
+        raise ConfigError("completion_func: prompt_func and completion_func go together; set both or neither")
+    if cfg.prompt_func is not None and cfg.prompt_template is not None:
+        raise ConfigError("prompt_func: set together with prompt_template; use templates or functions")
+    if cfg.early_stopping_patience is not None and cfg.eval_batches == 0:
+        raise ConfigError("early_stopping_patience: needs eval_batches > 0 (it watches the eval loss)")
+    if cfg.merge_adapter and not cfg.use_peft:
+        raise ConfigError("merge_adapter: there is no adapter to merge without use_peft: true")
     _reject_unbuilt(cfg)
 
 
@@ -336,10 +354,6 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
 _UNBUILT: dict[str, tuple[Any, str]] = {
     "pseudo_grad_compression": ("none", "only 'none' is implemented so far"),
     "error_feedback": (False, "needs pseudo_grad_compression, which is not implemented yet"),
-    "use_peft": (False, "PEFT is not implemented yet"),
-    "prompt_template": (None, "prompt/completion templates are not implemented yet"),
-    "dynamic_batch": (False, "dynamic batching is not implemented yet"),
-    "num_workers": (0, "DataLoader workers are not implemented yet; data is read in the rank process"),
 }
 
 

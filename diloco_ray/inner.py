@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import data, modeling, snapshot
+from diloco_ray import data, modeling, samples, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.sharding import local_rows
@@ -114,16 +114,21 @@ class RankWorker:
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size)
         self.tokenizer = modeling.load_tokenizer(cfg)
-        self.blocks = data.load_token_blocks(cfg, self.tokenizer)
+        self.tokens = samples.load_token_data(cfg, self.tokenizer)
         model = modeling.build_model(cfg, self.tokenizer)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
         model.to(self.device)
         if self.world_size > 1:
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+            # bf16 compute with fp32 gradient reduction; fp16 goes through autocast + scaler.
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+                if cfg.mixed_precision == "bf16" else MixedPrecisionPolicy()
             for layer in modeling.decoder_layers(model):
-                fully_shard(layer)
-            fully_shard(model)
+                fully_shard(layer, mp_policy=policy)
+            fully_shard(model, mp_policy=policy)
+        if cfg.torch_compile:
+            model = torch.compile(model)  # attribute access still reaches the wrapped module
         self.model = model
         self.params = modeling.trained_parameters(model)
         self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
@@ -165,32 +170,32 @@ class RankWorker:
         self.load_global(weights)
         t1 = time.perf_counter()
         self.model.train()
-        steps = data.rank_batches(plan, cfg, self.rank, len(self.blocks.train))
+        steps = data.rank_batches(plan, cfg, self.rank, len(self.tokens.train), self.tokens.train.lengths)
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
-        tokens, aborted, first = 0, False, 0
+        tokens, aborted, first, t = 0, False, 0, 0
         if snapshots and snapshots.get("resume_step"):
             first, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
-        for t in range(first, len(steps)):
-            micro_batches = steps[t]
-            if self._stop_requested(round_index):
-                aborted = True
-                break
-            lr = inner_lr_at(round_index * cfg.max_steps + t, cfg)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            for m, idx in enumerate(micro_batches):
-                if sharded:  # reduce-scatter gradients once per step, not per micro-batch
-                    self.model.set_requires_gradient_sync(m == len(micro_batches) - 1)
-                batch = torch.from_numpy(self.blocks.train[idx]).to(self.device)
-                with self._autocast():
-                    loss = self.model(input_ids=batch, labels=batch).loss / len(micro_batches)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-                loss_sum += loss.detach()
-                tokens += batch.numel()
-            self._optimizer_step()
-            if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
-                self._save_snapshot(snapshots, plan, t + 1, loss_sum, tokens)
+        for t, m, batch in self._micro_batches(steps, first):
+            if m == 0:
+                if self._stop_requested(round_index):
+                    aborted = True
+                    break
+                for group in self.optimizer.param_groups:
+                    group["lr"] = inner_lr_at(round_index * cfg.max_steps + t, cfg)
+            last = m == cfg.grad_accum - 1
+            if sharded:  # reduce-scatter gradients once per step, not per micro-batch
+                self.model.set_requires_gradient_sync(last)
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            with self._autocast():
+                loss = self.model(**batch).loss / cfg.grad_accum
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            loss_sum += loss.detach()
+            tokens += int(batch["attention_mask"].sum())
+            if last:
+                self._optimizer_step()
+                if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
+                    self._save_snapshot(snapshots, plan, t + 1, loss_sum, tokens)
         t2 = time.perf_counter()
         pseudo_grad = {} if aborted else self.pseudo_gradient()
         stats = RoundStats(rank=self.rank, inner_steps=t if aborted else len(steps), tokens=tokens,
@@ -198,6 +203,20 @@ class RankWorker:
                            bytes_up=sum(a.nbytes for a in pseudo_grad.values()), aborted=aborted,
                            resumed_step=first)
         return pseudo_grad, stats
+
+    def _micro_batches(self, steps: list, first: int):
+        """``(step, micro, batch)`` in order from step ``first`` on; cut by DataLoader
+        workers when ``num_workers`` > 0, so batching overlaps the inner steps."""
+        items = [(t, m, idx) for t in range(first, len(steps)) for m, idx in enumerate(steps[t])]
+        dynamic = self.config.dynamic_batch
+        if self.config.num_workers == 0:
+            for t, m, idx in items:
+                yield t, m, self.tokens.train.batch(idx, dynamic)
+            return
+        loader = torch.utils.data.DataLoader(_BatchList(self.tokens.train, [idx for *_, idx in items], dynamic),
+                                             batch_size=None, shuffle=False, num_workers=self.config.num_workers)
+        for (t, m, _), batch in zip(items, loader):
+            yield t, m, batch
 
     def _save_snapshot(self, snapshots: dict, plan: list, step: int, loss_sum: torch.Tensor, tokens: int) -> None:
         state = {"rows": {n: _local(p).detach().cpu() for n, p in self.params},
@@ -262,8 +281,9 @@ class RankWorker:
         return {n: (self._anchor[n] - _local(p).float()).cpu().numpy() for n, p in self.params}
 
     def _autocast(self):
-        if self.config.mixed_precision == "no":
-            return contextlib.nullcontext()
+        cfg = self.config
+        if cfg.mixed_precision == "no" or (cfg.mixed_precision == "bf16" and self.world_size > 1):
+            return contextlib.nullcontext()  # no autocast, or FSDP's policy casts instead
         dtype = torch.bfloat16 if self.config.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
@@ -278,30 +298,43 @@ class RankWorker:
         cfg = self.config
         self.load_global(weights)
         self.model.eval()
-        mine = data.eval_batches_for_rank(len(self.blocks.eval), cfg.eval_batches, cfg.batch_size,
-                                          self.rank, self.world_size)
+        evals = self.tokens.eval
+        mine = data.eval_batches_for_rank(len(evals), cfg.eval_batches, cfg.batch_size, self.rank, self.world_size)
         per_rank = -(-cfg.eval_batches // self.world_size)
         total, count = 0.0, 0
         for i in range(per_rank):
             real = i < len(mine)
-            idx = mine[i] if real else np.arange(min(cfg.batch_size, max(1, len(self.blocks.eval))))
-            if len(self.blocks.eval) == 0:
+            idx = mine[i] if real else np.arange(min(cfg.batch_size, max(1, len(evals))))
+            if len(evals) == 0:
                 break
-            batch = torch.from_numpy(self.blocks.eval[idx]).to(self.device)
+            batch = {k: v.to(self.device) for k, v in evals.batch(idx, cfg.dynamic_batch).items()}
             with self._autocast():
-                loss = self.model(input_ids=batch, labels=batch).loss
+                loss = self.model(**batch).loss
             if real:
                 total, count = total + float(loss), count + 1
         return total, count
 
-    def save_final(self, weights: dict[str, np.ndarray], path: str) -> str:
-        """Write the global weights as a Hugging Face model folder (rank 0 only)."""
+    def save_final(self, weights: dict[str, np.ndarray], path: str, merged_path: str | None = None) -> str:
+        """Write the global weights as a Hugging Face model folder (rank 0 only): the
+        model, or with PEFT its adapter, plus the merged model at ``merged_path``."""
         if self.rank == 0:
             # An unsharded copy of the starting model supplies what DiLoCo does not train
             # (frozen weights, buffers); the global weights overwrite the rest.
             model = modeling.build_model(self.config, self.tokenizer)
             modeling.save_hf(model, self.tokenizer, {n: _as_tensor(w) for n, w in weights.items()}, path)
+            if merged_path is not None:
+                modeling.save_merged(model, self.tokenizer, merged_path)
         return path
+
+    def describe(self) -> dict:
+        """What this rank actually built (for tests and debugging)."""
+        module = getattr(self.model, "_orig_mod", self.model)
+        return {"compiled": module is not self.model,
+                "attn_implementation": getattr(module.config, "_attn_implementation", None),
+                "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False)),
+                "trained": {n: tuple(p.shape) for n, p in self.params},
+                "frozen": sum(p.numel() for p in module.parameters() if not p.requires_grad),
+                "train_samples": len(self.tokens.train)}
 
     # ---- inner state: what a checkpoint keeps of a replica -------------------------------
     def save_inner_state(self, folder: str, slot: int) -> None:
@@ -345,6 +378,19 @@ class RankWorker:
 def _local(p: torch.Tensor) -> torch.Tensor:
     """The rows of ``p`` this process holds (the local shard of an FSDP DTensor)."""
     return p.to_local() if hasattr(p, "to_local") else p.data
+
+
+class _BatchList(torch.utils.data.Dataset):
+    """Micro-batches by position, for DataLoader workers."""
+
+    def __init__(self, samples, indices: list, dynamic: bool):
+        self.samples, self.indices, self.dynamic = samples, indices, dynamic
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples.batch(self.indices[i], self.dynamic)
 
 
 def _to_local_tree(obj):

@@ -70,12 +70,14 @@ def build_model(config: TrainerConfig, tokenizer) -> nn.Module:
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     if config.model_name is not None:
         try:
-            return AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32, **extra)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"model_name: cannot load a causal LM from '{config.model_name}' "
-                              f"(not a local folder, and not reachable on the hub): {_first_line(e)}") from None
+            field = "attn_implementation" if config.attn_implementation and "attn" in str(e).lower() else "model_name"
+            raise ConfigError(f"{field}: cannot load a causal LM from '{config.model_name}': {_first_line(e)}") from None
+        return _adapt(model, config)
     arch = dict(config.model_config)
     model_type = arch.pop("model_type")
     arch.setdefault("vocab_size", len(tokenizer))
@@ -87,9 +89,40 @@ def build_model(config: TrainerConfig, tokenizer) -> nn.Module:
         hf_config = AutoConfig.for_model(model_type, **arch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model_config: {_first_line(e)}") from None
-    with torch.random.fork_rng():
-        torch.manual_seed(config.seed)
-        return AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(config.seed)
+            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)
+    except ValueError as e:
+        raise ConfigError(f"attn_implementation: {_first_line(e)}") from None
+    return _adapt(model, config)
+
+
+def _adapt(model: nn.Module, config: TrainerConfig) -> nn.Module:
+    """Gradient checkpointing and the PEFT adapter, as configured."""
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not config.use_peft:
+        return model
+    from peft import IA3Config, LoraConfig, get_peft_model
+
+    if config.peft_type == "LORA":
+        peft_config = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                                 target_modules=config.target_modules, bias=config.peft_bias, task_type="CAUSAL_LM")
+    else:
+        # IA3 scales feed-forward inputs, other modules' outputs; name them when targets are given.
+        ff = [m for m in (config.target_modules or []) if m in _FEEDFORWARD_NAMES]
+        peft_config = IA3Config(target_modules=config.target_modules,
+                                feedforward_modules=ff if config.target_modules else None, task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng():
+            torch.manual_seed(config.seed)  # LoRA's A matrices: the same on every rank
+            return get_peft_model(model, peft_config)
+    except ValueError as e:
+        raise ConfigError(f"target_modules: {_first_line(e)}") from None
+
+
+_FEEDFORWARD_NAMES = {"down_proj", "fc2", "c_proj", "w2", "dense_4h_to_h"}
 
 
 def trained_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -111,7 +144,8 @@ def decoder_layers(model: nn.Module) -> Iterable[nn.Module]:
 
 
 def save_hf(model: nn.Module, tokenizer, weights: dict[str, torch.Tensor], path: str) -> None:
-    """Load ``weights`` into ``model`` and write it as a Hugging Face folder.
+    """Load ``weights`` into ``model`` and write it as a Hugging Face folder (a PEFT
+    model writes its adapter: adapter_config.json and the adapter weights).
 
     Args:
         model: an unsharded model of the trained architecture, holding the right values
@@ -122,15 +156,24 @@ def save_hf(model: nn.Module, tokenizer, weights: dict[str, torch.Tensor], path:
         path: the destination folder (written to ``path.tmp`` then renamed, so a crash
             never leaves a half-written folder).
     """
-    import shutil
-
     result = model.load_state_dict({n: torch.as_tensor(w) for n, w in weights.items()}, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"weights hold tensors the model does not have: {result.unexpected_keys[:5]}")
+    _write_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def save_merged(model: nn.Module, tokenizer, path: str) -> None:
+    """Fold a PEFT adapter into its base weights and write a plain Hugging Face model."""
+    merged = model.merge_and_unload()
+    _write_atomically(path, lambda tmp: (merged.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+
+
+def _write_atomically(path: str, write) -> None:
+    import shutil
+
     tmp = f"{path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)  # safetensors
-    tokenizer.save_pretrained(tmp)
+    write(tmp)  # safetensors
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 

@@ -101,8 +101,8 @@ class Replica:
     def evaluate(self, weights_ref: Any) -> list:
         return [r.evaluate.remote(weights_ref) for r in self.ranks]
 
-    def save_final(self, weights_ref: Any, path: str) -> list:
-        return [r.save_final.remote(weights_ref, path) for r in self.ranks]
+    def save_final(self, weights_ref: Any, path: str, merged_path: str | None = None) -> list:
+        return [r.save_final.remote(weights_ref, path, merged_path) for r in self.ranks]
 
     def stop(self) -> None:
         """Kill the rank actors and release the placement group (idempotent)."""

@@ -118,7 +118,7 @@ class DilocoFSDPTrainer:
         result = TrainResult(output_dir=self.config.output_dir)
         try:
             self.setup()
-            while self.round_index < self.config.diloco_loops:
+            while self.round_index < self.config.diloco_loops and not self._early_stop():
                 self.run_round()
             result.final_path = self.save_final()
         except RayTaskError as e:
@@ -391,6 +391,20 @@ class DilocoFSDPTrainer:
         self._log({"event": "membership", "action": "scale", "target": self.target_replicas,
                    "round": self.round_index})
 
+    def _early_stop(self) -> bool:
+        """Whether eval loss has not improved by early_stopping_threshold for
+        early_stopping_patience rounds (then the run ends, final/ is still written)."""
+        patience = self.config.early_stopping_patience
+        losses = [r["eval_loss"] for r in self.records if r["eval_loss"] is not None]
+        if patience is None or len(losses) <= patience:
+            return False
+        best_before = min(losses[:-patience])
+        if min(losses[-patience:]) < best_before - self.config.early_stopping_threshold:
+            return False
+        self._log({"event": "early_stop", "round": self.round_index, "best_eval_loss": min(losses),
+                   "patience": patience})
+        return True
+
     def _maybe_checkpoint(self) -> None:
         every = self.config.checkpoint_steps
         if every is None:
@@ -439,9 +453,11 @@ class DilocoFSDPTrainer:
     def save_final(self) -> str:
         """Write the global weights as a Hugging Face model to ``output_dir/final``."""
         path = os.path.abspath(os.path.join(self.config.output_dir, "final"))
+        merged = os.path.abspath(os.path.join(self.config.output_dir, "final_merged")) \
+            if self.config.merge_adapter else None
         for rep in list(self.replicas):
             try:
-                ray.get(rep.save_final(self._weights_ref, path))
+                ray.get(rep.save_final(self._weights_ref, path, merged))
                 return path
             except RayActorError:
                 self.members.remove(rep, "failed")

@@ -104,7 +104,7 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
 
 def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path):
     """DiLoCo with one replica and outer SGD(lr=1, momentum=0) is the plain inner loop."""
-    from diloco_ray import data, modeling
+    from diloco_ray import data, modeling, samples
     from diloco_ray.inner import build_inner_optimizer, inner_lr_at
 
     cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
@@ -115,18 +115,19 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path):
 
     torch.set_num_threads(1)
     tok = modeling.load_tokenizer(cfg)
-    blocks = data.load_token_blocks(cfg, tok)
+    tokens = samples.load_token_data(cfg, tok)
     model = modeling.build_model(cfg, tok)
     params = [p for _, p in modeling.trained_parameters(model)]
     opt = build_inner_optimizer(params, cfg)
     for r in range(cfg.diloco_loops):
         start = r * cfg.sequences_per_replica_round
-        for t, micro in enumerate(data.rank_batches([(start, cfg.sequences_per_replica_round)], cfg, 0, len(blocks.train))):
+        plan = [(start, cfg.sequences_per_replica_round)]
+        for t, micro in enumerate(data.rank_batches(plan, cfg, 0, len(tokens.train))):
             for g in opt.param_groups:
                 g["lr"] = inner_lr_at(r * cfg.max_steps + t, cfg)
             for idx in micro:
-                batch = torch.from_numpy(blocks.train[idx])
-                (model(input_ids=batch, labels=batch).loss / len(micro)).backward()
+                ids = torch.from_numpy(tokens.train.input_ids[idx])
+                (model(input_ids=ids, labels=ids).loss / len(micro)).backward()
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)

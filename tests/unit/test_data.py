@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 
-from diloco_ray import data
+from diloco_ray import data, samples, sources
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, DataError
 
@@ -204,13 +204,13 @@ def test_eval_batches_with_few_eval_blocks():
 # --- text field ---------------------------------------------------------------------------
 
 def test_resolve_text_field_explicit():
-    assert data.resolve_text_field(["body", "id"], "body", "'f'") == "body"
-    assert data.resolve_text_field(["text", "body"], "body", "'f'") == "body"
+    assert sources.resolve_text_field(["body", "id"], "body", "'f'") == "body"
+    assert sources.resolve_text_field(["text", "body"], "body", "'f'") == "body"
 
 
 def test_resolve_text_field_explicit_missing():
     with pytest.raises(DataError) as ei:
-        data.resolve_text_field(["body", "id"], "content", "'my.jsonl'")
+        sources.resolve_text_field(["body", "id"], "content", "'my.jsonl'")
     msg = str(ei.value)
     assert msg.startswith("text_field:")
     assert "'content'" in msg and "'my.jsonl'" in msg
@@ -218,13 +218,13 @@ def test_resolve_text_field_explicit_missing():
 
 
 def test_resolve_text_field_auto():
-    assert data.resolve_text_field(["id", "text", "meta"], None, "s") == "text"
-    assert data.resolve_text_field(["content"], None, "s") == "content"
+    assert sources.resolve_text_field(["id", "text", "meta"], None, "s") == "text"
+    assert sources.resolve_text_field(["content"], None, "s") == "content"
 
 
 def test_resolve_text_field_ambiguous():
     with pytest.raises(DataError) as ei:
-        data.resolve_text_field(["question", "answer"], None, "'src'")
+        sources.resolve_text_field(["question", "answer"], None, "'src'")
     msg = str(ei.value)
     assert msg.startswith("text_field:") and "question" in msg and "answer" in msg and "'src'" in msg
 
@@ -237,7 +237,7 @@ def test_pack_texts_boundaries(tok):
     docs = ["12+35=47", "a", "hello world, this is a longer document", "", "x y", "9+9=18\n"] * 7
     ds = datasets.Dataset.from_dict({"body": docs, "other": list(range(len(docs)))})
     seq_len = 8
-    packed = data.pack_texts(ds, tok, "body", seq_len)
+    packed = samples.pack_texts(ds, tok, "body", seq_len)
     assert packed.column_names == ["input_ids"]
     rows = [list(r) for r in packed["input_ids"]]
     assert all(len(r) == seq_len for r in rows)
@@ -257,7 +257,7 @@ def test_pack_texts_boundaries(tok):
 def test_pack_texts_too_little_text(tok):
     import datasets
 
-    packed = data.pack_texts(datasets.Dataset.from_dict({"text": ["abc"]}), tok, "text", 16)
+    packed = samples.pack_texts(datasets.Dataset.from_dict({"text": ["abc"]}), tok, "text", 16)
     assert len(packed) == 0
 
 
@@ -279,7 +279,7 @@ def json_cfg(tmp_path, path, **kw):
 def test_load_raw_splits_json_holds_out_eval(tmp_path):
     path = tmp_path / "d.jsonl"
     rows = write_jsonl(path, 40)
-    train, evals = data.load_raw_splits(json_cfg(tmp_path, path))
+    train, evals = sources.load_raw_splits(json_cfg(tmp_path, path))
     assert len(train) + len(evals) == 40
     assert len(evals) == 10
     assert set(train.column_names) == {"body", "id"}
@@ -292,9 +292,9 @@ def test_load_raw_splits_json_holds_out_eval(tmp_path):
 def test_load_raw_splits_json_hold_out_is_seeded(tmp_path):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, 40)
-    a = list(data.load_raw_splits(json_cfg(tmp_path, path, seed=1))[1]["id"])
-    b = list(data.load_raw_splits(json_cfg(tmp_path, path, seed=1))[1]["id"])
-    c = list(data.load_raw_splits(json_cfg(tmp_path, path, seed=2))[1]["id"])
+    a = list(sources.load_raw_splits(json_cfg(tmp_path, path, seed=1))[1]["id"])
+    b = list(sources.load_raw_splits(json_cfg(tmp_path, path, seed=1))[1]["id"])
+    c = list(sources.load_raw_splits(json_cfg(tmp_path, path, seed=2))[1]["id"])
     assert a == b and a != c
 
 
@@ -302,24 +302,24 @@ def test_load_token_blocks_json(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, 40)
     cfg = json_cfg(tmp_path, path)
-    blocks = data.load_token_blocks(cfg, tok)
-    assert blocks.train.dtype == np.int64 and blocks.eval.dtype == np.int64
-    assert blocks.train.ndim == 2 and blocks.train.shape[1] == 16
-    assert blocks.eval.ndim == 2 and blocks.eval.shape[1] == 16
-    train_raw, eval_raw = data.load_raw_splits(cfg)
+    blocks = samples.load_token_data(cfg, tok)
+    assert blocks.train.input_ids.dtype == np.int64 and blocks.eval.input_ids.dtype == np.int64
+    assert blocks.train.input_ids.ndim == 2 and blocks.train.input_ids.shape[1] == 16
+    assert blocks.eval.input_ids.ndim == 2 and blocks.eval.input_ids.shape[1] == 16
+    train_raw, eval_raw = sources.load_raw_splits(cfg)
 
     def n_tokens(ds):
         return sum(len(t) + 1 for t in ds["body"])  # one char per token, plus eos
 
-    assert blocks.train.shape[0] == n_tokens(train_raw) // 16
-    assert blocks.eval.shape[0] == n_tokens(eval_raw) // 16
-    assert tok.decode(blocks.train[0]).startswith(train_raw[0]["body"][:16])
+    assert len(blocks.train) == n_tokens(train_raw) // 16
+    assert len(blocks.eval) == n_tokens(eval_raw) // 16
+    assert tok.decode(blocks.train.input_ids[0]).startswith(train_raw[0]["body"][:16])
 
 
 def test_load_raw_splits_missing_json(tmp_path):
     path = tmp_path / "missing.jsonl"
     with pytest.raises(DataError) as ei:
-        data.load_raw_splits(json_cfg(tmp_path, path))
+        sources.load_raw_splits(json_cfg(tmp_path, path))
     assert str(ei.value).startswith("json_file_path:") and str(path) in str(ei.value)
 
 
@@ -327,7 +327,7 @@ def test_load_raw_splits_json_with_eval_split(tmp_path):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, 10)
     with pytest.raises(ConfigError) as ei:
-        data.load_raw_splits(json_cfg(tmp_path, path, eval_split="test"))
+        sources.load_raw_splits(json_cfg(tmp_path, path, eval_split="test"))
     assert str(ei.value).startswith("eval_split:")
 
 
@@ -335,7 +335,7 @@ def test_load_raw_splits_json_with_one_row(tmp_path):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, 1)
     with pytest.raises(DataError) as ei:
-        data.load_raw_splits(json_cfg(tmp_path, path))
+        sources.load_raw_splits(json_cfg(tmp_path, path))
     assert "json_file_path" in str(ei.value) and "1 rows" in str(ei.value)
 
 
@@ -343,7 +343,7 @@ def test_load_token_blocks_bad_text_field(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, 20)
     with pytest.raises(DataError) as ei:
-        data.load_token_blocks(json_cfg(tmp_path, path, text_field="nope"), tok)
+        samples.load_token_data(json_cfg(tmp_path, path, text_field="nope"), tok)
     msg = str(ei.value)
     assert "nope" in msg and "body" in msg and "id" in msg and str(path) in msg
 
@@ -351,7 +351,7 @@ def test_load_token_blocks_bad_text_field(tmp_path, tok):
 def test_load_token_blocks_detects_the_only_string_column(tmp_path, tok):
     path = tmp_path / "d.jsonl"
     write_jsonl(path, 20)  # {"body": str, "id": int}
-    blocks = data.load_token_blocks(json_cfg(tmp_path, path, text_field=None), tok)
+    blocks = samples.load_token_data(json_cfg(tmp_path, path, text_field=None), tok)
     assert len(blocks.train) > 0
 
 
@@ -361,7 +361,7 @@ def test_load_token_blocks_with_two_string_columns_is_ambiguous(tmp_path, tok):
         for i in range(20):
             f.write(json.dumps({"title": f"t{i}", "body": f"row {i} " * 8}) + "\n")
     with pytest.raises(DataError) as ei:
-        data.load_token_blocks(json_cfg(tmp_path, path, text_field=None), tok)
+        samples.load_token_data(json_cfg(tmp_path, path, text_field=None), tok)
     assert "text_field" in str(ei.value) and "title" in str(ei.value) and "body" in str(ei.value)
 
 
@@ -371,7 +371,7 @@ def test_load_token_blocks_too_short_for_seq_len(tmp_path, tok):
         for i in range(4):
             f.write(json.dumps({"text": "ab"}) + "\n")
     with pytest.raises(DataError) as ei:
-        data.load_token_blocks(make(json_file_path=str(path), seq_len=64, split_ratio=0.25), tok)
+        samples.load_token_data(make(json_file_path=str(path), seq_len=64, split_ratio=0.25), tok)
     assert str(ei.value).startswith("seq_len:")
 
 
@@ -389,31 +389,31 @@ def test_load_from_disk_dataset_dict(tmp_path, tok):
     folder = tmp_path / "saved"
     save_dataset_dict(folder)
     cfg = make(dataset_name=str(folder), eval_split="test")
-    train, evals = data.load_raw_splits(cfg)
+    train, evals = sources.load_raw_splits(cfg)
     assert len(train) == 30 and len(evals) == 10
     assert evals[0]["text"].startswith("test row 0")
-    blocks = data.load_token_blocks(cfg, tok)
-    assert blocks.train.shape[1] == 16 and blocks.eval.shape[1] == 16
-    assert tok.decode(blocks.eval[0]) == ("test row 0 " * 3)[:16]
+    blocks = samples.load_token_data(cfg, tok)
+    assert blocks.train.input_ids.shape[1] == 16 and blocks.eval.input_ids.shape[1] == 16
+    assert tok.decode(blocks.eval.input_ids[0]) == ("test row 0 " * 3)[:16]
 
 
 def test_load_from_disk_hold_out_and_missing_split(tmp_path):
     folder = tmp_path / "saved"
     save_dataset_dict(folder)
-    train, evals = data.load_raw_splits(make(dataset_name=str(folder), split_ratio=0.2))
+    train, evals = sources.load_raw_splits(make(dataset_name=str(folder), split_ratio=0.2))
     assert len(train) + len(evals) == 30 and len(evals) == 6
     with pytest.raises(DataError) as ei:
-        data.load_raw_splits(make(dataset_name=str(folder), eval_split="validation"))
+        sources.load_raw_splits(make(dataset_name=str(folder), eval_split="validation"))
     assert "eval_split" in str(ei.value) and "validation" in str(ei.value) and "test" in str(ei.value)
     with pytest.raises(DataError) as ei:
-        data.load_raw_splits(make(dataset_name=str(folder), dataset_split="nope"))
+        sources.load_raw_splits(make(dataset_name=str(folder), dataset_split="nope"))
     assert "dataset_split" in str(ei.value) and "train" in str(ei.value)
 
 
 # --- builtin ------------------------------------------------------------------------------
 
 def test_arithmetic_rows_are_correct_sums():
-    rows = data.arithmetic_rows(num_samples=200, digits=2, seed=3)
+    rows = sources.arithmetic_rows(num_samples=200, digits=2, seed=3)
     assert len(rows) == 200
     for r in rows:
         m = re.fullmatch(r"(\d{1,2})\+(\d{1,2})=(\d{1,3})", r["text"])
@@ -421,13 +421,13 @@ def test_arithmetic_rows_are_correct_sums():
         a, b, c = map(int, m.groups())
         assert a + b == c
         assert r["question"] == f"{a}+{b}" and r["answer"] == str(c)
-    assert rows == data.arithmetic_rows(num_samples=200, digits=2, seed=3)
-    assert rows != data.arithmetic_rows(num_samples=200, digits=2, seed=4)
+    assert rows == sources.arithmetic_rows(num_samples=200, digits=2, seed=3)
+    assert rows != sources.arithmetic_rows(num_samples=200, digits=2, seed=4)
 
 
 def test_builtin_arithmetic_splits():
     cfg = make(dataset_kwargs={"num_samples": 300, "digits": 1}, seed=2)
-    train, evals = data.load_raw_splits(cfg)
+    train, evals = sources.load_raw_splits(cfg)
     assert len(train) == 300
     assert len(evals) == 64  # max(64, 300 * split_ratio)
     for r in list(train) + list(evals):
@@ -438,8 +438,8 @@ def test_builtin_arithmetic_splits():
 
 def test_builtin_arithmetic_blocks(tok):
     cfg = make(dataset_kwargs={"num_samples": 100})
-    blocks = data.load_token_blocks(cfg, tok)
-    text = tok.decode(blocks.train.reshape(-1), skip_special_tokens=False)
+    blocks = samples.load_token_data(cfg, tok)
+    text = tok.decode(blocks.train.input_ids.reshape(-1), skip_special_tokens=False)
     docs = [d for d in text.split("<eos>") if d][:-1]  # the last may be cut by packing
     assert len(docs) > 10
     for d in docs:
@@ -450,10 +450,10 @@ def test_builtin_arithmetic_blocks(tok):
 
 def test_unknown_builtin_and_bad_kwargs():
     with pytest.raises(ConfigError) as ei:
-        data.load_raw_splits(make(dataset_name="builtin:nope"))
+        sources.load_raw_splits(make(dataset_name="builtin:nope"))
     assert str(ei.value).startswith("dataset_name:") and "builtin:arithmetic" in str(ei.value)
     with pytest.raises(ConfigError) as ei:
-        data.load_raw_splits(make(dataset_kwargs={"bogus": 1}))
+        sources.load_raw_splits(make(dataset_kwargs={"bogus": 1}))
     assert str(ei.value).startswith("dataset_kwargs:") and "bogus" in str(ei.value)
 
 
@@ -462,6 +462,6 @@ def test_load_from_disk_single_dataset(tmp_path):
 
     folder = tmp_path / "single"
     datasets.Dataset.from_dict({"text": [f"row {i}" for i in range(20)]}).save_to_disk(str(folder))
-    train, evals = data.load_raw_splits(make(dataset_name=str(folder), split_ratio=0.25))
+    train, evals = sources.load_raw_splits(make(dataset_name=str(folder), split_ratio=0.25))
     assert len(train) == 15 and len(evals) == 5
     assert sorted(list(train["text"]) + list(evals["text"])) == sorted(f"row {i}" for i in range(20))
