@@ -66,7 +66,9 @@ class TrainerConfig:
     batch_size: int = _f(8, "sequences per micro-batch, per rank", ge=1)
     grad_accum: int = _f(1, "micro-batches accumulated per inner step", ge=1)
     num_workers: int = _f(0, "DataLoader worker processes per rank", ge=0)
+    streaming: bool = _f(False, "read the data set as a stream (load_dataset(streaming=True)) instead of downloading it whole")
     shuffle_buffer: int = _f(10000, "shuffle buffer for streamed data sets", ge=1)
+    streaming_eval_rows: int = _f(1000, "with streaming: rows of eval_split (or held out from the train split) to evaluate on", ge=1)
     dynamic_batch: bool = _f(False, "pad to the longest sequence of a batch instead of seq_len")
     seed: int = _f(42, "seed for model init, data order and sampling", ge=0)
     # --- inner loop ------------------------------------------------------------------

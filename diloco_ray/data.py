@@ -141,20 +141,28 @@ def group_by_length(indices: np.ndarray, lengths: np.ndarray, window: int) -> np
 
 def rank_batches(plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int,
                  lengths: np.ndarray | None = None) -> list[list[np.ndarray]]:
-    """The micro-batches one rank trains on in one round: ``[step][micro] -> block indices``.
+    """The micro-batches one rank trains on in one round: ``[step][micro] -> sample indices``.
 
-    A replica's plan is consumed step by step; inside a step, micro-batch ``m`` of rank
-    ``j`` is the ``(m * ranks + j)``-th run of ``batch_size`` blocks. One replica with one
-    rank therefore reads its plan in order, which makes DiLoCo with one replica
-    comparable batch for batch with a plain training loop. With ``group_by_length``
-    (and ``lengths``) the plan is first reordered by :func:`group_by_length`.
+    With ``group_by_length`` (and ``lengths``) the plan is first reordered by
+    :func:`group_by_length`; then :func:`split_for_rank` cuts it.
+    """
+    indices = plan_indices(plan, num_blocks, config.seed)
+    if config.group_by_length and lengths is not None:
+        indices = group_by_length(indices, lengths, GROUP_WINDOW_BATCHES * config.batch_size)
+    return split_for_rank(indices, config, rank)
+
+
+def split_for_rank(indices: np.ndarray, config: TrainerConfig, rank: int) -> list[list[np.ndarray]]:
+    """Rank ``rank``'s share of a replica's ordered samples, as ``[step][micro]``.
+
+    A replica's samples are consumed step by step; inside a step, micro-batch ``m`` of
+    rank ``j`` is the ``(m * ranks + j)``-th run of ``batch_size`` samples. One replica
+    with one rank therefore reads its plan in order, which makes DiLoCo with one replica
+    comparable batch for batch with a plain training loop.
     """
     ranks, bs, accum = config.ranks_per_replica, config.batch_size, config.grad_accum
-    indices = plan_indices(plan, num_blocks, config.seed)
     if len(indices) != config.sequences_per_replica_round:
         raise ValueError(f"plan holds {len(indices)} positions, a round needs {config.sequences_per_replica_round}")
-    if config.group_by_length and lengths is not None:
-        indices = group_by_length(indices, lengths, GROUP_WINDOW_BATCHES * bs)
     steps = []
     for t in range(config.max_steps):
         micro = []
@@ -163,6 +171,13 @@ def rank_batches(plan: list[Range], config: TrainerConfig, rank: int, num_blocks
             micro.append(indices[offset:offset + bs])
         steps.append(micro)
     return steps
+
+
+def plan_positions(plan: list[Range]) -> np.ndarray:
+    """The stream positions of a plan, in order (what a streamed data set is read at)."""
+    if not plan:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(s, s + c) for s, c in plan])
 
 
 def eval_batches_for_rank(num_eval_blocks: int, eval_batches: int, batch_size: int,

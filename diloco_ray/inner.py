@@ -114,7 +114,12 @@ class RankWorker:
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size)
         self.tokenizer = modeling.load_tokenizer(cfg)
-        self.tokens = samples.load_token_data(cfg, self.tokenizer)
+        if cfg.streaming:
+            reader, evals = samples.open_stream(cfg, self.tokenizer)
+            empty = samples.Samples(*(np.zeros((0, cfg.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
+            self.tokens = samples.TokenData(empty, evals, reader)
+        else:
+            self.tokens = samples.load_token_data(cfg, self.tokenizer)
         model = modeling.build_model(cfg, self.tokenizer)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
         model.to(self.device)
@@ -170,13 +175,13 @@ class RankWorker:
         self.load_global(weights)
         t1 = time.perf_counter()
         self.model.train()
-        steps = data.rank_batches(plan, cfg, self.rank, len(self.tokens.train), self.tokens.train.lengths)
+        source, steps = self._round_batches(plan)
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
         tokens, aborted, first, t = 0, False, 0, 0
         if snapshots and snapshots.get("resume_step"):
             first, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
-        for t, m, batch in self._micro_batches(steps, first):
+        for t, m, batch in self._micro_batches(source, steps, first):
             if m == 0:
                 if self._stop_requested(round_index):
                     aborted = True
@@ -204,16 +209,30 @@ class RankWorker:
                            resumed_step=first)
         return pseudo_grad, stats
 
-    def _micro_batches(self, steps: list, first: int):
-        """``(step, micro, batch)`` in order from step ``first`` on; cut by DataLoader
-        workers when ``num_workers`` > 0, so batching overlaps the inner steps."""
+    def _round_batches(self, plan: list):
+        """(samples to cut from, ``[step][micro] -> indices``) for this rank's round; a
+        streamed data set is read at the plan's positions first."""
+        cfg = self.config
+        stream = self.tokens.stream
+        if stream is None:
+            train = self.tokens.train
+            return train, data.rank_batches(plan, cfg, self.rank, len(train), train.lengths)
+        train = stream.read(data.plan_positions(plan))
+        order = np.arange(len(train))
+        if cfg.group_by_length:
+            order = data.group_by_length(order, train.lengths, data.GROUP_WINDOW_BATCHES * cfg.batch_size)
+        return train, data.split_for_rank(order, cfg, self.rank)
+
+    def _micro_batches(self, source, steps: list, first: int):
+        """``(step, micro, batch)`` in order from step ``first`` on, cut from ``source``;
+        by DataLoader workers when ``num_workers`` > 0, so batching overlaps the steps."""
         items = [(t, m, idx) for t in range(first, len(steps)) for m, idx in enumerate(steps[t])]
         dynamic = self.config.dynamic_batch
         if self.config.num_workers == 0:
             for t, m, idx in items:
-                yield t, m, self.tokens.train.batch(idx, dynamic)
+                yield t, m, source.batch(idx, dynamic)
             return
-        loader = torch.utils.data.DataLoader(_BatchList(self.tokens.train, [idx for *_, idx in items], dynamic),
+        loader = torch.utils.data.DataLoader(_BatchList(source, [idx for *_, idx in items], dynamic),
                                              batch_size=None, shuffle=False, num_workers=self.config.num_workers)
         for (t, m, _), batch in zip(items, loader):
             yield t, m, batch

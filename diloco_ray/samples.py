@@ -59,10 +59,12 @@ class TokenData:
     Args:
         train: training samples.
         eval: eval samples (may be empty).
+        stream: with ``streaming``, the reader the training samples come from (``train``
+            is then empty, and each round reads its plan from the stream).
     """
 
-    def __init__(self, train: Samples, eval: Samples):
-        self.train, self.eval = train, eval
+    def __init__(self, train: Samples, eval: Samples, stream: "StreamReader | None" = None):
+        self.train, self.eval, self.stream = train, eval, stream
 
 
 # ---------------------------------------------------------------------------------------
@@ -81,7 +83,7 @@ def pack_texts(dataset, tokenizer, text_field: str, seq_len: int):
         return {"input_ids": [flat[i:i + seq_len] for i in range(0, n, seq_len)]}
 
     return dataset.map(tokenize_and_pack, batched=True, batch_size=1000,
-                       remove_columns=dataset.column_names, desc="tokenise+pack")
+                       remove_columns=dataset.column_names, **_desc(dataset, "tokenise+pack"))
 
 
 def load_function(spec: str, field: str) -> Callable:
@@ -141,24 +143,110 @@ def tokenize_pairs(dataset, tokenizer, formatter: Callable, seq_len: int):
         return out
 
     return dataset.map(encode, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                       desc="tokenise prompt+completion")
+                       **_desc(dataset, "tokenise prompt+completion"))
+
+
+def _desc(dataset, text: str) -> dict:
+    # A progress description exists only for map-style data sets (streams map lazily).
+    import datasets
+
+    return {"desc": text} if isinstance(dataset, datasets.Dataset) else {}
 
 
 def _to_samples(dataset, seq_len: int, pad_id: int, packed: bool) -> Samples:
     if len(dataset) == 0:
         empty = np.zeros((0, seq_len), dtype=np.int64)
         return Samples(empty, empty.copy(), np.zeros(0, dtype=np.int64))
-    if packed:
+    if packed:  # fixed-length rows: one array, no padding
         ids = np.asarray(dataset.with_format("numpy")["input_ids"], dtype=np.int64)
         return Samples(ids, ids, np.full(len(ids), seq_len, dtype=np.int64))
-    n = len(dataset)
+    return _rows_to_samples(list(dataset), seq_len, pad_id)
+
+
+class StreamReader:
+    """Samples of a streamed data set by position in the endless training stream.
+
+    Position ``k`` is the ``k``-th sample of the tokenised stream; epoch ``e`` reads the
+    data set shuffled with seed ``seed + e`` (a ``shuffle_buffer``-sized buffer), and the
+    next epoch starts where one runs out. The reader moves forward, skipping positions
+    other replicas read (tokenising is cheap next to training on a sample); a position
+    behind it (a range handed out again after a replica failed) makes it start over.
+
+    Args:
+        stream: the training ``IterableDataset`` (raw rows).
+        to_samples: turns a raw ``IterableDataset`` into one of ``input_ids``/``labels``.
+        config: the job's TrainerConfig (seed, shuffle_buffer, seq_len).
+        pad_id: the tokenizer's pad id.
+    """
+
+    def __init__(self, stream, to_samples: Callable, config: TrainerConfig, pad_id: int):
+        self.stream, self.to_samples, self.config, self.pad_id = stream, to_samples, config, pad_id
+        self._restart()
+
+    def _restart(self) -> None:
+        self.position, self.epoch = 0, 0
+        self._iter = self._epoch_iter(0)
+
+    def _epoch_iter(self, epoch: int):
+        shuffled = self.stream.shuffle(seed=self.config.seed + epoch, buffer_size=self.config.shuffle_buffer)
+        return iter(self.to_samples(shuffled))
+
+    def _next(self) -> dict:
+        for _ in range(2):
+            try:
+                return next(self._iter)
+            except StopIteration:
+                self.epoch += 1
+                self._iter = self._epoch_iter(self.epoch)
+        raise DataError("streaming: the data set yields no training sample (is it empty, or shorter than seq_len?)")
+
+    def read(self, positions: np.ndarray) -> Samples:
+        """The samples at ``positions`` (any order), in that order."""
+        wanted = sorted(set(int(p) for p in positions))
+        if wanted and wanted[0] < self.position:
+            self._restart()
+        found = {}
+        for p in wanted:
+            while self.position < p:
+                self._next()
+                self.position += 1
+            found[p] = self._next()
+            self.position += 1
+        return _rows_to_samples([found[int(p)] for p in positions], self.config.seq_len, self.pad_id)
+
+
+def _rows_to_samples(rows: list[dict], seq_len: int, pad_id: int) -> Samples:
+    n = len(rows)
     ids = np.full((n, seq_len), pad_id, dtype=np.int64)
     labels = np.full((n, seq_len), IGNORE, dtype=np.int64)
     lengths = np.zeros(n, dtype=np.int64)
-    for i, row in enumerate(dataset):
+    for i, row in enumerate(rows):
         k = len(row["input_ids"])
-        ids[i, :k], labels[i, :k], lengths[i] = row["input_ids"], row["labels"], k
+        ids[i, :k], lengths[i] = row["input_ids"], k
+        labels[i, :k] = row["labels"] if "labels" in row else row["input_ids"]
     return Samples(ids, labels, lengths)
+
+
+def _tokenizer_for(config: TrainerConfig, tokenizer, columns: list[str], string_cols: list[str], source: str):
+    """``raw dataset -> tokenised dataset`` as configured (packing or prompt/completion)."""
+    formatter = row_formatter(config, columns, source)
+    if formatter is None:
+        field = sources.resolve_text_field(columns, config.text_field, source, string_cols)
+        return lambda raw: pack_texts(raw, tokenizer, field, config.seq_len), True
+    return lambda raw: tokenize_pairs(raw, tokenizer, formatter, config.seq_len), False
+
+
+def open_stream(config: TrainerConfig, tokenizer) -> tuple[StreamReader, Samples]:
+    """For ``streaming: true``: a reader over the training stream, and the eval samples."""
+    train_stream, eval_raw = sources.load_stream(config)
+    name = f"'{config.json_file_path or config.dataset_name}'"
+    columns = eval_raw.column_names
+    tokenize, packed = _tokenizer_for(config, tokenizer, columns, sources.string_columns(eval_raw), name)
+    formatter = row_formatter(config, columns, name)
+    if formatter is not None:
+        formatter(eval_raw[0])  # a template naming a missing column fails here, with the columns
+    evals = _to_samples(tokenize(eval_raw), config.seq_len, tokenizer.pad_token_id, packed)
+    return StreamReader(train_stream, tokenize, config, tokenizer.pad_token_id), evals
 
 
 def load_token_data(config: TrainerConfig, tokenizer) -> TokenData:
@@ -168,15 +256,10 @@ def load_token_data(config: TrainerConfig, tokenizer) -> TokenData:
     out = []
     for raw, source in ((train_raw, name), (eval_raw, f"{name} (eval split)")):
         formatter = row_formatter(config, raw.column_names, source)
-        if formatter is None:
-            field = sources.resolve_text_field(raw.column_names, config.text_field, source,
-                                               sources.string_columns(raw))
-            tokenized = pack_texts(raw, tokenizer, field, config.seq_len)
-        else:
-            if len(raw):
-                formatter(raw[0])  # a template naming a missing column fails here, with the columns
-            tokenized = tokenize_pairs(raw, tokenizer, formatter, config.seq_len)
-        out.append(_to_samples(tokenized, config.seq_len, tokenizer.pad_token_id, packed=formatter is None))
+        if formatter is not None and len(raw):
+            formatter(raw[0])  # a template naming a missing column fails here, with the columns
+        tokenize, packed = _tokenizer_for(config, tokenizer, raw.column_names, sources.string_columns(raw), source)
+        out.append(_to_samples(tokenize(raw), config.seq_len, tokenizer.pad_token_id, packed))
     if len(out[0]) == 0:
         raise DataError(f"seq_len: {name} yields no training sample (fewer than seq_len={config.seq_len} "
                         "tokens of text, or prompts that fill seq_len); lower seq_len or use more data")

@@ -98,6 +98,45 @@ def load_raw_splits(config: TrainerConfig):
     return _hold_out(train, config, "dataset_name", name)
 
 
+def load_stream(config: TrainerConfig):
+    """(train stream, eval ``Dataset``) for ``streaming: true``.
+
+    The train stream is a ``datasets.IterableDataset`` read lazily (nothing is downloaded
+    whole). Eval rows are ``eval_split``'s first ``streaming_eval_rows``, or, without an
+    eval split, the first ``streaming_eval_rows`` rows of the training split, which the
+    train stream then skips.
+    """
+    import datasets
+
+    if config.json_file_path is not None:
+        field, source = "json_file_path", config.json_file_path
+        if not os.path.isfile(source):
+            raise DataError(f"json_file_path: '{source}' does not exist or is not a file")
+
+        def load(split):
+            return datasets.load_dataset("json", data_files=source, split="train", streaming=True,
+                                         **config.dataset_kwargs)
+    else:
+        field, source = "dataset_name", config.dataset_name
+        if source.startswith("builtin:") or os.path.exists(os.path.join(source, "state.json")) or \
+                os.path.exists(os.path.join(source, "dataset_dict.json")):
+            raise ConfigError(f"streaming: '{source}' is already in memory or on disk; set streaming: false")
+
+        def load(split):
+            return datasets.load_dataset(source, config.subset, split=split, streaming=True, **config.dataset_kwargs)
+
+    n = config.streaming_eval_rows
+    train = _guarded(field, source, lambda: load(config.dataset_split))
+    if config.eval_split is not None:
+        eval_rows = list(_guarded("eval_split", source, lambda: load(config.eval_split)).take(n))
+    else:
+        eval_rows = list(train.take(n))
+        train = train.skip(n)
+    if not eval_rows:
+        raise DataError(f"{field}: '{source}' yielded no rows to evaluate on")
+    return train, datasets.Dataset.from_list(eval_rows)
+
+
 def _from_disk(path: str, config: TrainerConfig):
     import datasets
 

@@ -123,8 +123,19 @@ def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl
     from diloco_ray import data
 
     batches = data.rank_batches(plan, cfg, 0, len(worker.tokens.train), worker.tokens.train.lengths)
-    widths = [b["input_ids"].shape[1] for _, _, b in worker._micro_batches(batches, 0)]
+    widths = [b["input_ids"].shape[1] for _, _, b in worker._micro_batches(worker.tokens.train, batches, 0)]
     assert widths and max(widths) < cfg.seq_len  # padded to the batch, not to seq_len (DataLoader worker)
     grads, stats = worker.run_round(worker.local_shards(), 0, plan)
     assert stats.inner_steps == 2 and stats.tokens < cfg.sequences_per_replica_round * cfg.seq_len
     assert all(torch.isfinite(torch.from_numpy(g)).all() for g in grads.values())
+
+
+def test_streaming_run(ray_local, tmp_path, llama_folder, sums_jsonl):
+    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, use_peft=False, streaming=True, shuffle_buffer=64,
+                      streaming_eval_rows=64, diloco_loops=3, max_steps=6, group_by_length=True, dynamic_batch=True)
+    result = DilocoFSDPTrainer(cfg).train()
+    rounds = result.rounds
+    assert [r["replicas"] for r in rounds] == [2, 2, 2]
+    assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
+    positions = sorted(p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c))
+    assert positions == list(range(2 * 3 * cfg.sequences_per_replica_round))

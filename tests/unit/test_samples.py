@@ -146,3 +146,35 @@ def test_dataset_kwargs_the_loader_rejects(tmp_path):
     cfg = make(json_file_path=qa_file(tmp_path / "qa.jsonl"), dataset_kwargs={"num_samples": 5})
     with pytest.raises(ConfigError, match="^dataset_kwargs:.*num_samples"):
         sources.load_raw_splits(cfg)
+
+
+def stream_reader(tmp_path, tok, **kw):
+    path = tmp_path / "docs.jsonl"
+    with open(path, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n")
+    cfg = make(json_file_path=str(path), streaming=True, streaming_eval_rows=10, shuffle_buffer=8,
+               prompt_template="{question}=", completion_template="{answer}", **kw)
+    return samples.open_stream(cfg, tok)
+
+
+def decoded(tok, s):
+    return [tok.decode(s.input_ids[i][:s.lengths[i]], skip_special_tokens=True) for i in range(len(s))]
+
+
+def test_stream_reader_positions(tmp_path, tok):
+    reader, evals = stream_reader(tmp_path, tok)
+    assert decoded(tok, evals)[:2] == ["0+1=1", "1+1=2"]               # the first rows are held out...
+    first_epoch = decoded(tok, reader.read(np.arange(30)))
+    assert sorted(first_epoch) == sorted(f"{i}+1={i + 1}" for i in range(10, 40))  # ...and never trained on
+    assert first_epoch != sorted(first_epoch)                           # shuffled
+    fresh, _ = stream_reader(tmp_path, tok)
+    assert decoded(tok, fresh.read(np.arange(5))) + decoded(tok, fresh.read(np.arange(5, 30))) == first_epoch
+    assert decoded(tok, fresh.read(np.array([7, 3]))) == [first_epoch[7], first_epoch[3]]  # behind: starts over
+    second_epoch = decoded(tok, reader.read(np.arange(30, 60)))
+    assert sorted(second_epoch) == sorted(first_epoch) and second_epoch != first_epoch
+
+
+def test_streaming_a_builtin_is_an_error(tok):
+    with pytest.raises(ConfigError, match="^streaming:"):
+        samples.open_stream(make(dataset_name="builtin:arithmetic", streaming=True), tok)
