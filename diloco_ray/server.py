@@ -138,6 +138,8 @@ class ParameterServer:
                 usable.append((c, assemble(ray.get(c.shard_refs), self.shapes)))
             except ValueError as e:
                 rejected[c.replica_id] = str(e)
+            except ray.exceptions.RayError as e:  # its node went down after it reported
+                rejected[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
         self.optimizer.step([g for _, g in usable], [c.weight for c, _ in usable])
         info = self.optimizer.last_step
         for i, reason in info.reasons.items():
