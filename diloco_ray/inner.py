@@ -191,12 +191,12 @@ class RankWorker:
             last = m == cfg.grad_accum - 1
             if sharded:  # reduce-scatter gradients once per step, not per micro-batch
                 self.model.set_requires_gradient_sync(last)
+            tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with self._autocast():
                 loss = self.model(**batch).loss / cfg.grad_accum
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
-            tokens += int(batch["attention_mask"].sum())
             if last:
                 self._optimizer_step()
                 if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
