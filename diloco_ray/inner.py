@@ -350,7 +350,8 @@ class RankWorker:
         module = getattr(self.model, "_orig_mod", self.model)
         return {"compiled": module is not self.model,
                 "attn_implementation": getattr(module.config, "_attn_implementation", None),
-                "gradient_checkpointing": bool(getattr(module, "is_gradient_checkpointing", False)),
+                "gradient_checkpointing": bool(getattr(module, "is_activation_checkpointing",
+                                                       getattr(module, "is_gradient_checkpointing", False))),
                 "trained": {n: tuple(p.shape) for n, p in self.params},
                 "frozen": sum(p.numel() for p in module.parameters() if not p.requires_grad),
                 "train_samples": len(self.tokens.train)}

@@ -185,3 +185,14 @@ def test_bf16_autocast_on_cpu(ray_local, tmp_path):
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
     weights = load_file(os.path.join(result.final_path, "model.safetensors"))
     assert all(t.dtype == torch.float32 for t in weights.values())  # fp32 master weights
+
+
+def test_fsdp_bf16_mixed_precision_policy(ray_local, tmp_path):
+    """Two ranks with FSDP2's MixedPrecisionPolicy (bf16 params, fp32 reduction) over gloo."""
+    cfg = tiny_config(tmp_path / "run", num_replicas=1, ranks_per_replica=2, mixed_precision="bf16",
+                      diloco_loops=2, max_steps=6)
+    result = DilocoFSDPTrainer(cfg).train()
+    losses = [r["eval_loss"] for r in result.rounds]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    weights = load_file(os.path.join(result.final_path, "model.safetensors"))
+    assert all(t.dtype == torch.float32 for t in weights.values())  # fp32 master weights on the server

@@ -178,3 +178,13 @@ def test_stream_reader_positions(tmp_path, tok):
 def test_streaming_a_builtin_is_an_error(tok):
     with pytest.raises(ConfigError, match="^streaming:"):
         samples.open_stream(make(dataset_name="builtin:arithmetic", streaming=True), tok)
+
+
+def test_split_slices_reach_load_dataset(tmp_path, tok):
+    path = tmp_path / "rows.csv"
+    path.write_text("text\n" + "\n".join(f"row number {i}" for i in range(50)) + "\n")
+    cfg = make(dataset_name="csv", dataset_kwargs={"data_files": str(path)}, dataset_split="train[:20]",
+               eval_split="train[40:]")
+    train, evals = sources.load_raw_splits(cfg)
+    assert [r["text"] for r in train] == [f"row number {i}" for i in range(20)]
+    assert [r["text"] for r in evals] == [f"row number {i}" for i in range(40, 50)]
