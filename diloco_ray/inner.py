@@ -238,10 +238,7 @@ class RankWorker:
             yield t, m, batch
 
     def _save_snapshot(self, snapshots: dict, plan: list, step: int, loss_sum: torch.Tensor, tokens: int) -> None:
-        state = {"rows": {n: _local(p).detach().cpu() for n, p in self.params},
-                 "optimizer": _to_local_tree(self.optimizer.state_dict()),
-                 "rng_cpu": torch.get_rng_state(),
-                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+        state = {**self._optimizer_and_rng(), "rows": {n: _local(p).detach().cpu() for n, p in self.params},
                  "plan": [list(r) for r in plan], "loss_sum": float(loss_sum), "tokens": tokens}
         snapshot.save(snapshots["folder"], snapshots["slot"], self.rank, step, state)
 
@@ -255,10 +252,7 @@ class RankWorker:
             return 0, 0
         for name, p in self.params:
             _local(p).copy_(state["rows"][name])
-        self.optimizer.load_state_dict(_like_params(state["optimizer"], [p for _, p in self.params]))
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng_cuda"])
+        self._restore_optimizer_and_rng(state)
         loss_sum += state["loss_sum"]
         return step, state["tokens"]
 
@@ -362,10 +356,7 @@ class RankWorker:
         ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle)."""
         from diloco_ray import checkpoint
 
-        state = {"optimizer": _to_local_tree(self.optimizer.state_dict()),
-                 "rng_cpu": torch.get_rng_state(),
-                 "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-                 "world_size": self.world_size}
+        state = {**self._optimizer_and_rng(), "world_size": self.world_size}
         sub = os.path.join(folder, "replicas")
         os.makedirs(sub, exist_ok=True)
         checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
@@ -382,11 +373,21 @@ class RankWorker:
         state = checkpoint.load_state(sub, name)
         if state["world_size"] != self.world_size:
             return False
+        self._restore_optimizer_and_rng(state)
+        return True
+
+    def _optimizer_and_rng(self) -> dict:
+        """The inner optimizer state (local shards) and RNG state: what must carry over
+        for training to go on exactly as if never interrupted."""
+        return {"optimizer": _to_local_tree(self.optimizer.state_dict()),
+                "rng_cpu": torch.get_rng_state(),
+                "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+
+    def _restore_optimizer_and_rng(self, state: dict) -> None:
         self.optimizer.load_state_dict(_like_params(state["optimizer"], [p for _, p in self.params]))
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng_cuda"])
-        return True
 
     def shutdown(self) -> None:
         import torch.distributed as dist

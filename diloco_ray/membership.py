@@ -56,18 +56,19 @@ class Membership:
         device: ``"cpu"`` or ``"cuda"``.
         worker_cls: the rank class for new replicas.
         on_event: called with each membership event (a dict) for metrics.jsonl.
+        round_of: the index of the round the run is at, for the events.
         on_admit: called with (replica, slot) just before a replica becomes active, e.g.
             to restore its inner state from a checkpoint.
     """
 
     def __init__(self, config: TrainerConfig, device: str, worker_cls: type,
-                 on_event: Callable[[dict], None], on_admit: Optional[Callable[[Replica, int], None]] = None):
+                 on_event: Callable[[dict], None], round_of: Callable[[], int],
+                 on_admit: Optional[Callable[[Replica, int], None]] = None):
         self.config, self.device, self.worker_cls = config, device, worker_cls
-        self.on_event, self.on_admit = on_event, on_admit
+        self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
         self.active: list[Replica] = []
         self.starting: list[Replica] = []
         self._next_id = 0
-        self.round_index = 0
 
     @property
     def ids(self) -> list[int]:
@@ -118,10 +119,10 @@ class Membership:
         except ray.exceptions.RayActorError as e:  # died while starting: try again later
             rep.stop()
             self.on_event({"event": "membership", "action": "failed_start", "replica_id": rep.id,
-                           "round": self.round_index, "reason": str(e).splitlines()[0][:200]})
+                           "round": self.round_of(), "reason": str(e).splitlines()[0][:200]})
             return
         self.active.append(rep)
-        self.on_event({"event": "membership", "action": "join", "replica_id": rep.id, "round": self.round_index,
+        self.on_event({"event": "membership", "action": "join", "replica_id": rep.id, "round": self.round_of(),
                        "replicas": len(self.active), "start_seconds": time.time() - rep.requested_at})
 
     def remove(self, rep: Replica, reason: str) -> None:
@@ -130,7 +131,7 @@ class Membership:
         if rep in self.active:
             self.active.remove(rep)
         self.on_event({"event": "membership", "action": "leave", "replica_id": rep.id, "reason": reason,
-                       "round": self.round_index, "replicas": len(self.active)})
+                       "round": self.round_of(), "replicas": len(self.active)})
 
     def stop_all(self) -> None:
         for rep in self.active + self.starting:

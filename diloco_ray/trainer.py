@@ -144,7 +144,7 @@ class DilocoFSDPTrainer:
         self.metrics = MetricsLogger(cfg.output_dir, cfg.log_with, cfg.log_dir, cfg.to_dict())
         self.server = self._new_server()
         restore_from = resume[0] if resume else None
-        self.members = Membership(cfg, self.device, self.worker_cls, self._log,
+        self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
                                   on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from))
         self.members.reconcile(cfg.num_replicas, wait_s=cfg.placement_timeout_s)
         if len(self.replicas) < cfg.min_replicas:
@@ -184,7 +184,6 @@ class DilocoFSDPTrainer:
         self.weight_bytes = ray.get(self.server.load.remote(path))
         self.round_index = ray.get(self.server.round_index.remote())
         self._last_checkpoint_round = self.round_index
-        self.members.round_index = self.round_index
         # Rounds after the checkpoint will be run again; their old records go.
         self.metrics.truncate_rounds(self.round_index)
         self.records = [r for r in self.records if r["round"] < self.round_index]
@@ -252,7 +251,7 @@ class DilocoFSDPTrainer:
         if not applied.applied:
             return None
         t_applied = time.perf_counter()
-        self.round_index = self.members.round_index = applied.round + 1
+        self.round_index = applied.round + 1
         self._weights_ref = self.server.weights.remote()
 
         t_eval = time.perf_counter()
@@ -352,14 +351,20 @@ class DilocoFSDPTrainer:
     def _evaluate(self) -> Optional[float]:
         if self.config.eval_batches == 0:
             return None
+        results = self._on_a_live_replica(lambda rep: rep.evaluate(self._weights_ref))
+        if results is None:
+            return None  # every replica died since the update; the next boundary replaces them
+        total, count = sum(r[0] for r in results), sum(r[1] for r in results)
+        return total / count if count else None
+
+    def _on_a_live_replica(self, call):
+        """``ray.get(call(replica))`` on the first active replica that is alive (dead ones
+        met on the way are removed), or None when none is left."""
         for rep in list(self.replicas):
             try:
-                results = ray.get(rep.evaluate(self._weights_ref))
+                return ray.get(call(rep))
             except RayActorError:
                 self.members.remove(rep, "failed")
-                continue
-            total, count = sum(r[0] for r in results), sum(r[1] for r in results)
-            return total / count if count else None
         return None
 
     # ---- membership, checkpoints, recovery --------------------------------------------
@@ -455,13 +460,9 @@ class DilocoFSDPTrainer:
         path = os.path.abspath(os.path.join(self.config.output_dir, "final"))
         merged = os.path.abspath(os.path.join(self.config.output_dir, "final_merged")) \
             if self.config.merge_adapter else None
-        for rep in list(self.replicas):
-            try:
-                ray.get(rep.save_final(self._weights_ref, path, merged))
-                return path
-            except RayActorError:
-                self.members.remove(rep, "failed")
-        raise RuntimeError("no replica is left to write final/")
+        if self._on_a_live_replica(lambda rep: rep.save_final(self._weights_ref, path, merged)) is None:
+            raise RuntimeError("no replica is left to write final/")
+        return path
 
     def _log(self, record: dict) -> None:
         if self.metrics is not None:
