@@ -96,12 +96,21 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")
     cpus_per_rank: float = _f(1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
-    server_resources: dict = _f({}, "custom Ray resources the server actor needs, to pin it to a node (e.g. {head: 1})")
+    server_resources: Union[dict, list] = _f({}, "custom Ray resources the server actors need, to pin them to nodes (e.g. {head: 1}); a list gives one mapping per server actor")
+    num_param_servers: int = _f(1, "parameter-server actors; the parameters are split over them, balanced by bytes", ge=1)
     round_timeout_s: Optional[float] = _f(None, "straggler deadline for one round; late replicas are dropped from it", gt=0.0)
     join_timeout_s: float = _f(0.0, "how long a round boundary waits for starting replicas before going on without them", ge=0.0)
     placement_timeout_s: float = _f(600.0, "how long to wait for room for min_replicas replicas before giving up", gt=0.0)
-    pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server")
-    error_feedback: bool = _f(False, "carry each replica's compression residual into its next round")
+    # --- sync over slow links -----------------------------------------------------------
+    pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales)")
+    error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none)")
+    weights_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
+    compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs", ge=16)
+    sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps", ge=1)
+    overlap_communication: bool = _f(False, "keep running inner steps while a fragment's sync is in flight; merge it one sync period later")
+    fragment_alpha: float = _f(0.5, "with overlap: a returning fragment becomes alpha*local + (1-alpha)*global", ge=0.0, le=1.0)
+    link_mbps: Optional[Union[float, list]] = _f(None, "simulated replica<->server link bandwidth in Mbit/s: a number, or a list per replica slot (null: not simulated)")
+    link_latency_ms: float = _f(0.0, "simulated one-way latency of each replica's link in ms", ge=0.0)
     # --- PEFT ------------------------------------------------------------------------
     use_peft: bool = _f(False, "train a PEFT adapter instead of all weights")
     peft_type: Literal["LORA", "IA3"] = _f("LORA", "PEFT method")
@@ -348,19 +357,34 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         raise ConfigError("early_stopping_patience: needs eval_batches > 0 (it watches the eval loss)")
     if cfg.merge_adapter and not cfg.use_peft:
         raise ConfigError("merge_adapter: there is no adapter to merge without use_peft: true")
-    _reject_unbuilt(cfg)
+    _validate_sync(cfg)
 
 
-# Fields whose non-default values need machinery that is not built yet. Rejecting them
-# loudly is better than accepting a setting and silently ignoring it.
-_UNBUILT: dict[str, tuple[Any, str]] = {
-    "pseudo_grad_compression": ("none", "only 'none' is implemented so far"),
-    "error_feedback": (False, "needs pseudo_grad_compression, which is not implemented yet"),
-}
+def _validate_sync(cfg: TrainerConfig) -> None:
+    """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
+    if cfg.max_steps % cfg.sync_fragments:
+        raise ConfigError(f"sync_fragments: {cfg.sync_fragments} must divide max_steps={cfg.max_steps} "
+                          "(each fragment syncs every max_steps/sync_fragments inner steps)")
+    streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
+    if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+        raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
+                          "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps")
+    resources = cfg.server_resources
+    if isinstance(resources, list):
+        if len(resources) != cfg.num_param_servers or not all(isinstance(r, dict) for r in resources):
+            raise ConfigError(f"server_resources: a list needs one mapping per server actor "
+                              f"(num_param_servers={cfg.num_param_servers}), got {resources!r}")
+    if cfg.link_mbps is not None:
+        rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
+        if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
+            raise ConfigError(f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
+                              "or a list of them (one per replica slot)")
+        if isinstance(cfg.link_mbps, list):
+            cfg.link_mbps = [float(r) for r in rates]
+            if len(rates) < cfg.replica_bounds[1]:
+                raise ConfigError(f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
+                                  "replicas may run; list one per replica slot")
+        else:
+            cfg.link_mbps = float(cfg.link_mbps)
 
 
-def _reject_unbuilt(cfg: TrainerConfig) -> None:
-    for name, (default, why) in _UNBUILT.items():
-        if getattr(cfg, name) != default:
-            raise ConfigError(f"{name}: {getattr(cfg, name)!r} is not supported in this version ({why}); "
-                              f"allowed: {default!r}")

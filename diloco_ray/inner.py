@@ -2,9 +2,10 @@
 
 A :class:`RankWorker` owns a model shard, its inner optimizer (whose state stays with the
 replica across rounds) and its view of the data. Each round it loads its rows of the
-global weights, runs ``max_steps`` inner steps, and returns its rows of the
-pseudo-gradient ``global - local``. It is a plain class: the replica wraps it with
-``ray.remote`` at creation, and tests can drive it in-process.
+global weights, runs its inner steps, and returns its rows of the pseudo-gradient
+``global - local``, one packed buffer per server (see :mod:`diloco_ray.rank_sync`). With
+``sync_fragments`` > 1 one call covers one fragment's sync period. It is a plain class:
+the replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process.
 """
 
 from __future__ import annotations
@@ -13,16 +14,15 @@ import contextlib
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from diloco_ray import data, modeling, samples, snapshot
+from diloco_ray import compression, data, links, modeling, partition, samples, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
-from diloco_ray.sharding import local_rows
+from diloco_ray.rank_sync import RankSync
 
 
 def inner_lr_at(step: int, config: TrainerConfig) -> float:
@@ -65,8 +65,9 @@ class RoundStats:
     tokens: int
     loss_sum: float       # sum of per-step mean losses
     compute_seconds: float  # the inner steps alone
-    load_seconds: float   # copying the global weights in
-    bytes_up: int         # pseudo-gradient bytes this rank sent
+    load_seconds: float   # waiting for and applying the server's weights
+    bytes_up: int         # pseudo-gradient bytes this rank sent (payload + scales + headers)
+    bytes_down: int = 0   # weight bytes this rank received
     aborted: bool = False  # stopped early by abort(): nothing to apply
     resumed_step: int = 0  # inner steps restored from an in-flight snapshot
 
@@ -138,79 +139,133 @@ class RankWorker:
         self.params = modeling.trained_parameters(model)
         self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
-        self._anchor: dict[str, torch.Tensor] = {}
+        self.sync = RankSync(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments,
+                             cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block)
+        self._batches: tuple | None = None
         return self.shapes
 
-    def local_shards(self) -> dict[str, np.ndarray]:
-        """This rank's rows of every trained parameter (fp32), e.g. to seed the server."""
-        return {n: _local(p).detach().float().cpu().numpy() for n, p in self.params}
+    def seed_pieces(self):
+        """This rank's rows of its freshly built weights, one fp32 buffer per server (a
+        bare buffer for one server, as ``num_returns=1`` expects)."""
+        buffers = self.sync.seed(self._local_rows())
+        return buffers[0] if len(buffers) == 1 else buffers
 
-    # ---- one round --------------------------------------------------------------------
-    @torch.no_grad()
-    def load_global(self, weights: dict[str, np.ndarray]) -> None:
-        """Copy this rank's rows of the global weights into the model, and remember them
-        as the anchor the pseudo-gradient is measured from."""
-        for name, p in self.params:
-            full = _as_tensor(weights[name])
-            rows = local_rows(full, self.world_size, self.rank)
-            local = _local(p)
-            local.copy_(rows)
-            self._anchor[name] = local.detach().float().clone()
+    def _local_rows(self) -> dict[str, torch.Tensor]:
+        return {n: _local(p) for n, p in self.params}
 
-    def run_round(self, weights: dict[str, np.ndarray], round_index: int, plan: list,
-                  snapshots: dict | None = None):
-        """Load the global weights, run ``max_steps`` inner steps on this replica's stream
-        ranges ``plan``, and return ``(pseudo_grad_rows, RoundStats)``.
+    @property
+    def streamed(self) -> bool:
+        """Whether local weights may differ from the global ones at a round boundary."""
+        return self.config.sync_fragments > 1 or self.config.overlap_communication
+
+    # ---- one sync period --------------------------------------------------------------
+    def run_round(self, job: dict):
+        """Run one sync period: take in the server's latest weights, run this period's
+        inner steps, and return ``(*buffers, RoundStats)``: this rank's pseudo-gradient
+        for the period's fragment, one packed buffer per server.
 
         Args:
-            weights: the global weights (resolved from the object store by Ray).
-            round_index: the round being run (drives the lr schedule).
-            plan: this replica's ``(start, count)`` ranges of the data stream.
-            snapshots: in-flight snapshot settings, or None: ``folder`` (this round's),
-                ``slot``, ``every`` (inner steps between snapshots) and ``resume_step``
-                (continue from that snapshot instead of step 0, or None).
+            job: what the driver hands every rank (see ``DilocoFSDPTrainer._job``):
+                ``round``, ``sync`` (the fragment synced at the end, 0-based within the
+                round), ``plan`` (this replica's stream ranges for the round),
+                ``messages`` (one packed weights message or ref per server, of sync
+                ``version``), ``full`` (whether they hold every parameter), ``servers``
+                (actor handles, for a full load after a missed sync), ``link`` (a
+                :class:`~diloco_ray.links.Link` or None) and ``snapshots`` (in-flight
+                snapshot settings or None: ``folder``, ``slot``, ``every``, ``resume_step``).
         """
         cfg = self.config
+        round_index, fragment, plan = job["round"], job["sync"], job["plan"]
+        snapshots = job.get("snapshots")
         t0 = time.perf_counter()
-        self.load_global(weights)
+        # Overlap: a fragment's new weights are merged one period late, so the steps run
+        # while they travel; a full load (new replica, missed sync) cannot wait.
+        late_merge = cfg.overlap_communication and not job["full"]
+        if job.get("reset"):  # the servers were restored from a checkpoint: reload everything
+            self.sync.versions = [-1] * len(self.sync.versions)
+        received = self._receive(job, merge=False, full_only=late_merge)
         t1 = time.perf_counter()
         self.model.train()
-        source, steps = self._round_batches(plan)
+        source, steps = self._round_batches(round_index, plan)
+        per_sync = len(steps) // cfg.sync_fragments
+        first, last = fragment * per_sync, (fragment + 1) * per_sync
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
-        tokens, aborted, first, t = 0, False, 0, 0
+        tokens, aborted, resumed, t = 0, False, 0, first
         if snapshots and snapshots.get("resume_step"):
-            first, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
-        for t, m, batch in self._micro_batches(source, steps, first):
+            resumed, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
+            first = max(first, resumed)
+        for t, m, batch in self._micro_batches(source, steps[:last], first):
             if m == 0:
                 if self._stop_requested(round_index):
                     aborted = True
                     break
                 for group in self.optimizer.param_groups:
                     group["lr"] = inner_lr_at(round_index * cfg.max_steps + t, cfg)
-            last = m == cfg.grad_accum - 1
+            final = m == cfg.grad_accum - 1
             if sharded:  # reduce-scatter gradients once per step, not per micro-batch
-                self.model.set_requires_gradient_sync(last)
+                self.model.set_requires_gradient_sync(final)
             tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with self._autocast():
                 loss = self.model(**batch).loss / cfg.grad_accum
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
-            if last:
+            if final:
                 self._optimizer_step()
                 if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
                     self._save_snapshot(snapshots, plan, t + 1, loss_sum, tokens)
         t2 = time.perf_counter()
-        pseudo_grad = {} if aborted else self.pseudo_gradient()
-        stats = RoundStats(rank=self.rank, inner_steps=t if aborted else len(steps), tokens=tokens,
-                           loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=t1 - t0,
-                           bytes_up=sum(a.nbytes for a in pseudo_grad.values()), aborted=aborted,
-                           resumed_step=first)
-        return pseudo_grad, stats
+        if late_merge and not aborted:
+            received += self._receive(job, merge=True)
+        t3 = time.perf_counter()
+        buffers = [] if aborted else self._outgoing(fragment, job.get("link"))
+        stats = RoundStats(rank=self.rank, inner_steps=(t - first) if aborted else last - first, tokens=tokens,
+                           loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=(t1 - t0) + (t3 - t2),
+                           bytes_up=sum(b.nbytes for b in buffers), bytes_down=received, aborted=aborted,
+                           resumed_step=resumed)
+        if aborted:  # nothing to send: an empty message per server keeps the return count fixed
+            buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
+        return (*buffers, stats)
 
-    def _round_batches(self, plan: list):
-        """(samples to cut from, ``[step][micro] -> indices``) for this rank's round; a
+    def _outgoing(self, fragment: int, link) -> list[np.ndarray]:
+        """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""
+        return self.sync.outgoing(fragment, self._local_rows(), link)
+
+    def _receive(self, job: dict, merge: bool, full_only: bool = False) -> int:
+        """Bring this rank up to the weights of the job's sync version: skip messages it
+        already holds, load everything after a gap, else apply them (blending them in
+        with ``merge``). Waits out the simulated downlink. Returns the bytes received."""
+        version = job["version"]
+        decision = self.sync.plan(version, fragment_message=not job["full"])
+        received = 0
+        if decision == "full":
+            received += self._apply(_fetch([s.weights.remote(None) for s in job["servers"]]), job, merge=False)
+            decision = self.sync.plan(version, fragment_message=not job["full"])
+        if decision == "apply" and not full_only:
+            received += self._apply(_fetch(job["messages"]), job, merge=merge)
+        return received
+
+    @torch.no_grad()
+    def _apply(self, buffers: list, job: dict, merge: bool) -> int:
+        nbytes = sum(len(b) for b in buffers)
+        link = job.get("link")
+        if link is not None:
+            sent = max(compression.packed_meta(b).get("sent_at", 0.0) for b in buffers)
+            links.wait_for([sent + link.seconds(nbytes)])
+        self.sync.apply(buffers, self._local_rows(), merge=merge)
+        return nbytes
+
+    def _round_batches(self, round_index: int, plan: list):
+        """(samples, ``[step][micro] -> indices``) for this rank's round, computed once per
+        round (a round's sync periods share it)."""
+        key = (round_index, tuple(map(tuple, plan)))
+        if self._batches is None or self._batches[0] != key:
+            self._batches = (key, *self._plan_batches(plan))
+        return self._batches[1], self._batches[2]
+
+    def _plan_batches(self, plan: list):
+        """(samples to cut from, ``[step][micro] -> indices``) for the ranges ``plan``; a
         streamed data set is read at the plan's positions first."""
         cfg = self.config
         stream = self.tokens.stream
@@ -288,11 +343,6 @@ class RankWorker:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
-    @torch.no_grad()
-    def pseudo_gradient(self) -> dict[str, np.ndarray]:
-        """This rank's rows of ``global - local`` in fp32."""
-        return {n: (self._anchor[n] - _local(p).float()).cpu().numpy() for n, p in self.params}
-
     def _autocast(self):
         cfg = self.config
         if cfg.mixed_precision == "no" or (cfg.mixed_precision == "bf16" and self.world_size > 1):
@@ -302,14 +352,39 @@ class RankWorker:
 
     # ---- eval and output --------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, weights: dict[str, np.ndarray]) -> tuple[float, int]:
-        """Mean-loss sum and batch count over this rank's share of the eval batches.
+    def evaluate(self, weights: list) -> tuple[float, int]:
+        """Mean-loss sum and batch count over this rank's share of the eval batches, for
+        the global weights ``weights`` (one packed buffer or ref per server). The rank's
+        own training state is left as it was.
 
         Every rank runs the same number of forwards (FSDP's collectives need it); a rank
         with no batch left scores a repeat with weight 0.
         """
+        kept = {n: t.detach().to("cpu", copy=True) for n, t in self._local_rows().items()} if self.streamed else None
+        self._copy_in(_fetch(weights))
+        try:
+            return self._evaluate()
+        finally:
+            if kept is not None:
+                for n, t in self._local_rows().items():
+                    t.copy_(kept[n])
+
+    @torch.no_grad()
+    def _copy_in(self, buffers: list) -> None:
+        """Overwrite this rank's rows with the weights in ``buffers`` (anchor untouched)."""
+        local = self._local_rows()
+        for buf in buffers:
+            tensors, meta = compression.unpack(buf)
+            for name, piece in tensors.items():
+                start = meta["rows"][name]
+                span = (start, start + (partition.num_rows(piece.shape) if piece.dim() else 1))
+                held = self.sync.held[name]
+                mine = partition.intersect({name: span}, {name: held}).get(name)
+                if mine is not None:
+                    partition.take(local[name], mine, held[0]).copy_(partition.take(piece, mine, start))
+
+    def _evaluate(self) -> tuple[float, int]:
         cfg = self.config
-        self.load_global(weights)
         self.model.eval()
         evals = self.tokens.eval
         mine = data.eval_batches_for_rank(len(evals), cfg.eval_batches, cfg.batch_size, self.rank, self.world_size)
@@ -327,14 +402,22 @@ class RankWorker:
                 total, count = total + float(loss), count + 1
         return total, count
 
-    def save_final(self, weights: dict[str, np.ndarray], path: str, merged_path: str | None = None) -> str:
-        """Write the global weights as a Hugging Face model folder (rank 0 only): the
-        model, or with PEFT its adapter, plus the merged model at ``merged_path``."""
+    def save_final(self, weights: list, path: str, merged_path: str | None = None) -> str:
+        """Write the global weights (one packed buffer or ref per server) as a Hugging
+        Face model folder (rank 0 only): the model, or with PEFT its adapter, plus the
+        merged model at ``merged_path``."""
         if self.rank == 0:
+            full = {n: torch.empty(s) for n, s in self.shapes.items()}
+            for buf in _fetch(weights):
+                tensors, meta = compression.unpack(buf)
+                for name, piece in tensors.items():
+                    start = meta["rows"][name]
+                    rows = partition.num_rows(piece.shape) if piece.dim() else 1
+                    partition.put(full[name], (start, start + rows), piece)
             # An unsharded copy of the starting model supplies what DiLoCo does not train
             # (frozen weights, buffers); the global weights overwrite the rest.
             model = modeling.build_model(self.config, self.tokenizer)
-            modeling.save_hf(model, self.tokenizer, {n: _as_tensor(w) for n, w in weights.items()}, path)
+            modeling.save_hf(model, self.tokenizer, full, path)
             if merged_path is not None:
                 modeling.save_merged(model, self.tokenizer, merged_path)
         return path
@@ -356,7 +439,10 @@ class RankWorker:
         ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle)."""
         from diloco_ray import checkpoint
 
-        state = {**self._optimizer_and_rng(), "world_size": self.world_size}
+        state = {**self._optimizer_and_rng(), "world_size": self.world_size,
+                 "sync": self.sync.state_dict(with_anchor=self.streamed)}
+        if self.streamed:  # local weights differ from the global ones between rounds
+            state["rows"] = {n: t.detach().cpu().clone() for n, t in self._local_rows().items()}
         sub = os.path.join(folder, "replicas")
         os.makedirs(sub, exist_ok=True)
         checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
@@ -374,6 +460,11 @@ class RankWorker:
         if state["world_size"] != self.world_size:
             return False
         self._restore_optimizer_and_rng(state)
+        self.sync.load_state_dict(state.get("sync") or {})
+        if "rows" in state and "anchor" in (state.get("sync") or {}):
+            with torch.no_grad():
+                for n, t in self._local_rows().items():
+                    t.copy_(state["rows"][n])
         return True
 
     def _optimizer_and_rng(self) -> dict:
@@ -441,11 +532,10 @@ def _like_params(optim_state: dict, params: list) -> dict:
     return {**optim_state, "state": state}
 
 
-def _as_tensor(array) -> torch.Tensor:
-    if isinstance(array, torch.Tensor):
-        return array
-    with warnings.catch_warnings():
-        # Arrays from Ray's object store are read-only views; we only read them.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(array)
+def _fetch(items: list) -> list:
+    """Buffers from a list of buffers or object refs (refs are fetched, in one call)."""
+    import ray
 
+    refs = [i for i in items if isinstance(i, ray.ObjectRef)]
+    got = iter(ray.get(refs)) if refs else iter(())
+    return [next(got) if isinstance(i, ray.ObjectRef) else i for i in items]

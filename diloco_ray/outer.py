@@ -23,6 +23,7 @@ from torch import Tensor
 __all__ = [
     "OuterOptimizer",
     "OuterStepInfo",
+    "clip_coefficient",
     "find_invalid",
     "global_norm",
     "outer_lr_at",
@@ -126,6 +127,17 @@ def global_norm(tensors: Mapping[str, Tensor]) -> float:
         return 0.0
     norms = [torch.linalg.vector_norm(t.detach().float()) for t in tensors.values()]
     return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """The factor global-norm clipping scales the gradient by, as ``clip_grad_norm_``
+    computes it: ``min(1, max_norm / (total_norm + 1e-6))`` (1.0 when clipping is off).
+
+    Kept apart from the step so a sharded server can clip by a norm taken across shards.
+    """
+    if max_norm is None:
+        return 1.0
+    return min(1.0, float(max_norm) / (float(total_norm) + 1e-6))
 
 
 @dataclass
@@ -252,18 +264,42 @@ class OuterOptimizer:
 
         mean = weighted_mean([pseudo_grads[i] for i in info.accepted], acc_weights)
         info.grad_norm = global_norm(mean)
-        for name, p in self._params.items():
-            p.grad = mean[name].to(p.device)
-        if self._clip is not None:
-            torch.nn.utils.clip_grad_norm_(list(self._params.values()), max_norm=self._clip)
+        self.apply(mean, lr, clip_coefficient(info.grad_norm, self._clip))
+        self.round += 1
+        info.applied = True
+        return self.params
+
+    def lr_at(self, round_index: int) -> float:
+        """The outer lr of round ``round_index`` under the configured schedule."""
+        return outer_lr_at(self._base_lr, self._schedule, round_index, self._loops)
+
+    @property
+    def max_norm(self) -> float | None:
+        """``outer_grad_clip`` (None: no clipping)."""
+        return self._clip
+
+    def apply(self, mean: Mapping[str, Tensor], lr: float, clip_coef: float = 1.0) -> None:
+        """One outer optimizer step from an already averaged, validated outer gradient.
+
+        Only the params named in ``mean`` move (and only their optimizer state): the
+        others get no gradient, and torch optimizers skip those. This is what a streaming
+        sync of one fragment, or one server shard, needs. ``round`` is not advanced.
+
+        Args:
+            mean: name -> outer gradient (any subset of the params, same shapes).
+            lr: the outer lr for this step (see :meth:`lr_at`).
+            clip_coef: factor to scale the gradient by (see :func:`clip_coefficient`).
+        """
+        for name, g in mean.items():
+            p = self._params[name]
+            if g.shape != p.shape:
+                raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
+            g = g.to(device=p.device, dtype=torch.float32)
+            p.grad = g * clip_coef if clip_coef != 1.0 else g  # never scale the caller's tensor
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
-
-        self.round += 1
-        info.applied = True
-        return self.params
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot: ``{"params": name -> clone, "optimizer": torch state, "round": int,

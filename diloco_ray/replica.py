@@ -10,8 +10,6 @@ The worker class is made remote here, at creation, so tests can pass a fake.
 
 from __future__ import annotations
 
-from typing import Any
-
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -73,19 +71,19 @@ class Replica:
             addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
         return [r.setup.remote(addr, port) for r in self.ranks]
 
-    def local_shards(self) -> list:
-        return [r.local_shards.remote() for r in self.ranks]
+    def seed_pieces(self) -> list[list]:
+        """Per server, refs to each rank's rows of the freshly built weights."""
+        servers = self.config.num_param_servers
+        refs = [r.seed_pieces.options(num_returns=servers).remote() for r in self.ranks]
+        refs = [[ref] if servers == 1 else ref for ref in refs]
+        return [[per_rank[s] for per_rank in refs] for s in range(servers)]
 
-    def run_round(self, weights_ref: Any, round_index: int, plan: list,
-                  snapshots: dict | None = None) -> tuple[list, list]:
-        """Start one round on every rank: (pseudo-gradient shard refs, stats refs)."""
-        shards, stats = [], []
-        for r in self.ranks:
-            shard_ref, stats_ref = r.run_round.options(num_returns=2).remote(weights_ref, round_index, plan,
-                                                                             snapshots)
-            shards.append(shard_ref)
-            stats.append(stats_ref)
-        return shards, stats
+    def run_round(self, job: dict) -> tuple[list[list], list]:
+        """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
+        buffer refs; the ranks' stats refs)."""
+        servers = self.config.num_param_servers
+        outs = [r.run_round.options(num_returns=servers + 1).remote(job) for r in self.ranks]
+        return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
 
     def abort(self, round_index: int) -> None:
         """Tell every rank to stop ``round_index`` at its next step (fire and forget)."""
@@ -98,11 +96,12 @@ class Replica:
     def load_inner_state(self, folder: str, slot: int) -> list:
         return [r.load_inner_state.remote(folder, slot) for r in self.ranks]
 
-    def evaluate(self, weights_ref: Any) -> list:
-        return [r.evaluate.remote(weights_ref) for r in self.ranks]
+    def evaluate(self, weight_refs: list) -> list:
+        """Eval of the global weights (one ref per server) on every rank."""
+        return [r.evaluate.remote(weight_refs) for r in self.ranks]
 
-    def save_final(self, weights_ref: Any, path: str, merged_path: str | None = None) -> list:
-        return [r.save_final.remote(weights_ref, path, merged_path) for r in self.ranks]
+    def save_final(self, weight_refs: list, path: str, merged_path: str | None = None) -> list:
+        return [r.save_final.remote(weight_refs, path, merged_path) for r in self.ranks]
 
     def stop(self) -> None:
         """Kill the rank actors and release the placement group (idempotent)."""

@@ -1,153 +1,401 @@
 """The parameter server: the one source of truth for the global weights.
 
-A thin adapter around :class:`~diloco_ray.outer.OuterOptimizer`. It holds the fp32
-global weights, the outer optimizer state, the round index and the data position, and
-applies a round as one unit: either every field advances together or none does.
-Pseudo-gradients arrive as object-store references that the server resolves itself, so
-they travel replica -> server directly, never through the driver.
+``num_param_servers`` actors each own a slice of the parameters (row ranges, balanced by
+bytes; see :mod:`diloco_ray.partition`). Each holds the fp32 global weights of its slice
+and their outer-optimizer state; server 0 also holds the data cursor, and every server
+keeps the round index. A sync of one fragment (the whole model unless
+``sync_fragments`` > 1) is three calls that Ray chains without the driver waiting:
+
+1. :meth:`ParameterServer.prepare` resolves each replica's pieces straight from the
+   object store (they never pass through the driver), decodes them, rejects a replica
+   whose pieces are missing, mis-shaped or non-finite, and accumulates the others'
+   weighted sum in fp32 as they arrive;
+2. :meth:`~ParameterServer.reduce` gets every server's verdicts, so all servers agree on
+   one accepted set, and returns the squared norms of its part of the mean;
+3. :meth:`~ParameterServer.commit` gets every server's norms, so global-norm clipping
+   uses the norm over the whole fragment, and takes the outer step.
+
+A round's step and the cursor advance together, or not at all. The math lives in
+:mod:`diloco_ray.outer`, :mod:`diloco_ray.compression` and :mod:`diloco_ray.partition`.
 """
 
 from __future__ import annotations
 
+import json
+import math
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from diloco_ray import data
+from diloco_ray import compression, data, links, partition
 from diloco_ray.config import TrainerConfig
-from diloco_ray.outer import OuterOptimizer
-from diloco_ray.sharding import assemble
+from diloco_ray.outer import OuterOptimizer, clip_coefficient
 
 
 @dataclass
 class Contribution:
-    """One replica's part of a round, as the driver hands it to the server.
+    """One replica's pieces for one server in one sync.
 
     Args:
         replica_id: the replica.
-        shard_refs: one object ref per rank, each resolving to that rank's rows of the
-            pseudo-gradient (name -> array). Wrapped in a list so Ray does not resolve
-            them on the driver's behalf.
+        refs: one object ref per rank, each resolving to a :func:`compression.pack`
+            buffer of that rank's rows for this server. Wrapped in a list so Ray hands
+            the refs over unresolved and the server fetches them itself.
         weight: its weight in the mean (tokens it trained on).
     """
 
     replica_id: int
-    shard_refs: list
+    refs: list
     weight: float
 
 
 @dataclass
+class Prepared:
+    """A server's verdict on one sync's contributions (small; goes server -> server)."""
+
+    order: list[int]                 # replica ids in contribution order
+    weights: dict[int, float]
+    reasons: dict[int, str]          # replica id -> why rejected here
+    arrived: float                   # wall-clock time the last piece arrived
+
+
+@dataclass
+class Reduced:
+    """A server's part of the accepted mean: squared norms by (param position, row start)."""
+
+    accepted: list[int]
+    sumsq: list[tuple[int, int, float]]
+    reasons: dict[int, str]
+    started: float
+
+
+@dataclass
 class AppliedRound:
-    """What the server reports after a round (small; goes to the driver)."""
+    """What a commit reports (small; goes to the driver)."""
 
     applied: bool
-    round: int                    # index of the round that was (or would have been) applied
+    round: int                    # the round this sync belongs to
+    fragment: int
     outer_lr: float
     pseudo_grad_norm: float | None
     accepted: list[int] = field(default_factory=list)   # replica ids
     rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
-    data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> applied stream ranges
+    data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
+    round_done: bool = False      # this sync completed its round
+    seconds: float = 0.0          # from the first piece received to the step taken
 
 
 class ParameterServer:
-    """Holds the global model state and applies outer updates.
+    """Holds one slice of the global model state and applies outer updates to it.
 
     Args:
         config: the job's TrainerConfig, as a dict.
+        index: this server's position among the ``num_param_servers``.
     """
 
-    def __init__(self, config: dict):
+    def __init__(self, config: dict, index: int = 0):
         self.config = TrainerConfig.from_dict(config)
+        self.index, self.count = index, self.config.num_param_servers
         self.optimizer: OuterOptimizer | None = None
         self.shapes: dict[str, tuple] = {}
         self.cursor = data.DataCursor()
+        self.fragment = 0              # next fragment to sync within the round
+        self.version = 0               # syncs committed: the version replicas hold
+        self.held: dict[str, torch.Tensor] = {}  # what replicas hold, with weights_compression
+        self._round_accepted: set[int] | None = None
+        self._pending: dict | None = None
+        self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
 
-    def initialize(self, shard_refs: list, shapes: dict[str, tuple]) -> int:
-        """Seed the global weights from one replica's rank shards; returns their bytes."""
+    # ---- layout ------------------------------------------------------------------------
+    def _layout(self, shapes: dict) -> None:
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        self.position = {n: i for i, n in enumerate(self.shapes)}
+        self.owned = partition.server_shards(self.shapes, self.count)[self.index]
+        self.fragments = partition.fragments(self.shapes, self.config.sync_fragments)
+
+        # The outer optimizer works on whole tensors, and a fragment may cover part of a
+        # tensor's rows: each owned tensor is held as one piece per fragment it meets.
+        self.pieces: dict[tuple[str, int], str] = {}  # (name, fragment) -> optimizer key
+        self.piece_rows: dict[str, tuple[str, tuple[int, int]]] = {}  # key -> (name, rows)
+        spans = sorted((self.position[n], iv[0], f, n, iv) for f in range(len(self.fragments))
+                       for n, iv in partition.intersect(self.owned, self.fragments[f]).items())
+        for _, _, f, name, iv in spans:
+            key = name if iv == self.owned[name] else f"{name}@{iv[0]}"
+            self.pieces[(name, f)] = key
+            self.piece_rows[key] = (name, iv)
+
+    def _target(self, fragment: int | None) -> partition.Rows:
+        return self.owned if fragment is None else partition.intersect(self.owned, self.fragments[fragment])
+
+    def _split(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Owned rows by name -> optimizer pieces by key (copies)."""
+        return {key: partition.take(full[name], iv, self.owned[name][0]).clone()
+                for key, (name, iv) in self.piece_rows.items()}
+
+    def _rows(self, pieces: dict[str, torch.Tensor], name: str, iv: tuple[int, int]) -> torch.Tensor:
+        """Rows ``iv`` of ``name`` from optimizer pieces (a view when one piece holds them)."""
+        parts = []
+        for key, (n, (a, b)) in self.piece_rows.items():
+            lo, hi = max(a, iv[0]), min(b, iv[1])
+            if n == name and (lo < hi or (a, b) == iv):
+                parts.append(partition.take(pieces[key], (lo, hi), a))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
+        """Decode one replica's per-rank buffers into tensors covering ``target`` exactly;
+        also returns when the last of them arrived over its (simulated) link."""
+        out = {n: torch.empty((b - a, *self.shapes[n][1:])) for n, (a, b) in target.items()}
+        covered = dict.fromkeys(target, 0)
+        arrived = 0.0
+        for r, buf in enumerate(buffers):
+            tensors, meta = compression.unpack(buf)
+            arrived = max(arrived, links.arrival(meta) or 0.0)
+            for name, piece in tensors.items():
+                start = meta["rows"][name]
+                span = (start, start + partition.num_rows(piece.shape) if piece.dim() else start + 1)
+                if name not in target or partition.intersect({name: span}, target) != {name: span}:
+                    raise ValueError(f"rank {r} sent rows {span} of '{name}' outside this sync's slice")
+                if tuple(piece.shape[1:]) != self.shapes[name][1:]:
+                    raise ValueError(f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
+                                     f"want (*, {', '.join(map(str, self.shapes[name][1:]))})")
+                partition.put(out[name], span, piece, offset=target[name][0])
+                covered[name] += span[1] - span[0]
+        for name, (a, b) in target.items():
+            if covered[name] != b - a:
+                raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
+            if not bool(torch.isfinite(out[name]).all()):
+                raise ValueError(f"non-finite values in '{name}'")
+        return out, arrived
+
+    # ---- state ---------------------------------------------------------------------------
+    def initialize(self, buffer_refs: list, shapes: dict[str, tuple]) -> int:
+        """Seed this slice of the global weights from one replica's rank buffers (fp32
+        pieces, as :meth:`~diloco_ray.inner.RankWorker.seed_pieces` packs them); returns
+        the slice's bytes."""
         import ray
 
-        self.shapes = {n: tuple(s) for n, s in shapes.items()}
-        params = assemble(ray.get(shard_refs), self.shapes)
-        self.optimizer = OuterOptimizer(params, self.config)
+        self._layout(shapes)
+        params, _ = self._receive(ray.get(buffer_refs), self.owned)
+        self.optimizer = OuterOptimizer(self._split(params), self.config)
+        self._reset_held()
         return self.weight_bytes()
 
-    def weights(self) -> dict[str, np.ndarray]:
-        """The current global weights (fp32 numpy; Ray stores them once per version)."""
-        return {n: t.numpy() for n, t in self.optimizer.params.items()}
+    def _reset_held(self) -> None:
+        if self.config.weights_compression != "none":
+            self.held = {n: t.clone() for n, t in self.optimizer.params.items()}
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.optimizer.params.values())
-
-    # ---- checkpoints: the server writes and reads its own state ------------------------
-    def save(self, folder: str) -> None:
-        """Write the whole server state into ``folder`` (a checkpoint being assembled):
-        ``global.safetensors`` (the weights, loadable on their own), ``outer`` (the outer
-        optimizer) and ``server.json`` (round index, data cursor)."""
-        import json
-
-        from diloco_ray import checkpoint
-
-        sd = self.optimizer.state_dict()
-        checkpoint.save_tensors(os.path.join(folder, "global.safetensors"), sd["params"])
-        checkpoint.save_state(folder, "outer", {"optimizer": sd["optimizer"], "round": sd["round"], "names": sd["names"]})
-        with open(os.path.join(folder, "server.json"), "w") as f:
-            json.dump({"round": sd["round"], "cursor": self.cursor.to_dict(),
-                       "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
-
-    def load(self, folder: str) -> int:
-        """Restore the state :meth:`save` wrote; returns the weights' bytes."""
-        import json
-
-        from diloco_ray import checkpoint
-
-        with open(os.path.join(folder, "server.json")) as f:
-            meta = json.load(f)
-        self.shapes = {n: tuple(s) for n, s in meta["shapes"].items()}
-        loaded = checkpoint.load_tensors(os.path.join(folder, "global.safetensors"))
-        params = {n: loaded[n] for n in self.shapes}  # the original order (safetensors sorts keys)
-        outer = checkpoint.load_state(folder, "outer")
-        self.optimizer = OuterOptimizer(params, self.config)
-        self.optimizer.load_state_dict({"params": params, **outer})
-        self.cursor = data.DataCursor.from_dict(meta["cursor"])
-        return self.weight_bytes()
 
     def round_index(self) -> int:
         """The index of the next round to apply."""
         return self.optimizer.round
 
+    def sync_version(self) -> int:
+        """Syncs committed so far: the version of the weights replicas should hold."""
+        return self.version
+
+    def last_weights(self) -> np.ndarray:
+        """The latest sync's weights message again (a resumed run's replicas merge it);
+        before any sync, the full weights."""
+        return self.last_message if len(self.last_message) else self.weights(None)
+
     def plan(self, slots: int) -> list[list[tuple[int, int]]]:
         """The stream ranges each of ``slots`` replicas trains on next (no state change)."""
         return data.plan_round(self.cursor, slots, self.config.sequences_per_replica_round)
 
-    def apply(self, contributions: list[Contribution], plans: dict[int, list]) -> AppliedRound:
-        """Average the contributions, take the outer step, and commit the data cursor,
-        all or nothing. ``plans`` maps every replica that was handed data this round to
-        its ranges; only the applied ones count as consumed.
+    # ---- what goes down to replicas ----------------------------------------------------
+    def global_weights(self) -> np.ndarray:
+        """This slice of the exact fp32 global weights, packed (for eval and final/)."""
+        return self._pack(self.optimizer.params, self.owned, "none", {"version": self.version})
 
-        A contribution whose shards do not assemble, or whose pseudo-gradient holds
-        NaN/Inf or mismatched shapes, is rejected and reported, never applied.
+    def weights(self, fragment: int | None = None) -> np.ndarray:
+        """What replicas load after a sync of ``fragment`` (None: everything, for a replica
+        that starts from scratch), packed.
+
+        With ``weights_compression`` the message of a fragment is the compressed change
+        since the last one (``delta``, from ``base`` to ``version``), and the server
+        tracks what replicas then hold so quantisation error never accumulates; a full
+        load sends what replicas hold, in fp32.
         """
+        codec = self.config.weights_compression
+        if fragment is None:
+            return self._pack(self.held or self.optimizer.params, self.owned, "none", {"version": self.version})
+        if codec == "none":
+            meta = {"version": self.version, "fragment": fragment}
+            self.last_message = self._pack(self.optimizer.params, self._target(fragment), "none", meta)
+            return self.last_message
+        target = self._target(fragment)
+        params = self.optimizer.params
+        delta = {n: self._rows(params, n, iv) - self._rows(self.held, n, iv) for n, iv in target.items()}
+        meta = {"rows": {n: iv[0] for n, iv in target.items()}, "delta": True, "fragment": fragment,
+                "version": self.version, "sent_at": time.time()}
+        buf = compression.pack(delta, codec, meta, block=self.config.compression_block)
+        decoded, _ = compression.unpack(buf)
+        for n, iv in target.items():
+            self._rows(self.held, n, iv).add_(decoded[n])
+        self.last_message = buf
+        return buf
+
+    def _pack(self, tensors: dict, target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
+        pieces = {n: self._rows(tensors, n, iv) for n, iv in target.items()}
+        meta = {**meta, "rows": {n: iv[0] for n, iv in target.items()}, "sent_at": time.time()}
+        return compression.pack(pieces, codec, meta, block=self.config.compression_block)
+
+    # ---- one sync: prepare -> reduce -> commit -------------------------------------------
+    def prepare(self, fragment: int, contributions: list[Contribution]) -> Prepared:
+        """Fetch, decode and check every contribution; accumulate the valid ones' weighted
+        sum in fp32, one replica at a time (never more than one decoded copy held)."""
         import ray
 
-        rejected: dict[int, str] = {}
-        usable: list[tuple[Contribution, dict[str, torch.Tensor]]] = []
+        if fragment != self.fragment:
+            raise RuntimeError(f"server {self.index}: asked to sync fragment {fragment}, expected {self.fragment}")
+        started = time.time()
+        target = self._target(fragment)
+        acc = {n: torch.zeros((b - a, *self.shapes[n][1:])) for n, (a, b) in target.items()}
+        reasons, valid, arrivals = {}, [], []
         for c in contributions:
             try:
-                usable.append((c, assemble(ray.get(c.shard_refs), self.shapes)))
+                grads, arrived = self._receive(ray.get(c.refs), target)
             except ValueError as e:
-                rejected[c.replica_id] = str(e)
+                reasons[c.replica_id] = str(e)
+                continue
             except ray.exceptions.RayError as e:  # its node went down after it reported
-                rejected[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
-        self.optimizer.step([g for _, g in usable], [c.weight for c, _ in usable])
-        info = self.optimizer.last_step
-        for i, reason in info.reasons.items():
-            rejected[usable[i][0].replica_id] = reason
-        accepted = [usable[i][0].replica_id for i in info.accepted] if info.applied else []
-        if info.applied:
+                reasons[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
+                continue
+            arrivals.append(arrived)
+            for n, g in grads.items():
+                acc[n].add_(g, alpha=float(c.weight))
+            valid.append(c.replica_id)
+        links.wait_for(arrivals)  # a simulated slow uplink delivers the pieces only now
+        self._pending = {"fragment": fragment, "contributions": contributions, "acc": acc, "valid": valid,
+                         "started": started}
+        return Prepared(order=[c.replica_id for c in contributions],
+                        weights={c.replica_id: float(c.weight) for c in contributions},
+                        reasons=reasons, arrived=time.time())
+
+    def reduce(self, *prepared: Prepared) -> Reduced:
+        """Agree on the accepted replicas (rejected anywhere means rejected everywhere),
+        form this slice's mean, and return its squared norms."""
+        import ray
+
+        pending = self._pending
+        reasons = {rid: why for p in prepared for rid, why in p.reasons.items()}
+        accepted = [rid for rid in prepared[0].order if rid not in reasons]
+        weights = prepared[0].weights
+        total = sum(weights[rid] for rid in accepted)
+        if accepted != pending["valid"]:  # another server rejected one this server summed
+            target = self._target(pending["fragment"])
+            acc = {n: torch.zeros_like(t) for n, t in pending["acc"].items()}
+            for c in pending["contributions"]:
+                if c.replica_id in accepted:
+                    grads, _ = self._receive(ray.get(c.refs), target)
+                    for n, g in grads.items():
+                        acc[n].add_(g, alpha=float(c.weight))
+            pending["acc"] = acc
+        mean = {n: t.div_(total) for n, t in pending["acc"].items()} if total > 0 else {}
+        target = self._target(pending["fragment"])
+        pending.update(mean=mean, accepted=accepted)
+        sumsq = [(self.position[n], target[n][0], float(g.double().square().sum())) for n, g in mean.items()]
+        return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons,
+                       started=pending["started"])
+
+    def commit(self, plans: dict, *reduced: Reduced) -> AppliedRound:
+        """Take the outer step for this sync with the norm over every server's slice, and
+        advance the fragment, round and (at a round's end) the data cursor as one unit.
+
+        Args:
+            plans: replica id -> stream ranges it was handed this round.
+            reduced: every server's :meth:`reduce` result, in server order.
+        """
+        pending, self._pending = self._pending, None
+        opt, cfg = self.optimizer, self.config
+        accepted = reduced[0].accepted
+        # Sum in one global order so every server (and any server count) gets the same norm.
+        terms = sorted(t for r in reduced for t in r.sumsq)
+        norm = math.sqrt(sum(t[2] for t in terms)) if accepted else None
+        lr = opt.lr_at(opt.round)
+        round_index, fragment = opt.round, self.fragment
+        streaming = cfg.sync_fragments > 1
+        if accepted:
+            mean = {self.pieces[(n, fragment)]: g for n, g in pending["mean"].items()}
+            opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm))
+        elif not streaming:
+            # Plain DiLoCo: nothing usable arrived, so the round is run again.
+            return AppliedRound(applied=False, round=round_index, fragment=0, outer_lr=lr, pseudo_grad_norm=None,
+                                rejected=reduced[0].reasons)
+        self.version += 1
+        got = set(accepted)
+        self._round_accepted = got if self._round_accepted is None else self._round_accepted & got
+        done = fragment == cfg.sync_fragments - 1
+        consumed: dict[int, list] = {}
+        if done:
             ids = list(plans)
-            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in accepted for i in ids])
-        return AppliedRound(applied=info.applied, round=info.round, outer_lr=info.lr,
-                            pseudo_grad_norm=info.grad_norm, accepted=accepted, rejected=rejected,
-                            data_ranges={i: plans[i] for i in accepted})
+            fully = self._round_accepted
+            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in fully for i in ids])
+            consumed = {i: plans[i] for i in ids if i in fully}
+            opt.round += 1
+            self.fragment, self._round_accepted = 0, None
+        else:
+            self.fragment += 1
+        return AppliedRound(applied=bool(accepted), round=round_index, fragment=fragment, outer_lr=lr,
+                            pseudo_grad_norm=norm, accepted=list(accepted), rejected=reduced[0].reasons,
+                            data_ranges=consumed, round_done=done, seconds=time.time() - reduced[0].started)
+
+    # ---- checkpoints: each server writes and reads its own state ------------------------
+    def _names(self) -> tuple[str, str, str]:
+        if self.count == 1:
+            return "global.safetensors", "outer", "server.json"
+        tag = f"{self.index}-of-{self.count}"
+        return f"global-{tag}.safetensors", f"outer-{tag}", f"server-{tag}.json"
+
+    def save(self, folder: str) -> None:
+        """Write this server's state into ``folder`` (a checkpoint being assembled): its
+        slice of the weights (``global*.safetensors``, loadable on their own), the outer
+        optimizer, and ``server*.json`` (round, fragment, cursor, shapes)."""
+        from diloco_ray import checkpoint
+
+        weights_file, outer_name, meta_file = self._names()
+        sd = self.optimizer.state_dict()
+        whole = {n: self._rows(sd["params"], n, iv).contiguous() for n, iv in self.owned.items()}
+        checkpoint.save_tensors(os.path.join(folder, weights_file), whole)
+        checkpoint.save_state(folder, outer_name, {"optimizer": sd["optimizer"], "round": sd["round"],
+                                                   "names": sd["names"], "held": self.held,
+                                                   "last_message": torch.from_numpy(np.array(self.last_message))})
+        with open(os.path.join(folder, meta_file), "w") as f:
+            json.dump({"round": sd["round"], "fragment": self.fragment, "version": self.version,
+                       "cursor": self.cursor.to_dict(), "count": self.count,
+                       "sync_fragments": self.config.sync_fragments,
+                       "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
+
+    def load(self, folder: str) -> int:
+        """Restore the state :meth:`save` wrote; returns the slice's bytes."""
+        from diloco_ray import checkpoint
+        from diloco_ray.errors import ConfigError
+
+        weights_file, outer_name, meta_file = self._names()
+        if not os.path.isfile(os.path.join(folder, meta_file)):
+            raise ConfigError(f"resume_from: checkpoint {folder} was not written with num_param_servers="
+                              f"{self.count} (no {meta_file}); resume with the server count it was saved with")
+        with open(os.path.join(folder, meta_file)) as f:
+            meta = json.load(f)
+        saved_fragments = meta.get("sync_fragments", 1)
+        if saved_fragments != self.config.sync_fragments:
+            raise ConfigError(f"sync_fragments: {self.config.sync_fragments}, but checkpoint {folder} was written "
+                              f"with {saved_fragments}; resume with the value it was saved with")
+        self._layout(meta["shapes"])
+        loaded = checkpoint.load_tensors(os.path.join(folder, weights_file))
+        params = self._split(loaded)
+        outer = checkpoint.load_state(folder, outer_name)
+        self.optimizer = OuterOptimizer(params, self.config)
+        self.optimizer.load_state_dict({"params": params, **outer})
+        self.held = dict(outer.get("held") or {})
+        self.last_message = outer["last_message"].numpy() if "last_message" in outer else np.zeros(0, dtype=np.uint8)
+        if self.config.weights_compression != "none" and not self.held:
+            self._reset_held()
+        self.fragment, self.version = meta.get("fragment", 0), meta.get("version", 0)
+        self.cursor = data.DataCursor.from_dict(meta["cursor"])
+        return self.weight_bytes()

@@ -23,7 +23,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import checkpoint, snapshot
+from diloco_ray import checkpoint, links, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
@@ -31,6 +31,7 @@ from diloco_ray.membership import Membership
 from diloco_ray.metrics import MetricsLogger
 from diloco_ray.replica import Replica
 from diloco_ray.server import Contribution, ParameterServer
+from diloco_ray.servers import ServerGroup, assemble_weights
 
 # A round that too few replicas finish is run again; this many times in a row is fatal.
 MAX_ROUND_RETRIES = 3
@@ -77,13 +78,19 @@ class DilocoFSDPTrainer:
         self._scale_mtime = 0.0
         self.round_index = 0       # mirrors the server's round index between rounds
         self.records: list[dict] = []
-        self.server = None
+        self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
         self.metrics: Optional[MetricsLogger] = None
         self.checkpoint_root = os.path.join(config.output_dir, "checkpoints")
         self.inflight_root = os.path.join(self.checkpoint_root, "inflight")
         self._last_checkpoint_round: Optional[int] = None
         self._resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
+        # What replicas load next: one weights message per server, of sync `_version`.
+        self._messages: list = []
+        self._messages_full = True
+        self._version = 0
+        self._reset = False        # replicas must reload everything (the servers were restored)
+        self._global_refs: list = []
 
     # ---- public API -------------------------------------------------------------------
     def scale(self, n: int) -> int:
@@ -111,7 +118,7 @@ class DilocoFSDPTrainer:
 
         For inspection and tests: the round loop itself never pulls weights here.
         """
-        return {n: w.copy() for n, w in ray.get(self._weights_ref).items()}
+        return assemble_weights(ray.get(self.server.global_weights()), self.shapes)
 
     def train(self) -> TrainResult:
         """Run outer rounds until ``diloco_loops`` are applied; blocks. Returns the records."""
@@ -142,7 +149,7 @@ class DilocoFSDPTrainer:
         self.device = self._resolve_device()
         cfg.to_yaml(os.path.join(cfg.output_dir, "config.yaml"))
         self.metrics = MetricsLogger(cfg.output_dir, cfg.log_with, cfg.log_dir, cfg.to_dict())
-        self.server = self._new_server()
+        self.server = ServerGroup(cfg, self.server_cls)
         restore_from = resume[0] if resume else None
         self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
                                   on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from))
@@ -161,16 +168,21 @@ class DilocoFSDPTrainer:
                     self._resume_steps[slot] = step
         else:
             seed = self.replicas[0]  # every rank builds the same initial model
-            self.weight_bytes = ray.get(self.server.initialize.remote(seed.local_shards(), seed.shapes))
+            self.shapes = seed.shapes
+            self.weight_bytes = self.server.initialize(seed.seed_pieces(), seed.shapes)
             self.round_index = 0
-            self._weights_ref = self.server.weights.remote()
+            self._after_restore(reset=False)
             if cfg.checkpoint_steps is not None:
                 self.save_checkpoint()  # so a lost server can always be recreated
 
-    def _new_server(self):
-        cfg = self.config
-        return ray.remote(self.server_cls).options(num_cpus=cfg.server_cpus, resources=cfg.server_resources or None
-                                                   ).remote(cfg.to_dict())
+    def _after_restore(self, reset: bool) -> None:
+        """Point replicas at the servers' state: the latest sync's message (a resumed
+        replica merges it; one without the weights loads everything first)."""
+        self._version = self.server.version()
+        self._messages = self.server.last_weights() if self._version else self.server.full_weights()
+        self._messages_full = self._version == 0
+        self._global_refs = self.server.global_weights()
+        self._reset = reset
 
     def _restore_inner(self, rep: Replica, slot: int, folder: Optional[str]) -> None:
         if folder is not None:
@@ -181,13 +193,15 @@ class DilocoFSDPTrainer:
         for bad, why in skipped:
             print(f"diloco-ray: checkpoint {bad} is unusable ({why}); using an older one", file=sys.stderr)
             self._log({"event": "checkpoint", "action": "skipped", "path": bad, "reason": why})
-        self.weight_bytes = ray.get(self.server.load.remote(path))
-        self.round_index = ray.get(self.server.round_index.remote())
+        self.weight_bytes = self.server.load(path)
+        self.shapes = self.replicas[0].shapes if self.replicas else None
+        self.round_index = self.server.round_index()
         self._last_checkpoint_round = self.round_index
         # Rounds after the checkpoint will be run again; their old records go.
         self.metrics.truncate_rounds(self.round_index)
         self.records = [r for r in self.records if r["round"] < self.round_index]
-        self._weights_ref = self.server.weights.remote()
+        # A restarted server is behind what the replicas hold: they reload everything.
+        self._after_restore(reset=reason == "server_restart")
         self._log({"event": "checkpoint", "action": reason, "path": path, "round": self.round_index})
 
     def _connect_ray(self) -> None:
@@ -199,7 +213,7 @@ class DilocoFSDPTrainer:
         cfg = self.config
         # Logical CPUs, not cores: rank actors reserve cpus_per_rank each, and a laptop
         # with fewer cores than ranks should still run the job (just slower).
-        need = cfg.server_cpus + cfg.replica_bounds[1] * cfg.ranks_per_replica * cfg.cpus_per_rank
+        need = cfg.server_cpus * cfg.num_param_servers + cfg.replica_bounds[1] * cfg.ranks_per_replica * cfg.cpus_per_rank
         ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
                  log_to_driver=True)
         self._started_ray = True
@@ -223,69 +237,63 @@ class DilocoFSDPTrainer:
                            f"replicas reported in {MAX_ROUND_RETRIES + 1} attempts")
 
     def _attempt_round(self) -> Optional[dict]:
+        """One round: ``sync_fragments`` sync periods, each ending with one fragment's
+        sync. Returns its record, or None when it must be run again (plain DiLoCo with
+        too few replicas reporting, or a lost server)."""
         cfg = self.config
         t_start = time.perf_counter()
         members = list(self.replicas)
+        slots = {rep.id: slot for slot, rep in enumerate(members)}
         try:
-            plans = dict(zip([rep.id for rep in members], ray.get(self.server.plan.remote(len(members)))))
+            plans = dict(zip(slots, self.server.plan(len(members))))
         except RayActorError:
             self._recover_server()
             return None
-        launched = {rep.id: (rep, *rep.run_round(self._weights_ref, self.round_index, plans[rep.id],
-                                                 self._snapshot_settings(slot)))
-                    for slot, rep in enumerate(members)}
-        self._resume_steps = {}  # in-flight progress applies to the first attempt only
-        reported, late, failed = self._gather(launched, cfg.round_timeout_s)
-        for rep in failed:
-            self.members.remove(rep, "failed")
-        if len(reported) < cfg.min_replicas:
-            return None
-
-        contributions = [Contribution(rid, launched[rid][1], float(sum(s.tokens for s in stats)))
-                         for rid, stats in reported.items()]
+        active, late_ids, failed_ids = list(members), set(), set()
+        periods: list[dict] = []  # per sync: reported stats and the servers' refs
+        timeout = None if cfg.round_timeout_s is None else cfg.round_timeout_s / cfg.sync_fragments
+        for fragment in range(cfg.sync_fragments):
+            launched = {rep.id: (rep, *rep.run_round(self._job(rep, slots[rep.id], fragment, plans[rep.id])))
+                        for rep in active}
+            self._resume_steps, self._reset = {}, False  # both apply to the first period only
+            reported, late, failed = self._gather(launched, timeout)
+            for rep in failed:
+                self.members.remove(rep, "failed")
+            late_ids |= set(late)
+            failed_ids |= {rep.id for rep in failed}
+            if cfg.sync_fragments == 1 and len(reported) < cfg.min_replicas:
+                return None
+            weight = {rid: float(sum(s.tokens for s in stats)) for rid, stats in reported.items()}
+            contributions = [[Contribution(rid, launched[rid][1][s], weight[rid]) for rid in reported]
+                             for s in range(len(self.server))]
+            refs = self.server.sync(fragment, contributions, plans)
+            periods.append({"reported": reported, "refs": refs})
+            self._messages, self._messages_full = refs.weights, False
+            if cfg.sync_fragments > 1:
+                self._version += 1  # a streaming sync always advances, applied or not
+            active = [rep for rep in active if rep.id in reported]  # a replica that missed one sits out the round
         try:
-            applied = ray.get(self.server.apply.remote(contributions, plans))
+            applied = [ray.get(p["refs"].commits)[0] for p in periods]
         except RayActorError:
             self._recover_server()
             return None
-        if not applied.applied:
-            return None
+        if cfg.sync_fragments == 1:
+            if not applied[0].applied:
+                return None
+            self._version += 1
         t_applied = time.perf_counter()
-        self.round_index = applied.round + 1
-        self._weights_ref = self.server.weights.remote()
+        self.round_index = applied[-1].round + 1
+        self._global_refs = self.server.global_weights()
 
         t_eval = time.perf_counter()
         eval_loss = self._evaluate()
         eval_seconds = time.perf_counter() - t_eval
-        ok = [reported[rid] for rid in applied.accepted]
-        all_stats = [s for stats in ok for s in stats]
-        compute = max(max(s.compute_seconds for s in stats) for stats in ok)
-        steps = sum(s.inner_steps for s in all_stats)
-        record = {
-            "event": "round",
-            "round": applied.round,
-            "replicas": len(applied.accepted),
-            "replica_ids": applied.accepted,
-            "dropped": sorted(set(late) | {r.id for r in failed} | set(applied.rejected)),
-            "late": sorted(late),
-            "rejected": {str(k): v for k, v in applied.rejected.items()},
-            "inner_steps": cfg.max_steps,
-            "tokens": sum(s.tokens for s in all_stats),
-            "train_loss": sum(s.loss_sum for s in all_stats) / max(steps, 1),
-            "eval_loss": eval_loss,
-            "eval_ppl": math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
-            "outer_lr": applied.outer_lr,
-            "pseudo_grad_norm": applied.pseudo_grad_norm,
-            "data_ranges": {str(k): v for k, v in applied.data_ranges.items()},
-            "resumed_steps": {str(rid): reported[rid][0].resumed_step for rid in applied.accepted
-                              if reported[rid][0].resumed_step},
-            "bytes_up": sum(s.bytes_up for stats in reported.values() for s in stats),
-            "bytes_down": self.weight_bytes * len(members),
-            "round_seconds": time.perf_counter() - t_start,
-            "sync_seconds": max(0.0, (t_applied - t_start) - compute),
-            "compute_seconds": compute,
-            "eval_seconds": eval_seconds,
-        }
+        record = self._round_record(applied, periods, late_ids, failed_ids)
+        record.update(eval_loss=eval_loss,
+                      eval_ppl=math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
+                      round_seconds=time.perf_counter() - t_start,
+                      sync_seconds=max(0.0, (t_applied - t_start) - record["compute_seconds"]),
+                      eval_seconds=eval_seconds)
         self.records.append(record)
         self._log(record)
         self._maybe_checkpoint()
@@ -295,6 +303,68 @@ class DilocoFSDPTrainer:
                 hook(self, record)
         self._reconcile()
         return record
+
+    def _job(self, rep: Replica, slot: int, fragment: int, plan: list) -> dict:
+        """What every rank of ``rep`` gets for one sync period (see RankWorker.run_round)."""
+        cfg = self.config
+        return {"round": self.round_index, "sync": fragment, "plan": plan,
+                "messages": self._messages, "full": self._messages_full, "version": self._version,
+                "reset": self._reset, "servers": self.server.actors,
+                "link": links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
+                "snapshots": self._snapshot_settings(slot) if fragment == 0 else None}
+
+    def _round_record(self, applied: list, periods: list[dict], late: set, failed: set) -> dict:
+        """The round's record (metrics.jsonl) from every sync's figures."""
+        cfg = self.config
+        last = applied[-1]
+        fragments, rejected = [], {}
+        for info, period in zip(applied, periods):
+            stats = period["reported"]
+            rejected.update({str(k): v for k, v in info.rejected.items()})
+            fragments.append({
+                "fragment": info.fragment,
+                "step": (info.fragment + 1) * cfg.max_steps // cfg.sync_fragments,
+                "replicas": len(info.accepted),
+                "bytes_up": sum(s.bytes_up for ranks in stats.values() for s in ranks),
+                # a replica's ranks read the same messages (once per node): count one rank
+                "bytes_down": sum(max(s.bytes_down for s in ranks) for ranks in stats.values()),
+                "pseudo_grad_norm": info.pseudo_grad_norm,
+                "seconds": info.seconds,
+            })
+        accepted = [rid for rid in last.accepted if rid in last.data_ranges]
+        per_replica = {}
+        for period in periods:
+            for rid, ranks in period["reported"].items():
+                per_replica.setdefault(rid, []).append(ranks)
+        ok = [s for rid in accepted for ranks in per_replica[rid] for s in ranks]
+        steps = sum(s.inner_steps for s in ok)
+        compute = max((sum(max(s.compute_seconds for s in ranks) for ranks in per_replica[rid]) for rid in accepted),
+                      default=0.0)
+        norms = [f["pseudo_grad_norm"] for f in fragments if f["pseudo_grad_norm"] is not None]
+        first = periods[0]["reported"]
+        return {
+            "event": "round",
+            "round": last.round,
+            "replicas": len(accepted),
+            "replica_ids": accepted,
+            "dropped": sorted(late | failed | {int(k) for k in rejected}),
+            "late": sorted(late),
+            "rejected": rejected,
+            "inner_steps": cfg.max_steps,
+            "tokens": sum(s.tokens for s in ok),
+            "train_loss": sum(s.loss_sum for s in ok) / max(steps, 1),
+            "outer_lr": last.outer_lr,
+            "pseudo_grad_norm": math.sqrt(sum(n * n for n in norms)) if norms else None,
+            "data_ranges": {str(k): v for k, v in last.data_ranges.items()},
+            "resumed_steps": {str(rid): first[rid][0].resumed_step for rid in accepted
+                              if rid in first and first[rid][0].resumed_step},
+            "bytes_up": sum(f["bytes_up"] for f in fragments),
+            "bytes_down": sum(f["bytes_down"] for f in fragments),
+            "peak_bytes_up": max(f["bytes_up"] for f in fragments),
+            "peak_bytes_down": max(f["bytes_down"] for f in fragments),
+            "fragments": fragments,
+            "compute_seconds": compute,
+        }
 
     def _snapshot_settings(self, slot: int) -> Optional[dict]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
@@ -351,7 +421,7 @@ class DilocoFSDPTrainer:
     def _evaluate(self) -> Optional[float]:
         if self.config.eval_batches == 0:
             return None
-        results = self._on_a_live_replica(lambda rep: rep.evaluate(self._weights_ref))
+        results = self._on_a_live_replica(lambda rep: rep.evaluate(self._global_refs))
         if results is None:
             return None  # every replica died since the update; the next boundary replaces them
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
@@ -425,7 +495,7 @@ class DilocoFSDPTrainer:
         cfg = self.config
         tmp = checkpoint.begin(self.checkpoint_root, self.round_index)
         members = list(self.replicas)
-        refs = [self.server.save.remote(tmp)]
+        refs = self.server.save(tmp)
         for slot, rep in enumerate(members):
             refs += rep.save_inner_state(tmp, slot)
         try:
@@ -451,7 +521,8 @@ class DilocoFSDPTrainer:
             raise RuntimeError("the parameter server died and there is no checkpoint to recreate it from; "
                                "set checkpoint_steps to make a run survive that")
         self._log({"event": "server", "action": "restart", "round": self.round_index, "from": path})
-        self.server = self._new_server()
+        self.server.kill()
+        self.server = ServerGroup(self.config, self.server_cls)
         self._load_server(path, skipped, reason="server_restart")
 
     # ---- output and teardown ----------------------------------------------------------
@@ -460,7 +531,7 @@ class DilocoFSDPTrainer:
         path = os.path.abspath(os.path.join(self.config.output_dir, "final"))
         merged = os.path.abspath(os.path.join(self.config.output_dir, "final_merged")) \
             if self.config.merge_adapter else None
-        if self._on_a_live_replica(lambda rep: rep.save_final(self._weights_ref, path, merged)) is None:
+        if self._on_a_live_replica(lambda rep: rep.save_final(self._global_refs, path, merged)) is None:
             raise RuntimeError("no replica is left to write final/")
         return path
 
@@ -473,10 +544,7 @@ class DilocoFSDPTrainer:
         if self.members is not None:
             self.members.stop_all()
         if self.server is not None:
-            try:
-                ray.kill(self.server, no_restart=True)
-            except Exception:
-                pass
+            self.server.kill()
             self.server = None
         if self.metrics is not None:
             self.metrics.close()

@@ -36,3 +36,17 @@ def ray_local():
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def first_round(worker, plan, round_index=0):
+    """Run sync period 0 of ``round_index`` on an in-process RankWorker, starting from
+    the weights it built; returns (pseudo-gradient name -> fp32 tensor, RoundStats)."""
+    from diloco_ray import compression
+
+    job = {"round": round_index, "sync": 0, "plan": plan, "messages": worker.sync.seed(worker._local_rows()),
+           "full": True, "version": 0, "servers": [], "link": None}
+    *buffers, stats = worker.run_round(job)
+    grads = {}
+    for buf in buffers:
+        grads.update(compression.unpack(buf)[0])
+    return grads, stats

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import first_round
 from diloco_ray.config import TrainerConfig
 from diloco_ray.inner import RankWorker
 from diloco_ray.modeling import char_tokenizer
@@ -44,6 +45,8 @@ def test_fp16_on_cpu_with_a_gradient_scaler(tmp_path):
     w = worker(tmp_path, mixed_precision="fp16")
     assert w.scaler is not None
     plan = [(0, w.config.sequences_per_replica_round)]
-    grads, stats = w.run_round(w.local_shards(), 0, plan)
-    assert stats.inner_steps == 2 and all(np.isfinite(g).all() for g in grads.values())
-    assert all(g.dtype == np.float32 for g in grads.values())  # fp32 pseudo-gradients
+    grads, stats = first_round(w, plan)
+    assert stats.inner_steps == 2 and all(torch.isfinite(g).all() for g in grads.values())
+    assert all(g.dtype == torch.float32 for g in grads.values())  # fp32 pseudo-gradients
+    payload = sum(4 * g.numel() for g in grads.values())
+    assert payload < stats.bytes_up < payload + 4096  # what travels: fp32 payload plus one small header

@@ -1,0 +1,306 @@
+"""Codecs for DiLoCo pseudo-gradients and weight deltas sent replica -> parameter server.
+
+This module owns the encoding of a named set of tensors into one contiguous byte buffer
+(:func:`pack` / :func:`unpack`), the codecs themselves, and error feedback
+(:func:`compress`), which carries what a lossy codec dropped into the next round so the
+quantisation error does not accumulate as a bias. Pure functions over torch tensors and
+numpy arrays: no Ray, no I/O.
+
+Wire format (all integers little-endian)::
+
+    offset 0   4 bytes   magic b"DLZ1" (a new layout gets a new magic)
+    offset 4   u32       H = length of the JSON header in bytes
+    offset 8   H bytes   UTF-8 JSON: {"codec": str, "block": int, "meta": {...},
+                          "tensors": [[name, shape, scales_off, scales_len,
+                                       payload_off, payload_len], ...]}
+    D = 8 + H rounded up to a multiple of 8: the data area, holding every section.
+
+Section offsets are relative to D and are multiples of 8, so each section can be viewed
+zero-copy as fp32 / int16 / int8. No padding follows the last section: ``len(buffer)``
+is exactly the bytes that travel. Per tensor, ``scales`` holds fp32 absmax scales (int8
+and int4 only, else empty) and ``payload`` the encoded values:
+
+* ``none``  fp32 (4 B/value)           * ``fp16``  IEEE half, finite values saturated
+* ``bf16``  bfloat16 bits, RNE         * ``int8``  q in [-127, 127], scale = absmax/127
+* ``int4``  q in [-7, 7] stored as q+8 in nibbles, first value in the low nibble
+
+int8/int4 scale each block of ``block`` consecutive values (of the flattened tensor).
+NaN/Inf never decode finite: the server rejects non-finite pseudo-gradients, so the codec
+must not hide them (a block holding one gets a NaN scale).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import warnings
+from typing import Mapping, Optional
+
+import numpy as np
+import torch
+
+CODECS = ("none", "fp16", "bf16", "int8", "int4")
+DEFAULT_BLOCK = 2048  # values per absmax scale for int8/int4: ~0.2% overhead in scales
+
+MAGIC = b"DLZ1"
+_PREFIX = 8  # magic + u32 header length
+_ALIGN = 8
+_QMAX = {"int8": 127, "int4": 7}
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _check_codec(codec: str) -> None:
+    if codec not in CODECS:
+        raise ValueError(f"unknown codec {codec!r}; allowed: {', '.join(CODECS)}")
+
+
+def codec_nbytes(numel: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
+    """Bytes of payload plus scales for one tensor (no header, no alignment padding).
+
+    Args:
+        numel: number of values in the tensor (0 for an empty tensor, 1 for a 0-d one).
+        codec: one of :data:`CODECS`.
+        block: values per scale for int8/int4 (ignored by the other codecs).
+    """
+    _check_codec(codec)
+    scales = 4 * -(-numel // block) if codec in _QMAX else 0
+    payload = {"none": 4 * numel, "fp16": 2 * numel, "bf16": 2 * numel,
+               "int8": numel, "int4": -(-numel // 2)}[codec]
+    return payload + scales
+
+
+def _as_le_bytes(array: np.ndarray, le_dtype: str) -> np.ndarray:
+    # A no-op view on little-endian hosts; a byte swap elsewhere keeps the wire format fixed.
+    return np.ascontiguousarray(array.astype(le_dtype, copy=False)).reshape(-1).view(np.uint8)
+
+
+def _quantise(flat: torch.Tensor, codec: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Blockwise absmax quantisation: (q as int8 of len(flat), fp32 scale per block)."""
+    n, qmax = flat.numel(), _QMAX[codec]
+    blocks = -(-n // block)
+    padded = torch.nn.functional.pad(flat, (0, blocks * block - n)).view(blocks, block)
+    finite = torch.isfinite(padded)
+    # q is computed on a sanitised copy (casting NaN to int is undefined behaviour); the
+    # NaN scale set below is what makes a non-finite block decode non-finite.
+    clean = torch.where(finite, padded, torch.zeros((), dtype=padded.dtype))
+    scale = clean.abs().amax(dim=1) / qmax
+    scale = torch.where(finite.all(dim=1), scale, torch.full((), math.nan))
+    divisor = torch.where(scale > 0, scale, torch.ones(()))  # all-zero block: 0/1 = 0, no 0/0
+    q = torch.round(clean / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
+    return q.view(-1)[:n], scale
+
+
+def _encode(flat: torch.Tensor, codec: str, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(scales bytes, payload bytes) of one flattened fp32 tensor."""
+    empty = np.zeros(0, dtype=np.uint8)
+    if codec == "none":
+        return empty, _as_le_bytes(flat.numpy(), "<f4")
+    if codec in ("fp16", "bf16"):
+        # Saturate finite values so a large-but-finite update does not turn into inf;
+        # torch.clamp keeps NaN, and where() keeps +-inf as they are.
+        limit = _FP16_MAX if codec == "fp16" else _BF16_MAX
+        flat = torch.where(torch.isinf(flat), flat, flat.clamp(-limit, limit))
+        half = flat.to(torch.float16 if codec == "fp16" else torch.bfloat16)
+        return empty, _as_le_bytes(half.view(torch.int16).numpy(), "<i2")
+    q, scale = _quantise(flat, codec, block)
+    if codec == "int4":
+        nibbles = (q.to(torch.int16) + 8).to(torch.uint8)
+        if nibbles.numel() % 2:
+            nibbles = torch.cat([nibbles, torch.zeros(1, dtype=torch.uint8)])
+        payload = (nibbles[0::2] | (nibbles[1::2] << 4)).numpy()
+    else:
+        payload = q.numpy().view(np.uint8)
+    return _as_le_bytes(scale.numpy(), "<f4"), payload
+
+
+def _view(data: np.ndarray, offset: int, length: int, le_dtype: str) -> torch.Tensor:
+    """Zero-copy torch view of a section (copied only if misaligned or foreign-endian)."""
+    array = data[offset:offset + length].view(np.dtype(le_dtype))
+    if not array.dtype.isnative or not array.flags.aligned:
+        array = array.astype(array.dtype.newbyteorder("="))
+    with warnings.catch_warnings():
+        # Ray hands out read-only buffers; callers only read the resulting tensors.
+        warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+        return torch.from_numpy(array)
+
+
+def _decode(data: np.ndarray, entry: list, codec: str, block: int) -> torch.Tensor:
+    """One tensor, fp32, in its original shape, from its header entry."""
+    _, shape, scales_off, scales_len, payload_off, payload_len = entry
+    n = math.prod(shape)
+    if codec == "none":
+        return _view(data, payload_off, payload_len, "<f4").view(shape)
+    if codec in ("fp16", "bf16"):
+        raw = _view(data, payload_off, payload_len, "<i2")
+        return raw.view(torch.float16 if codec == "fp16" else torch.bfloat16).float().view(shape)
+    scale = _view(data, scales_off, scales_len, "<f4")
+    raw = _view(data, payload_off, payload_len, "|u1")
+    out = torch.empty(scale.numel() * block)
+    if codec == "int4":
+        pairs = torch.stack([raw & 0x0F, raw >> 4], dim=1).view(-1)[:n]
+        out[:n] = pairs.to(torch.int16) - 8
+    else:
+        out[:n] = raw.view(torch.int8)
+    out[n:] = 0
+    out.view(-1, block).mul_(scale[:, None])  # a NaN scale makes its whole block NaN
+    return out[:n].view(shape)
+
+
+def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] = None,
+         block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """Encode every tensor with ``codec`` into one contiguous ``np.uint8`` buffer.
+
+    Args:
+        tensors: name -> tensor; any float dtype, any shape (0-d and empty included),
+            any device. Values are cast to fp32 first.
+        codec: one of :data:`CODECS`.
+        meta: JSON-serialisable dict carried in the header (round, replica, ...).
+        block: values per absmax scale for int8/int4.
+
+    Returns:
+        The buffer (see the module docstring); ``len`` is exactly the bytes that travel.
+    """
+    _check_codec(codec)
+    if not isinstance(block, int) or block < 1:
+        raise ValueError(f"block must be a positive int, got {block!r}")
+    entries, sections, offset = [], [], 0
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise ValueError(f"tensor names must be str, got {name!r}")
+        flat = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
+        scales, payload = _encode(flat, codec, block)
+        scales_off = offset
+        payload_off = _align(scales_off + scales.nbytes)
+        offset = _align(payload_off + payload.nbytes)
+        entries.append([name, list(tensor.shape), scales_off, scales.nbytes, payload_off, payload.nbytes])
+        sections += [(scales_off, scales), (payload_off, payload)]
+    header = json.dumps({"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries},
+                        separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    start = _align(_PREFIX + len(header))
+    end = max((off + arr.nbytes for off, arr in sections), default=0)
+    buf = np.zeros(start + end, dtype=np.uint8)  # zeros: padding bytes are deterministic
+    buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
+    buf[_PREFIX:_PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
+    for off, arr in sections:
+        buf[start + off:start + off + arr.nbytes] = arr
+    return buf
+
+
+def _as_array(buf) -> np.ndarray:
+    if isinstance(buf, np.ndarray):
+        if buf.dtype != np.uint8:
+            raise ValueError(f"packed buffer must be np.uint8, got {buf.dtype}")
+        return buf.reshape(-1)
+    try:
+        return np.frombuffer(buf, dtype=np.uint8)
+    except TypeError as exc:
+        raise ValueError(f"not a packed buffer: {type(buf).__name__}") from exc
+
+
+def _parse_header(buf) -> tuple[np.ndarray, dict, int]:
+    """(the buffer as uint8 array, header dict, start of the data area); ValueError if bad."""
+    data = _as_array(buf)
+    head = data[:4].tobytes()
+    if len(head) < 4 or head != MAGIC:
+        raise ValueError(f"not a pack() buffer: bad magic {head!r} (expected {MAGIC!r}, {len(data)} bytes)")
+    if len(data) < _PREFIX:
+        raise ValueError(f"truncated pack() buffer: {len(data)} bytes, shorter than its {_PREFIX}-byte prefix")
+    length = struct.unpack("<I", data[4:_PREFIX].tobytes())[0]
+    if _PREFIX + length > len(data):
+        raise ValueError(f"truncated pack() buffer: header needs {_PREFIX + length} bytes, have {len(data)}")
+    try:
+        header = json.loads(data[_PREFIX:_PREFIX + length].tobytes().decode("utf-8"))
+        _check_codec(header["codec"])
+        if not isinstance(header["meta"], dict) or not isinstance(header["tensors"], list):
+            raise ValueError("bad field types")
+        if not isinstance(header["block"], int) or header["block"] < 1:
+            raise ValueError(f"bad block {header['block']!r}")
+    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"corrupt pack() header: {exc}") from exc
+    return data, header, _align(_PREFIX + length)
+
+
+def packed_meta(buf) -> dict:
+    """The meta dict of a packed buffer, parsing only the header.
+
+    Args:
+        buf: a :func:`pack` buffer (np.uint8 array, possibly read-only, or bytes-like).
+    """
+    return _parse_header(buf)[1]["meta"]
+
+
+def unpack(buf) -> tuple[dict[str, torch.Tensor], dict]:
+    """Decode a :func:`pack` buffer into (name -> fp32 tensor of the original shape, meta).
+
+    Args:
+        buf: np.uint8 array (read-only is fine, as Ray's object store hands out) or
+            bytes-like. With codec ``none`` the returned tensors share memory with
+            ``buf``: treat them as read-only (``.clone()`` before editing in place).
+
+    Raises:
+        ValueError: ``buf`` is not a pack() buffer (bad magic, corrupt header, truncated).
+    """
+    data, header, start = _parse_header(buf)
+    codec, block = header["codec"], header["block"]
+    body = data[start:]
+    out = {}
+    for entry in header["tensors"]:
+        try:
+            name, shape, scales_off, scales_len, payload_off, payload_len = entry
+            if not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError(f"bad shape {shape!r}")
+            numel = math.prod(shape)
+            expected = codec_nbytes(numel, codec, block)
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"corrupt pack() header entry {entry!r}: {exc}") from exc
+        if scales_len + payload_len != expected or scales_off % _ALIGN or payload_off % _ALIGN:
+            raise ValueError(f"corrupt pack() header: tensor {name!r} sections do not match its shape")
+        if max(scales_off + scales_len, payload_off + payload_len) > len(body):
+            raise ValueError(f"truncated pack() buffer: tensor {name!r} ends past {len(data)} bytes")
+        out[name] = _decode(body, entry, codec, block)
+    return out, header["meta"]
+
+
+def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional[dict[str, torch.Tensor]],
+             meta: Optional[dict] = None, block: int = DEFAULT_BLOCK
+             ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
+    """Pack with error feedback: what the codec drops this round is sent in the next one.
+
+    Args:
+        tensors: name -> tensor to send (any float dtype; see :func:`pack`).
+        codec: one of :data:`CODECS`.
+        residual: the previous call's new residual, or None (a missing name counts as zeros).
+        meta, block: as for :func:`pack`.
+
+    Returns:
+        ``(buf, new_residual)`` where ``buf = pack(tensors + residual)`` and
+        ``new_residual = (tensors + residual) - unpack(buf)`` in fp32, one entry per name in
+        ``tensors``. With codec ``none`` nothing is lost and the residual is None. A tensor
+        whose sum is not finite gets a zero residual, so NaN/Inf is never carried forward.
+    """
+    _check_codec(codec)
+    residual = residual or {}
+    summed = {}
+    for name, tensor in tensors.items():
+        x = tensor.detach().to(device="cpu", dtype=torch.float32)
+        if name in residual:
+            if residual[name].shape != x.shape:
+                raise ValueError(f"residual {name!r} has shape {tuple(residual[name].shape)}, "
+                                 f"tensor has {tuple(x.shape)}")
+            x = x + residual[name]
+        summed[name] = x
+    buf = pack(summed, codec, meta, block)
+    if codec == "none":
+        return buf, None
+    decoded, _ = unpack(buf)
+    new_residual = {}
+    for name, x in summed.items():
+        err = x - decoded[name]
+        new_residual[name] = err if bool(torch.isfinite(err).all()) else torch.zeros_like(err)
+    return buf, new_residual
