@@ -35,7 +35,7 @@ import json
 import math
 import struct
 import warnings
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -304,3 +304,42 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional
         err = x - decoded[name]
         new_residual[name] = err if bool(torch.isfinite(err).all()) else torch.zeros_like(err)
     return buf, new_residual
+
+
+# ---- row pieces of named parameters -------------------------------------------------------
+# Senders and receivers know the model's parameter order, so a message names a piece by
+# its position, not its (often long) name: the header stays small even for many small
+# tensors, e.g. LoRA adapters.
+
+def pack_pieces(pieces: Mapping[str, torch.Tensor], starts: Mapping[str, int], names: Sequence[str],
+                codec: str, meta: Optional[dict] = None, residual: Optional[dict[str, torch.Tensor]] = None,
+                block: int = DEFAULT_BLOCK) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
+    """:func:`compress` of parameter row pieces: ``(buffer, new residual by name)``.
+
+    Args:
+        pieces: name -> rows of that parameter.
+        starts: name -> the first row's index in the full parameter.
+        names: every parameter name in model order (both ends use the same list).
+        codec, meta, residual, block: as for :func:`compress` (residual keyed by name).
+    """
+    index = {n: i for i, n in enumerate(names)}
+    keyed = {str(index[n]): t for n, t in pieces.items()}
+    res = {str(index[n]): r for n, r in residual.items() if n in pieces} if residual is not None else None
+    full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in pieces]}
+    buf, left = compress(keyed, codec, res, full_meta, block=block)
+    by_name = {names[int(k)]: v for k, v in left.items()} if left is not None else None
+    return buf, by_name
+
+
+def unpack_pieces(buf, names: Sequence[str]) -> tuple[dict[str, tuple[int, torch.Tensor]], dict]:
+    """Inverse of :func:`pack_pieces`: (name -> (first row, fp32 rows), meta)."""
+    tensors, meta = unpack(buf)
+    starts = meta.get("rows", [])
+    if len(starts) != len(tensors):
+        raise ValueError(f"message lists {len(starts)} row offsets for {len(tensors)} pieces")
+    out = {}
+    for (key, tensor), start in zip(tensors.items(), starts):
+        if not key.isdigit() or int(key) >= len(names):
+            raise ValueError(f"message names parameter #{key}, but the model has {len(names)}")
+        out[names[int(key)]] = (int(start), tensor)
+    return out, meta

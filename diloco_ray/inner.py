@@ -23,6 +23,7 @@ from diloco_ray import compression, data, links, modeling, partition, samples, s
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
+from diloco_ray.server import resolve
 
 
 def inner_lr_at(step: int, config: TrainerConfig) -> float:
@@ -136,7 +137,8 @@ class RankWorker:
         if cfg.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
         self.model = model
-        self.params = modeling.trained_parameters(model)
+        # Named as in the model itself: a compiled wrapper would prefix every name.
+        self.params = modeling.trained_parameters(getattr(model, "_orig_mod", model))
         self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
         self.sync = RankSync(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments,
@@ -240,10 +242,10 @@ class RankWorker:
         decision = self.sync.plan(version, fragment_message=not job["full"])
         received = 0
         if decision == "full":
-            received += self._apply(_fetch([s.weights.remote(None) for s in job["servers"]]), job, merge=False)
+            received += self._apply(resolve([s.weights.remote(None) for s in job["servers"]]), job, merge=False)
             decision = self.sync.plan(version, fragment_message=not job["full"])
         if decision == "apply" and not full_only:
-            received += self._apply(_fetch(job["messages"]), job, merge=merge)
+            received += self._apply(resolve(job["messages"]), job, merge=merge)
         return received
 
     @torch.no_grad()
@@ -361,7 +363,7 @@ class RankWorker:
         with no batch left scores a repeat with weight 0.
         """
         kept = {n: t.detach().to("cpu", copy=True) for n, t in self._local_rows().items()} if self.streamed else None
-        self._copy_in(_fetch(weights))
+        self._copy_in(resolve(weights))
         try:
             return self._evaluate()
         finally:
@@ -374,9 +376,8 @@ class RankWorker:
         """Overwrite this rank's rows with the weights in ``buffers`` (anchor untouched)."""
         local = self._local_rows()
         for buf in buffers:
-            tensors, meta = compression.unpack(buf)
-            for name, piece in tensors.items():
-                start = meta["rows"][name]
+            pieces, _ = compression.unpack_pieces(buf, self.sync.names)
+            for name, (start, piece) in pieces.items():
                 span = (start, start + (partition.num_rows(piece.shape) if piece.dim() else 1))
                 held = self.sync.held[name]
                 mine = partition.intersect({name: span}, {name: held}).get(name)
@@ -408,10 +409,9 @@ class RankWorker:
         merged model at ``merged_path``."""
         if self.rank == 0:
             full = {n: torch.empty(s) for n, s in self.shapes.items()}
-            for buf in _fetch(weights):
-                tensors, meta = compression.unpack(buf)
-                for name, piece in tensors.items():
-                    start = meta["rows"][name]
+            for buf in resolve(weights):
+                pieces, _ = compression.unpack_pieces(buf, self.sync.names)
+                for name, (start, piece) in pieces.items():
                     rows = partition.num_rows(piece.shape) if piece.dim() else 1
                     partition.put(full[name], (start, start + rows), piece)
             # An unsharded copy of the starting model supplies what DiLoCo does not train
@@ -530,12 +530,3 @@ def _like_params(optim_state: dict, params: list) -> dict:
             else v
             for k, v in entries.items()}
     return {**optim_state, "state": state}
-
-
-def _fetch(items: list) -> list:
-    """Buffers from a list of buffers or object refs (refs are fetched, in one call)."""
-    import ray
-
-    refs = [i for i in items if isinstance(i, ray.ObjectRef)]
-    got = iter(ray.get(refs)) if refs else iter(())
-    return [next(got) if isinstance(i, ray.ObjectRef) else i for i in items]

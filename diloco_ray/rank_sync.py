@@ -52,6 +52,7 @@ class RankSync:
                  fragments: int = 1, codec: str = "none", error_feedback: bool = False, alpha: float = 0.5,
                  block: int = compression.DEFAULT_BLOCK):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        self.names = list(self.shapes)
         self.world_size, self.rank = world_size, rank
         self.codec, self.alpha, self.block = codec, alpha, block
         self.error_feedback = error_feedback and codec != "none"
@@ -94,14 +95,13 @@ class RankSync:
             NeedsFullLoad: a fragment message does not follow the version held.
         """
         for s, buf in enumerate(buffers):
-            tensors, meta = compression.unpack(buf)
+            pieces, meta = compression.unpack_pieces(buf, self.names)
             full = meta.get("fragment") is None
             if meta["version"] <= self.versions[s]:
                 continue
             if not full and meta["version"] != self.versions[s] + 1:
                 raise NeedsFullLoad(f"server {s} sent version {meta['version']} on top of {self.versions[s]}")
-            for name, piece in tensors.items():
-                start = meta["rows"][name]
+            for name, (start, piece) in pieces.items():
                 span = (start, start + (partition.num_rows(piece.shape) if piece.dim() else 1))
                 mine = partition.intersect({name: span}, {name: self.held[name]}).get(name)
                 if mine is None:
@@ -140,10 +140,10 @@ class RankSync:
                 offset = self.held[name][0]
                 grads[name] = partition.take(self.anchor[name], iv, offset) - \
                     partition.take(local[name], iv, offset).float()
-            meta = {"rows": {n: iv[0] for n, iv in rows.items()}, **stamp}
             residual = {n: partition.take(self.residual[n], iv, self.held[n][0])
                         for n, iv in rows.items() if n in self.residual} if self.error_feedback else None
-            buf, left = compression.compress(grads, self.codec, residual, meta, block=self.block)
+            buf, left = compression.pack_pieces(grads, {n: iv[0] for n, iv in rows.items()}, self.names, self.codec,
+                                                stamp, residual, block=self.block)
             if self.error_feedback and left is not None:
                 for name, iv in rows.items():
                     if name not in self.residual:
@@ -160,7 +160,9 @@ class RankSync:
         for rows in partition.server_shards(self.shapes, len(self.versions)):
             send = partition.intersect(rows, mine)
             pieces = {n: partition.take(local[n].detach().float(), iv, self.held[n][0]) for n, iv in send.items()}
-            out.append(compression.pack(pieces, "none", {"rows": {n: iv[0] for n, iv in send.items()}, "version": 0}))
+            buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in send.items()}, self.names, "none",
+                                             {"version": 0})
+            out.append(buf)
         return out
 
     # ---- state that a checkpoint keeps ---------------------------------------------------

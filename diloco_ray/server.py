@@ -112,7 +112,8 @@ class ParameterServer:
     # ---- layout ------------------------------------------------------------------------
     def _layout(self, shapes: dict) -> None:
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
-        self.position = {n: i for i, n in enumerate(self.shapes)}
+        self.names = list(self.shapes)
+        self.position = {n: i for i, n in enumerate(self.names)}
         self.owned = partition.server_shards(self.shapes, self.count)[self.index]
         self.fragments = partition.fragments(self.shapes, self.config.sync_fragments)
 
@@ -151,10 +152,9 @@ class ParameterServer:
         covered = dict.fromkeys(target, 0)
         arrived = 0.0
         for r, buf in enumerate(buffers):
-            tensors, meta = compression.unpack(buf)
+            pieces, meta = compression.unpack_pieces(buf, self.names)
             arrived = max(arrived, links.arrival(meta) or 0.0)
-            for name, piece in tensors.items():
-                start = meta["rows"][name]
+            for name, (start, piece) in pieces.items():
                 span = (start, start + partition.num_rows(piece.shape) if piece.dim() else start + 1)
                 if name not in target or partition.intersect({name: span}, target) != {name: span}:
                     raise ValueError(f"rank {r} sent rows {span} of '{name}' outside this sync's slice")
@@ -175,10 +175,8 @@ class ParameterServer:
         """Seed this slice of the global weights from one replica's rank buffers (fp32
         pieces, as :meth:`~diloco_ray.inner.RankWorker.seed_pieces` packs them); returns
         the slice's bytes."""
-        import ray
-
         self._layout(shapes)
-        params, _ = self._receive(ray.get(buffer_refs), self.owned)
+        params, _ = self._receive(resolve(buffer_refs), self.owned)
         self.optimizer = OuterOptimizer(self._split(params), self.config)
         self._reset_held()
         return self.weight_bytes()
@@ -231,19 +229,20 @@ class ParameterServer:
         target = self._target(fragment)
         params = self.optimizer.params
         delta = {n: self._rows(params, n, iv) - self._rows(self.held, n, iv) for n, iv in target.items()}
-        meta = {"rows": {n: iv[0] for n, iv in target.items()}, "delta": True, "fragment": fragment,
-                "version": self.version, "sent_at": time.time()}
-        buf = compression.pack(delta, codec, meta, block=self.config.compression_block)
-        decoded, _ = compression.unpack(buf)
+        meta = {"delta": True, "fragment": fragment, "version": self.version, "sent_at": time.time()}
+        buf, _ = compression.pack_pieces(delta, {n: iv[0] for n, iv in target.items()}, self.names, codec, meta,
+                                         block=self.config.compression_block)
+        decoded, _ = compression.unpack_pieces(buf, self.names)
         for n, iv in target.items():
-            self._rows(self.held, n, iv).add_(decoded[n])
+            self._rows(self.held, n, iv).add_(decoded[n][1])
         self.last_message = buf
         return buf
 
     def _pack(self, tensors: dict, target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
         pieces = {n: self._rows(tensors, n, iv) for n, iv in target.items()}
-        meta = {**meta, "rows": {n: iv[0] for n, iv in target.items()}, "sent_at": time.time()}
-        return compression.pack(pieces, codec, meta, block=self.config.compression_block)
+        buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, self.names, codec,
+                                         {**meta, "sent_at": time.time()}, block=self.config.compression_block)
+        return buf
 
     # ---- one sync: prepare -> reduce -> commit -------------------------------------------
     def prepare(self, fragment: int, contributions: list[Contribution]) -> Prepared:
@@ -259,7 +258,7 @@ class ParameterServer:
         reasons, valid, arrivals = {}, [], []
         for c in contributions:
             try:
-                grads, arrived = self._receive(ray.get(c.refs), target)
+                grads, arrived = self._receive(resolve(c.refs), target)
             except ValueError as e:
                 reasons[c.replica_id] = str(e)
                 continue
@@ -280,8 +279,6 @@ class ParameterServer:
     def reduce(self, *prepared: Prepared) -> Reduced:
         """Agree on the accepted replicas (rejected anywhere means rejected everywhere),
         form this slice's mean, and return its squared norms."""
-        import ray
-
         pending = self._pending
         reasons = {rid: why for p in prepared for rid, why in p.reasons.items()}
         accepted = [rid for rid in prepared[0].order if rid not in reasons]
@@ -292,7 +289,7 @@ class ParameterServer:
             acc = {n: torch.zeros_like(t) for n, t in pending["acc"].items()}
             for c in pending["contributions"]:
                 if c.replica_id in accepted:
-                    grads, _ = self._receive(ray.get(c.refs), target)
+                    grads, _ = self._receive(resolve(c.refs), target)
                     for n, g in grads.items():
                         acc[n].add_(g, alpha=float(c.weight))
             pending["acc"] = acc
@@ -399,3 +396,13 @@ class ParameterServer:
         self.fragment, self.version = meta.get("fragment", 0), meta.get("version", 0)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])
         return self.weight_bytes()
+
+
+def resolve(items: list) -> list:
+    """Buffers from object refs (fetched in one call) or buffers (tests drive the server
+    in-process)."""
+    import ray
+
+    refs = [i for i in items if isinstance(i, ray.ObjectRef)]
+    got = iter(ray.get(refs)) if refs else iter(())
+    return [next(got) if isinstance(i, ray.ObjectRef) else i for i in items]

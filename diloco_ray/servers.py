@@ -118,9 +118,8 @@ def assemble_weights(buffers: list, shapes: dict) -> dict[str, np.ndarray]:
 
     out = {n: np.empty(s, dtype=np.float32) for n, s in shapes.items()}
     for buf in buffers:
-        tensors, meta = compression.unpack(buf)
-        for name, piece in tensors.items():
-            start = meta["rows"][name]
+        pieces, _ = compression.unpack_pieces(buf, list(shapes))
+        for name, (start, piece) in pieces.items():
             rows = partition.num_rows(piece.shape) if piece.dim() else 1
             partition.put(out[name], (start, start + rows), piece.numpy())
     return out

@@ -48,5 +48,5 @@ def first_round(worker, plan, round_index=0):
     *buffers, stats = worker.run_round(job)
     grads = {}
     for buf in buffers:
-        grads.update(compression.unpack(buf)[0])
+        grads.update({n: t for n, (_, t) in compression.unpack_pieces(buf, worker.sync.names)[0].items()})
     return grads, stats

@@ -110,9 +110,9 @@ class SlowWorker(RankWorker):
             time.sleep(3.0)
         super()._optimizer_step()
 
-    def run_round(self, weights, round_index, plan, snapshots=None):
-        self._round = round_index
-        return super().run_round(weights, round_index, plan, snapshots)
+    def run_round(self, job):
+        self._round = job["round"]
+        return super().run_round(job)
 
 
 def test_straggler_is_dropped_then_rejoins(ray_local, tmp_path):
@@ -132,7 +132,7 @@ def test_server_actor_killed_is_recreated_from_checkpoint(ray_local, tmp_path):
     class KillServer:
         def on_round_end(self, trainer, record):
             if record["round"] == 1:
-                ray.kill(trainer.server, no_restart=True)
+                ray.kill(trainer.server.actors[0], no_restart=True)
 
     cfg = tiny_config(tmp_path / "run", diloco_loops=4, checkpoint_steps=4, max_steps=4, eval_batches=1)
     result = DilocoFSDPTrainer(cfg, callbacks=[KillServer()]).train()

@@ -17,6 +17,9 @@ from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events
 from diloco_ray.modeling import char_tokenizer
 
+# Bytes a message adds to its payload (magic, offsets, row starts) for a handful of tensors.
+HEADER = 512
+
 pytestmark = pytest.mark.integration
 
 
@@ -74,8 +77,9 @@ def test_lora_sends_only_the_adapter_and_learns(ray_local, tmp_path, llama_folde
     n = adapter_numel(final)
     assert 0 < n < 10_000  # r=4 on q_proj and v_proj of two 64-wide layers: 4096 values
     for r in result.rounds:
-        assert r["bytes_up"] == 4 * n * r["replicas"]   # fp32, adapter only: frozen weights never travel
-        assert r["bytes_down"] == 4 * n * 2
+        # fp32, adapter only (frozen weights never travel), plus one small header per message
+        assert 4 * n * r["replicas"] < r["bytes_up"] <= (4 * n + HEADER) * r["replicas"]
+        assert 4 * n * 2 < r["bytes_down"] <= (4 * n + HEADER) * 2  # the adapter's weights, to both replicas
     losses = [r["eval_loss"] for r in result.rounds]
     assert losses[-1] < losses[0]
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(cfg.output_dir, "final_merged"))
@@ -90,7 +94,7 @@ def test_ia3_adapter(ray_local, tmp_path, llama_folder, sums_jsonl):
     assert config["peft_type"] == "IA3"
     n = adapter_numel(result.final_path)
     assert n == 2 * (64 + 64 + 128)  # one scale per k/v output and down_proj input, per layer
-    assert all(r["bytes_up"] == 4 * n for r in result.rounds)
+    assert all(4 * n < r["bytes_up"] <= 4 * n + HEADER for r in result.rounds)
 
 
 def test_fsdp_over_a_lora_model(ray_local, tmp_path, llama_folder, sums_jsonl):
@@ -98,7 +102,8 @@ def test_fsdp_over_a_lora_model(ray_local, tmp_path, llama_folder, sums_jsonl):
                       max_steps=6, grad_accum=2)
     result = DilocoFSDPTrainer(cfg).train()
     n = adapter_numel(result.final_path)
-    assert all(r["bytes_up"] == 4 * n for r in result.rounds)  # the two ranks' rows add up to the adapter
+    # the two ranks' rows add up to the adapter, in one message each
+    assert all(4 * n < r["bytes_up"] <= 4 * n + 2 * HEADER for r in result.rounds)
     assert all(r["eval_loss"] == r["eval_loss"] for r in result.rounds)  # finite
 
 

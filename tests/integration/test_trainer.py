@@ -6,18 +6,17 @@ import math
 import os
 import sys
 
-import numpy as np
 import pytest
 import ray
 import torch
 from safetensors.torch import load_file
 
 from conftest import tiny_config
-from diloco_ray import DilocoFSDPTrainer
+from diloco_ray import DilocoFSDPTrainer, compression
 from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events
 from diloco_ray.outer import OuterOptimizer
-from diloco_ray.server import ParameterServer
+from diloco_ray.server import ParameterServer, resolve
 
 pytestmark = pytest.mark.integration
 
@@ -30,11 +29,12 @@ CONTRACT_KEYS = ["round", "replicas", "replica_ids", "dropped", "inner_steps", "
 
 
 class RecordingServer(ParameterServer):
-    """Keeps every rank shard it was sent, so the test can redo the outer step itself."""
+    """Keeps every rank's pieces it was sent, so the test can redo the outer step itself."""
 
-    def apply(self, contributions, plans):
-        self.recorded = [(c.replica_id, c.weight, ray.get(c.shard_refs)) for c in contributions]
-        return super().apply(contributions, plans)
+    def prepare(self, fragment, contributions):
+        self.recorded = [(c.replica_id, c.weight, [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
+                         for c in contributions]
+        return super().prepare(fragment, contributions)
 
     def get_recorded(self):
         return self.recorded
@@ -43,9 +43,9 @@ class RecordingServer(ParameterServer):
 class CrashingWorker(RankWorker):
     """The last rank of replica 1 dies at inner step 2 of round 1."""
 
-    def run_round(self, weights, round_index, plan, snapshots=None):
-        self._round, self._step = round_index, 0
-        return super().run_round(weights, round_index, plan, snapshots)
+    def run_round(self, job):
+        self._round, self._step = job["round"], 0
+        return super().run_round(job)
 
     def _optimizer_step(self):
         self._step += 1
@@ -57,14 +57,12 @@ class CrashingWorker(RankWorker):
 class NaNWorker(RankWorker):
     """Replica 1 sends a pseudo-gradient holding NaN in round 0."""
 
-    def pseudo_gradient(self):
-        grads = super().pseudo_gradient()
+    def _outgoing(self, fragment, link):
         if self.replica_id == 1 and not getattr(self, "_poisoned", False):
             self._poisoned = True
-            name = next(iter(grads))
-            grads[name] = grads[name].copy()
-            grads[name].flat[0] = np.nan
-        return grads
+            with torch.no_grad():
+                next(iter(self._local_rows().values())).view(-1)[0] = float("nan")
+        return super()._outgoing(fragment, link)
 
 
 def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
@@ -74,19 +72,20 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
     try:
         before = trainer.global_weights()
         first = trainer.run_round()
-        recorded = ray.get(trainer.server.get_recorded.remote())
+        recorded = ray.get(trainer.server.actors[0].get_recorded.remote())
         after = trainer.global_weights()
 
         assert first["replicas"] == 2 and first["dropped"] == []
         pseudo_grads, weights = [], []
-        for _, weight, rank_shards in recorded:
-            assert len(rank_shards) == 2  # each FSDP rank sent its own rows
+        for _, weight, rank_pieces in recorded:
+            assert len(rank_pieces) == 2  # each FSDP rank sent its own rows
             full = {}
             for name, value in before.items():
-                rows = [torch.from_numpy(np.array(s[name])) for s in rank_shards]
+                rows = [pieces[name] for pieces in rank_pieces]
                 want = [c.shape[0] for c in torch.chunk(torch.from_numpy(value), 2, dim=0)]
-                assert [r.shape[0] for r in rows][:len(want)] == want
-                full[name] = torch.cat(rows)
+                assert [r.shape[0] for _, r in rows][:len(want)] == want
+                assert [start for start, _ in rows] == [0, want[0]]  # rank r sent rows chunk r
+                full[name] = torch.cat([r for _, r in rows])
             pseudo_grads.append(full)
             weights.append(weight)
         assert weights == [float(cfg.sequences_per_replica_round * cfg.seq_len)] * 2
