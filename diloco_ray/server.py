@@ -128,6 +128,10 @@ class ParameterServer:
             self.pieces[(name, f)] = key
             self.piece_rows[key] = (name, iv)
 
+    def _piece_shape(self, name: str, rows: tuple[int, int]) -> tuple:
+        shape = self.shapes[name]
+        return shape if not shape else (rows[1] - rows[0], *shape[1:])  # a 0-d parameter stays 0-d
+
     def _target(self, fragment: int | None) -> partition.Rows:
         return self.owned if fragment is None else partition.intersect(self.owned, self.fragments[fragment])
 
@@ -148,7 +152,7 @@ class ParameterServer:
     def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
         """Decode one replica's per-rank buffers into tensors covering ``target`` exactly;
         also returns when the last of them arrived over its (simulated) link."""
-        out = {n: torch.empty((b - a, *self.shapes[n][1:])) for n, (a, b) in target.items()}
+        out = {n: torch.empty(self._piece_shape(n, iv)) for n, iv in target.items()}
         covered = dict.fromkeys(target, 0)
         arrived = 0.0
         for r, buf in enumerate(buffers):
@@ -254,7 +258,7 @@ class ParameterServer:
             raise RuntimeError(f"server {self.index}: asked to sync fragment {fragment}, expected {self.fragment}")
         started = time.time()
         target = self._target(fragment)
-        acc = {n: torch.zeros((b - a, *self.shapes[n][1:])) for n, (a, b) in target.items()}
+        acc = {n: torch.zeros(self._piece_shape(n, iv)) for n, iv in target.items()}
         reasons, valid, arrivals = {}, [], []
         for c in contributions:
             try:
@@ -364,6 +368,7 @@ class ParameterServer:
                                                    "last_message": torch.from_numpy(np.array(self.last_message))})
         with open(os.path.join(folder, meta_file), "w") as f:
             json.dump({"round": sd["round"], "fragment": self.fragment, "version": self.version,
+                       "round_accepted": None if self._round_accepted is None else sorted(self._round_accepted),
                        "cursor": self.cursor.to_dict(), "count": self.count,
                        "sync_fragments": self.config.sync_fragments,
                        "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
@@ -389,11 +394,14 @@ class ParameterServer:
         outer = checkpoint.load_state(folder, outer_name)
         self.optimizer = OuterOptimizer(params, self.config)
         self.optimizer.load_state_dict({"params": params, **outer})
-        self.held = dict(outer.get("held") or {})
+        # `held` tracks what replicas hold only while weights go down compressed.
+        self.held = dict(outer.get("held") or {}) if self.config.weights_compression != "none" else {}
         self.last_message = outer["last_message"].numpy() if "last_message" in outer else np.zeros(0, dtype=np.uint8)
         if self.config.weights_compression != "none" and not self.held:
             self._reset_held()
         self.fragment, self.version = meta.get("fragment", 0), meta.get("version", 0)
+        accepted = meta.get("round_accepted")
+        self._round_accepted = None if accepted is None else set(accepted)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])
         return self.weight_bytes()
 

@@ -101,13 +101,16 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
         trainer.shutdown()
 
 
-def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path):
-    """DiLoCo with one replica and outer SGD(lr=1, momentum=0) is the plain inner loop."""
+@pytest.mark.parametrize("sync", [{}, {"sync_fragments": 2, "num_param_servers": 2}], ids=["plain", "streaming"])
+def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
+    """DiLoCo with one replica and outer SGD(lr=1, momentum=0) is the plain inner loop;
+    so is Streaming DiLoCo (each fragment's sync hands the replica its own weights back),
+    whichever server owns which rows."""
     from diloco_ray import data, modeling, samples
     from diloco_ray.inner import build_inner_optimizer, inner_lr_at
 
     cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
-                      diloco_loops=3, max_steps=4, eval_batches=0)
+                      diloco_loops=3, max_steps=4, eval_batches=0, **sync)
     result = DilocoFSDPTrainer(cfg).train()
     assert [r["round"] for r in result.rounds] == [0, 1, 2]
     got = load_file(os.path.join(result.final_path, "model.safetensors"))
