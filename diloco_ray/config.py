@@ -106,7 +106,7 @@ class TrainerConfig:
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none)")
     weights_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
     compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs", ge=16)
-    sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps", ge=1)
+    sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps (rounded down)", ge=1)
     overlap_communication: bool = _f(False, "keep running inner steps while a fragment's sync is in flight; merge it one sync period later")
     fragment_alpha: float = _f(0.5, "with overlap: a returning fragment becomes alpha*local + (1-alpha)*global", ge=0.0, le=1.0)
     link_mbps: Optional[Union[float, list]] = _f(None, "simulated replica<->server link bandwidth in Mbit/s: a number, or a list per replica slot (null: not simulated)")
@@ -362,9 +362,9 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
 
 def _validate_sync(cfg: TrainerConfig) -> None:
     """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
-    if cfg.max_steps % cfg.sync_fragments:
-        raise ConfigError(f"sync_fragments: {cfg.sync_fragments} must divide max_steps={cfg.max_steps} "
-                          "(each fragment syncs every max_steps/sync_fragments inner steps)")
+    if cfg.sync_fragments > cfg.max_steps:
+        raise ConfigError(f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
+                          "each fragment needs at least one inner step of its own")
     streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
     if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
         raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "

@@ -45,6 +45,12 @@ def inner_lr_at(step: int, config: TrainerConfig) -> float:
     return floor + (config.lr - floor) * (1.0 - frac)
 
 
+def sync_period(fragment: int, steps: int, fragments: int) -> tuple[int, int]:
+    """The inner steps ``[first, last)`` of a round that end with ``fragment``'s sync:
+    syncs fall at ``floor((k + 1) * steps / fragments)``, so periods differ by at most one."""
+    return fragment * steps // fragments, (fragment + 1) * steps // fragments
+
+
 def build_inner_optimizer(params, config: TrainerConfig) -> torch.optim.Optimizer:
     """``torch.optim.<inner_opt>(params, lr=lr, **inner_opt_kwargs)``."""
     cls = getattr(torch.optim, config.inner_opt, None)
@@ -189,8 +195,7 @@ class RankWorker:
         t1 = time.perf_counter()
         self.model.train()
         source, steps = self._round_batches(round_index, plan)
-        per_sync = len(steps) // cfg.sync_fragments
-        first, last = fragment * per_sync, (fragment + 1) * per_sync
+        first, last = sync_period(fragment, len(steps), cfg.sync_fragments)
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
         tokens, aborted, resumed, t = 0, False, 0, first

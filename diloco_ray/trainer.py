@@ -26,7 +26,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray import checkpoint, links, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
-from diloco_ray.inner import RankWorker
+from diloco_ray.inner import RankWorker, sync_period
 from diloco_ray.membership import Membership
 from diloco_ray.metrics import MetricsLogger
 from diloco_ray.replica import Replica
@@ -323,7 +323,7 @@ class DilocoFSDPTrainer:
             rejected.update({str(k): v for k, v in info.rejected.items()})
             fragments.append({
                 "fragment": info.fragment,
-                "step": (info.fragment + 1) * cfg.max_steps // cfg.sync_fragments,
+                "step": sync_period(info.fragment, cfg.max_steps, cfg.sync_fragments)[1],
                 "replicas": len(info.accepted),
                 "bytes_up": sum(s.bytes_up for ranks in stats.values() for s in ranks),
                 # a replica's ranks read the same messages (once per node): count one rank

@@ -269,7 +269,7 @@ def test_cross_field_accepted_variants():
 # --- low-bandwidth sync settings ------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, field", [
-    (dict(max_steps=10, sync_fragments=3), "sync_fragments"),
+    (dict(max_steps=10, sync_fragments=11), "sync_fragments"),
     (dict(max_steps=10, sync_fragments=2, checkpoint_steps=5), "checkpoint_steps"),
     (dict(max_steps=10, overlap_communication=True, checkpoint_steps=5), "checkpoint_steps"),
     (dict(num_param_servers=2, server_resources=[{"a": 1}]), "server_resources"),

@@ -1,7 +1,6 @@
 """Options a rank applies when it builds its model, checked on a RankWorker in-process
 (one rank, no Ray): peft_bias, tokenizer_name, fp16 with a gradient scaler."""
 
-import numpy as np
 import pytest
 import torch
 
