@@ -26,9 +26,10 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray import checkpoint, links, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
-from diloco_ray.inner import RankWorker, sync_period
+from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership
 from diloco_ray.metrics import MetricsLogger
+from diloco_ray.records import round_record
 from diloco_ray.replica import Replica
 from diloco_ray.server import Contribution, ParameterServer
 from diloco_ray.servers import ServerGroup, assemble_weights
@@ -288,7 +289,7 @@ class DilocoFSDPTrainer:
         t_eval = time.perf_counter()
         eval_loss = self._evaluate()
         eval_seconds = time.perf_counter() - t_eval
-        record = self._round_record(applied, periods, late_ids, failed_ids)
+        record = round_record(self.config, applied, [p["reported"] for p in periods], late_ids, failed_ids)
         record.update(eval_loss=eval_loss,
                       eval_ppl=math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
                       round_seconds=time.perf_counter() - t_start,
@@ -312,59 +313,6 @@ class DilocoFSDPTrainer:
                 "reset": self._reset, "servers": self.server.actors,
                 "link": links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
                 "snapshots": self._snapshot_settings(slot) if fragment == 0 else None}
-
-    def _round_record(self, applied: list, periods: list[dict], late: set, failed: set) -> dict:
-        """The round's record (metrics.jsonl) from every sync's figures."""
-        cfg = self.config
-        last = applied[-1]
-        fragments, rejected = [], {}
-        for info, period in zip(applied, periods):
-            stats = period["reported"]
-            rejected.update({str(k): v for k, v in info.rejected.items()})
-            fragments.append({
-                "fragment": info.fragment,
-                "step": sync_period(info.fragment, cfg.max_steps, cfg.sync_fragments)[1],
-                "replicas": len(info.accepted),
-                "bytes_up": sum(s.bytes_up for ranks in stats.values() for s in ranks),
-                # a replica's ranks read the same messages (once per node): count one rank
-                "bytes_down": sum(max(s.bytes_down for s in ranks) for ranks in stats.values()),
-                "pseudo_grad_norm": info.pseudo_grad_norm,
-                "seconds": info.seconds,
-            })
-        accepted = [rid for rid in last.accepted if rid in last.data_ranges]
-        per_replica = {}
-        for period in periods:
-            for rid, ranks in period["reported"].items():
-                per_replica.setdefault(rid, []).append(ranks)
-        ok = [s for rid in accepted for ranks in per_replica[rid] for s in ranks]
-        steps = sum(s.inner_steps for s in ok)
-        compute = max((sum(max(s.compute_seconds for s in ranks) for ranks in per_replica[rid]) for rid in accepted),
-                      default=0.0)
-        norms = [f["pseudo_grad_norm"] for f in fragments if f["pseudo_grad_norm"] is not None]
-        first = periods[0]["reported"]
-        return {
-            "event": "round",
-            "round": last.round,
-            "replicas": len(accepted),
-            "replica_ids": accepted,
-            "dropped": sorted(late | failed | {int(k) for k in rejected}),
-            "late": sorted(late),
-            "rejected": rejected,
-            "inner_steps": cfg.max_steps,
-            "tokens": sum(s.tokens for s in ok),
-            "train_loss": sum(s.loss_sum for s in ok) / max(steps, 1),
-            "outer_lr": last.outer_lr,
-            "pseudo_grad_norm": math.sqrt(sum(n * n for n in norms)) if norms else None,
-            "data_ranges": {str(k): v for k, v in last.data_ranges.items()},
-            "resumed_steps": {str(rid): first[rid][0].resumed_step for rid in accepted
-                              if rid in first and first[rid][0].resumed_step},
-            "bytes_up": sum(f["bytes_up"] for f in fragments),
-            "bytes_down": sum(f["bytes_down"] for f in fragments),
-            "peak_bytes_up": max(f["bytes_up"] for f in fragments),
-            "peak_bytes_down": max(f["bytes_down"] for f in fragments),
-            "fragments": fragments,
-            "compute_seconds": compute,
-        }
 
     def _snapshot_settings(self, slot: int) -> Optional[dict]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
