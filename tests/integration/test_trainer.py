@@ -105,9 +105,10 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
 def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     """DiLoCo with one replica and outer SGD(lr=1, momentum=0) is the plain inner loop;
     so is Streaming DiLoCo (each fragment's sync hands the replica its own weights back),
-    whichever server owns which rows."""
-    from diloco_ray import data, modeling, samples
-    from diloco_ray.inner import build_inner_optimizer, inner_lr_at
+    whichever server owns which rows. A fragment's global weights are the replica's as of
+    that fragment's last sync (step floor((k+1) H / F) of the last round)."""
+    from diloco_ray import data, modeling, partition, samples
+    from diloco_ray.inner import build_inner_optimizer, inner_lr_at, sync_period
 
     cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
                       diloco_loops=3, max_steps=4, eval_batches=0, **sync)
@@ -121,6 +122,10 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     model = modeling.build_model(cfg, tok)
     params = [p for _, p in modeling.trained_parameters(model)]
     opt = build_inner_optimizer(params, cfg)
+    named = modeling.trained_parameters(model)
+    fragments = partition.fragments({n: tuple(p.shape) for n, p in named}, cfg.sync_fragments)
+    last_sync = [sync_period(k, cfg.max_steps, cfg.sync_fragments)[1] for k in range(cfg.sync_fragments)]
+    synced = [None] * cfg.sync_fragments  # the reference weights at each fragment's last sync
     for r in range(cfg.diloco_loops):
         start = r * cfg.sequences_per_replica_round
         plan = [(start, cfg.sequences_per_replica_round)]
@@ -133,8 +138,15 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
             torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm)
             opt.step()
             opt.zero_grad(set_to_none=True)
-    for name, p in modeling.trained_parameters(model):
-        torch.testing.assert_close(got[name], p.detach(), rtol=0, atol=1e-5)
+            for k, step in enumerate(last_sync):
+                if t + 1 == step:
+                    synced[k] = {n: p.detach().clone() for n, p in named}
+    for k, rows in enumerate(fragments):
+        for name, interval in rows.items():
+            torch.testing.assert_close(partition.take(got[name], interval), partition.take(synced[k][name], interval),
+                                       rtol=0, atol=1e-5)
+    shapes = {n: tuple(t.shape) for n, t in got.items()}
+    assert sum(partition.numel(rows, shapes) for rows in fragments) == sum(t.numel() for t in got.values())
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
