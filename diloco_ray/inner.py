@@ -383,7 +383,7 @@ class RankWorker:
         for buf in buffers:
             pieces, _ = compression.unpack_pieces(buf, self.sync.names)
             for name, (start, piece) in pieces.items():
-                span = (start, start + (partition.num_rows(piece.shape) if piece.dim() else 1))
+                span = (start, start + partition.num_rows(piece.shape))
                 held = self.sync.held[name]
                 mine = partition.intersect({name: span}, {name: held}).get(name)
                 if mine is not None:
@@ -413,12 +413,9 @@ class RankWorker:
         Face model folder (rank 0 only): the model, or with PEFT its adapter, plus the
         merged model at ``merged_path``."""
         if self.rank == 0:
-            full = {n: torch.empty(s) for n, s in self.shapes.items()}
-            for buf in resolve(weights):
-                pieces, _ = compression.unpack_pieces(buf, self.sync.names)
-                for name, (start, piece) in pieces.items():
-                    rows = partition.num_rows(piece.shape) if piece.dim() else 1
-                    partition.put(full[name], (start, start + rows), piece)
+            from diloco_ray.servers import assemble_weights
+
+            full = {n: torch.from_numpy(w) for n, w in assemble_weights(resolve(weights), self.shapes).items()}
             # An unsharded copy of the starting model supplies what DiLoCo does not train
             # (frozen weights, buffers); the global weights overwrite the rest.
             model = modeling.build_model(self.config, self.tokenizer)

@@ -102,7 +102,7 @@ class RankSync:
             if not full and meta["version"] != self.versions[s] + 1:
                 raise NeedsFullLoad(f"server {s} sent version {meta['version']} on top of {self.versions[s]}")
             for name, (start, piece) in pieces.items():
-                span = (start, start + (partition.num_rows(piece.shape) if piece.dim() else 1))
+                span = (start, start + partition.num_rows(piece.shape))
                 mine = partition.intersect({name: span}, {name: self.held[name]}).get(name)
                 if mine is None:
                     continue

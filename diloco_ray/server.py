@@ -159,7 +159,7 @@ class ParameterServer:
             pieces, meta = compression.unpack_pieces(buf, self.names)
             arrived = max(arrived, links.arrival(meta) or 0.0)
             for name, (start, piece) in pieces.items():
-                span = (start, start + partition.num_rows(piece.shape) if piece.dim() else start + 1)
+                span = (start, start + partition.num_rows(piece.shape))
                 if name not in target or partition.intersect({name: span}, target) != {name: span}:
                     raise ValueError(f"rank {r} sent rows {span} of '{name}' outside this sync's slice")
                 if tuple(piece.shape[1:]) != self.shapes[name][1:]:

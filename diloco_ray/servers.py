@@ -120,6 +120,6 @@ def assemble_weights(buffers: list, shapes: dict) -> dict[str, np.ndarray]:
     for buf in buffers:
         pieces, _ = compression.unpack_pieces(buf, list(shapes))
         for name, (start, piece) in pieces.items():
-            rows = partition.num_rows(piece.shape) if piece.dim() else 1
+            rows = partition.num_rows(piece.shape)
             partition.put(out[name], (start, start + rows), piece.numpy())
     return out
