@@ -97,6 +97,7 @@ class TrainerConfig:
     cpus_per_rank: float = _f(1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
     server_resources: Union[dict, list] = _f({}, "custom Ray resources the server actors need, to pin them to nodes (e.g. {head: 1}); a list gives one mapping per server actor")
+    replica_resources: Union[dict, list] = _f({}, "custom Ray resources every rank of a replica needs, to pin replicas to nodes or regions (e.g. {region-us: 1}); a list gives one mapping per replica id (id i takes entry i mod the list's length)")
     num_param_servers: int = _f(1, "parameter-server actors; the parameters are split over them, balanced by bytes", ge=1)
     round_timeout_s: Optional[float] = _f(None, "straggler deadline for one round; late replicas are dropped from it", gt=0.0)
     join_timeout_s: float = _f(0.0, "how long a round boundary waits for starting replicas before going on without them", ge=0.0)
@@ -360,6 +361,18 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
     _validate_sync(cfg)
 
 
+def _check_resources(field: str, value) -> None:
+    """A resources field: a mapping of resource name -> non-negative amount, or a
+    non-empty list of such mappings."""
+    mappings = value if isinstance(value, list) else [value]
+    ok = bool(mappings) and all(
+        isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                    and v >= 0 for k, v in m.items()) for m in mappings)
+    if not ok:
+        raise ConfigError(f"{field}: {value!r} is not allowed; expected a mapping of Ray resource name to a "
+                          "non-negative amount (e.g. {region-us: 1}) or a non-empty list of them")
+
+
 def _validate_sync(cfg: TrainerConfig) -> None:
     """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
     if cfg.sync_fragments > cfg.max_steps:
@@ -370,10 +383,11 @@ def _validate_sync(cfg: TrainerConfig) -> None:
         raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
                           "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps")
     resources = cfg.server_resources
-    if isinstance(resources, list):
-        if len(resources) != cfg.num_param_servers or not all(isinstance(r, dict) for r in resources):
-            raise ConfigError(f"server_resources: a list needs one mapping per server actor "
-                              f"(num_param_servers={cfg.num_param_servers}), got {resources!r}")
+    if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
+        raise ConfigError(f"server_resources: a list needs one mapping per server actor "
+                          f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}")
+    for field in ("server_resources", "replica_resources"):
+        _check_resources(field, getattr(cfg, field))
     if cfg.link_mbps is not None:
         rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
         if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):

@@ -22,6 +22,14 @@ from diloco_ray.inner import RankWorker
 _RANK_ENV = {"TOKENIZERS_PARALLELISM": "false"}
 
 
+def resources_for_replica(resources, replica_id: int) -> dict:
+    """The custom resources (``replica_resources``) each rank bundle of replica
+    ``replica_id`` asks for: the mapping, or entry ``id mod len`` of a list."""
+    if isinstance(resources, list):
+        return dict(resources[replica_id % len(resources)])
+    return dict(resources or {})
+
+
 class Replica:
     """Handle for one replica's placement group and rank actors.
 
@@ -39,6 +47,7 @@ class Replica:
         bundle: dict[str, float] = {"CPU": config.cpus_per_rank}
         if device == "cuda":
             bundle["GPU"] = 1
+        bundle.update(resources_for_replica(config.replica_resources, replica_id))
         self.bundle = bundle
         self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
         self.setup_refs: list | None = None  # set once set-up has been started
