@@ -47,6 +47,7 @@ __all__ = [
     "list_checkpoints",
     "load_state",
     "load_tensors",
+    "manifest_text",
     "prune",
     "read_manifest",
     "resolve_resume",
@@ -364,10 +365,9 @@ def commit(tmp: str, root: str, round: int, meta: dict) -> str:
             _fsync_file(full)
             files[rel] = sha256_file(full)
 
-    manifest = {"format": FORMAT, "round": round, "meta": meta, "files": files}
     # The manifest goes last: its presence is what marks the file set as complete.
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-        f.write(json.dumps(manifest, allow_nan=False, indent=1))
+        f.write(manifest_text(round, meta, files))
         f.flush()
         os.fsync(f.fileno())
     for d in dirs:
@@ -386,6 +386,13 @@ def commit(tmp: str, root: str, round: int, meta: dict) -> str:
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def manifest_text(round: int, meta: dict, files: Mapping[str, str]) -> str:
+    """The ``manifest.json`` of a checkpoint of ``round``: ``meta`` and the SHA-256 of
+    every file (relative path with ``/`` -> hex digest)."""
+    return json.dumps({"format": FORMAT, "round": round, "meta": meta, "files": dict(sorted(files.items()))},
+                      allow_nan=False, indent=1)
 
 
 def read_manifest(path: str) -> dict:

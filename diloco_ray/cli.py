@@ -26,13 +26,17 @@ def _fields_epilog() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="diloco-ray", description="DiLoCo training on a Ray cluster.")
+    parser = argparse.ArgumentParser(
+        prog="diloco-ray", description="DiLoCo training on a Ray cluster. "
+        "`diloco-ray train --help` lists every config field with its default and meaning.")
     sub = parser.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="run a DiLoCo job", epilog=_fields_epilog(),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("config", help="YAML config file (e.g. configs/tiny.yaml)")
     train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                        help="override a field; VALUE is YAML (e.g. lr=3e-4, target_modules=[q_proj,v_proj])")
+    train.add_argument("--print-config", action="store_true",
+                       help="print the resolved config (file, --set, defaults) as YAML and exit without training")
     report = sub.add_parser("report", help="plot and summarise a run's metrics.jsonl")
     report.add_argument("output_dir", help="a run's output_dir")
     scale = sub.add_parser("scale", help="ask a running job to change its replica count at the next round")
@@ -46,14 +50,21 @@ def _train(args) -> int:
     from diloco_ray.trainer import DilocoFSDPTrainer
 
     config = TrainerConfig.from_yaml(args.config, overrides=parse_set(args.overrides))
-    result = DilocoFSDPTrainer(config, callbacks=[_PrintProgress(config.diloco_loops)]).train()
+    if args.print_config:
+        print(config.yaml_text(), end="")
+        return EXIT_OK
+    shown = _ShowProgress(config)
+    try:
+        result = DilocoFSDPTrainer(config, callbacks=[shown]).train()
+    finally:
+        shown.progress.close()
     last = result.rounds[-1] if result.rounds else {}
     print(f"done: {len(result.rounds)} rounds, eval_loss {last.get('eval_loss')}, model in {result.final_path}")
     return EXIT_OK
 
 
 def _scale(args) -> int:
-    from diloco_ray.trainer import request_scale
+    from diloco_ray.run_folder import request_scale
 
     print(f"requested {args.replicas} replicas: {request_scale(args.output_dir, args.replicas)}")
     return EXIT_OK
@@ -66,18 +77,30 @@ def _report(args) -> int:
     return EXIT_OK
 
 
-class _PrintProgress:
-    """One line per round on stdout."""
+class _ShowProgress:
+    """Feeds the trainer's callbacks to a :class:`~diloco_ray.progress.Progress` on
+    stderr: bars on a terminal, plain lines otherwise (logs, ``ray job submit``)."""
 
-    def __init__(self, total: int):
-        self.total = total
+    def __init__(self, config):
+        from diloco_ray.progress import Progress
 
-    def on_round_end(self, trainer, record) -> None:
-        ev = record["eval_loss"]
-        print(f"round {record['round'] + 1}/{self.total}  replicas {record['replicas']}  "
-              f"train_loss {record['train_loss']:.4f}  eval_loss {'-' if ev is None else f'{ev:.4f}'}  "
-              f"tokens {record['tokens']}  {record['round_seconds']:.1f}s "
-              f"(sync {record['sync_seconds']:.2f}s)", flush=True)
+        # stdout: bars on a terminal, and in a log the round lines users read as results.
+        self.progress = Progress(config.diloco_loops, config.max_steps, stream=sys.stdout)
+
+    def on_train_begin(self, trainer) -> None:
+        self.progress.start(trainer.round_index)
+
+    def on_round_begin(self, trainer, round_index: int, replicas: int) -> None:
+        self.progress.begin_round(round_index, replicas)
+
+    def on_step(self, trainer, event: dict) -> None:
+        self.progress.step(event["replica"], event["step"], event["loss"], event["lr"], event["tokens"])
+
+    def on_round_end(self, trainer, record: dict) -> None:
+        self.progress.end_round(record)
+
+    def on_train_end(self, trainer) -> None:
+        self.progress.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # one clear line for bad input; a traceback for real failures
         cause = unwrap(e)
         if isinstance(cause, UserInputError):
-            print(f"diloco-ray: error: {cause}", file=sys.stderr)
+            # args[0], not str(): an error raised inside an actor arrives as Ray's
+            # subclass, whose str() carries the remote traceback.
+            message = cause.args[0] if cause.args else str(cause)
+            print(f"diloco-ray: error: {message}", file=sys.stderr)
             return EXIT_BAD_INPUT
         raise
 

@@ -137,6 +137,11 @@ class TrainerConfig:
     resume_from: Optional[str] = _f(None, "checkpoint folder to resume from, or an output_dir meaning its latest")
     log_with: Optional[Union[str, list]] = _f(None, "tensorboard, wandb, or a list of both (metrics.jsonl is always written)")
     log_dir: Optional[str] = _f(None, "TensorBoard folder (default: output_dir/logs)")
+    logging_steps: int = _f(10, "inner steps between step events (each replica's loss and lr) in metrics.jsonl, the trackers and the progress bar", ge=1)
+    wandb_project: Optional[str] = _f(None, "W&B project (default: diloco-ray); needs log_with: wandb")
+    wandb_entity: Optional[str] = _f(None, "W&B entity (team or user; default: yours); needs log_with: wandb")
+    wandb_run_name: Optional[str] = _f(None, "W&B run name (default: output_dir's last component); needs log_with: wandb")
+    wandb_tags: list = _f([], "W&B run tags; needs log_with: wandb")
 
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -182,11 +187,16 @@ class TrainerConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def yaml_text(self) -> str:
+        """The resolved config (every field, defaults included) as YAML that
+        :meth:`from_yaml` reads back to an equal config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
     def to_yaml(self, path: str) -> None:
-        """Write the resolved config (every field, defaults included) atomically."""
+        """Write :meth:`yaml_text` to ``path`` atomically."""
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
-            yaml.safe_dump(self.to_dict(), f, sort_keys=False)
+            f.write(self.yaml_text())
         os.replace(tmp, path)
 
     # Derived values, so nobody recomputes them differently.
@@ -346,6 +356,16 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         if bad:
             raise ConfigError(f"log_with: {bad[0]!r} is not allowed; expected tensorboard, wandb or a list of them")
         cfg.log_with = list(names)
+    if "wandb" not in (cfg.log_with or []):
+        for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_tags"):
+            if getattr(cfg, name):
+                raise ConfigError(f"{name}: set, but log_with does not include wandb; add log_with: wandb "
+                                  "or remove it")
+    if cfg.log_dir is not None and "tensorboard" not in (cfg.log_with or []):
+        raise ConfigError("log_dir: set, but log_with does not include tensorboard; add log_with: tensorboard "
+                          "or remove it")
+    if not all(isinstance(t, str) for t in cfg.wandb_tags):
+        raise ConfigError(f"wandb_tags: {cfg.wandb_tags!r} is not allowed; expected a list of strings")
     if cfg.target_modules is not None and not all(isinstance(m, str) for m in cfg.target_modules):
         raise ConfigError(f"target_modules: {cfg.target_modules!r} is not allowed; expected a list of module names")
     if (cfg.prompt_template is None) != (cfg.completion_template is None):
@@ -386,8 +406,8 @@ def _validate_sync(cfg: TrainerConfig) -> None:
     if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
         raise ConfigError(f"server_resources: a list needs one mapping per server actor "
                           f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}")
-    for field in ("server_resources", "replica_resources"):
-        _check_resources(field, getattr(cfg, field))
+    for name in ("server_resources", "replica_resources"):
+        _check_resources(name, getattr(cfg, name))
     if cfg.link_mbps is not None:
         rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
         if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):

@@ -199,6 +199,7 @@ class RankWorker:
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
         tokens, aborted, resumed, t = 0, False, 0, first
+        logged = (first, 0.0)  # (step, loss_sum) at the last step event
         if snapshots and snapshots.get("resume_step"):
             resumed, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
@@ -220,6 +221,8 @@ class RankWorker:
             loss_sum += loss.detach()
             if final:
                 self._optimizer_step()
+                if (t + 1) % cfg.logging_steps == 0:
+                    logged = self._report_step(job, t + 1, loss_sum, logged, tokens)
                 if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
                     self._save_snapshot(snapshots, plan, t + 1, loss_sum, tokens)
         t2 = time.perf_counter()
@@ -234,6 +237,22 @@ class RankWorker:
         if aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
         return (*buffers, stats)
+
+    def _report_step(self, job: dict, step: int, loss_sum: torch.Tensor, logged: tuple, tokens: int) -> tuple:
+        """Rank 0 sends a step event (mean loss since the last one, lr, tokens) to the
+        driver's board, without waiting. Reading ``loss_sum`` syncs the device, which is
+        why it happens every ``logging_steps`` and not every step."""
+        board = job.get("board")
+        if board is None or self.rank != 0:
+            return logged
+        total = float(loss_sum)
+        since = max(1, step - logged[0])
+        board.report.remote({"event": "step", "round": job["round"], "replica": self.replica_id, "step": step,
+                             "global_step": job["round"] * self.config.max_steps + step,
+                             "loss": (total - logged[1]) / since, "lr": self.optimizer.param_groups[0]["lr"],
+                             # rank 0's count for the whole replica: its ranks see equal batches
+                             "tokens": tokens * self.world_size, "time": time.time()})
+        return step, total
 
     def _outgoing(self, fragment: int, link) -> list[np.ndarray]:
         """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""
@@ -418,10 +437,14 @@ class RankWorker:
             full = {n: torch.from_numpy(w) for n, w in assemble_weights(resolve(weights), self.shapes).items()}
             # An unsharded copy of the starting model supplies what DiLoCo does not train
             # (frozen weights, buffers); the global weights overwrite the rest.
+            from diloco_ray import staging
+
             model = modeling.build_model(self.config, self.tokenizer)
-            modeling.save_hf(model, self.tokenizer, full, path)
+            modeling.save_hf(model, self.tokenizer, full, staging.scratch(path))
+            staging.publish_tree(path)
             if merged_path is not None:
-                modeling.save_merged(model, self.tokenizer, merged_path)
+                modeling.save_merged(model, self.tokenizer, staging.scratch(merged_path))
+                staging.publish_tree(merged_path)
         return path
 
     def describe(self) -> dict:
@@ -436,25 +459,28 @@ class RankWorker:
                 "train_samples": len(self.tokens.train)}
 
     # ---- inner state: what a checkpoint keeps of a replica -------------------------------
-    def save_inner_state(self, folder: str, slot: int) -> None:
+    def save_inner_state(self, folder: str, slot: int) -> dict:
         """Write this rank's inner optimizer state and RNG state to ``folder`` as
-        ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle)."""
-        from diloco_ray import checkpoint
+        ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle).
+        ``folder`` may be a bucket URI; returns :func:`staging.publish`'s hashes."""
+        from diloco_ray import checkpoint, staging
 
         state = {**self._optimizer_and_rng(), "world_size": self.world_size,
                  "sync": self.sync.state_dict(with_anchor=self.streamed)}
         if self.streamed:  # local weights differ from the global ones between rounds
             state["rows"] = {n: t.detach().cpu().clone() for n, t in self._local_rows().items()}
-        sub = os.path.join(folder, "replicas")
+        sub = os.path.join(staging.scratch(folder), "replicas")
         os.makedirs(sub, exist_ok=True)
-        checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
+        written = checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
+        return staging.publish(folder, [f"replicas/{name}" for name in written])
 
     def load_inner_state(self, folder: str, slot: int) -> bool:
         """Restore what :meth:`save_inner_state` wrote; False (and a fresh optimizer) when
         the checkpoint has no state for this slot and rank."""
-        from diloco_ray import checkpoint
+        from diloco_ray import checkpoint, staging
 
         name = f"slot-{slot}-rank-{self.rank}"
+        folder = staging.localize(folder, [f"replicas/{name}.json", f"replicas/{name}.safetensors"])
         sub = os.path.join(folder, "replicas")
         if not os.path.exists(os.path.join(sub, f"{name}.json")):
             return False

@@ -20,6 +20,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from diloco_ray.errors import ConfigError
+
 __all__ = [
     "OuterOptimizer",
     "OuterStepInfo",
@@ -167,9 +169,8 @@ def _build_torch_optimizer(params: list[Tensor], config: Any) -> torch.optim.Opt
     name = config.outer_opt
     cls = getattr(torch.optim, str(name), None)
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ValueError(
-            f"unknown outer_opt {name!r}: expected the name of a torch.optim optimizer, "
-            "e.g. 'SGD', 'Adam', 'AdamW', 'RMSprop'"
+        raise ConfigError(
+            f"outer_opt: {name!r} is not a torch.optim optimizer; expected e.g. 'SGD', 'Adam', 'AdamW', 'RMSprop'"
         )
     extra = dict(config.outer_opt_kwargs or {})
     kwargs: dict[str, Any] = {"lr": float(config.outer_lr)}

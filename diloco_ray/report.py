@@ -1,7 +1,9 @@
 """``diloco-ray report OUTPUT_DIR``: a picture and a summary table of a run.
 
-Reads ``metrics.jsonl`` and writes ``report.png`` with three panels (train and eval loss,
-replicas applied, bytes per round) and returns a plain-text table, one row per round.
+Reads ``metrics.jsonl`` and writes ``report.png`` with four panels (train and eval loss,
+replicas applied, bytes per round, sync vs compute time) and returns a plain-text table,
+one row per round. It works on a run in progress (the file is appended line by line) and
+on a resumed one (a round that was run again counts once, as its last record).
 """
 
 from __future__ import annotations
@@ -17,13 +19,26 @@ def load_rounds(output_dir: str) -> list[dict]:
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise DataError(f"output_dir: '{output_dir}' has no metrics.jsonl (is it a diloco-ray run?)")
-    rounds = read_events(output_dir, "round")
-    if not rounds:
+    latest: dict[int, dict] = {}
+    for record in read_events(output_dir, "round"):
+        latest[record["round"]] = record  # a round rerun after a crash: the last one stands
+    if not latest:
         raise DataError(f"output_dir: '{path}' holds no round records yet")
-    return rounds
+    return [latest[r] for r in sorted(latest)]
 
 
-def summary_table(rounds: list[dict]) -> str:
+def planned_rounds(output_dir: str) -> int | None:
+    """``diloco_loops`` from the run's config.yaml (None if it cannot be read)."""
+    import yaml
+
+    try:
+        with open(os.path.join(output_dir, "config.yaml")) as f:
+            return int(yaml.safe_load(f)["diloco_loops"])
+    except (OSError, KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def summary_table(rounds: list[dict], planned: int | None = None) -> str:
     """One row per round: loss, replicas, dropped, tokens, MB moved, seconds."""
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
@@ -38,12 +53,19 @@ def summary_table(rounds: list[dict]) -> str:
                     f"{r['round_seconds']:>7.1f} {r['sync_seconds']:>6.2f}")
     total_up = sum(r["bytes_up"] for r in rounds) / 1e6
     total_tokens = sum(r["tokens"] for r in rounds)
-    rows.append(f"{len(rounds)} rounds, {total_tokens} tokens, {total_up:.2f} MB sent to the server")
+    total_down = sum(r["bytes_down"] for r in rounds) / 1e6
+    sync = sum(r["sync_seconds"] for r in rounds)
+    wall = sum(r["round_seconds"] for r in rounds)
+    of = f" of {planned}" if planned else ""
+    rows.append(f"{len(rounds)}{of} rounds, {total_tokens} tokens, {total_up:.2f} MB up / {total_down:.2f} MB down, "
+                f"sync {sync:.1f}s of {wall:.1f}s ({100 * sync / wall if wall else 0:.0f}%)")
+    if planned and rounds[-1]["round"] + 1 < planned:
+        rows.append(f"in progress (or stopped): last round {rounds[-1]['round']}, {planned} planned")
     return "\n".join(rows)
 
 
 def plot(rounds: list[dict], path: str) -> None:
-    """Write the three-panel figure to ``path``."""
+    """Write the four-panel figure to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -51,7 +73,7 @@ def plot(rounds: list[dict], path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     x = [r["round"] for r in rounds]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
     axes[0].plot(x, [r["train_loss"] for r in rounds], marker="o", label="train (inner mean)")
     evals = [(r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
     if evals:
@@ -67,6 +89,15 @@ def plot(rounds: list[dict], path: str) -> None:
     axes[2].bar([i + 0.2 for i in x], [r["bytes_down"] / 1e6 for r in rounds], width=0.4, label="down")
     axes[2].set(title="MB moved per round", xlabel="outer round")
     axes[2].legend()
+    # Where a round's wall time went: inner steps, waiting on sync, eval.
+    compute = [r.get("compute_seconds", r["round_seconds"] - r["sync_seconds"]) for r in rounds]
+    sync = [r["sync_seconds"] for r in rounds]
+    evals = [r.get("eval_seconds", 0.0) for r in rounds]
+    axes[3].bar(x, compute, label="compute (inner steps)")
+    axes[3].bar(x, sync, bottom=compute, label="sync", color="tab:orange")
+    axes[3].bar(x, evals, bottom=[c + s for c, s in zip(compute, sync)], label="eval", color="tab:gray")
+    axes[3].set(title="seconds per round", xlabel="outer round")
+    axes[3].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -77,4 +108,4 @@ def write_report(output_dir: str) -> str:
     rounds = load_rounds(output_dir)
     path = os.path.join(output_dir, "report.png")
     plot(rounds, path)
-    return summary_table(rounds) + f"\nwrote {path}"
+    return summary_table(rounds, planned_rounds(output_dir)) + f"\nwrote {path}"

@@ -353,17 +353,19 @@ class ParameterServer:
         tag = f"{self.index}-of-{self.count}"
         return f"global-{tag}.safetensors", f"outer-{tag}", f"server-{tag}.json"
 
-    def save(self, folder: str) -> None:
-        """Write this server's state into ``folder`` (a checkpoint being assembled): its
-        slice of the weights (``global*.safetensors``, loadable on their own), the outer
-        optimizer, and ``server*.json`` (round, fragment, cursor, shapes)."""
-        from diloco_ray import checkpoint
+    def save(self, where: str) -> dict:
+        """Write this server's state into ``where`` (a checkpoint being assembled: a
+        folder or a bucket URI): its slice of the weights (``global*.safetensors``,
+        loadable on their own), the outer optimizer, and ``server*.json`` (round,
+        fragment, cursor, shapes). Returns :func:`staging.publish`'s hashes."""
+        from diloco_ray import checkpoint, staging
 
+        folder = staging.scratch(where)
         weights_file, outer_name, meta_file = self._names()
         sd = self.optimizer.state_dict()
         whole = {n: self._rows(sd["params"], n, iv).contiguous() for n, iv in self.owned.items()}
         checkpoint.save_tensors(os.path.join(folder, weights_file), whole)
-        checkpoint.save_state(folder, outer_name, {"optimizer": sd["optimizer"], "round": sd["round"],
+        outer_files = checkpoint.save_state(folder, outer_name, {"optimizer": sd["optimizer"], "round": sd["round"],
                                                    "names": sd["names"], "held": self.held,
                                                    "last_message": torch.from_numpy(np.array(self.last_message))})
         with open(os.path.join(folder, meta_file), "w") as f:
@@ -372,13 +374,17 @@ class ParameterServer:
                        "cursor": self.cursor.to_dict(), "count": self.count,
                        "sync_fragments": self.config.sync_fragments,
                        "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
+        return staging.publish(where, [weights_file, *outer_files, meta_file])
 
-    def load(self, folder: str) -> int:
-        """Restore the state :meth:`save` wrote; returns the slice's bytes."""
-        from diloco_ray import checkpoint
+    def load(self, where: str) -> int:
+        """Restore the state :meth:`save` wrote (a folder or a bucket URI); returns the
+        slice's bytes."""
+        from diloco_ray import checkpoint, staging
         from diloco_ray.errors import ConfigError
 
         weights_file, outer_name, meta_file = self._names()
+        folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors",
+                                          f"{outer_name}.json"])
         if not os.path.isfile(os.path.join(folder, meta_file)):
             raise ConfigError(f"resume_from: checkpoint {folder} was not written with num_param_servers="
                               f"{self.count} (no {meta_file}); resume with the server count it was saved with")

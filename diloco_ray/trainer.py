@@ -11,7 +11,6 @@ store. If the server dies, it is recreated from the latest checkpoint.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -23,12 +22,14 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import checkpoint, links, snapshot
+from diloco_ray import links, preflight, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership
-from diloco_ray.metrics import MetricsLogger
+from diloco_ray.metrics import MetricsLogger, StepBoard
+from diloco_ray.ray_metrics import RoundMetrics
+from diloco_ray.run_folder import RunFolder, resolve_resume
 from diloco_ray.records import round_record
 from diloco_ray.replica import Replica
 from diloco_ray.server import Contribution, ParameterServer
@@ -36,7 +37,7 @@ from diloco_ray.servers import ServerGroup, assemble_weights
 
 # A round that too few replicas finish is run again; this many times in a row is fatal.
 MAX_ROUND_RETRIES = 3
-SCALE_REQUEST_FILE = "scale_request.json"
+STEP_POLL_S = 1.0  # how often the driver collects step events while a round runs
 
 
 @dataclass
@@ -63,7 +64,11 @@ class DilocoFSDPTrainer:
 
     Args:
         config: the job.
-        callbacks: objects that may define ``on_round_end(trainer, record)``.
+        callbacks: objects that may define any of ``on_train_begin(trainer)`` (after
+            set-up or resume; ``trainer.round_index`` is the next round),
+            ``on_round_begin(trainer, round_index, replicas)``, ``on_step(trainer, event)``
+            (a replica's step event, every ``logging_steps``),
+            ``on_round_end(trainer, record)`` and ``on_train_end(trainer)``.
         worker_cls: the rank class (tests swap in fakes).
         server_cls: the parameter-server class (likewise).
     """
@@ -82,8 +87,8 @@ class DilocoFSDPTrainer:
         self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
         self.metrics: Optional[MetricsLogger] = None
-        self.checkpoint_root = os.path.join(config.output_dir, "checkpoints")
-        self.inflight_root = os.path.join(self.checkpoint_root, "inflight")
+        self.run_dir = RunFolder(config)  # output_dir: a folder, or a bucket and its staging copy
+        self.inflight_root = self.run_dir.inflight
         self._last_checkpoint_round: Optional[int] = None
         self._resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
         # What replicas load next: one weights message per server, of sync `_version`.
@@ -92,6 +97,8 @@ class DilocoFSDPTrainer:
         self._version = 0
         self._reset = False        # replicas must reload everything (the servers were restored)
         self._global_refs: list = []
+        self.board = None          # the StepBoard actor ranks report inner steps to
+        self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
 
     # ---- public API -------------------------------------------------------------------
     def scale(self, n: int) -> int:
@@ -126,9 +133,11 @@ class DilocoFSDPTrainer:
         result = TrainResult(output_dir=self.config.output_dir)
         try:
             self.setup()
+            self._notify("on_train_begin")
             while self.round_index < self.config.diloco_loops and not self._early_stop():
                 self.run_round()
             result.final_path = self.save_final()
+            self._notify("on_train_end")
         except RayTaskError as e:
             cause = unwrap(e)
             if isinstance(cause, UserInputError):
@@ -144,12 +153,18 @@ class DilocoFSDPTrainer:
         """Prepare output_dir, connect to Ray, start (or restore) the server and the
         replicas."""
         cfg = self.config
-        resume = checkpoint.resolve_resume(cfg.resume_from) if cfg.resume_from else None
-        _prepare_output_dir(cfg, resuming=resume is not None)
+        # Everything that can be checked without Ray is checked before Ray starts.
+        resume = resolve_resume(cfg.resume_from) if cfg.resume_from else None
+        preflight.check(cfg, resuming=resume is not None)
+        self.run_dir.prepare(resuming=resume is not None)
         self._connect_ray()
         self.device = self._resolve_device()
-        cfg.to_yaml(os.path.join(cfg.output_dir, "config.yaml"))
-        self.metrics = MetricsLogger(cfg.output_dir, cfg.log_with, cfg.log_dir, cfg.to_dict())
+        cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
+        self.metrics = MetricsLogger(self.run_dir.local, cfg.log_with, cfg.log_dir, cfg.to_dict(),
+                                     wandb_settings={"project": cfg.wandb_project, "entity": cfg.wandb_entity,
+                                                     "name": cfg.wandb_run_name, "tags": cfg.wandb_tags})
+        self.board = ray.remote(num_cpus=0)(StepBoard).remote()
+        self.ray_metrics = RoundMetrics(os.path.basename(cfg.output_dir.rstrip("/")) or "diloco")
         self.server = ServerGroup(cfg, self.server_cls)
         restore_from = resume[0] if resume else None
         self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
@@ -245,6 +260,7 @@ class DilocoFSDPTrainer:
         t_start = time.perf_counter()
         members = list(self.replicas)
         slots = {rep.id: slot for slot, rep in enumerate(members)}
+        self._notify("on_round_begin", self.round_index, len(members))
         try:
             plans = dict(zip(slots, self.server.plan(len(members))))
         except RayActorError:
@@ -297,11 +313,10 @@ class DilocoFSDPTrainer:
                       eval_seconds=eval_seconds)
         self.records.append(record)
         self._log(record)
+        self.ray_metrics.record(record)
         self._maybe_checkpoint()
-        for cb in self.callbacks:
-            hook = getattr(cb, "on_round_end", None)
-            if hook is not None:
-                hook(self, record)
+        self.run_dir.publish()
+        self._notify("on_round_end", record)
         self._reconcile()
         return record
 
@@ -310,7 +325,7 @@ class DilocoFSDPTrainer:
         cfg = self.config
         return {"round": self.round_index, "sync": fragment, "plan": plan,
                 "messages": self._messages, "full": self._messages_full, "version": self._version,
-                "reset": self._reset, "servers": self.server.actors,
+                "reset": self._reset, "servers": self.server.actors, "board": self.board,
                 "link": links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
                 "snapshots": self._snapshot_settings(slot) if fragment == 0 else None}
 
@@ -338,9 +353,14 @@ class DilocoFSDPTrainer:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=remaining, fetch_local=False)
+            # Wake at least every STEP_POLL_S to pass the ranks' step events on.
+            wait = STEP_POLL_S if remaining is None else min(remaining, STEP_POLL_S)
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait, fetch_local=False)
+            self._pass_on_steps()
             if not ready:
-                break  # the deadline passed
+                if remaining is not None and remaining <= STEP_POLL_S:
+                    break  # the deadline passed
+                continue
             for ref in ready:
                 pending.discard(ref)
                 rid = owner[ref]
@@ -365,6 +385,22 @@ class DilocoFSDPTrainer:
             else:
                 reported[rid] = sorted(stats, key=lambda s: s.rank)
         return reported, late, list(failed.values())
+
+    def _pass_on_steps(self) -> None:
+        """Log the step events ranks have reported since the last call and hand them to
+        the callbacks' ``on_step``."""
+        if self.board is None:
+            return
+        for event in ray.get(self.board.drain.remote()):
+            self._log(event)
+            self.ray_metrics.step(event["replica"], event["loss"], event["lr"])
+            self._notify("on_step", event)
+
+    def _notify(self, hook: str, *args) -> None:
+        for cb in self.callbacks:
+            fn = getattr(cb, hook, None)
+            if fn is not None:
+                fn(self, *args)
 
     def _evaluate(self) -> Optional[float]:
         if self.config.eval_batches == 0:
@@ -400,16 +436,10 @@ class DilocoFSDPTrainer:
 
     def _read_scale_request(self) -> None:
         """Apply a target written by ``diloco-ray scale OUTPUT_DIR N`` (another process)."""
-        path = os.path.join(self.config.output_dir, SCALE_REQUEST_FILE)
-        try:
-            mtime = os.path.getmtime(path)
-            if mtime <= self._scale_mtime:
-                return
-            with open(path) as f:
-                target = int(json.load(f)["target"])
-        except (OSError, ValueError, KeyError, TypeError):
+        request = self.run_dir.read_scale_request(self._scale_mtime)
+        if request is None:
             return
-        self._scale_mtime = mtime
+        self._scale_mtime, target = request
         self.scale(target)
         self._log({"event": "membership", "action": "scale", "target": self.target_replicas,
                    "round": self.round_index})
@@ -441,30 +471,30 @@ class DilocoFSDPTrainer:
         checkpoint (temp folder, checksums, rename); prune old ones. Returns its path,
         or None if a replica died while it was being written (the round goes on)."""
         cfg = self.config
-        tmp = checkpoint.begin(self.checkpoint_root, self.round_index)
+        where = self.run_dir.begin_checkpoint(self.round_index)
         members = list(self.replicas)
-        refs = self.server.save(tmp)
+        refs = self.server.save(where)
         for slot, rep in enumerate(members):
-            refs += rep.save_inner_state(tmp, slot)
+            refs += rep.save_inner_state(where, slot)
         try:
-            ray.get(refs)
+            files = {k: v for hashes in ray.get(refs) for k, v in (hashes or {}).items()}
         except RayActorError as e:
             self._log({"event": "checkpoint", "action": "failed", "round": self.round_index,
                        "reason": str(e).splitlines()[0][:200]})
             return None
         meta = {"replica_ids": [r.id for r in members], "ranks_per_replica": cfg.ranks_per_replica,
                 "seed": cfg.seed, "max_steps": cfg.max_steps}
-        path = checkpoint.commit(tmp, self.checkpoint_root, self.round_index, meta)
+        path = self.run_dir.commit_checkpoint(where, self.round_index, meta, files)
         self._last_checkpoint_round = self.round_index
         snapshot.clear_before(self.inflight_root, self.round_index)
-        pruned = checkpoint.prune(self.checkpoint_root, cfg.save_total_limit)
+        pruned = self.run_dir.prune(cfg.save_total_limit)
         self._log({"event": "checkpoint", "action": "saved", "path": path, "round": self.round_index,
                    "pruned": pruned})
         return path
 
     def _recover_server(self) -> None:
         """The server died: start a new one from the latest good checkpoint."""
-        path, skipped = checkpoint.latest_valid(self.checkpoint_root)
+        path, skipped = self.run_dir.latest_valid()
         if path is None:
             raise RuntimeError("the parameter server died and there is no checkpoint to recreate it from; "
                                "set checkpoint_steps to make a run survive that")
@@ -476,9 +506,8 @@ class DilocoFSDPTrainer:
     # ---- output and teardown ----------------------------------------------------------
     def save_final(self) -> str:
         """Write the global weights as a Hugging Face model to ``output_dir/final``."""
-        path = os.path.abspath(os.path.join(self.config.output_dir, "final"))
-        merged = os.path.abspath(os.path.join(self.config.output_dir, "final_merged")) \
-            if self.config.merge_adapter else None
+        path = self.run_dir.path("final")
+        merged = self.run_dir.path("final_merged") if self.config.merge_adapter else None
         if self._on_a_live_replica(lambda rep: rep.save_final(self._global_refs, path, merged)) is None:
             raise RuntimeError("no replica is left to write final/")
         return path
@@ -497,31 +526,10 @@ class DilocoFSDPTrainer:
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+            self.run_dir.publish()  # the closed, complete files
+        if self.ray_metrics is not None:
+            self.ray_metrics.close()
+            self.ray_metrics = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-
-
-def request_scale(output_dir: str, target: int) -> str:
-    """Ask the driver of the run in ``output_dir`` (another process) to scale to
-    ``target`` replicas at its next round boundary. Returns the request file's path."""
-    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
-        raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale")
-    path = os.path.join(output_dir, SCALE_REQUEST_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"target": int(target), "time": time.time()}, f)
-    os.replace(tmp, path)
-    return path
-
-
-def _prepare_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
-    """Create output_dir; refuse to mix a new run into one that already holds a run."""
-    path = cfg.output_dir
-    metrics = os.path.join(path, "metrics.jsonl")
-    if os.path.exists(metrics) and not (resuming or cfg.overwrite_output_dir):
-        raise ConfigError(f"output_dir: '{path}' already holds a run (metrics.jsonl); choose a new "
-                          "output_dir, set resume_from to continue it, or set overwrite_output_dir: true")
-    if cfg.overwrite_output_dir and not resuming and os.path.exists(metrics):
-        os.remove(metrics)
-    os.makedirs(path, exist_ok=True)

@@ -20,21 +20,63 @@ def run_cli(*args, timeout=300):
                           timeout=timeout, env=env, cwd=ROOT)
 
 
-@pytest.mark.parametrize("override, words", [
-    ("outer_lrr=0.5", ["outer_lrr", "outer_lr"]),
-    ("batch_size=zero", ["batch_size", "'zero'", "integer"]),
-    ("outer_momentum=1.5", ["outer_momentum", "1.5", "< 1.0"]),
-    ("pseudo_grad_compression=zip", ["pseudo_grad_compression", "'zip'", "'int8'"]),
-])
-def test_bad_config_is_one_line_and_exit_2(tmp_path, override, words):
-    r = run_cli("train", TINY, "--set", f"output_dir={tmp_path}/out", "--set", override)
-    assert r.returncode == 2, r.stderr
-    assert "Traceback" not in r.stderr
-    lines = [line for line in r.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, r.stderr
-    for w in words:
-        assert w in lines[0]
-    assert not os.path.exists(tmp_path / "out")
+def test_ten_bad_inputs_each_exit_2_with_one_line_naming_the_field_before_ray(tmp_path, capsys):
+    """Each bad input: exit 2, one stderr line naming the field (or file) and what is
+    allowed, no traceback, no Ray started and nothing written."""
+    import ray
+
+    from diloco_ray import cli
+
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("lr: [1, 2\n")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    cases = [  # (config, override or None, words the message must hold)
+        (TINY, "outer_lrr=0.5", ["outer_lrr", "did you mean 'outer_lr'"]),
+        (TINY, "batch_size=zero", ["batch_size", "'zero'", "integer"]),
+        (TINY, "seq_len=-8", ["seq_len", "-8", ">= 8"]),
+        (TINY, "outer_momentum=1.0", ["outer_momentum", "< 1.0"]),
+        (TINY, "inner_opt=Adamm", ["inner_opt", "'Adamm'", "did you mean 'Adam'"]),
+        (TINY, "outer_lr_schedule=cos", ["outer_lr_schedule", "'cosine'"]),
+        (TINY, "pseudo_grad_compression=zip", ["pseudo_grad_compression", "'zip'", "'int8'"]),
+        (TINY, "min_replicas=3", ["num_replicas", "min_replicas=3"]),
+        (TINY, f"json_file_path={tmp_path}/missing.jsonl", ["json_file_path", "missing.jsonl", "does not exist"]),
+        (TINY, f"resume_from={empty}", ["resume_from", "no checkpoints"]),
+        (TINY, "output_dir=ftp://host/run", ["output_dir", "s3://"]),
+        (TINY, "outer_opt_kwargs={nesterovv: true}", ["outer_opt_kwargs", "nesterovv"]),
+        (TINY, "log_dir=tb", ["log_dir", "tensorboard"]),
+        (str(tmp_path / "nope.yaml"), None, ["nope.yaml", "does not exist"]),
+        (str(bad_yaml), None, ["bad.yaml", "not valid YAML"]),
+    ]
+    for i, (config, override, words) in enumerate(cases):
+        out = tmp_path / f"out{i}"
+        args = ["train", config, "--set", f"output_dir={out}"] + (["--set", override] if override else [])
+        if override and override.startswith("output_dir="):
+            args = ["train", config, "--set", override]
+        code = cli.main(args)
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2, (override, err)
+        assert len(lines) == 1 and "Traceback" not in err, (override, err)
+        for w in words:
+            assert w in lines[0], (override, lines[0])
+        assert not out.exists(), override
+        assert not ray.is_initialized(), override
+
+
+def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsys):
+    import yaml
+
+    from diloco_ray import cli
+    from diloco_ray.config import FIELD_NAMES, TrainerConfig
+
+    out = tmp_path / "out"
+    assert cli.main(["train", TINY, "--set", f"output_dir={out}", "--set", "lr=1e-4", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert set(printed) == set(FIELD_NAMES)
+    assert printed["lr"] == 1e-4 and printed["outer_momentum"] == 0.5 and printed["outer_opt"] == "SGD"
+    assert TrainerConfig(**printed) == TrainerConfig.from_yaml(TINY, {"output_dir": str(out), "lr": 1e-4})
+    assert not out.exists()
 
 
 def test_missing_config_file(tmp_path):
@@ -51,6 +93,17 @@ def test_help_lists_every_field():
         assert f"  {name} (default" in r.stdout
 
 
+def _snapshot(folder):
+    """Every file under ``folder`` with its bytes and modification time."""
+    found = {}
+    for dirpath, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                found[os.path.relpath(path, folder)] = (f.read(), os.stat(path).st_mtime_ns)
+    return found
+
+
 def test_tiny_default_end_to_end_then_refuses_to_overwrite(tmp_path):
     out = tmp_path / "run"
     r = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK)
@@ -59,11 +112,12 @@ def test_tiny_default_end_to_end_then_refuses_to_overwrite(tmp_path):
     for name in ("config.yaml", "metrics.jsonl", "final/config.json", "final/model.safetensors",
                  "final/tokenizer.json"):
         assert (out / name).exists(), name
-    before = (out / "metrics.jsonl").read_text()
+    before = _snapshot(out)
 
     again = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK)
-    assert again.returncode == 2 and "already holds a run" in again.stderr
-    assert (out / "metrics.jsonl").read_text() == before  # nothing touched
+    assert again.returncode == 2 and "output_dir" in again.stderr and "already holds a run" in again.stderr
+    assert "Traceback" not in again.stderr and "Started a local Ray" not in again.stderr
+    assert _snapshot(out) == before  # not a byte or a timestamp changed
 
     rep = run_cli("report", str(out))
     assert rep.returncode == 0, rep.stderr
