@@ -104,8 +104,19 @@ def plot(rounds: list[dict], path: str) -> None:
 
 
 def write_report(output_dir: str) -> str:
-    """Write ``output_dir/report.png``; return the summary table."""
-    rounds = load_rounds(output_dir)
-    path = os.path.join(output_dir, "report.png")
+    """Write ``output_dir/report.png``; return the summary table. A run in a bucket is
+    read through its staging copy and gets its report.png uploaded beside it."""
+    from diloco_ray import storage
+
+    mirror = storage.for_output_dir(output_dir)
+    folder = mirror.local if mirror else output_dir
+    if mirror:
+        for name in ("metrics.jsonl", "config.yaml"):
+            mirror.download(os.path.join(folder, name))
+    rounds = load_rounds(folder)
+    path = os.path.join(folder, "report.png")
     plot(rounds, path)
-    return summary_table(rounds, planned_rounds(output_dir)) + f"\nwrote {path}"
+    if mirror:
+        mirror.upload(path)
+        path = mirror.remote(path)
+    return summary_table(rounds, planned_rounds(folder)) + f"\nwrote {path}"
