@@ -192,6 +192,54 @@ def test_scale_from_a_callback(ray_local, tmp_path):
         assert rec["bytes_up"] > 0 and rec["bytes_down"] > 0
 
 
+def test_step_events_reach_metrics_trackers_and_callbacks(ray_local, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    class Hooks:
+        def __init__(self):
+            self.calls = []
+
+        def on_train_begin(self, trainer):
+            self.calls.append(("begin", trainer.round_index))
+
+        def on_round_begin(self, trainer, round_index, replicas):
+            self.calls.append(("round", round_index, replicas))
+
+        def on_step(self, trainer, event):
+            self.calls.append(("step", event["round"], event["replica"], event["step"]))
+
+        def on_round_end(self, trainer, record):
+            self.calls.append(("end", record["round"]))
+
+        def on_train_end(self, trainer):
+            self.calls.append(("done",))
+
+    hooks = Hooks()
+    cfg = tiny_config(tmp_path / "run", diloco_loops=2, max_steps=4, logging_steps=2,
+                      log_with=["tensorboard", "wandb"], wandb_project="diloco-test", wandb_tags=["ci"])
+    DilocoFSDPTrainer(cfg, callbacks=[hooks]).train()
+
+    steps = read_events(cfg.output_dir, "step")
+    assert sorted((e["round"], e["replica"], e["step"]) for e in steps) == \
+        [(r, rep, s) for r in (0, 1) for rep in (0, 1) for s in (2, 4)]
+    for e in steps:
+        assert e["global_step"] == e["round"] * 4 + e["step"] and math.isfinite(e["loss"]) and e["lr"] > 0
+        assert e["tokens"] > 0
+    # Hooks: begin, then per round its begin, its steps, its end; done last.
+    kinds = [c[0] for c in hooks.calls]
+    assert kinds[0] == "begin" and kinds[-1] == "done"
+    for r in (0, 1):
+        start, end = hooks.calls.index(("round", r, 2)), hooks.calls.index(("end", r))
+        assert sorted(c[2:] for c in hooks.calls[start:end] if c[0] == "step") == [(0, 2), (0, 4), (1, 2), (1, 4)]
+
+    tb = EventAccumulator(os.path.join(cfg.output_dir, "logs"))
+    tb.Reload()
+    assert [e.step for e in tb.Scalars("inner/replica1/loss")] == [2, 4, 6, 8]
+    assert [e.step for e in tb.Scalars("round/eval_loss")] == [0, 1]
+    runs = glob.glob(os.path.join(cfg.output_dir, "logs", "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(runs) == 1
+
+
 def test_bf16_autocast_on_cpu(ray_local, tmp_path):
     cfg = tiny_config(tmp_path / "run", num_replicas=1, mixed_precision="bf16", diloco_loops=2, max_steps=6)
     result = DilocoFSDPTrainer(cfg).train()
