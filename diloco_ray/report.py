@@ -73,7 +73,8 @@ def plot(rounds: list[dict], path: str) -> None:
     from matplotlib.ticker import MaxNLocator
 
     x = [r["round"] for r in rounds]
-    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    fig, grid = plt.subplots(2, 2, figsize=(13, 8))
+    axes = grid.ravel()
     axes[0].plot(x, [r["train_loss"] for r in rounds], marker="o", label="train (inner mean)")
     evals = [(r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
     if evals:
@@ -87,8 +88,9 @@ def plot(rounds: list[dict], path: str) -> None:
     axes[1].legend()
     axes[2].bar([i - 0.2 for i in x], [r["bytes_up"] / 1e6 for r in rounds], width=0.4, label="up (to server)")
     axes[2].bar([i + 0.2 for i in x], [r["bytes_down"] / 1e6 for r in rounds], width=0.4, label="down")
-    axes[2].set(title="MB moved per round", xlabel="outer round")
-    axes[2].legend()
+    top = max(max(r["bytes_up"], r["bytes_down"]) for r in rounds) / 1e6
+    axes[2].set(title="MB moved per round", xlabel="outer round", ylim=(0, 1.3 * top or 1.0))  # room for the legend
+    axes[2].legend(loc="upper right")
     # Where a round's wall time went: inner steps, waiting on sync, eval.
     compute = [r.get("compute_seconds", r["round_seconds"] - r["sync_seconds"]) for r in rounds]
     sync = [r["sync_seconds"] for r in rounds]
