@@ -79,7 +79,7 @@ def _report(args) -> int:
 
 class _ShowProgress:
     """Feeds the trainer's callbacks to a :class:`~diloco_ray.progress.Progress` on
-    stderr: bars on a terminal, plain lines otherwise (logs, ``ray job submit``)."""
+    stdout: bars on a terminal, plain lines otherwise (logs, ``ray job submit``)."""
 
     def __init__(self, config):
         from diloco_ray.progress import Progress

@@ -160,11 +160,13 @@ class DilocoFSDPTrainer:
         self._connect_ray()
         self.device = self._resolve_device()
         cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
+        run_name = os.path.basename(os.path.abspath(cfg.output_dir) if not self.run_dir.remote
+                                    else cfg.output_dir.rstrip("/")) or "diloco"
         self.metrics = MetricsLogger(self.run_dir.local, cfg.log_with, cfg.log_dir, cfg.to_dict(),
                                      wandb_settings={"project": cfg.wandb_project, "entity": cfg.wandb_entity,
-                                                     "name": cfg.wandb_run_name, "tags": cfg.wandb_tags})
+                                                     "name": cfg.wandb_run_name or run_name, "tags": cfg.wandb_tags})
         self.board = ray.remote(num_cpus=0)(StepBoard).remote()
-        self.ray_metrics = RoundMetrics(os.path.basename(cfg.output_dir.rstrip("/")) or "diloco")
+        self.ray_metrics = RoundMetrics(run_name)
         self.server = ServerGroup(cfg, self.server_cls)
         restore_from = resume[0] if resume else None
         self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
@@ -530,6 +532,9 @@ class DilocoFSDPTrainer:
         if self.ray_metrics is not None:
             self.ray_metrics.close()
             self.ray_metrics = None
+        if self.board is not None:
+            ray.kill(self.board)
+            self.board = None
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
