@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import ray
 
 from diloco_ray.config import TrainerConfig
-from diloco_ray.replica import Replica
+from diloco_ray.replica import Replica, resources_for_replica
 
 
 @dataclass
@@ -46,6 +46,36 @@ def decide(target: int, active: list[int], starting: list[int]) -> Decision:
     if len(starting) > missing:
         return Decision(cancel=sorted(starting, reverse=True)[:len(starting) - missing])
     return Decision(start=missing - len(starting))
+
+
+def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> Optional[str]:
+    """Why the cluster's resources (``ray.cluster_resources()``) cannot hold
+    ``num_replicas`` replicas plus the servers at once, or None when they add up.
+
+    A sum, not a packing: it catches the common mistake (too few CPUs or GPUs in total)
+    without promising that what adds up also fits node by node.
+    """
+    need: dict[str, float] = {}
+
+    def add(resources: dict, times: float = 1.0) -> None:
+        for name, amount in resources.items():
+            need[name] = need.get(name, 0.0) + amount * times
+
+    ranks = config.ranks_per_replica
+    for rid in range(config.num_replicas):
+        add({"CPU": config.cpus_per_rank, **({"GPU": 1} if device == "cuda" else {}),
+             **resources_for_replica(config.replica_resources, rid)}, ranks)
+    servers = config.server_resources if isinstance(config.server_resources, list) \
+        else [config.server_resources] * config.num_param_servers
+    for extra in servers:
+        add({"CPU": config.server_cpus, **extra})
+    short = {name: (amount, available.get(name, 0.0)) for name, amount in need.items()
+             if amount > available.get(name, 0.0) + 1e-9}
+    if not short:
+        return None
+    what = ", ".join(f"{name} {want:g} (the cluster has {have:g})" for name, (want, have) in sorted(short.items()))
+    return (f"{config.num_replicas} replicas of {ranks} rank(s) and {config.num_param_servers} server(s) need {what}; "
+            "lower num_replicas or cpus_per_rank, or give the cluster more (ray start --num-cpus ...)")
 
 
 class Membership:

@@ -26,7 +26,7 @@ from diloco_ray import links, preflight, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
-from diloco_ray.membership import Membership
+from diloco_ray.membership import Membership, capacity_shortfall
 from diloco_ray.metrics import MetricsLogger, StepBoard
 from diloco_ray.ray_metrics import RoundMetrics
 from diloco_ray.run_folder import RunFolder, resolve_resume
@@ -171,7 +171,16 @@ class DilocoFSDPTrainer:
         restore_from = resume[0] if resume else None
         self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
                                   on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from))
+        shortfall = capacity_shortfall(cfg, self.device, ray.cluster_resources())
+        if shortfall:
+            # An autoscaler may still add nodes, so this warns rather than fails; without
+            # one, the wait below ends at placement_timeout_s with the replicas that fit.
+            self._warn(f"{shortfall}. Waiting up to placement_timeout_s={cfg.placement_timeout_s:g}s for room, "
+                       f"then going on with the replicas that fit (at least min_replicas={cfg.min_replicas}).")
         self.members.reconcile(cfg.num_replicas, wait_s=cfg.placement_timeout_s)
+        if cfg.min_replicas <= len(self.replicas) < cfg.num_replicas:
+            self._warn(f"starting with {len(self.replicas)} of num_replicas={cfg.num_replicas} replicas; "
+                       "the others join at a round boundary when they are placed")
         if len(self.replicas) < cfg.min_replicas:
             raise RuntimeError(f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas could be "
                                f"placed within placement_timeout_s={cfg.placement_timeout_s:g}s "
@@ -513,6 +522,11 @@ class DilocoFSDPTrainer:
         if self._on_a_live_replica(lambda rep: rep.save_final(self._global_refs, path, merged)) is None:
             raise RuntimeError("no replica is left to write final/")
         return path
+
+    def _warn(self, message: str) -> None:
+        """A line on stderr for whoever watches, and a ``warning`` event in metrics.jsonl."""
+        print(f"diloco-ray: warning: {message}", file=sys.stderr, flush=True)
+        self._log({"event": "warning", "message": message, "round": self.round_index})
 
     def _log(self, record: dict) -> None:
         if self.metrics is not None:
