@@ -182,9 +182,10 @@ class DilocoFSDPTrainer:
             self._warn(f"starting with {len(self.replicas)} of num_replicas={cfg.num_replicas} replicas; "
                        "the others join at a round boundary when they are placed")
         if len(self.replicas) < cfg.min_replicas:
-            raise RuntimeError(f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas could be "
-                               f"placed within placement_timeout_s={cfg.placement_timeout_s:g}s "
-                               f"(cluster resources: {ray.cluster_resources()})")
+            totals = {k: v for k, v in ray.cluster_resources().items() if "_group_" not in k}
+            raise RuntimeError(f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas were placed "
+                               f"and set up within placement_timeout_s={cfg.placement_timeout_s:g}s "
+                               f"(cluster resources: {totals})")
         restore_from = None  # replicas that join later start with a fresh inner state
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
