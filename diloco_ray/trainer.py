@@ -165,7 +165,7 @@ class DilocoFSDPTrainer:
         self.metrics = MetricsLogger(self.run_dir.local, cfg.log_with, cfg.log_dir, cfg.to_dict(),
                                      wandb_settings={"project": cfg.wandb_project, "entity": cfg.wandb_entity,
                                                      "name": cfg.wandb_run_name or run_name, "tags": cfg.wandb_tags})
-        self.board = ray.remote(num_cpus=0)(StepBoard).remote()
+        self.board = self._new_board()
         self.ray_metrics = RoundMetrics(run_name)
         self.server = ServerGroup(cfg, self.server_cls)
         restore_from = resume[0] if resume else None
@@ -403,10 +403,25 @@ class DilocoFSDPTrainer:
         the callbacks' ``on_step``."""
         if self.board is None:
             return
-        for event in ray.get(self.board.drain.remote()):
+        try:
+            events = ray.get(self.board.drain.remote())
+        except RayActorError as e:  # includes ActorUnavailableError
+            # Step events are a view on training: lose the undelivered ones, not the run.
+            self._warn(f"the step board died ({type(e).__name__}); step events since the last poll are lost")
+            self.board = self._new_board()
+            return
+        for event in events:
             self._log(event)
             self.ray_metrics.step(event["replica"], event["loss"], event["lr"])
             self._notify("on_step", event)
+
+    def _new_board(self):
+        """The StepBoard actor, on the driver's own node: a lost worker node must not
+        take the board (and the driver's polling) with it."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        return ray.remote(num_cpus=0, scheduling_strategy=here)(StepBoard).remote()
 
     def _notify(self, hook: str, *args) -> None:
         for cb in self.callbacks:

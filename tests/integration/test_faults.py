@@ -219,3 +219,18 @@ def test_scale_request_from_another_process(ray_local, tmp_path):
     missing = subprocess.run([sys.executable, "-m", "diloco_ray", "scale", str(tmp_path / "nothing"), "2"],
                              capture_output=True, text=True, cwd=ROOT)
     assert missing.returncode == 2 and "holds no run" in missing.stderr
+
+
+def test_a_lost_step_board_costs_step_events_not_the_run(ray_local, tmp_path):
+    class KillBoard:
+        def on_round_end(self, trainer, record):
+            if record["round"] == 0:
+                ray.kill(trainer.board)
+
+    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, logging_steps=2, eval_batches=0)
+    result = DilocoFSDPTrainer(cfg, callbacks=[KillBoard()]).train()
+    assert [r["round"] for r in result.rounds] == [0, 1, 2]
+    warnings = read_events(cfg.output_dir, "warning")
+    assert len(warnings) == 1 and "step board died" in warnings[0]["message"]
+    rounds_with_steps = {e["round"] for e in read_events(cfg.output_dir, "step")}
+    assert {0, 2} <= rounds_with_steps  # before the loss, and again with the new board
