@@ -53,13 +53,19 @@ def run(overrides, **kwargs):
     return out
 
 
-def main() -> int:
-    out = run({}, worker_cls=DiesInRoundTwo)
+def recovery(**overrides) -> dict:
+    """Kill replica 1's process at the start of round 2; seconds from its death to full
+    membership again, and how long the replacement took to start."""
+    out = run(overrides, worker_cls=DiesInRoundTwo)
     with open(DEATH_FILE) as f:
         died = json.load(f)["time"]
     join = next(e for e in read_events(out, "membership") if e["action"] == "join" and e["replica_id"] == 2)
-    print(f"recovery_seconds {join['time'] - died:.2f}")
-    print(f"replacement_start_seconds {join['start_seconds']:.2f}")
+    return {"recovery_seconds": join["time"] - died, "replacement_start_seconds": join["start_seconds"]}
+
+
+def main() -> int:
+    for name, value in recovery().items():
+        print(f"{name} {value:.2f}")
 
     scaler = ScaleAtRoundOne()
     out = run({"max_replicas": 3}, callbacks=[scaler])

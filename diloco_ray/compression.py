@@ -184,11 +184,18 @@ def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] =
                         separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     start = _align(_PREFIX + len(header))
     end = max((off + arr.nbytes for off, arr in sections), default=0)
-    buf = np.zeros(start + end, dtype=np.uint8)  # zeros: padding bytes are deterministic
+    # Every byte is written once: the sections, and zeros in the padding between them
+    # (deterministic bytes), not a zero fill of the whole buffer first.
+    buf = np.empty(start + end, dtype=np.uint8)
+    buf[:start] = 0
     buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
     buf[_PREFIX:_PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
-    for off, arr in sections:
+    pos = start
+    for off, arr in sections:  # in increasing offset order
+        buf[pos:start + off] = 0
         buf[start + off:start + off + arr.nbytes] = arr
+        pos = start + off + arr.nbytes
+    buf[pos:] = 0
     return buf
 
 

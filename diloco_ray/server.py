@@ -149,12 +149,13 @@ class ParameterServer:
                 parts.append(partition.take(pieces[key], (lo, hi), a))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
-        """Decode one replica's per-rank buffers into tensors covering ``target`` exactly;
-        also returns when the last of them arrived over its (simulated) link."""
-        out = {n: torch.empty(self._piece_shape(n, iv)) for n, iv in target.items()}
+    def _decode(self, buffers: list, target: partition.Rows) -> tuple[list, float]:
+        """Decode one replica's per-rank buffers and check them against ``target``:
+        every row covered once, shapes right, every value finite. Returns ``[(name,
+        rows, piece)]`` (views into the buffers where the codec allows: nothing is
+        copied) and when the last of them arrived over its (simulated) link."""
+        found, arrived = [], 0.0
         covered = dict.fromkeys(target, 0)
-        arrived = 0.0
         for r, buf in enumerate(buffers):
             pieces, meta = compression.unpack_pieces(buf, self.names)
             arrived = max(arrived, links.arrival(meta) or 0.0)
@@ -165,14 +166,34 @@ class ParameterServer:
                 if tuple(piece.shape[1:]) != self.shapes[name][1:]:
                     raise ValueError(f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
                                      f"want (*, {', '.join(map(str, self.shapes[name][1:]))})")
-                partition.put(out[name], span, piece, offset=target[name][0])
+                found.append((name, span, torch.as_tensor(piece)))
                 covered[name] += span[1] - span[0]
         for name, (a, b) in target.items():
             if covered[name] != b - a:
                 raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
-            if not bool(torch.isfinite(out[name]).all()):
+        for name, _, piece in found:
+            # One read, no temporary: a sum in float64 is finite exactly when every fp32
+            # value is (no overflow is possible), while isfinite().all() would allocate.
+            if not math.isfinite(float(piece.sum(dtype=torch.float64))):
                 raise ValueError(f"non-finite values in '{name}'")
+        return found, arrived
+
+    def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
+        """Like :meth:`_decode`, assembled into tensors covering ``target`` exactly."""
+        found, arrived = self._decode(buffers, target)
+        out = {n: torch.empty(self._piece_shape(n, iv)) for n, iv in target.items()}
+        for name, span, piece in found:
+            partition.put(out[name], span, piece, offset=target[name][0])
         return out, arrived
+
+    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float) -> float:
+        """Add one replica's checked pieces, times ``weight``, straight into ``acc``
+        (nothing added when a check fails); returns its arrival time."""
+        found, arrived = self._decode(buffers, target)
+        for name, span, piece in found:
+            rows = partition.take(acc[name], span, target[name][0])
+            rows.add_(piece.reshape(rows.shape), alpha=weight)
+        return arrived
 
     # ---- state ---------------------------------------------------------------------------
     def initialize(self, buffer_refs: list, shapes: dict[str, tuple]) -> int:
@@ -262,7 +283,7 @@ class ParameterServer:
         reasons, valid, arrivals = {}, [], []
         for c in contributions:
             try:
-                grads, arrived = self._receive(resolve(c.refs), target)
+                arrived = self._accumulate(acc, resolve(c.refs), target, float(c.weight))
             except ValueError as e:
                 reasons[c.replica_id] = str(e)
                 continue
@@ -270,8 +291,6 @@ class ParameterServer:
                 reasons[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
                 continue
             arrivals.append(arrived)
-            for n, g in grads.items():
-                acc[n].add_(g, alpha=float(c.weight))
             valid.append(c.replica_id)
         links.wait_for(arrivals)  # a simulated slow uplink delivers the pieces only now
         self._pending = {"fragment": fragment, "contributions": contributions, "acc": acc, "valid": valid,
@@ -293,9 +312,7 @@ class ParameterServer:
             acc = {n: torch.zeros_like(t) for n, t in pending["acc"].items()}
             for c in pending["contributions"]:
                 if c.replica_id in accepted:
-                    grads, _ = self._receive(resolve(c.refs), target)
-                    for n, g in grads.items():
-                        acc[n].add_(g, alpha=float(c.weight))
+                    self._accumulate(acc, resolve(c.refs), target, float(c.weight))
             pending["acc"] = acc
         mean = {n: t.div_(total) for n, t in pending["acc"].items()} if total > 0 else {}
         target = self._target(pending["fragment"])

@@ -1,0 +1,252 @@
+"""diloco-ray against its baselines, side by side in one run: ``python bench/run.py [--quick]``.
+
+Prints one ``NAME VALUE`` line per figure and writes ``BENCHMARKS.md`` (figures with their
+goals, the convergence table, the machine) and ``bench/convergence.png`` (eval loss per
+round of every run). Every figure is a ratio of two things measured here, minutes apart,
+because absolute times drift on a shared 2-core machine. ``--quick`` (under 10 minutes
+here) runs the figures and the convergence runs they need; the full run adds DiLoCo with
+2 and 8 replicas, int8, int4 and a replica dropped at a round to the convergence table.
+
+The figures (goals from the project's issue tracker):
+
+* ``inner_overhead``: tokens/s of one replica x one rank through the whole stack (driver,
+  server, Ray actors; wall time of its rounds minus eval) / a plain PyTorch loop of the
+  same model, batches and optimizer in this process. Goal >= 0.95.
+* ``vs_hf_trainer``: the same tokens/s / ``transformers.Trainer`` on the same model,
+  batches, batch size and optimizer. Goal >= 1.0.
+* ``sync_vs_memcpy``: wall time of one outer sync (pseudo-gradients up, average, outer
+  step, weights down: a round's ``sync_seconds``) of a 25M-parameter model with 4
+  replicas / the time to copy the bytes it moved once at this machine's memcpy speed.
+  Goal <= 3.0.
+* ``comm_reduction_vs_ddp``: bytes data parallelism all-reduces for the same tokens (a
+  ring all-reduce sends 2 x params x 4 bytes per worker per step) / bytes diloco-ray moves,
+  with int8 pseudo-gradients, at TrainerConfig's default H (max_steps 500). Bytes are a
+  round's measured ``bytes_up + bytes_down``; they do not depend on H. Goal >= 100.
+* ``loss_vs_ddp``: final eval loss of DiLoCo with 4 replicas / synchronous data parallel
+  with the same tokens and steps (one process, 4x the batch: the same gradient as DDP over
+  4 workers, with outer SGD lr 1 and no momentum so each round is plain training), on the
+  default task. Goal <= 1.02.
+* ``recovery_seconds``: a replica's process dies mid-run; seconds to full membership.
+* ``scaling_efficiency``: tokens/s with 4 replicas / (4 x tokens/s with 1), same
+  resources per replica (CPU-bound here: 4 single-threaded ranks share 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import ray  # noqa: E402
+
+import baselines  # noqa: E402
+import elastic  # noqa: E402
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig, modeling  # noqa: E402
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+DEFAULT_H = TrainerConfig.__dataclass_fields__["max_steps"].default
+# ~25M parameters: 8 Llama layers of width 512 (the character vocabulary adds little).
+MODEL_25M = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+             "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}
+GOALS = {"inner_overhead": (">=", 0.95), "vs_hf_trainer": (">=", 1.0), "sync_vs_memcpy": ("<=", 3.0),
+         "comm_reduction_vs_ddp": (">=", 100.0), "loss_vs_ddp": ("<=", 1.02),
+         "recovery_seconds": ("report", None), "scaling_efficiency": ("report", None)}
+
+
+def config(**overrides) -> TrainerConfig:
+    return TrainerConfig.from_yaml(TINY, overrides={"output_dir": tempfile.mkdtemp(prefix="bench-"), **overrides})
+
+
+def train(cfg: TrainerConfig, **kwargs) -> list[dict]:
+    return DilocoFSDPTrainer(cfg, **kwargs).train().rounds
+
+
+def tokens_per_s(rounds: list[dict]) -> float:
+    """The median round's tokens over its wall time without eval, from round 1 on
+    (round 0 warms up). A median, because a 2-core machine shared with Ray's own
+    processes has rounds that another process slowed down."""
+    steady = rounds[1:] or rounds
+    return statistics.median(r["tokens"] / (r["round_seconds"] - r["eval_seconds"]) for r in steady)
+
+
+def trained_params(cfg: TrainerConfig) -> int:
+    model = modeling.build_model(cfg, modeling.load_tokenizer(cfg))
+    return sum(p.numel() for _, p in modeling.trained_parameters(model))
+
+
+class Bench:
+    """Runs the measurements, keeping every run's rounds for the convergence table."""
+
+    def __init__(self, quick: bool):
+        self.quick = quick
+        self.figures: dict[str, float] = {}
+        self.notes: dict[str, str] = {}
+        self.runs: dict[str, list[dict]] = {}
+
+    def figure(self, name: str, value: float, note: str) -> None:
+        self.figures[name], self.notes[name] = value, note
+        print(f"{name} {value:.4g}", flush=True)
+
+    def run(self, label: str, cfg: TrainerConfig, **kwargs) -> list[dict]:
+        t0 = time.perf_counter()
+        rounds = train(cfg, **kwargs)
+        self.runs[label] = rounds
+        print(f"# {label}: {len(rounds)} rounds, eval {rounds[-1]['eval_loss']:.4f}, "
+              f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        return rounds
+
+    # ---- the figures -------------------------------------------------------------------
+    def throughput(self) -> None:
+        one = self.run("DiLoCo, 1 replica", config(num_replicas=1))
+        ours = tokens_per_s(one)
+        steps = 5 * config().max_steps  # timed in chunks of one round's steps, median taken
+        plain = baselines.plain_loop(config(num_replicas=1), steps)
+        self.figure("inner_overhead", ours / plain["tokens_per_s"],
+                    f"{ours:.0f} tokens/s (1 replica x 1 rank, Ray) vs {plain['tokens_per_s']:.0f} (plain loop)")
+        hf = baselines.hf_trainer(config(num_replicas=1), steps, tempfile.mkdtemp(prefix="bench-hf-"))
+        self.figure("vs_hf_trainer", ours / hf["tokens_per_s"],
+                    f"{ours:.0f} tokens/s vs {hf['tokens_per_s']:.0f} (transformers.Trainer)")
+
+    def loss_and_scaling(self) -> None:
+        four = self.run("DiLoCo, 4 replicas", config(num_replicas=4))
+        base = config()
+        dp = self.run("data parallel (4x batch)", config(num_replicas=1, batch_size=4 * base.batch_size,
+                                                           outer_lr=1.0, outer_momentum=0.0))
+        self.figure("loss_vs_ddp", four[-1]["eval_loss"] / dp[-1]["eval_loss"],
+                    f"eval loss {four[-1]['eval_loss']:.4f} (DiLoCo, 4 replicas) vs {dp[-1]['eval_loss']:.4f} "
+                    f"(synchronous data parallel), {sum(r['tokens'] for r in four)} tokens each")
+        one = tokens_per_s(self.runs["DiLoCo, 1 replica"])
+        self.figure("scaling_efficiency", tokens_per_s(four) / (4 * one),
+                    f"{tokens_per_s(four):.0f} tokens/s (4 replicas) vs 4 x {one:.0f} (1 replica); "
+                    f"{os.cpu_count()} cores for 4 single-threaded ranks")
+
+    def communication(self) -> None:
+        loops = 2 if self.quick else 10
+        rounds = self.run("DiLoCo, 2 replicas, int8" if not self.quick else "int8 (2 rounds)",
+                          config(pseudo_grad_compression="int8", diloco_loops=loops))
+        cfg = config()
+        params = trained_params(cfg)
+        moved = rounds[-1]["bytes_up"] + rounds[-1]["bytes_down"]
+        replicas = rounds[-1]["replicas"]
+        ddp = replicas * DEFAULT_H * 2 * params * 4
+        self.figure("comm_reduction_vs_ddp", ddp / moved,
+                    f"{replicas} replicas x H={DEFAULT_H} x 2 x {params} params x 4 B (ring all-reduce) vs "
+                    f"{moved} B per round (int8 up, fp32 down); at tiny.yaml's H={cfg.max_steps}: "
+                    f"{replicas * cfg.max_steps * 8 * params / moved:.0f}x")
+
+    def sync(self) -> None:
+        cfg = config(model_config=MODEL_25M, num_replicas=4, max_steps=1, batch_size=1, seq_len=16,
+                     diloco_loops=6, eval_batches=0, warmup_steps=0, cpus_per_rank=1)
+        rounds = train(cfg)
+        # Round 0's download is the seed load, not a broadcast; round 1 still pays for
+        # first-touch allocations in every process.
+        later = rounds[2:]
+        seconds = statistics.median(r["sync_seconds"] for r in later)
+        moved = statistics.median(r["bytes_up"] + r["bytes_down"] for r in later)
+        speed = baselines.memcpy_bytes_per_s()
+        self.figure("sync_vs_memcpy", seconds / (moved / speed),
+                    f"{seconds:.3f} s per sync ({trained_params(cfg) / 1e6:.1f}M params, 4 replicas, "
+                    f"{moved / 1e6:.0f} MB up+down) vs {moved / speed:.3f} s at memcpy {speed / 1e9:.1f} GB/s")
+
+    def recovery(self) -> None:
+        out = elastic.recovery()
+        self.figure("recovery_seconds", out["recovery_seconds"],
+                    f"replica process killed at round 2; replacement start {out['replacement_start_seconds']:.1f}s "
+                    "of it (actor, imports, data, model)")
+
+    def convergence(self) -> None:
+        """The rest of the convergence table (full runs only)."""
+        self.run("DiLoCo, 2 replicas", config())
+        self.run("DiLoCo, 8 replicas", config(num_replicas=8, cpus_per_rank=0.5))
+        self.run("DiLoCo, 2 replicas, int4 + error feedback",
+                 config(pseudo_grad_compression="int4", error_feedback=True))
+        self.run("DiLoCo, 2 replicas, one dropped at round 2", config(diloco_loops=10),
+                 worker_cls=elastic.DiesInRoundTwo)
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU; "
+            f"Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}")
+
+
+def write_report(bench: Bench, seconds: float, path: str, plot_path: str) -> None:
+    lines = ["# Benchmarks", "",
+             f"`python bench/run.py{' --quick' if bench.quick else ''}` on {machine()}; {seconds / 60:.1f} min.",
+             "Each figure is a ratio of two measurements taken in the same run (see `bench/run.py`).", "",
+             "| figure | value | goal | what was compared |", "|---|---|---|---|"]
+    for name, value in bench.figures.items():
+        op, goal = GOALS[name]
+        shown = "report" if goal is None else f"{op} {goal:g}"
+        lines.append(f"| `{name}` | {value:.3g} | {shown} | {bench.notes[name]} |")
+    lines += ["", "## Convergence on the default task (`configs/tiny.yaml`)", "",
+              "Same tokens per replica per round; eval loss after each round's outer step.", "",
+              "| run | rounds | final eval loss | best eval loss | tokens | wall s (no eval) |", "|---|---|---|---|---|---|"]
+    for label, rounds in bench.runs.items():
+        evals = [r["eval_loss"] for r in rounds if r["eval_loss"] is not None]
+        lines.append(f"| {label} | {len(rounds)} | {evals[-1]:.4f} | {min(evals):.4f} | "
+                     f"{sum(r['tokens'] for r in rounds)} | "
+                     f"{sum(r['round_seconds'] - r['eval_seconds'] for r in rounds):.1f} |")
+    lines += ["", f"![eval loss per round]({os.path.relpath(plot_path, os.path.dirname(path))})", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+def plot(runs: dict[str, list[dict]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for label, rounds in runs.items():
+        points = [(r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
+        if len(points) > 2:
+            ax.plot(*zip(*points), marker="o", markersize=3, label=label)
+    ax.set(title="eval loss per round, configs/tiny.yaml", xlabel="outer round", ylabel="eval loss")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the figures only (under 10 minutes on 2 cores)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "BENCHMARKS.md"), help="where to write the table")
+    args = parser.parse_args(argv)
+    t0 = time.perf_counter()
+    # One Ray for every run; more logical CPUs than cores, as the trainer would ask for.
+    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.cloudpickle.register_pickle_by_value(elastic)  # its worker class must reach the actors
+    bench = Bench(args.quick)
+    try:
+        bench.throughput()
+        bench.loss_and_scaling()
+        bench.communication()
+        bench.sync()
+        bench.recovery()
+        if not args.quick:
+            bench.convergence()
+    finally:
+        ray.shutdown()
+    plot_path = os.path.join(HERE, "convergence.png")
+    plot(bench.runs, plot_path)
+    write_report(bench, time.perf_counter() - t0, args.out, plot_path)
+    print(f"# wrote {args.out} and {plot_path} in {(time.perf_counter() - t0) / 60:.1f} min", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
