@@ -172,9 +172,9 @@ class ParameterServer:
             if covered[name] != b - a:
                 raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
         for name, _, piece in found:
-            # One read, no temporary: a sum in float64 is finite exactly when every fp32
-            # value is (no overflow is possible), while isfinite().all() would allocate.
-            if not math.isfinite(float(piece.sum(dtype=torch.float64))):
+            # A vectorised fp32 sum is finite when every value is; only when it is not
+            # (NaN/Inf, or finite values large enough to overflow) is each value checked.
+            if not math.isfinite(float(piece.sum())) and not bool(torch.isfinite(piece).all()):
                 raise ValueError(f"non-finite values in '{name}'")
         return found, arrived
 
@@ -317,7 +317,7 @@ class ParameterServer:
         mean = {n: t.div_(total) for n, t in pending["acc"].items()} if total > 0 else {}
         target = self._target(pending["fragment"])
         pending.update(mean=mean, accepted=accepted)
-        sumsq = [(self.position[n], target[n][0], float(g.double().square().sum())) for n, g in mean.items()]
+        sumsq = [(self.position[n], target[n][0], _sum_of_squares(g)) for n, g in mean.items()]
         return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons,
                        started=pending["started"])
 
@@ -427,6 +427,13 @@ class ParameterServer:
         self._round_accepted = None if accepted is None else set(accepted)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])
         return self.weight_bytes()
+
+
+def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 20) -> float:
+    """Sum of squares in float64, a chunk at a time: as exact as a float64 copy of the
+    whole tensor, without allocating one."""
+    flat = t.reshape(-1)
+    return sum(float(c.double().square().sum()) for c in flat.split(chunk)) if flat.numel() else 0.0
 
 
 def resolve(items: list) -> list:

@@ -96,7 +96,7 @@ class DilocoFSDPTrainer:
         self._messages_full = True
         self._version = 0
         self._reset = False        # replicas must reload everything (the servers were restored)
-        self._global_refs: list = []
+        self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.board = None          # the StepBoard actor ranks report inner steps to
         self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
 
@@ -209,7 +209,7 @@ class DilocoFSDPTrainer:
         self._version = self.server.version()
         self._messages = self.server.last_weights() if self._version else self.server.full_weights()
         self._messages_full = self._version == 0
-        self._global_refs = self.server.global_weights()
+        self._global_refs = None  # fetched when eval or final/ needs them
         self._reset = reset
 
     def _restore_inner(self, rep: Replica, slot: int, folder: Optional[str]) -> None:
@@ -312,7 +312,7 @@ class DilocoFSDPTrainer:
             self._version += 1
         t_applied = time.perf_counter()
         self.round_index = applied[-1].round + 1
-        self._global_refs = self.server.global_weights()
+        self._global_refs = None  # fetched when eval or final/ needs them
 
         t_eval = time.perf_counter()
         eval_loss = self._evaluate()
@@ -429,10 +429,17 @@ class DilocoFSDPTrainer:
             if fn is not None:
                 fn(self, *args)
 
+    def _current_globals(self) -> list:
+        """Refs to the servers' current fp32 weights, asked for once per update (packing
+        them costs a pass over the model, which a run without eval should not pay)."""
+        if self._global_refs is None:
+            self._global_refs = self.server.global_weights()
+        return self._global_refs
+
     def _evaluate(self) -> Optional[float]:
         if self.config.eval_batches == 0:
             return None
-        results = self._on_a_live_replica(lambda rep: rep.evaluate(self._global_refs))
+        results = self._on_a_live_replica(lambda rep: rep.evaluate(self._current_globals()))
         if results is None:
             return None  # every replica died since the update; the next boundary replaces them
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
@@ -535,7 +542,7 @@ class DilocoFSDPTrainer:
         """Write the global weights as a Hugging Face model to ``output_dir/final``."""
         path = self.run_dir.path("final")
         merged = self.run_dir.path("final_merged") if self.config.merge_adapter else None
-        if self._on_a_live_replica(lambda rep: rep.save_final(self._global_refs, path, merged)) is None:
+        if self._on_a_live_replica(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
             raise RuntimeError("no replica is left to write final/")
         return path
 

@@ -127,7 +127,7 @@ class Sim:
             if poison is not None and poison[0] == rid:
                 # The first rank that sends that server anything gets a NaN.
                 r = next(r for r, b in enumerate(bufs[poison[1]]) if compression.unpack(b)[0])
-                bufs[poison[1]][r] = with_nan(bufs[poison[1]][r])
+                bufs[poison[1]][r] = with_value(bufs[poison[1]][r], *poison[2:])
             for s in range(len(self.servers)):
                 contributions[s].append(Contribution(rid, bufs[s], 1.0 + rid))
         prepared = [srv.prepare(fragment, contributions[s]) for s, srv in enumerate(self.servers)]
@@ -154,12 +154,12 @@ class Sim:
                 for n, s in self.shapes.items()}
 
 
-def with_nan(buf: np.ndarray) -> np.ndarray:
-    """The same pieces, repacked with one value set to NaN."""
+def with_value(buf: np.ndarray, value: float = float("nan"), count: int = 1) -> np.ndarray:
+    """The same pieces, repacked with the first ``count`` values of the first set to ``value``."""
     tensors, meta = compression.unpack(buf)
     tensors = {n: t.clone() for n, t in tensors.items()}
     first = next(iter(tensors.values()))
-    first.view(-1)[0] = float("nan")
+    first.view(-1)[:count] = value
     return compression.pack(tensors, "none", meta)
 
 
@@ -210,6 +210,28 @@ def test_every_server_reports_the_same_norm():
 
 
 # --------------------------------------------------------------------------- rejection
+
+
+@pytest.mark.parametrize("value,count,rejected", [(float("inf"), 1, True), (-float("inf"), 1, True),
+                                                  (3e38, 4, False)])
+def test_finite_check_rejects_inf_but_not_finite_values_whose_sum_overflows(value, count, rejected):
+    sim = Sim(1, 1, 1, 2)
+    sim.round(0)
+    plans = dict(zip(sim.replicas, sim.servers[0].plan(len(sim.replicas))))
+    _, reduced = sim.sync(1, 0, plans, poison=(1, 0, value, count))
+    assert (1 in reduced[0].reasons) == rejected
+    if rejected:
+        assert "non-finite" in reduced[0].reasons[1]
+
+
+def test_sum_of_squares_in_chunks_matches_a_float64_copy():
+    from diloco_ray.server import _sum_of_squares
+
+    t = torch.randn(3, 1_000_003) * 1e3
+    want = float(t.double().square().sum())
+    assert _sum_of_squares(t, chunk=1 << 16) == pytest.approx(want, rel=1e-12)
+    assert _sum_of_squares(torch.tensor(2.0)) == 4.0 and _sum_of_squares(torch.zeros(0)) == 0.0
+
 
 
 @pytest.mark.parametrize("num_servers,fragments", [(2, 1), (3, 2)])
