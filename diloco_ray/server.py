@@ -430,8 +430,8 @@ class ParameterServer:
 
 
 def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 20) -> float:
-    """Sum of squares in float64, a chunk at a time: as exact as a float64 copy of the
-    whole tensor, without allocating one."""
+    """Sum of squares accumulated in float64, a chunk at a time: float64 precision
+    without a float64 copy of the whole tensor (which cost more than the sum itself)."""
     flat = t.reshape(-1)
     return sum(float(c.double().square().sum()) for c in flat.split(chunk)) if flat.numel() else 0.0
 
