@@ -42,6 +42,7 @@ __all__ = [
     "MANIFEST",
     "begin",
     "commit",
+    "first_valid",
     "flatten_state",
     "latest_valid",
     "list_checkpoints",
@@ -491,9 +492,17 @@ def latest_valid(root: str) -> tuple[str | None, list[tuple[str, str]]]:
         newer checkpoint that failed :func:`verify`, newest first (all of them when
         nothing verifies).
     """
+    return first_valid(reversed(list_checkpoints(root)))
+
+
+def first_valid(candidates, check=None) -> tuple[str | None, list[tuple[str, str]]]:
+    """The first of ``candidates`` that ``check`` (default :func:`verify`; any function
+    returning None or a reason) passes, with ``(candidate, reason)`` for each one before
+    it that failed; ``(None, all of them)`` when none passes."""
+    check = check or verify
     skipped: list[tuple[str, str]] = []
-    for path in reversed(list_checkpoints(root)):
-        reason = verify(path)
+    for path in candidates:
+        reason = check(path)
         if reason is None:
             return path, skipped
         skipped.append((path, reason))
@@ -579,11 +588,10 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
             except (DataError, TypeError, ValueError):
                 mine = None
         older = [p for p in list_checkpoints(root) if mine is not None and _round_of(p) < mine]
-        for cand in reversed(older):
-            reason = verify(cand)
-            if reason is None:
-                return cand, skipped
-            skipped.append((cand, reason))
+        found, failed = first_valid(reversed(older))
+        skipped += failed
+        if found is not None:
+            return found, skipped
         where = f" or in an older checkpoint beside it in {root!r}" if mine is not None else ""
         raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint{where} "
                           f"({_reasons(skipped)})")

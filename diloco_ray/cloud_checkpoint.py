@@ -69,13 +69,7 @@ def verify(uri: str) -> str | None:
 def latest_valid(root: str) -> tuple[str | None, list[tuple[str, str]]]:
     """The newest checkpoint under ``root`` that verifies, and ``(uri, reason)`` for each
     newer one passed over (see :func:`checkpoint.latest_valid`)."""
-    skipped: list[tuple[str, str]] = []
-    for uri in reversed(list_checkpoints(root)):
-        reason = verify(uri)
-        if reason is None:
-            return uri, skipped
-        skipped.append((uri, reason))
-    return None, skipped
+    return checkpoint.first_valid(reversed(list_checkpoints(root)), verify)
 
 
 def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
@@ -97,12 +91,9 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
         if not candidates:
             raise ConfigError(f"resume_from: {resume_from!r} holds no checkpoints (no round-XXXXXXXX folders; "
                               "expected a checkpoint folder, a checkpoints folder or a run's output_dir)")
-    skipped: list[tuple[str, str]] = []
-    for uri in candidates:
-        reason = verify(uri)
-        if reason is None:
-            return uri, skipped
-        skipped.append((uri, reason))
+    found, skipped = checkpoint.first_valid(candidates, verify)
+    if found is not None:
+        return found, skipped
     raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint ("
                       + "; ".join(f"{u.rsplit('/', 1)[-1]}: {r}" for u, r in skipped) + ")")
 
