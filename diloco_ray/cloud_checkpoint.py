@@ -14,7 +14,6 @@ their own files (:func:`storage.localize`).
 
 from __future__ import annotations
 
-import json
 import shutil
 
 from diloco_ray import checkpoint, storage
@@ -57,10 +56,11 @@ def verify(uri: str) -> str | None:
     mirror = storage.Mirror(uri)
     if not mirror.exists(MANIFEST):
         return f"no {MANIFEST} (incomplete checkpoint)"
-    reason = checkpoint.verify(fetch(uri))
+    local = fetch(uri)
+    reason = checkpoint.verify(local)
     if reason is None and round_of(uri) is not None:
         # The staging folder is not named round-N, so check the name here.
-        said = json.loads((mirror.read_bytes(MANIFEST) or b"{}").decode()).get("round")
+        said = checkpoint.read_manifest(local).get("round")
         if said != round_of(uri):
             return f"{MANIFEST} says round {said!r} but the folder is round {round_of(uri)}"
     return reason
