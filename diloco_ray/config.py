@@ -102,6 +102,11 @@ class TrainerConfig:
     round_timeout_s: Optional[float] = _f(None, "straggler deadline for one round; late replicas are dropped from it", gt=0.0)
     join_timeout_s: float = _f(0.0, "how long a round boundary waits for starting replicas before going on without them", ge=0.0)
     placement_timeout_s: float = _f(600.0, "how long to wait for room for min_replicas replicas before giving up", gt=0.0)
+    abort_grace_s: float = _f(30.0, "how long a replica late for its round's deadline has to stop before it is dropped as unresponsive (a frozen process)", gt=0.0)
+    stall_timeout_s: float = _f(600.0, "a replica whose ranks show no progress (no inner step, no reply) for this long is dropped as frozen, with or without round_timeout_s", gt=0.0)
+    call_timeout_s: float = _f(600.0, "deadline for a call on a replica outside its round (eval, checkpoint, final save); one that misses it is dropped as dead", gt=0.0)
+    restore_on_retry: bool = _f(True, "on a re-run round, restore each replica's inner optimizer, RNG and error-feedback residual to the round's start (a host copy per rank: 8 bytes per parameter for AdamW, over the replica's ranks); false keeps them as trained, as torchft does. Local weights always restart from the global ones")
+    fault_plan: Optional[list] = _f(None, "for tests and benchmarks: faults to inject, e.g. [{kind: kill, replica: 1, round: 2, step: 3}] (kinds: kill, freeze, slow, nan, drop_link; target server or driver: kill); see diloco_ray/faults.py")
     # --- sync over slow links -----------------------------------------------------------
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales)")
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none)")
@@ -398,6 +403,15 @@ def _validate_sync(cfg: TrainerConfig) -> None:
     if cfg.sync_fragments > cfg.max_steps:
         raise ConfigError(f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
                           "each fragment needs at least one inner step of its own")
+    if cfg.overlap_communication and cfg.sync_fragments == 1:
+        # Overlap merges a fragment's new weights one sync period late; with one fragment
+        # that merge would land just before the same fragment's next pseudo-gradient is
+        # taken, scaling every update by fragment_alpha (to nothing at alpha 0).
+        raise ConfigError("overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
+                          "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false")
+    from diloco_ray import faults
+
+    faults.parse(cfg.fault_plan)
     streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
     if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
         raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "

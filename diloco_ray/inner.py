@@ -19,11 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import compression, data, links, modeling, partition, samples, snapshot
+from diloco_ray import compression, data, faults, links, modeling, partition, samples, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
 from diloco_ray.server import resolve
+
+
+BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
 
 def inner_lr_at(step: int, config: TrainerConfig) -> float:
@@ -76,6 +79,7 @@ class RoundStats:
     bytes_up: int         # pseudo-gradient bytes this rank sent (payload + scales + headers)
     bytes_down: int = 0   # weight bytes this rank received
     aborted: bool = False  # stopped early by abort(): nothing to apply
+    restarted: bool = False  # a re-run round: started again from the global weights (and the round-start state)
     resumed_step: int = 0  # inner steps restored from an in-flight snapshot
 
 
@@ -95,7 +99,12 @@ class RankWorker:
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.model = None
-        self._abort_round = -1  # set from another thread by abort()
+        self._abort_attempt = -1  # set from another thread by abort()
+        self.faults = faults.RankFaults(faults.for_rank(faults.parse(self.config.fault_plan), replica_id, rank))
+        # (round, host copy of the optimizer, RNG and residual) at the start of that round,
+        # so a re-run of the round starts exactly where the first attempt did.
+        self._round_start: tuple | None = None
+        self._last_beat = 0.0
 
     # ---- set-up -----------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
@@ -185,29 +194,36 @@ class RankWorker:
         cfg = self.config
         round_index, fragment, plan = job["round"], job["sync"], job["plan"]
         snapshots = job.get("snapshots")
+        attempt = job.get("attempt", round_index)
         t0 = time.perf_counter()
+        self.faults.start_period()
         # Overlap: a fragment's new weights are merged one period late, so the steps run
         # while they travel; a full load (new replica, missed sync) cannot wait.
         late_merge = cfg.overlap_communication and not job["full"]
         if job.get("reset"):  # the servers were restored from a checkpoint: reload everything
             self.sync.versions = [-1] * len(self.sync.versions)
         received = self._receive(job, merge=False, full_only=late_merge)
+        restarted = False
+        if fragment == 0:
+            restarted = self._begin_round(job, resuming=bool(snapshots and snapshots.get("resume_step")))
         t1 = time.perf_counter()
         self.model.train()
         source, steps = self._round_batches(round_index, plan)
         first, last = sync_period(fragment, len(steps), cfg.sync_fragments)
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
-        tokens, aborted, resumed, t = 0, False, 0, first
+        tokens, aborted, resumed, t, poison = 0, False, 0, first, False
         logged = (first, 0.0)  # (step, loss_sum) at the last step event
         if snapshots and snapshots.get("resume_step"):
             resumed, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
         for t, m, batch in self._micro_batches(source, steps[:last], first):
             if m == 0:
-                if self._stop_requested(round_index):
+                if self._stop_requested(attempt):
                     aborted = True
                     break
+                poison = self.faults.at_step(round_index, t)
+                self._beat(job, t)
                 for group in self.optimizer.param_groups:
                     group["lr"] = inner_lr_at(round_index * cfg.max_steps + t, cfg)
             final = m == cfg.grad_accum - 1
@@ -217,6 +233,8 @@ class RankWorker:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with self._autocast():
                 loss = self.model(**batch).loss / cfg.grad_accum
+                if poison:
+                    loss = loss * float("nan")  # the fault plan's poisoned step
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             loss_sum += loss.detach()
             if final:
@@ -229,11 +247,14 @@ class RankWorker:
         if late_merge and not aborted:
             received += self._receive(job, merge=True)
         t3 = time.perf_counter()
+        if self.faults.drop_link and not aborted:
+            self._wait_for_abort(attempt)  # the message never leaves; the driver gives up on it
+            aborted = True
         buffers = [] if aborted else self._outgoing(fragment, job.get("link"))
         stats = RoundStats(rank=self.rank, inner_steps=(t - first) if aborted else last - first, tokens=tokens,
                            loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=(t1 - t0) + (t3 - t2),
                            bytes_up=sum(b.nbytes for b in buffers), bytes_down=received, aborted=aborted,
-                           resumed_step=resumed)
+                           resumed_step=resumed, restarted=restarted)
         if aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
         return (*buffers, stats)
@@ -337,16 +358,70 @@ class RankWorker:
         loss_sum += state["loss_sum"]
         return step, state["tokens"]
 
-    def abort(self, round_index: int) -> None:
-        """Ask a running ``run_round(round_index)`` to stop at its next step boundary.
+    # ---- a round's start, and a re-run of it --------------------------------------------
+    @torch.no_grad()
+    def _begin_round(self, job: dict, resuming: bool) -> bool:
+        """At the start of a round: reset a poisoned replica, and either start a re-run
+        of the round from where its first attempt started or note that state for one.
+
+        A re-run (``job["restart"]``: too few replicas reported, or the server was
+        restored) always puts the local weights back to the global ones (local :=
+        anchor), so the next pseudo-gradient spans this round's steps only. With
+        ``restore_on_retry`` it also restores the inner optimizer, the RNG and the
+        error-feedback residual of the round's start, so the re-run trains exactly as
+        the first attempt did. Returns whether this was a re-run.
+        """
+        round_index = job["round"]
+        if job.get("reset_inner"):
+            self._reset_inner_state()
+        restart = bool(job.get("restart"))
+        if restart:
+            for name, rows in self._local_rows().items():
+                if name in self.sync.anchor:
+                    rows.copy_(self.sync.anchor[name].to(rows.dtype))
+            saved = self._round_start
+            if saved is not None and saved[0] == round_index and not job.get("reset_inner"):
+                self._restore_optimizer_and_rng(_host_copy(saved[1]))  # load_state_dict may alias what it gets
+                self.sync.residual = {n: t.clone() for n, t in saved[1]["residual"].items()}
+        elif self.config.restore_on_retry and not resuming:
+            state = _host_copy({**self._optimizer_and_rng(), "residual": self.sync.residual})
+            self._round_start = (round_index, state)
+        return restart
+
+    def _reset_inner_state(self) -> None:
+        """A fresh inner optimizer (and scaler) and no residual: what a replica whose
+        pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in
+        AdamW's moments) does not make it diverge again next round."""
+        self.optimizer = build_inner_optimizer([p for _, p in self.params], self.config)
+        if self.scaler is not None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        self.sync.residual = {}
+        self._round_start = None
+
+    def _beat(self, job: dict, step: int) -> None:
+        """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
+        frozen rank is told apart from a slow one even without a round deadline."""
+        board, now = job.get("board"), time.monotonic()
+        if board is not None and now - self._last_beat >= BEAT_S:
+            self._last_beat = now
+            board.beat.remote(self.replica_id, self.rank, job.get("attempt", job["round"]), step)
+
+    def abort(self, attempt: int) -> None:
+        """Ask a running sync period of launch ``attempt`` to stop at its next step boundary.
 
         Called from another thread (the replica's control concurrency group) when the
         round's deadline has passed, so a straggler is free for the next round at once.
+        Keyed by the driver's launch counter, not the round: a re-run of the same round
+        is a new attempt and must not stop at its first step.
         """
-        self._abort_round = round_index
+        self._abort_attempt = attempt
 
-    def _stop_requested(self, round_index: int) -> bool:
-        stop = self._abort_round == round_index
+    def _wait_for_abort(self, attempt: int) -> None:
+        while self._abort_attempt != attempt:
+            time.sleep(0.05)
+
+    def _stop_requested(self, attempt: int) -> bool:
+        stop = self._abort_attempt == attempt
         if self.world_size > 1 and self.config.round_timeout_s is not None:
             # Every rank must stop at the same step, or FSDP's collectives hang.
             import torch.distributed as dist
@@ -513,6 +588,18 @@ class RankWorker:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _host_copy(obj):
+    """The same structure with every tensor copied to host memory (a snapshot that later
+    steps cannot change)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _host_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_host_copy(v) for v in obj)
+    return obj
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

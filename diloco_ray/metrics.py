@@ -21,9 +21,20 @@ class StepBoard:
 
     def __init__(self):
         self._events: list[dict] = []
+        self._beats: dict[tuple[int, int], tuple[int, int, float]] = {}
 
     def report(self, event: dict) -> None:
         self._events.append(event)
+
+    def beat(self, replica_id: int, rank: int, attempt: int, step: int) -> None:
+        """A rank is alive at ``step`` of launch ``attempt`` (called without waiting)."""
+        import time
+
+        self._beats[(replica_id, rank)] = (attempt, step, time.time())
+
+    def beats(self) -> dict[tuple[int, int], tuple[int, int, float]]:
+        """(replica id, rank) -> (attempt, step, wall time) of each rank's latest beat."""
+        return dict(self._beats)
 
     def drain(self) -> list[dict]:
         events, self._events = self._events, []

@@ -94,10 +94,11 @@ class Replica:
         outs = [r.run_round.options(num_returns=servers + 1).remote(job) for r in self.ranks]
         return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
 
-    def abort(self, round_index: int) -> None:
-        """Tell every rank to stop ``round_index`` at its next step (fire and forget)."""
+    def abort(self, attempt: int) -> None:
+        """Tell every rank to stop the sync period of launch ``attempt`` at its next step
+        (fire and forget)."""
         for r in self.ranks:
-            r.abort.options(concurrency_group="control").remote(round_index)
+            r.abort.options(concurrency_group="control").remote(attempt)
 
     def save_inner_state(self, folder: str, slot: int) -> list:
         return [r.save_inner_state.remote(folder, slot) for r in self.ranks]

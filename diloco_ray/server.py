@@ -34,6 +34,9 @@ from diloco_ray import compression, data, links, partition
 from diloco_ray.config import TrainerConfig
 from diloco_ray.outer import OuterOptimizer, clip_coefficient
 
+# How a rejection for NaN/Inf reads: the driver resets such a replica's inner state.
+NON_FINITE = "non-finite values"
+
 
 @dataclass
 class Contribution:
@@ -108,6 +111,7 @@ class ParameterServer:
         self._round_accepted: set[int] | None = None
         self._pending: dict | None = None
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
+        self._message_version = 0      # the version last_message carries
 
     # ---- layout ------------------------------------------------------------------------
     def _layout(self, shapes: dict) -> None:
@@ -175,7 +179,7 @@ class ParameterServer:
             # A vectorised fp32 sum is finite when every value is; only when it is not
             # (NaN/Inf, or finite values large enough to overflow) is each value checked.
             if not math.isfinite(float(piece.sum())) and not bool(torch.isfinite(piece).all()):
-                raise ValueError(f"non-finite values in '{name}'")
+                raise ValueError(f"{NON_FINITE} in '{name}'")
         return found, arrived
 
     def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
@@ -247,6 +251,11 @@ class ParameterServer:
         codec = self.config.weights_compression
         if fragment is None:
             return self._pack(self.held or self.optimizer.params, self.owned, "none", {"version": self.version})
+        if self.version == self._message_version:
+            # The sync committed nothing (a round to run again): there is no new version,
+            # so no new message, and `held` must not move (it tracks what replicas hold).
+            return self.last_weights()
+        self._message_version = self.version
         if codec == "none":
             meta = {"version": self.version, "fragment": fragment}
             self.last_message = self._pack(self.optimizer.params, self._target(fragment), "none", meta)
@@ -346,15 +355,19 @@ class ParameterServer:
             return AppliedRound(applied=False, round=round_index, fragment=0, outer_lr=lr, pseudo_grad_norm=None,
                                 rejected=reduced[0].reasons)
         self.version += 1
+        # A replica's round of data counts as trained once any of its fragments was
+        # applied: its work reached the global weights, and handing the data out again
+        # would train it into those fragments twice. Fragments it missed lose that part
+        # of its work, as a dropped replica's round is lost in plain DiLoCo.
         got = set(accepted)
-        self._round_accepted = got if self._round_accepted is None else self._round_accepted & got
+        self._round_accepted = got if self._round_accepted is None else self._round_accepted | got
         done = fragment == cfg.sync_fragments - 1
         consumed: dict[int, list] = {}
         if done:
             ids = list(plans)
-            fully = self._round_accepted
-            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in fully for i in ids])
-            consumed = {i: plans[i] for i in ids if i in fully}
+            trained = self._round_accepted
+            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in trained for i in ids])
+            consumed = {i: plans[i] for i in ids if i in trained}
             opt.round += 1
             self.fragment, self._round_accepted = 0, None
         else:
@@ -423,6 +436,7 @@ class ParameterServer:
         if self.config.weights_compression != "none" and not self.held:
             self._reset_held()
         self.fragment, self.version = meta.get("fragment", 0), meta.get("version", 0)
+        self._message_version = self.version
         accepted = meta.get("round_accepted")
         self._round_accepted = None if accepted is None else set(accepted)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])

@@ -22,7 +22,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import links, preflight, snapshot
+from diloco_ray import faults, links, preflight, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
@@ -32,7 +32,7 @@ from diloco_ray.ray_metrics import RoundMetrics
 from diloco_ray.run_folder import RunFolder, resolve_resume
 from diloco_ray.records import round_record
 from diloco_ray.replica import Replica
-from diloco_ray.server import Contribution, ParameterServer
+from diloco_ray.server import NON_FINITE, Contribution, ParameterServer
 from diloco_ray.servers import ServerGroup, assemble_weights
 
 # A round that too few replicas finish is run again; this many times in a row is fatal.
@@ -96,6 +96,13 @@ class DilocoFSDPTrainer:
         self._messages_full = True
         self._version = 0
         self._reset = False        # replicas must reload everything (the servers were restored)
+        self._restart = False      # the next launch re-runs a round: replicas restart from the global weights
+        self._reset_inner: set[int] = set()  # replica ids whose inner state is poisoned (NaN/Inf rejected)
+        self._attempt = 0          # launches so far: keys aborts, so a re-run is not stopped by an old abort
+        self._wasted_steps = 0     # replica inner steps run this round whose work reached no applied update
+        self._faults = faults.parse(config.fault_plan)
+        self._fired: set = set()   # driver-side faults already carried out
+        self._beats: dict = {}     # the ranks' latest beats, as the board last reported them
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.board = None          # the StepBoard actor ranks report inner steps to
         self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
@@ -255,11 +262,18 @@ class DilocoFSDPTrainer:
 
     # ---- one round --------------------------------------------------------------------
     def run_round(self) -> dict:
-        """Run and apply one outer round (retrying if too few replicas report)."""
+        """Run and apply one outer round (retrying if too few replicas report).
+
+        A re-run starts every replica again from the global weights of the round (and,
+        with ``restore_on_retry``, from its inner state at the round's start), on the
+        same data plan: the cursor only moves when a round is applied.
+        """
+        self._wasted_steps = 0
         for _ in range(MAX_ROUND_RETRIES + 1):
             record = self._attempt_round()
             if record is not None:
                 return record
+            self._restart = True
             self._reconcile()
         raise RuntimeError(f"round {self.round_index}: fewer than min_replicas={self.config.min_replicas} "
                            f"replicas reported in {MAX_ROUND_RETRIES + 1} attempts")
@@ -281,16 +295,23 @@ class DilocoFSDPTrainer:
         active, late_ids, failed_ids = list(members), set(), set()
         periods: list[dict] = []  # per sync: reported stats and the servers' refs
         timeout = None if cfg.round_timeout_s is None else cfg.round_timeout_s / cfg.sync_fragments
+        held = (self._messages, self._messages_full)  # what replicas hold, if this sync commits nothing
         for fragment in range(cfg.sync_fragments):
+            self._attempt += 1
             launched = {rep.id: (rep, *rep.run_round(self._job(rep, slots[rep.id], fragment, plans[rep.id])))
                         for rep in active}
-            self._resume_steps, self._reset = {}, False  # both apply to the first period only
+            # Resume steps, a reload, a re-run's restart and a reset apply to the first period only.
+            self._resume_steps, self._reset, self._restart = {}, False, False
+            self._reset_inner -= set(launched)
+            if fragment == 0:
+                self._inject_driver_faults()
             reported, late, failed = self._gather(launched, timeout)
-            for rep in failed:
-                self.members.remove(rep, "failed")
+            for rep, why in failed:
+                self.members.remove(rep, why)
             late_ids |= set(late)
-            failed_ids |= {rep.id for rep in failed}
+            failed_ids |= {rep.id for rep, _ in failed}
             if cfg.sync_fragments == 1 and len(reported) < cfg.min_replicas:
+                self._wasted_steps += sum(s.inner_steps for stats in reported.values() for s in stats[:1])
                 return None
             weight = {rid: float(sum(s.tokens for s in stats)) for rid, stats in reported.items()}
             contributions = [[Contribution(rid, launched[rid][1][s], weight[rid]) for rid in reported]
@@ -306,8 +327,14 @@ class DilocoFSDPTrainer:
         except RayActorError:
             self._recover_server()
             return None
+        for info, period in zip(applied, periods):
+            # A replica rejected for NaN/Inf starts its next period with a fresh inner state.
+            self._reset_inner |= {rid for rid, why in info.rejected.items() if why.startswith(NON_FINITE)}
+            self._wasted_steps += sum(stats[0].inner_steps for rid, stats in period["reported"].items()
+                                      if rid not in info.accepted)
         if cfg.sync_fragments == 1:
             if not applied[0].applied:
+                self._messages, self._messages_full = held  # no new version: replicas keep what they hold
                 return None
             self._version += 1
         t_applied = time.perf_counter()
@@ -318,6 +345,7 @@ class DilocoFSDPTrainer:
         eval_loss = self._evaluate()
         eval_seconds = time.perf_counter() - t_eval
         record = round_record(self.config, applied, [p["reported"] for p in periods], late_ids, failed_ids)
+        record["wasted_steps"] = self._wasted_steps
         record.update(eval_loss=eval_loss,
                       eval_ppl=math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
                       round_seconds=time.perf_counter() - t_start,
@@ -335,9 +363,10 @@ class DilocoFSDPTrainer:
     def _job(self, rep: Replica, slot: int, fragment: int, plan: list) -> dict:
         """What every rank of ``rep`` gets for one sync period (see RankWorker.run_round)."""
         cfg = self.config
-        return {"round": self.round_index, "sync": fragment, "plan": plan,
+        return {"round": self.round_index, "sync": fragment, "plan": plan, "attempt": self._attempt,
                 "messages": self._messages, "full": self._messages_full, "version": self._version,
-                "reset": self._reset, "servers": self.server.actors, "board": self.board,
+                "reset": self._reset, "restart": self._restart, "reset_inner": rep.id in self._reset_inner,
+                "servers": self.server.actors, "board": self.board,
                 "link": links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
                 "snapshots": self._snapshot_settings(slot) if fragment == 0 else None}
 
@@ -354,49 +383,93 @@ class DilocoFSDPTrainer:
         """Collect every replica's stats as they arrive, until the deadline.
 
         A rank that fails takes its whole replica down at once: its partners would
-        otherwise wait in an FSDP collective forever. Replicas still running at the
-        deadline are told to stop. Returns (reported: id -> [RoundStats], late ids,
-        failed replicas).
+        otherwise wait in an FSDP collective forever. So does a replica whose ranks show
+        no progress for ``stall_timeout_s`` (a frozen process answers nothing, and Ray
+        cannot tell it from a slow one). Replicas still running at the deadline are told
+        to stop and get ``abort_grace_s`` to do so; one that does not is dropped as
+        unresponsive. Returns (reported: id -> [RoundStats], late ids, [(failed replica,
+        why)]).
         """
-        owner = {ref: rid for rid, (_, _, stats) in launched.items() for ref in stats}
+        cfg = self.config
+        owner = {ref: (rid, r) for rid, (_, _, stats) in launched.items() for r, ref in enumerate(stats)}
         results: dict[int, list] = {rid: [] for rid in launched}
-        failed: dict[int, Replica] = {}
+        failed: dict[int, tuple[Replica, str]] = {}
         pending = set(owner)
+        launched_at = time.time()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+
+        def drop(rid: int, why: str) -> None:
+            nonlocal pending
+            failed[rid] = (launched[rid][0], why)
+            launched[rid][0].stop()  # frees ranks blocked in a collective with the lost one
+            pending = {r for r in pending if owner[r][0] != rid}
+
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             # Wake at least every STEP_POLL_S to pass the ranks' step events on.
             wait = STEP_POLL_S if remaining is None else min(remaining, STEP_POLL_S)
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=wait, fetch_local=False)
             self._pass_on_steps()
-            if not ready:
-                if remaining is not None and remaining <= STEP_POLL_S:
-                    break  # the deadline passed
-                continue
             for ref in ready:
-                pending.discard(ref)
-                rid = owner[ref]
-                if rid in failed:
+                if ref not in pending:
                     continue
+                pending.discard(ref)
+                rid = owner[ref][0]
                 try:
                     results[rid].append(ray.get(ref))
                 except (RayActorError, RayTaskError) as e:
                     if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
                         raise
-                    failed[rid] = launched[rid][0]
-                    failed[rid].stop()  # frees ranks blocked in a collective with the dead one
-                    pending -= {r for r in pending if owner[r] == rid}
-        reported, late = {}, []
+                    drop(rid, "failed")
+            for rid in self._stalled(pending, owner, launched_at):
+                drop(rid, "unresponsive")
+            if not ready and remaining is not None and remaining <= STEP_POLL_S:
+                break  # the deadline passed
+        late = sorted({owner[r][0] for r in pending})
+        for rid in late:
+            launched[rid][0].abort(self._attempt)
+        # A late replica stops at its next step; one that cannot (frozen) is dropped, so it
+        # neither holds up the next round nor is launched again and again.
+        acks = [r for r in pending if owner[r][0] in late]
+        done, _ = ray.wait(acks, num_returns=len(acks), timeout=cfg.abort_grace_s) if acks else ([], [])
+        for ref in done:
+            try:
+                results[owner[ref][0]].append(ray.get(ref))
+            except (RayActorError, RayTaskError):
+                pass  # counted below as not having answered
+        for rid in late:
+            if len(results[rid]) < len(launched[rid][2]) and rid not in failed:
+                drop(rid, "unresponsive")
+        reported = {}
         for rid, (rep, _, stats_refs) in launched.items():
-            if rid in failed:
-                continue
             stats = results[rid]
-            if len(stats) < len(stats_refs) or any(s.aborted for s in stats):
-                late.append(rid)
-                rep.abort(self.round_index)  # free it for the next round
-            else:
-                reported[rid] = sorted(stats, key=lambda s: s.rank)
+            if rid in failed or rid in late or any(s.aborted for s in stats):
+                beat = max((b[1] for (r, _), b in self._beats.items() if r == rid and b[0] == self._attempt),
+                           default=0)
+                self._wasted_steps += max([s.inner_steps for s in stats] + [beat])
+                continue
+            reported[rid] = sorted(stats, key=lambda s: s.rank)
+        late = [rid for rid in launched if rid not in failed and rid not in reported]
         return reported, late, list(failed.values())
+
+    def _stalled(self, pending: set, owner: dict, launched_at: float) -> set[int]:
+        """Replica ids with a rank still running that has shown no progress (a step
+        beat on the board) for ``stall_timeout_s`` since the launch."""
+        if self.board is None or not pending:
+            return set()
+        try:
+            beats = self._beats = ray.get(self.board.beats.remote())
+        except RayActorError:
+            return set()  # the board is replaced by the next _pass_on_steps
+        now, limit = time.time(), self.config.stall_timeout_s
+        stalled = set()
+        for ref in pending:
+            rid, rank = owner[ref]
+            attempt, _, at = beats.get((rid, rank), (None, 0, 0.0))
+            last = at if attempt == self._attempt else launched_at
+            if now - max(last, launched_at) > limit:
+                stalled.add(rid)
+        return stalled
 
     def _pass_on_steps(self) -> None:
         """Log the step events ranks have reported since the last call and hand them to
@@ -446,14 +519,31 @@ class DilocoFSDPTrainer:
         return total / count if count else None
 
     def _on_a_live_replica(self, call):
-        """``ray.get(call(replica))`` on the first active replica that is alive (dead ones
-        met on the way are removed), or None when none is left."""
+        """``ray.get(call(replica))`` on the first active replica that is alive and answers
+        within ``call_timeout_s`` (dead or frozen ones met on the way are removed), or
+        None when none is left."""
         for rep in list(self.replicas):
             try:
-                return ray.get(call(rep))
+                return ray.get(call(rep), timeout=self.config.call_timeout_s)
             except RayActorError:
                 self.members.remove(rep, "failed")
+            except ray.exceptions.GetTimeoutError:
+                self.members.remove(rep, "unresponsive")
         return None
+
+    def _inject_driver_faults(self) -> None:
+        """Carry out the fault plan's server and driver faults due in this round (after
+        the replicas have started it, so they hit a round in flight)."""
+        for fault in faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="server") + \
+                faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="driver"):
+            self._fired.add(fault.key)
+            self._log({"event": "fault", "target": fault.target, "kind": fault.kind, "round": self.round_index})
+            if fault.target == "server":
+                ray.kill(self.server.actors[fault.index % len(self.server)], no_restart=True)
+            else:
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL if fault.kind == "kill" else signal.SIGTERM)
 
     # ---- membership, checkpoints, recovery --------------------------------------------
     def _reconcile(self) -> None:
@@ -511,8 +601,8 @@ class DilocoFSDPTrainer:
         for slot, rep in enumerate(members):
             refs += rep.save_inner_state(where, slot)
         try:
-            files = {k: v for hashes in ray.get(refs) for k, v in (hashes or {}).items()}
-        except RayActorError as e:
+            files = {k: v for hashes in ray.get(refs, timeout=cfg.call_timeout_s) for k, v in (hashes or {}).items()}
+        except (RayActorError, ray.exceptions.GetTimeoutError) as e:
             self._log({"event": "checkpoint", "action": "failed", "round": self.round_index,
                        "reason": str(e).splitlines()[0][:200]})
             return None
@@ -535,7 +625,16 @@ class DilocoFSDPTrainer:
         self._log({"event": "server", "action": "restart", "round": self.round_index, "from": path})
         self.server.kill()
         self.server = ServerGroup(self.config, self.server_cls)
+        was_at = self.round_index
         self._load_server(path, skipped, reason="server_restart")
+        if self.round_index < was_at:
+            # The checkpoint is older than the round the replicas were at: their state at
+            # that round's start is the checkpoint's, not the one they keep in memory.
+            for slot, rep in enumerate(list(self.replicas)):
+                try:
+                    ray.get(rep.load_inner_state(path, slot), timeout=self.config.call_timeout_s)
+                except (RayActorError, ray.exceptions.GetTimeoutError):
+                    self.members.remove(rep, "failed")
 
     # ---- output and teardown ----------------------------------------------------------
     def save_final(self) -> str:

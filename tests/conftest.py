@@ -50,3 +50,22 @@ def first_round(worker, plan, round_index=0):
     for buf in buffers:
         grads.update({n: t for n, (_, t) in compression.unpack_pieces(buf, worker.sync.names)[0].items()})
     return grads, stats
+
+
+def final_weights(output_dir):
+    """``output_dir/final``'s weights, name -> tensor."""
+    from safetensors.torch import load_file
+
+    return load_file(os.path.join(output_dir, "final", "model.safetensors"))
+
+
+def max_abs_diff(a_dir, b_dir) -> float:
+    """The largest difference between two runs' final weights."""
+    a, b = final_weights(a_dir), final_weights(b_dir)
+    return max((a[n] - b[n]).abs().max().item() for n in b)
+
+
+def applied_positions(rounds) -> list:
+    """Every stream position the applied replicas trained on, over all round records."""
+    return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
+

@@ -1,31 +1,23 @@
-"""Faults injected at a given round, torchft style, each checked against the round
-records and the final state: the driver SIGKILLed and resumed, the server actor killed,
-a straggler past the deadline; and every stream position trained on exactly once."""
+"""Faults from outside the fault plan, each checked against the round records and the
+final state: the driver SIGKILLed (between rounds and mid-round) and resumed, scaling
+from a callback and from another process, a lost step board; and every stream position
+trained on exactly once. The fault plan's faults are in test_chaos.py."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 
-import numpy as np
 import pytest
 import ray
-import torch
-from safetensors.torch import load_file
 
-from conftest import ROOT, tiny_config
+from conftest import ROOT, applied_positions, max_abs_diff, tiny_config
 from diloco_ray import DilocoFSDPTrainer, checkpoint
-from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def final_weights(output_dir):
-    return load_file(os.path.join(output_dir, "final", "model.safetensors"))
 
 
 def subprocess_env():
@@ -49,16 +41,6 @@ def resume_cli(cfg):
                              env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return resumed
-
-
-def max_abs_diff(a_dir, b_dir):
-    a, b = final_weights(a_dir), final_weights(b_dir)
-    return max((a[n] - b[n]).abs().max().item() for n in b)
-
-
-def applied_positions(rounds):
-    """Every stream position the applied replicas trained on, over all round records."""
-    return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
 
 
 KILL_SCRIPT = """
@@ -100,50 +82,6 @@ def test_sigkill_driver_then_resume_equals_uninterrupted(ray_local, tmp_path):
     assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
     positions = applied_positions(rounds)
     assert sorted(positions) == list(range(len(positions)))  # the resumed stream neither repeats nor skips
-
-
-class SlowWorker(RankWorker):
-    """Replica 1 takes 3 s per inner step in round 1 (a straggler)."""
-
-    def _optimizer_step(self):
-        if self.replica_id == 1 and getattr(self, "_round", None) == 1:
-            time.sleep(3.0)
-        super()._optimizer_step()
-
-    def run_round(self, job):
-        self._round = job["round"]
-        return super().run_round(job)
-
-
-def test_straggler_is_dropped_then_rejoins(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", diloco_loops=4, max_steps=4, round_timeout_s=6.0, eval_batches=0)
-    result = DilocoFSDPTrainer(cfg, worker_cls=SlowWorker).train()
-    rounds = result.rounds
-    assert rounds[1]["replica_ids"] == [0] and rounds[1]["late"] == [1] and rounds[1]["dropped"] == [1]
-    # The same replica (no replacement) is back for the next round: the abort freed it.
-    assert sorted(rounds[2]["replica_ids"]) == [0, 1] and sorted(rounds[3]["replica_ids"]) == [0, 1]
-    assert not [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "leave"]
-    assert rounds[1]["round_seconds"] < 6.0 + 5.0
-    positions = applied_positions(rounds)
-    assert sorted(positions) == list(range(len(positions)))  # its data was handed out again
-
-
-def test_server_actor_killed_is_recreated_from_checkpoint(ray_local, tmp_path):
-    class KillServer:
-        def on_round_end(self, trainer, record):
-            if record["round"] == 1:
-                ray.kill(trainer.server.actors[0], no_restart=True)
-
-    cfg = tiny_config(tmp_path / "run", diloco_loops=4, checkpoint_steps=4, max_steps=4, eval_batches=1)
-    result = DilocoFSDPTrainer(cfg, callbacks=[KillServer()]).train()
-    assert [r["round"] for r in result.rounds] == [0, 1, 2, 3]
-    events = read_events(cfg.output_dir)
-    restarts = [e for e in events if e.get("event") == "server" and e["action"] == "restart"]
-    assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
-    assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2, 3]
-    assert all(np.isfinite(r["eval_loss"]) for r in result.rounds)
-    positions = applied_positions(result.rounds)
-    assert sorted(positions) == list(range(len(positions)))
 
 
 def test_scale_two_three_two(ray_local, tmp_path):

@@ -271,7 +271,15 @@ def test_cross_field_accepted_variants():
 @pytest.mark.parametrize("overrides, field", [
     (dict(max_steps=10, sync_fragments=11), "sync_fragments"),
     (dict(max_steps=10, sync_fragments=2, checkpoint_steps=5), "checkpoint_steps"),
-    (dict(max_steps=10, overlap_communication=True, checkpoint_steps=5), "checkpoint_steps"),
+    (dict(max_steps=10, sync_fragments=2, overlap_communication=True, checkpoint_steps=5), "checkpoint_steps"),
+    # one fragment merged one period late would scale every update by fragment_alpha
+    (dict(max_steps=10, overlap_communication=True), "overlap_communication"),
+    (dict(fault_plan={"kind": "kill"}), "fault_plan"),
+    (dict(fault_plan=[{"kind": "explode", "round": 1}]), "fault_plan[0].kind"),
+    (dict(fault_plan=[{"kind": "kill", "target": "server", "round": 1}, {"kind": "kill"}]), "fault_plan[1].round"),
+    (dict(fault_plan=[{"kind": "slow", "round": 1}]), "fault_plan[0].seconds"),
+    (dict(fault_plan=[{"kind": "kill", "round": -1}]), "fault_plan[0].round"),
+    (dict(fault_plan=[{"kind": "kill", "round": 0, "when": 3}]), "fault_plan[0].when"),
     (dict(num_param_servers=2, server_resources=[{"a": 1}]), "server_resources"),
     (dict(link_mbps=0), "link_mbps"),
     (dict(link_mbps=[10.0, -1.0]), "link_mbps"),

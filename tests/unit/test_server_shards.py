@@ -262,8 +262,13 @@ def test_nan_on_one_server_is_rejected_by_every_server(num_servers, fragments, b
             assert len({a.pseudo_grad_norm for a in applied}) == 1
     assert max_diff(poisoned.global_weights(), clean.global_weights()) == 0.0
     assert [s.cursor for s in poisoned.servers] == [s.cursor for s in clean.servers]
-    # Replica 1's ranges go back to the cursor, to be handed out again.
-    assert poisoned.servers[0].cursor.returned == plans[1]
+    if fragments == 1:
+        # Replica 1's ranges go back to the cursor, to be handed out again.
+        assert poisoned.servers[0].cursor.returned == plans[1]
+    else:
+        # Streaming: its other fragment was applied, so its data counts as trained
+        # (handing it out again would train it into that fragment twice).
+        assert poisoned.servers[0].cursor.returned == []
 
 
 # ------------------------------------------------------------------ compressed weights
@@ -384,14 +389,25 @@ def test_applied_round_bookkeeping():
             assert a.round == r and a.fragment == 0 and not a.round_done and a.data_ranges == {}
         for a in second:
             assert a.round == r and a.fragment == 1 and a.round_done
-            assert a.data_ranges == ({0: plans[0]} if r == 0 else plans)
+            # Each replica had a fragment applied, so each one's data counts as trained.
+            assert a.data_ranges == plans
         if r == 0:
             assert [a.accepted for a in first] == [[0, 2]] * 2
             assert [a.accepted for a in second] == [[0, 1]] * 2
     assert all(s.sync_version() == 4 and s.fragment == 0 for s in sim.servers)
-    # Round 1 handed replicas 1 and 2's unapplied ranges out again, first.
-    assert sim.servers[0].cursor.frontier == 4 * per
+    # Nothing was handed out again: two rounds of three replicas, all fresh positions.
+    assert sim.servers[0].cursor.frontier == 6 * per
     assert sim.servers[0].cursor.returned == []
+
+
+def test_streaming_replica_missing_every_fragment_gets_its_data_handed_out_again():
+    sim = Sim(1, 2, 1, 2, max_steps=2, batch_size=1)
+    ids = list(sim.replicas)
+    plans = dict(zip(ids, sim.servers[0].plan(len(ids))))
+    sim.sync(0, 0, plans, skip={1})
+    second, _ = sim.sync(0, 1, plans, skip={1})
+    assert second[0].data_ranges == {0: plans[0]}
+    assert sim.servers[0].cursor.returned == plans[1]
 
 
 def test_sync_of_the_wrong_fragment_raises():
@@ -493,3 +509,23 @@ def test_full_load_after_resuming_a_compressed_checkpoint_without_compression(tm
     sim.servers, sim.messages, sim.full = [server], [server.weights(None)], True
     sim.round(1)
     assert max_diff(sim.held(), sim.global_weights()) == 0.0
+
+
+def test_a_sync_that_commits_nothing_leaves_what_replicas_hold_unchanged():
+    """weights_compression: a round that accepts nothing (to be run again) builds no new
+    weights message, so the server's copy of what replicas hold stays with them."""
+    sim = Sim(1, 1, 1, 2, weights_compression="int8", compression_block=16)
+    sim.round(0)
+    held_before, version = sim.held(), sim.servers[0].sync_version()
+    message = sim.servers[0].last_weights()
+    ids = list(sim.replicas)
+    plans = dict(zip(ids, sim.servers[0].plan(len(ids))))
+    applied, _ = sim.sync(1, 0, plans, skip=set(ids))  # nothing arrives: not applied
+    assert not applied[0].applied and sim.servers[0].sync_version() == version
+    assert max_diff(sim.held(), held_before) == 0.0
+    assert sim.messages[0] is message or np.array_equal(sim.messages[0], message)
+    # The round run again is applied, and replicas then hold exactly what the server says.
+    sim.round(1)
+    for rid in ids:
+        sim.receive(rid)
+        assert max_diff({n: t.numpy() for n, t in sim.anchors(rid).items()}, sim.held()) == 0.0

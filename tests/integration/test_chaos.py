@@ -1,0 +1,127 @@
+"""The chaos suite: every fault of the fault plan (:mod:`diloco_ray.faults`) injected at
+a given replica, rank, round and step, and the result checked against what the math
+says: the same final weights as the run without the fault where the rules promise it
+(a re-run round, a server restored from a checkpoint), else the documented rule (a lost
+replica's round is lost, a poisoned replica is reset, a frozen one is dropped), and in
+every case each stream position trained on exactly once.
+"""
+
+import sys
+
+import pytest
+import ray
+
+from conftest import applied_positions, max_abs_diff, tiny_config
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.metrics import read_events
+
+pytestmark = pytest.mark.integration
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+# Two replicas that must both report (a round with one is run again), a checkpoint every
+# round (so a lost server can be restored), four short rounds.
+EXACT = dict(diloco_loops=4, max_steps=4, num_replicas=2, min_replicas=2, checkpoint_steps=4, eval_batches=1,
+             round_timeout_s=5.0)
+
+
+@pytest.fixture(scope="module")
+def fault_free(ray_local, tmp_path_factory):
+    """The run every exact fault test must reproduce."""
+    cfg = tiny_config(tmp_path_factory.mktemp("chaos") / "fault_free", **EXACT)
+    return DilocoFSDPTrainer(cfg).train()
+
+
+def once_each(rounds) -> bool:
+    positions = applied_positions(rounds)
+    return sorted(positions) == list(range(len(positions)))
+
+
+def leaves(output_dir) -> dict:
+    return {e["replica_id"]: e["reason"] for e in read_events(output_dir, "membership") if e["action"] == "leave"}
+
+
+def test_straggler_past_the_deadline_reruns_the_round_exactly(fault_free, tmp_path):
+    """Replica 1 is late in round 1, so with min_replicas=2 the round runs again. The
+    re-run starts both replicas from the round's global weights and inner state (bug:
+    they kept their trained weights) and is not stopped by the first attempt's abort
+    (bug: every retry stopped at step 0), so the run equals the fault-free one."""
+    plan = [{"kind": "slow", "replica": 1, "round": 1, "step": 1, "seconds": 7.0}]
+    cfg = tiny_config(tmp_path / "run", **EXACT, fault_plan=plan)
+    result = DilocoFSDPTrainer(cfg).train()
+    assert [r["round"] for r in result.rounds] == [0, 1, 2, 3]
+    assert all(sorted(r["replica_ids"]) == [0, 1] for r in result.rounds)
+    assert result.rounds[1]["wasted_steps"] > 0  # the first attempt's work was thrown away
+    assert max_abs_diff(cfg.output_dir, fault_free.output_dir) <= 1e-6
+    assert once_each(result.rounds) and not leaves(cfg.output_dir)
+
+
+def test_server_killed_mid_round_is_restored_and_the_run_is_exact(fault_free, tmp_path):
+    """The parameter server dies while round 2 trains: it is restored from the round-2
+    checkpoint and the round runs again from there, as if nothing had happened."""
+    cfg = tiny_config(tmp_path / "run", **EXACT, fault_plan=[{"kind": "kill", "target": "server", "round": 2}])
+    result = DilocoFSDPTrainer(cfg).train()
+    restarts = [e for e in read_events(cfg.output_dir) if e.get("event") == "server"]
+    assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
+    assert [r["round"] for r in result.rounds] == [0, 1, 2, 3]
+    assert max_abs_diff(cfg.output_dir, fault_free.output_dir) <= 1e-6
+    assert once_each(result.rounds)
+
+
+def test_poisoned_replica_is_rejected_once_then_reset(ray_local, tmp_path):
+    """A NaN step poisons replica 1's AdamW moments. It is rejected in that round only:
+    its inner state is reset (bug: it diverged again every round and, in slot 0, kept
+    swallowing the data handed out again)."""
+    cfg = tiny_config(tmp_path / "run", diloco_loops=4, max_steps=4, eval_batches=0,
+                      fault_plan=[{"kind": "nan", "replica": 1, "round": 1, "step": 2}])
+    result = DilocoFSDPTrainer(cfg).train()
+    assert [sorted(r["rejected"]) for r in result.rounds] == [[], ["1"], [], []]
+    assert [sorted(r["replica_ids"]) for r in result.rounds[2:]] == [[0, 1], [0, 1]]
+    assert once_each(result.rounds)
+
+
+def test_frozen_replica_past_the_deadline_is_dropped_and_replaced(ray_local, tmp_path):
+    """SIGSTOP replica 1 mid-round: it cannot answer its abort, so it is dropped as
+    unresponsive after abort_grace_s and a new replica takes its place."""
+    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, eval_batches=1, round_timeout_s=4.0,
+                      abort_grace_s=2.0, join_timeout_s=60.0,
+                      fault_plan=[{"kind": "freeze", "replica": 1, "round": 1, "step": 1}])
+    result = DilocoFSDPTrainer(cfg).train()
+    assert result.rounds[1]["replica_ids"] == [0] and result.rounds[1]["dropped"] == [1]
+    assert leaves(cfg.output_dir) == {1: "unresponsive"}
+    assert sorted(result.rounds[2]["replica_ids"]) == [0, 2]
+    assert once_each(result.rounds)
+
+
+def test_frozen_replica_without_a_deadline_is_dropped_once_it_stalls(ray_local, tmp_path):
+    """No round_timeout_s: the stall detector (no step beat for stall_timeout_s) keeps a
+    frozen rank from hanging the run."""
+    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, eval_batches=0, stall_timeout_s=4.0,
+                      fault_plan=[{"kind": "freeze", "replica": 0, "round": 1, "step": 2}])
+    result = DilocoFSDPTrainer(cfg).train()
+    assert result.rounds[1]["replica_ids"] == [1] and leaves(cfg.output_dir) == {0: "unresponsive"}
+    assert once_each(result.rounds)
+
+
+def test_dropped_link_makes_a_late_replica_that_comes_back(ray_local, tmp_path):
+    """Replica 1's pseudo-gradient never leaves in round 1: the round goes on without it,
+    its data is handed out again, and it is back (not replaced) for round 2."""
+    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, eval_batches=0, round_timeout_s=4.0,
+                      fault_plan=[{"kind": "drop_link", "replica": 1, "round": 1}])
+    result = DilocoFSDPTrainer(cfg).train()
+    assert result.rounds[1]["replica_ids"] == [0] and result.rounds[1]["late"] == [1]
+    assert sorted(result.rounds[2]["replica_ids"]) == [0, 1] and not leaves(cfg.output_dir)
+    assert once_each(result.rounds)
+
+
+def test_streaming_replica_killed_after_its_first_fragment(ray_local, tmp_path):
+    """sync_fragments=2: replica 1 dies in round 1 after fragment 0 applied its update.
+    The rule: its round of data counts as trained (handing it out again would train it
+    into fragment 0 twice); a replacement joins."""
+    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, sync_fragments=2, eval_batches=0,
+                      join_timeout_s=60.0, fault_plan=[{"kind": "kill", "replica": 1, "round": 1, "step": 3}])
+    result = DilocoFSDPTrainer(cfg).train()
+    round1 = result.rounds[1]
+    assert round1["fragments"][0]["replicas"] == 2 and round1["fragments"][1]["replicas"] == 1
+    assert sorted(round1["data_ranges"]) == ["0", "1"]  # replica 1's data is not handed out again
+    assert leaves(cfg.output_dir) == {1: "failed"}
+    assert once_each(result.rounds)
