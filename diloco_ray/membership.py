@@ -134,19 +134,22 @@ class Membership:
             ray.wait(waiting, num_returns=1, timeout=remaining)
 
     def _advance(self, rep: Replica) -> None:
-        if rep.setup_refs is None:
-            if ray.wait([rep.placed_ref], timeout=0)[0]:
-                rep.setup_refs = rep.setup()
-            return
-        if len(ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)[0]) < len(rep.setup_refs):
-            return
-        self.starting.remove(rep)
         try:
+            if rep.setup_refs is None:
+                if ray.wait([rep.placed_ref], timeout=0)[0]:
+                    rep.setup_refs = rep.setup()
+                return
+            if len(ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)[0]) < len(rep.setup_refs):
+                return
+            self.starting.remove(rep)
             rep.shapes = ray.get(rep.setup_refs)[0]
             slot = len(self.active)
             if self.on_admit is not None:
                 self.on_admit(rep, slot)
-        except ray.exceptions.RayActorError as e:  # died while starting: try again later
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            # Died (or froze) while starting: give it up; a later boundary starts another.
+            if rep in self.starting:
+                self.starting.remove(rep)
             rep.stop()
             self.on_event({"event": "membership", "action": "failed_start", "replica_id": rep.id,
                            "round": self.round_of(), "reason": str(e).splitlines()[0][:200]})

@@ -77,7 +77,7 @@ class Replica:
         parameter shapes."""
         addr, port = None, None
         if self.world_size > 1:
-            addr, port = ray.get(self.ranks[0].rendezvous_address.remote())
+            addr, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=self.config.call_timeout_s)
         return [r.setup.remote(addr, port) for r in self.ranks]
 
     def seed_pieces(self) -> list[list]:

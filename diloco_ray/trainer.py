@@ -221,7 +221,7 @@ class DilocoFSDPTrainer:
 
     def _restore_inner(self, rep: Replica, slot: int, folder: Optional[str]) -> None:
         if folder is not None:
-            ray.get(rep.load_inner_state(folder, slot))
+            ray.get(rep.load_inner_state(folder, slot), timeout=self.config.call_timeout_s)
 
     def _load_server(self, path: str, skipped: list, reason: str) -> None:
         """Load the server state from checkpoint ``path`` and rewind the records to it."""

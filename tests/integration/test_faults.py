@@ -34,24 +34,20 @@ def run_until_killed(script, cfg, *args):
 
 
 def resume_cli(cfg):
-    """``diloco-ray train OUTPUT_DIR/config.yaml --set resume_from=OUTPUT_DIR``, as a user would."""
+    """``diloco-ray train OUTPUT_DIR/config.yaml --set resume_from=OUTPUT_DIR``, as a user
+    would (without the fault plan that stopped it)."""
     out = cfg.output_dir
     resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(out, "config.yaml"),
-                              "--set", f"resume_from={out}"],
+                              "--set", f"resume_from={out}", "--set", "fault_plan=null"],
                              env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return resumed
 
 
 KILL_SCRIPT = """
-import json, os, signal, sys
+import json, sys
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
-fields, kill_after = json.loads(sys.argv[1]), int(sys.argv[2])
-class Kill:
-    def on_round_end(self, trainer, record):
-        if record["round"] == kill_after:
-            os.kill(os.getpid(), signal.SIGKILL)   # no clean-up of any kind
-DilocoFSDPTrainer(TrainerConfig(**fields), callbacks=[Kill()]).train()
+DilocoFSDPTrainer(TrainerConfig(**json.loads(sys.argv[1]))).train()
 """
 
 
@@ -60,8 +56,9 @@ def test_sigkill_driver_then_resume_equals_uninterrupted(ray_local, tmp_path):
     reference = tiny_config(tmp_path / "reference", **common)
     DilocoFSDPTrainer(reference).train()
 
-    killed = tiny_config(tmp_path / "killed", **common)
-    run_until_killed(KILL_SCRIPT, killed, "2")
+    # The fault plan SIGKILLs the driver while round 3 trains (no clean-up of any kind).
+    killed = tiny_config(tmp_path / "killed", **common, fault_plan=[{"kind": "kill", "target": "driver", "round": 3}])
+    run_until_killed(KILL_SCRIPT, killed)
     assert [r["round"] for r in read_events(killed.output_dir, "round")] == [0, 1, 2]
     assert not os.path.exists(os.path.join(killed.output_dir, "final"))
     root = os.path.join(killed.output_dir, "checkpoints")
