@@ -9,6 +9,10 @@ preemption would). It reports, in the units torchft and Decoupled DiLoCo use:
   round run again is lost). Decoupled DiLoCo reports 88% under heavy failures.
 * ``time_efficiency``: the fault-free run's wall time over the faulty run's, for the
   same rounds (torchft's "training efficiency": 81% at one failure a minute).
+* ``work_efficiency``: applied replica inner steps per second, faulty over fault-free:
+  a round applied with fewer replicas did less work. On a machine with fewer cores than
+  processes a round with one replica left also runs faster (it has the cores to itself),
+  so time efficiency alone can exceed 1 there; this figure cannot hide that.
 * ``eval_loss_ratio``: the faulty run's final eval loss over the fault-free run's.
 
 Steps run by a replica that died are counted from its last step beat (every few
@@ -81,12 +85,14 @@ def main() -> int:
     chaos = Chaos(args.every)
     faulty, faulty_s = run(args.rounds, [chaos])
     applied, ran = goodput(faulty)
+    clean_applied, clean_ran = goodput(clean)
     figures = {
         "failures": len(chaos.kills),
         "failures_per_minute": len(chaos.kills) / (faulty_s / 60),
         "goodput": applied / ran,
-        "goodput_fault_free": (lambda a, b: a / b)(*goodput(clean)),
+        "goodput_fault_free": clean_applied / clean_ran,
         "time_efficiency": clean_s / faulty_s,
+        "work_efficiency": (applied / faulty_s) / (clean_applied / clean_s),
         "eval_loss_fault_free": clean[-1]["eval_loss"],
         "eval_loss_faulty": faulty[-1]["eval_loss"],
         "eval_loss_ratio": faulty[-1]["eval_loss"] / clean[-1]["eval_loss"],
