@@ -19,9 +19,12 @@ pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 # Two replicas that must both report (a round with one is run again), a checkpoint every
-# round (so a lost server can be restored), four short rounds.
+# round (so a lost server can be restored), four short rounds; int8 both ways with error
+# feedback, so a re-run must also restore residuals and leave the server's copy of what
+# replicas hold alone.
 EXACT = dict(diloco_loops=4, max_steps=4, num_replicas=2, min_replicas=2, checkpoint_steps=4, eval_batches=1,
-             round_timeout_s=5.0)
+             round_timeout_s=5.0, pseudo_grad_compression="int8", error_feedback=True, weights_compression="int8",
+             compression_block=64)
 
 
 @pytest.fixture(scope="module")
