@@ -422,7 +422,9 @@ def verify(path: str) -> str | None:
         None when it is, else a one-line reason: missing folder or manifest, a manifest
         that is not valid JSON or not format 1, a listed file that is missing, or the
         first file whose SHA-256 differs (``checksum mismatch for 'global.safetensors'``).
-        Files not listed in the manifest are ignored.
+        Every file of the checkpoint must be listed: a manifest that lists none, or a
+        file in the folder that the manifest does not list, fails too (a manifest is
+        the commit of exactly the files it names).
     """
     if not os.path.isdir(path):
         return "not a folder"
@@ -442,6 +444,11 @@ def verify(path: str) -> str | None:
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         return f"{MANIFEST} has no valid 'files' table"
+    if not files:
+        return f"{MANIFEST} lists no files (a checkpoint lists every file it holds)"
+    unlisted = sorted(set(_files_under(path)) - set(files) - {MANIFEST})
+    if unlisted:
+        return f"{unlisted[0]!r} is in the checkpoint but not listed in its {MANIFEST}"
     named = _round_of(path)
     if named is not None and manifest.get("round") != named:
         return f"{MANIFEST} says round {manifest.get('round')!r} but the folder is round {named}"
@@ -459,6 +466,12 @@ def verify(path: str) -> str | None:
         if actual != digest:
             return f"checksum mismatch for {rel!r}"
     return None
+
+
+def _files_under(path: str) -> list[str]:
+    """Every file below ``path``, as manifest paths (``/``-separated, relative)."""
+    return [os.path.relpath(os.path.join(d, f), path).replace(os.sep, "/")
+            for d, _, names in os.walk(path) for f in names]
 
 
 def list_checkpoints(root: str) -> list[str]:

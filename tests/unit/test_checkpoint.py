@@ -244,9 +244,9 @@ def test_commit_writes_manifest_and_verifies(tmp_path):
     assert man["format"] == 1 and man["round"] == 3 and man["meta"] == {"inner_steps": 12}
     assert set(man["files"]) == {"global.safetensors", "global.json", "replicas/r0.safetensors", "replicas/r0.json"}
     assert man["files"]["global.json"] == ckpt.sha256_file(os.path.join(final, "global.json"))
-    # An unlisted extra file does not make it invalid.
+    # A file the manifest does not list is not part of what was committed.
     (root / "round-00000003" / "notes.json").write_text("{}")
-    assert ckpt.verify(final) is None
+    assert "'notes.json' is in the checkpoint but not listed" in ckpt.verify(final)
 
 
 def test_flipped_byte_is_named(tmp_path):
@@ -271,6 +271,23 @@ def test_missing_or_broken_manifest(tmp_path):
     assert "manifest" in ckpt.verify(final)
     with pytest.raises(DataError):
         ckpt.read_manifest(final)
+
+
+def test_a_manifest_must_list_every_file(tmp_path):
+    final = make_ckpt(tmp_path, 1)
+    man = os.path.join(final, "manifest.json")
+    doc = json.load(open(man))
+    json.dump({**doc, "files": {}}, open(man, "w"))
+    assert "lists no files" in ckpt.verify(final)
+    # A file the manifest does not name (here: all but one) is not part of the commit.
+    name, digest = next(iter(doc["files"].items()))
+    json.dump({**doc, "files": {name: digest}}, open(man, "w"))
+    reason = ckpt.verify(final)
+    assert reason is not None and "not listed" in reason
+    json.dump(doc, open(man, "w"))
+    assert ckpt.verify(final) is None
+    open(os.path.join(final, "extra.bin"), "wb").write(b"x")
+    assert "'extra.bin' is in the checkpoint but not listed" in ckpt.verify(final)
 
 
 def test_temp_folders_are_not_listed(tmp_path):
