@@ -127,6 +127,9 @@ def request_scale(output_dir: str, target: int) -> str:
     """Ask the driver of the run in ``output_dir`` (another process, maybe another
     machine when the run is in a bucket) to scale to ``target`` replicas at its next
     round boundary. Returns where the request was written."""
+    if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+        raise ConfigError(f"replicas: {target!r} is not allowed; give a whole number >= 1 "
+                          "(the driver clamps it to [min_replicas, max_replicas])")
     doc = json.dumps({"target": int(target), "time": time.time()}).encode()
     mirror = storage.for_output_dir(output_dir)
     if mirror:

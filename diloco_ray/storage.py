@@ -77,6 +77,18 @@ def is_remote(path: str | None) -> bool:
     return scheme in REMOTE_SCHEMES or scheme in _ALIASES
 
 
+def redact(uri: str) -> str:
+    """``uri`` with any credentials (``scheme://key:secret@bucket``) replaced by ``***``,
+    for messages: a secret must never reach a terminal, a log or metrics.jsonl."""
+    head, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    netloc, slash, path = rest.partition("/")
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    return f"{head}{sep}{netloc}{slash}{path}"
+
+
 def check_uri(field: str, uri: str) -> None:
     """Validate ``uri`` as a run folder without touching the network.
 
@@ -98,42 +110,42 @@ def check_uri(field: str, uri: str) -> None:
         # "s3:bucket" or "s3:/bucket" would otherwise become a local folder named "s3:...".
         head = uri.split(":", 1)[0].lower() if ":" in uri else ""
         if head in REMOTE_SCHEMES or head in _ALIASES:
-            raise ConfigError(f"{field}: {uri!r} is not a valid URI; expected {head}://bucket/path")
+            raise ConfigError(f"{field}: {redact(uri)!r} is not a valid URI; expected {head}://bucket/path")
         return
     scheme = uri.split("://", 1)[0].lower()
     if scheme == "file":
-        raise ConfigError(f"{field}: {uri!r} is not allowed; expected {_ALLOWED} "
+        raise ConfigError(f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED} "
                           "(write a local folder as a plain path, without file://)")
     if not is_remote(uri):
-        raise ConfigError(f"{field}: {uri!r} is not allowed; expected {_ALLOWED}")
+        raise ConfigError(f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED}")
     if any(c.isspace() or ord(c) < 32 for c in uri):
         # pyarrow's URI parser refuses them; spaces in object names must be %20-encoded.
-        raise ConfigError(f"{field}: {uri!r} contains whitespace or control characters; "
+        raise ConfigError(f"{field}: {redact(uri)!r} contains whitespace or control characters; "
                           f"expected {_ALLOWED} (encode a space as %20)")
     parts = urlsplit(uri)
     canonical = _ALIASES.get(scheme, scheme)
     if not parts.netloc:
-        raise ConfigError(f"{field}: {uri!r} has no bucket; expected {canonical}://bucket/path")
+        raise ConfigError(f"{field}: {redact(uri)!r} has no bucket; expected {canonical}://bucket/path")
     if "@" in parts.netloc:
         # pyarrow would take "key:secret@bucket", but the URI is logged and saved in config.yaml.
-        raise ConfigError(f"{field}: {uri!r} holds credentials; put them in the environment "
+        raise ConfigError(f"{field}: {redact(uri)!r} holds credentials; put them in the environment "
                           f"(e.g. AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS), not in the URI")
     if not _BUCKET.match(parts.netloc):
-        raise ConfigError(f"{field}: {uri!r} has an invalid bucket name {parts.netloc!r}; expected "
+        raise ConfigError(f"{field}: {redact(uri)!r} has an invalid bucket name {parts.netloc!r}; expected "
                           f"{canonical}://bucket/path with letters, digits, '.', '-' or '_' in the "
                           "bucket name (set a custom endpoint with AWS_ENDPOINT_URL, not a port)")
     if parts.fragment or uri.endswith("#"):
-        raise ConfigError(f"{field}: {uri!r} has a '#' fragment, which is not allowed; "
+        raise ConfigError(f"{field}: {redact(uri)!r} has a '#' fragment, which is not allowed; "
                           f"expected {canonical}://bucket/path")
     inner = parts.path[1:].rstrip("/")  # a trailing slash is fine, "bucket//p" is not
     segments = inner.split("/") if inner else []
     if any(s in ("", ".", "..") for s in (unquote(s) for s in segments)):
-        raise ConfigError(f"{field}: {uri!r} has an empty, '.' or '..' path segment; "
+        raise ConfigError(f"{field}: {redact(uri)!r} has an empty, '.' or '..' path segment; "
                           f"expected {canonical}://bucket/path")
     allowed = _QUERY_OPTIONS[canonical]
     for key, _ in parse_qsl(parts.query, keep_blank_values=True):
         if key not in allowed:
-            raise ConfigError(f"{field}: {uri!r} has query option {key!r}, which is not allowed; "
+            raise ConfigError(f"{field}: {redact(uri)!r} has query option {key!r}, which is not allowed; "
                               f"{canonical}:// URIs take only {', '.join(allowed)}")
 
 
@@ -143,7 +155,7 @@ class _Parts:
     def __init__(self, uri: str, field: str):
         check_uri(field, uri)
         if not is_remote(uri):
-            raise ConfigError(f"{field}: {uri!r} is not a remote URI; expected s3://bucket/path "
+            raise ConfigError(f"{field}: {redact(uri)!r} is not a remote URI; expected s3://bucket/path "
                               "or gs://bucket/path")
         parts = urlsplit(uri)
         scheme = uri.split("://", 1)[0].lower()

@@ -1,0 +1,44 @@
+"""Bad input to the CLI, in-process and before Ray: exit 2, one line naming the field,
+nothing written, and no secret ever echoed."""
+
+import os
+
+import pytest
+
+from conftest import ROOT
+from diloco_ray import cli, storage
+
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
+
+
+def run_cli(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("target", ["-5", "0"])
+def test_scale_to_fewer_than_one_replica_is_refused(tmp_path, capsys, target):
+    (tmp_path / "metrics.jsonl").write_text("")
+    code, out, err = run_cli(capsys, "scale", str(tmp_path), target)
+    assert code == 2 and err.count("\n") == 1 and err.startswith(f"diloco-ray: error: replicas: {target}")
+    assert not (tmp_path / "scale_request.json").exists()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", TINY, "--set", f"output_dir=s3://AKIAEXAMPLE:{SECRET}@bucket/run"],
+    ["train", TINY, "--set", f"resume_from=s3://AKIAEXAMPLE:{SECRET}@bucket/run/checkpoints"],
+    ["scale", f"s3://AKIAEXAMPLE:{SECRET}@bucket/run", "3"],
+    ["report", f"gs://user:{SECRET}@bucket/run"],
+])
+def test_credentials_in_a_uri_are_refused_and_never_echoed(capsys, argv):
+    code, out, err = run_cli(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1 and "credentials" in err
+    assert SECRET not in out + err and "***@bucket" in err
+
+
+def test_redact_hides_only_the_userinfo():
+    assert storage.redact(f"s3://key:{SECRET}@bucket/a/b?x=1") == "s3://***@bucket/a/b?x=1"
+    assert storage.redact("s3://bucket/a@b") == "s3://bucket/a@b"
+    assert storage.redact("outputs/run") == "outputs/run"
