@@ -89,6 +89,36 @@ def holds_run(listing: list[str], metrics_text: Optional[str]) -> Optional[str]:
     return None
 
 
+PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+
+
+def check_local_folder(field: str, path: str) -> None:
+    """That a local folder can be created (or is there) and written, without creating
+    anything: not on a kernel pseudo-filesystem, every name within the filesystem's
+    limit, the whole path within PATH_MAX, and its nearest existing parent writable."""
+    full = os.path.realpath(os.path.expanduser(path))
+    if any(full == root or full.startswith(root + os.sep) for root in PSEUDO_FILESYSTEMS):
+        raise ConfigError(f"{field}: '{path}' is on a kernel pseudo-filesystem ({full}); "
+                          "give a folder on a real disk or shared storage")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+        path_max = os.pathconf(parent, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    long = next((n for n in full.split(os.sep) if len(n.encode()) > name_max), None)
+    if long is not None:
+        raise ConfigError(f"{field}: '{path}' has a name of {len(long.encode())} bytes ('{long[:20]}...'); "
+                          f"this filesystem allows at most {name_max}")
+    if len(full.encode()) >= path_max:
+        raise ConfigError(f"{field}: '{path}' is {len(full.encode())} bytes long; this system allows paths "
+                          f"shorter than {path_max}")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}: '{path}' cannot be created: '{parent}' is not a writable folder")
+
+
 def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
     """Refuse to start a new run into an ``output_dir`` that already holds one (unless
     resuming it or ``overwrite_output_dir``). Touches nothing."""
@@ -133,4 +163,6 @@ def check(cfg: TrainerConfig, resuming: bool) -> None:
                               "snapshots, which need a local (or shared) output_dir, not a bucket; "
                               "use a multiple of max_steps")
         mirror.check_writable()
+    else:
+        check_local_folder("output_dir", cfg.output_dir)
     check_output_dir(cfg, resuming)

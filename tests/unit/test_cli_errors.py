@@ -42,3 +42,18 @@ def test_redact_hides_only_the_userinfo():
     assert storage.redact(f"s3://key:{SECRET}@bucket/a/b?x=1") == "s3://***@bucket/a/b?x=1"
     assert storage.redact("s3://bucket/a@b") == "s3://bucket/a@b"
     assert storage.redact("outputs/run") == "outputs/run"
+
+
+@pytest.mark.parametrize("output_dir, says", [
+    ("/proc/self/diloco", "pseudo-filesystem"),
+    ("/sys/diloco-run", "pseudo-filesystem"),
+    ("{tmp}/" + "x" * 300, "at most 255"),
+    ("{tmp}/" + "/".join(["y" * 200] * 25), "shorter than"),
+    ("{tmp}/file/run", "not a writable folder"),
+])
+def test_output_dir_that_cannot_be_made_is_bad_input(tmp_path, capsys, output_dir, says):
+    (tmp_path / "file").write_text("not a folder")
+    before = sorted(os.listdir(tmp_path))
+    code, out, err = run_cli(capsys, "train", TINY, "--set", f"output_dir={output_dir.format(tmp=tmp_path)}")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("diloco-ray: error: output_dir:") and says in err
+    assert sorted(os.listdir(tmp_path)) == before  # nothing created
