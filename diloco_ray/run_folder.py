@@ -20,6 +20,7 @@ from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 
 SCALE_REQUEST_FILE = "scale_request.json"
+LOCK_FILE = ".diloco-ray.lock"
 DRIVER_FILES = ("config.yaml", "metrics.jsonl")
 
 
@@ -37,6 +38,41 @@ class RunFolder:
         self.local = self.mirror.local if self.mirror else config.output_dir
         self.checkpoints = self.path("checkpoints")  # a folder, or a URI in a bucket
         self.inflight = os.path.join(self.local, "checkpoints", "inflight")
+
+    def lock(self) -> None:
+        """Take the run folder for this process, before Ray starts and before anything
+        in it is changed: a second ``diloco-ray train`` on the same output_dir is refused.
+
+        An exclusive ``flock`` on ``LOCK_FILE``: the kernel releases it when the process
+        exits, however it exits, so a crashed run leaves no stale lock. With a bucket the
+        lock is on the node-local staging folder, so it keeps out a second run on the same
+        machine only (a bucket has no lock to take).
+        """
+        import fcntl
+        import socket
+
+        os.makedirs(self.local, exist_ok=True)
+        path = os.path.join(self.local, LOCK_FILE)
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ConfigError(f"output_dir: '{self.config.output_dir}' is in use by another diloco-ray run "
+                              f"({holder}); wait for it to end, or choose another output_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        self._lock = handle
+
+    def unlock(self) -> None:
+        """Release :meth:`lock` (also released by the kernel when the process ends)."""
+        handle, self._lock = getattr(self, "_lock", None), None
+        if handle is not None:
+            handle.close()
 
     @property
     def remote(self) -> bool:

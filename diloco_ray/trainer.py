@@ -163,6 +163,7 @@ class DilocoFSDPTrainer:
         # Everything that can be checked without Ray is checked before Ray starts.
         resume = resolve_resume(cfg.resume_from) if cfg.resume_from else None
         preflight.check(cfg, resuming=resume is not None)
+        self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)
         self._connect_ray()
         self.device = self._resolve_device()
@@ -674,3 +675,4 @@ class DilocoFSDPTrainer:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        self.run_dir.unlock()

@@ -57,3 +57,39 @@ def test_output_dir_that_cannot_be_made_is_bad_input(tmp_path, capsys, output_di
     code, out, err = run_cli(capsys, "train", TINY, "--set", f"output_dir={output_dir.format(tmp=tmp_path)}")
     assert code == 2 and err.count("\n") == 1 and err.startswith("diloco-ray: error: output_dir:") and says in err
     assert sorted(os.listdir(tmp_path)) == before  # nothing created
+
+
+def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_it(tmp_path, capsys):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from diloco_ray.config import TrainerConfig
+    from diloco_ray.run_folder import LOCK_FILE, RunFolder
+
+    out = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from diloco_ray.config import TrainerConfig; from diloco_ray.run_folder import RunFolder\n"
+        f"held = RunFolder(TrainerConfig.from_yaml({TINY!r}, overrides={{'output_dir': {str(out)!r}}})); held.lock()\n"
+        "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONPATH": ROOT})
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        code, _, err = run_cli(capsys, "train", TINY, "--set", f"output_dir={out}")
+        assert code == 2 and err.count("\n") == 1 and "in use by another diloco-ray run" in err
+        assert f"pid {holder.pid}" in err
+        assert sorted(os.listdir(out)) == [LOCK_FILE]  # nothing else written
+    finally:
+        holder.send_signal(signal.SIGKILL)  # a crash: no clean-up
+        holder.wait()
+    folder = RunFolder(TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out)}))
+    deadline = time.time() + 5
+    while True:  # the kernel released the dead holder's lock
+        try:
+            folder.lock()
+            break
+        except Exception:
+            assert time.time() < deadline
+            time.sleep(0.1)
+    folder.unlock()
