@@ -119,10 +119,23 @@ def check_local_folder(field: str, path: str) -> None:
         raise ConfigError(f"{field}: '{path}' cannot be created: '{parent}' is not a writable folder")
 
 
+def resumes_own_run(cfg: TrainerConfig) -> bool:
+    """Whether ``resume_from`` points into ``output_dir`` (the run itself, its
+    checkpoints folder or one of its checkpoints): the normal resume of a run."""
+    from diloco_ray import storage
+
+    out, src = cfg.output_dir.rstrip("/"), (cfg.resume_from or "").rstrip("/")
+    if not storage.is_remote(out) and not storage.is_remote(src):
+        out, src = os.path.realpath(out), os.path.realpath(src)
+        return src == out or src.startswith(out + os.sep)
+    return src == out or src.startswith(out + "/")
+
+
 def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
-    """Refuse to start a new run into an ``output_dir`` that already holds one (unless
-    resuming it or ``overwrite_output_dir``). Touches nothing."""
-    if resuming or cfg.overwrite_output_dir:
+    """Refuse to start into an ``output_dir`` that already holds a run, unless resuming
+    that run or ``overwrite_output_dir``: a new run, and a resume from *another* run's
+    checkpoint, would mix two runs' records and checkpoints. Touches nothing."""
+    if cfg.overwrite_output_dir or (resuming and resumes_own_run(cfg)):
         return
     from diloco_ray import storage
 
@@ -139,6 +152,10 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
         metrics = os.path.join(path, "metrics.jsonl")
         text = open(metrics, encoding="utf-8", errors="replace").read() if os.path.isfile(metrics) else None
     why = holds_run(listing, text)
+    if why and resuming:
+        raise ConfigError(f"resume_from: '{cfg.resume_from}' is another run's checkpoint, and output_dir "
+                          f"'{cfg.output_dir}' already holds a run ({why}); resume into a new output_dir, "
+                          "or set overwrite_output_dir: true to replace that run")
     if why:
         raise ConfigError(f"output_dir: '{cfg.output_dir}' already holds a run ({why}); choose a new "
                           "output_dir, set resume_from to continue it, or set overwrite_output_dir: true")

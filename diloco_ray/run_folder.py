@@ -18,9 +18,14 @@ from typing import Optional
 from diloco_ray import checkpoint, cloud_checkpoint, storage
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
+from diloco_ray.preflight import resumes_own_run as preflight_resumes_own_run
 
 SCALE_REQUEST_FILE = "scale_request.json"
 LOCK_FILE = ".diloco-ray.lock"
+# What a run writes into output_dir: overwrite_output_dir removes exactly these (never the
+# whole folder, which may hold the user's own files).
+RUN_OUTPUTS = ("checkpoints", "final", "final_merged", "logs", "metrics.jsonl", "config.yaml",
+               SCALE_REQUEST_FILE, "report.png")
 DRIVER_FILES = ("config.yaml", "metrics.jsonl")
 
 
@@ -91,11 +96,32 @@ class RunFolder:
         ``overwrite_output_dir``) starts a fresh one."""
         os.makedirs(self.local, exist_ok=True)
         metrics = os.path.join(self.local, "metrics.jsonl")
+        if self.config.overwrite_output_dir and not (resuming and preflight_resumes_own_run(self.config)):
+            self.clear_previous_run()
         if self.mirror and resuming:
             self.mirror.download(metrics)
-        elif not resuming and os.path.exists(metrics) and (self.mirror or self.config.overwrite_output_dir):
+        elif not resuming and os.path.exists(metrics) and self.mirror:
             # A bucket's staging copy may hold an older run's file; a new run starts afresh.
             os.remove(metrics)
+
+    def clear_previous_run(self) -> list[str]:
+        """Remove what an earlier run left (``RUN_OUTPUTS``), so that nothing of it (a
+        checkpoint above all, which a later resume would pick up) outlives the overwrite.
+        Returns the names removed."""
+        import shutil
+
+        removed = []
+        for name in RUN_OUTPUTS:
+            path = os.path.join(self.local, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+                removed.append(name)
+            elif os.path.lexists(path):
+                os.remove(path)
+                removed.append(name)
+            if self.mirror:
+                self.mirror.delete(path)
+        return removed
 
     def publish(self) -> None:
         """Upload the driver's files and logs to the bucket (no-op for a local folder)."""

@@ -93,3 +93,54 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
             assert time.time() < deadline
             time.sleep(0.1)
     folder.unlock()
+
+
+def a_checkpoint(root, round_index=3):
+    """A valid (verifying) checkpoint folder under ``root``."""
+    import torch
+
+    from diloco_ray import checkpoint
+
+    tmp = checkpoint.begin(str(root), round_index)
+    checkpoint.save_state(tmp, "global", {"w": torch.ones(2)})
+    return checkpoint.commit(tmp, str(root), round_index, {})
+
+
+def snapshot_of(folder) -> dict:
+    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
+            for d, _, names in os.walk(folder) for f in names}
+
+
+def test_resume_from_another_runs_checkpoint_into_a_finished_run_is_refused(tmp_path, capsys):
+    other = a_checkpoint(tmp_path / "other" / "checkpoints")
+    done = tmp_path / "done"
+    (done / "final").mkdir(parents=True)
+    (done / "metrics.jsonl").write_text('{"event": "round", "round": 0}\n')
+    before = snapshot_of(done)
+    code, _, err = run_cli(capsys, "train", TINY, "--set", f"output_dir={done}", "--set", f"resume_from={other}")
+    assert code == 2 and err.count("\n") == 1 and err.startswith("diloco-ray: error: resume_from:")
+    assert "another run's checkpoint" in err and "overwrite_output_dir" in err
+    assert snapshot_of(done) == before
+
+
+def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
+    from diloco_ray import checkpoint
+    from diloco_ray.config import TrainerConfig
+    from diloco_ray.run_folder import RunFolder
+
+    out = tmp_path / "run"
+    a_checkpoint(out / "checkpoints")
+    (out / "final").mkdir()
+    (out / "metrics.jsonl").write_text('{"event": "round", "round": 3}\n')
+    (out / "notes.txt").write_text("the user's own file")
+    assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is not None
+    cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out), "overwrite_output_dir": True})
+    RunFolder(cfg).prepare(resuming=False)
+    assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is None
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+    # Resuming the run itself with overwrite_output_dir set keeps what it resumes from.
+    a_checkpoint(out / "checkpoints")
+    cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out), "overwrite_output_dir": True,
+                                                   "resume_from": str(out)})
+    RunFolder(cfg).prepare(resuming=True)
+    assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is not None
