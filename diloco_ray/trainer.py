@@ -22,7 +22,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import faults, links, preflight, snapshot
+from diloco_ray import faults, links, preflight, ray_connection, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
@@ -241,18 +241,8 @@ class DilocoFSDPTrainer:
         self._log({"event": "checkpoint", "action": reason, "path": path, "round": self.round_index})
 
     def _connect_ray(self) -> None:
-        if ray.is_initialized():
-            return
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init()  # join the cluster RAY_ADDRESS names (ray job submit sets it)
-            return
-        cfg = self.config
-        # Logical CPUs, not cores: rank actors reserve cpus_per_rank each, and a laptop
-        # with fewer cores than ranks should still run the job (just slower).
-        need = cfg.server_cpus * cfg.num_param_servers + cfg.replica_bounds[1] * cfg.ranks_per_replica * cfg.cpus_per_rank
-        ray.init(num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-                 log_to_driver=True)
-        self._started_ray = True
+        if not ray.is_initialized():
+            self._started_ray = ray_connection.connect(self.config)
 
     def _resolve_device(self) -> str:
         want = self.config.device

@@ -138,3 +138,23 @@ def test_missing_text_field_in_data_is_exit_2(tmp_path):
 def test_report_on_a_folder_without_a_run(tmp_path):
     r = run_cli("report", str(tmp_path))
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr
+
+
+def test_a_stale_local_cluster_file_starts_a_private_ray(tmp_path):
+    """A `ray start` head that was killed leaves ray_current_cluster behind; ray.init()
+    would take it for a live cluster and refuse num_cpus. The run starts its own Ray."""
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1\n")  # nothing listens there
+    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    env.pop("RAY_ADDRESS", None)
+    run = subprocess.run([sys.executable, "-m", "diloco_ray", "train", TINY, "--set", f"output_dir={tmp_path / 'run'}",
+                          "--set", "diloco_loops=1", "--set", "max_steps=2", "--set", "eval_batches=0",
+                          "--set", "model_config.hidden_size=32", "--set", "model_config.intermediate_size=64"],
+                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "joining" not in run.stderr
+    assert os.path.isdir(os.path.join(tmp_path, "run", "final"))
