@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
+    import signal
+
     from diloco_ray.config import TrainerConfig
     from diloco_ray.trainer import DilocoFSDPTrainer
 
@@ -54,8 +56,17 @@ def _train(args) -> int:
         print(config.yaml_text(), end="")
         return EXIT_OK
     shown = _ShowProgress(config)
+    # SIGTERM (a spot preemption, `ray job stop`) stops the run as Ctrl-C does: cleanly,
+    # with a checkpoint of the last completed round when checkpoints are on.
+    trainer = DilocoFSDPTrainer(config, callbacks=[shown], stop_on_sigterm=True)
     try:
-        result = DilocoFSDPTrainer(config, callbacks=[shown]).train()
+        result = trainer.train()
+    except KeyboardInterrupt as e:
+        name = trainer.stopped_by or getattr(e, "signal_name", "SIGINT")
+        saved = (f"checkpoint {trainer.stop_checkpoint} written; resume with --set resume_from={config.output_dir}"
+                 if trainer.stop_checkpoint else "no checkpoint written (set checkpoint_steps to keep one)")
+        print(f"\ndiloco-ray: stopped by {name} at round {trainer.round_index}; {saved}", file=sys.stderr)
+        return 128 + getattr(signal, name, signal.SIGINT).value
     finally:
         shown.progress.close()
     last = result.rounds[-1] if result.rounds else {}

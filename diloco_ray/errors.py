@@ -20,6 +20,20 @@ class DataError(UserInputError):
     """A data set, file or column cannot be used as configured."""
 
 
+class Stopped(KeyboardInterrupt):
+    """The driver was told to stop (SIGTERM: a spot preemption, ``ray job stop``).
+
+    A KeyboardInterrupt, so Ctrl-C and SIGTERM take the same way out of the round loop.
+
+    Args:
+        signal_name: the signal that asked for it, e.g. ``"SIGTERM"``.
+    """
+
+    def __init__(self, signal_name: str):
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 def unwrap(exc: BaseException) -> BaseException:
     """The user-facing cause inside a (possibly nested) Ray task error, else ``exc``."""
     seen = 0

@@ -388,6 +388,20 @@ class RankWorker:
             self._round_start = (round_index, state)
         return restart
 
+    @torch.no_grad()
+    def rewind_round(self, round_index: int) -> None:
+        """Back to the start of ``round_index`` (the run is stopping, and its checkpoint
+        is of that round's boundary): local := anchor, and the round-start inner state
+        when this rank has begun the round. A rank still at the boundary is unchanged."""
+        for name, rows in self._local_rows().items():
+            if name in self.sync.anchor:
+                rows.copy_(self.sync.anchor[name].to(rows.dtype))
+        saved = self._round_start
+        if saved is not None and saved[0] == round_index:
+            self._restore_optimizer_and_rng(_host_copy(saved[1]))
+            self.sync.residual = {n: t.clone() for n, t in saved[1]["residual"].items()}
+            self._round_start = None
+
     def _reset_inner_state(self) -> None:
         """A fresh inner optimizer (and scaler) and no residual: what a replica whose
         pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in

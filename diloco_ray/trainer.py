@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray import faults, links, preflight, ray_connection, snapshot
 from diloco_ray.config import TrainerConfig
-from diloco_ray.errors import ConfigError, UserInputError, unwrap
+from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership, capacity_shortfall
 from diloco_ray.metrics import MetricsLogger, StepBoard
@@ -71,11 +71,16 @@ class DilocoFSDPTrainer:
             ``on_round_end(trainer, record)`` and ``on_train_end(trainer)``.
         worker_cls: the rank class (tests swap in fakes).
         server_cls: the parameter-server class (likewise).
+        stop_on_sigterm: make SIGTERM stop :meth:`train` as Ctrl-C does (raising
+            :class:`~diloco_ray.errors.Stopped` after a checkpoint on stop); the CLI sets
+            it. Installed once Ray is connected, since ``ray.init`` sets its own handler.
     """
 
     def __init__(self, config: TrainerConfig, callbacks: Optional[list] = None,
-                 worker_cls: type = RankWorker, server_cls: type = ParameterServer):
+                 worker_cls: type = RankWorker, server_cls: type = ParameterServer, stop_on_sigterm: bool = False):
         self.config = config
+        self.stop_on_sigterm = stop_on_sigterm
+        self._previous_sigterm = None
         self.callbacks = list(callbacks or [])
         self.worker_cls, self.server_cls = worker_cls, server_cls
         self._target = config.num_replicas
@@ -106,6 +111,8 @@ class DilocoFSDPTrainer:
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.board = None          # the StepBoard actor ranks report inner steps to
         self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
+        self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop
+        self.stopped_by: Optional[str] = None  # the signal that stopped it (SIGTERM), when one did
 
     # ---- public API -------------------------------------------------------------------
     def scale(self, n: int) -> int:
@@ -150,6 +157,9 @@ class DilocoFSDPTrainer:
             if isinstance(cause, UserInputError):
                 raise cause from None
             raise
+        except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through errors.Stopped
+            self.stop_checkpoint = self._checkpoint_on_stop()
+            raise
         finally:
             self.shutdown()
         result.rounds = list(self.records)
@@ -166,6 +176,7 @@ class DilocoFSDPTrainer:
         self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)
         self._connect_ray()
+        self._catch_sigterm()
         self.device = self._resolve_device()
         cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
         run_name = os.path.basename(os.path.abspath(cfg.output_dir) if not self.run_dir.remote
@@ -243,6 +254,19 @@ class DilocoFSDPTrainer:
     def _connect_ray(self) -> None:
         if not ray.is_initialized():
             self._started_ray = ray_connection.connect(self.config)
+
+    def _catch_sigterm(self) -> None:
+        import signal
+
+        if not self.stop_on_sigterm or threading.current_thread() is not threading.main_thread():
+            return
+
+        def stop(signum, frame):
+            # Noted here too: Ray's blocking calls re-raise an interrupt as a plain one.
+            self.stopped_by = signal.Signals(signum).name
+            raise Stopped(self.stopped_by)
+
+        self._previous_sigterm = signal.signal(signal.SIGTERM, stop)
 
     def _resolve_device(self) -> str:
         want = self.config.device
@@ -581,7 +605,7 @@ class DilocoFSDPTrainer:
         if since >= every:
             self.save_checkpoint()
 
-    def save_checkpoint(self) -> Optional[str]:
+    def save_checkpoint(self, timeout_s: Optional[float] = None) -> Optional[str]:
         """Write the server's state and every active replica's inner state as one
         checkpoint (temp folder, checksums, rename); prune old ones. Returns its path,
         or None if a replica died while it was being written (the round goes on)."""
@@ -592,7 +616,8 @@ class DilocoFSDPTrainer:
         for slot, rep in enumerate(members):
             refs += rep.save_inner_state(where, slot)
         try:
-            files = {k: v for hashes in ray.get(refs, timeout=cfg.call_timeout_s) for k, v in (hashes or {}).items()}
+            files = {k: v for hashes in ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
+                     for k, v in (hashes or {}).items()}
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
             self._log({"event": "checkpoint", "action": "failed", "round": self.round_index,
                        "reason": str(e).splitlines()[0][:200]})
@@ -606,6 +631,35 @@ class DilocoFSDPTrainer:
         self._log({"event": "checkpoint", "action": "saved", "path": path, "round": self.round_index,
                    "pruned": pruned})
         return path
+
+    def _checkpoint_on_stop(self) -> Optional[str]:
+        """Told to stop: abandon the round in flight and, with ``checkpoint_steps`` set,
+        checkpoint the last completed round within ``shutdown_grace_s``. The ranks first
+        rewind to that round's boundary (the state they started the round with), so a
+        resume from it continues exactly. Returns the checkpoint, or None."""
+        cfg = self.config
+        if cfg.checkpoint_steps is None or self.server is None or not self.replicas:
+            return None
+        if cfg.sync_fragments > 1 or cfg.overlap_communication:
+            # Local weights differ from the global ones between rounds and a rank keeps no
+            # copy of them from the round's start: the last round checkpoint stands.
+            self._warn("stopped: streaming runs keep their last round checkpoint (none written on stop)")
+            return None
+        deadline = time.monotonic() + cfg.shutdown_grace_s
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        try:
+            for rep in self.replicas:
+                rep.abort(self._attempt)
+            if self.server.round_index() != self.round_index:
+                return None  # the server committed a round the driver has not recorded
+            if self._last_checkpoint_round == self.round_index:
+                return self.run_dir.latest_valid()[0]
+            ray.get([r.rewind_round.remote(self.round_index) for rep in self.replicas for r in rep.ranks],
+                    timeout=left())
+            return self.save_checkpoint(timeout_s=left())
+        except (RayActorError, ray.exceptions.GetTimeoutError, KeyboardInterrupt) as e:
+            self._warn(f"no checkpoint on stop ({type(e).__name__}): the run resumes from its last one")
+            return None
 
     def _recover_server(self) -> None:
         """The server died: start a new one from the latest good checkpoint."""
@@ -666,3 +720,8 @@ class DilocoFSDPTrainer:
             ray.shutdown()
             self._started_ray = False
         self.run_dir.unlock()
+        if self._previous_sigterm is not None:
+            import signal
+
+            signal.signal(signal.SIGTERM, self._previous_sigterm)
+            self._previous_sigterm = None
