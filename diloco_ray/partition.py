@@ -6,9 +6,9 @@ Three partitions of the same parameters meet here:
   (:func:`diloco_ray.sharding.shard_rows`, chunked along dim 0 the way ``torch.chunk`` does);
 * the parameter server is split over ``S`` actors ("server shards"), each owning a contiguous,
   byte-balanced run of the model's parameters in model order (:func:`server_shards`);
-* Streaming DiLoCo syncs ``F`` "fragments" at different times; each fragment is a byte-balanced
-  contiguous run of the parameters laid out in strided layer order, so fragment ``f`` is about
-  the decoder layers ``i % F == f`` (:func:`fragments`).
+* Streaming DiLoCo syncs ``F`` "fragments" at different times; fragment ``f`` holds the decoder
+  layers ``i % F == f`` whole, plus a share of the parameters outside the layers that evens out
+  the fragments' bytes (:func:`fragments`).
 
 A rank sends, for fragment ``f``, to server shard ``s``, exactly
 ``intersect(rank_rows(...), fragments(...)[f], server_shards(...)[s])``; over all triples these
@@ -58,8 +58,10 @@ def whole(shapes: Mapping[str, Sequence[int]]) -> Rows:
     return {name: (0, num_rows(shape)) for name, shape in shapes.items() if num_rows(shape) > 0}
 
 
-def cut(shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int) -> list[Rows]:
-    """Cut the parameters, laid end to end, into ``parts`` contiguous pieces of about equal size.
+def cut(shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int,
+        weights: Sequence[float] | None = None) -> list[Rows]:
+    """Cut the parameters, laid end to end, into ``parts`` contiguous pieces of about equal size
+    (or of sizes in proportion to ``weights``).
 
     The parameters are laid out in ``order`` (each tensor's rows in order) and the sequence is cut
     into ``parts`` contiguous pieces of as-equal-as-possible element counts (so bytes, all being
@@ -73,6 +75,8 @@ def cut(shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int) -
         shapes: name -> full shape; the order of each returned ``Rows``.
         order: a permutation of ``shapes``' names: the layout order.
         parts: number of pieces, at least 1.
+        weights: the pieces' relative sizes (non-negative, not all zero); a piece of weight 0
+            stays empty, and no piece is guaranteed a row.
 
     Returns:
         ``parts`` Rows, each ordered by ``shapes`` order (not ``order``).
@@ -118,9 +122,10 @@ def cut(shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int) -
         i = tensor_at(g)
         return elem_start[i] + (g - row_start[i]) * per_row[i]
 
+    share = np.cumsum(weights if weights is not None else [1.0] * parts, dtype=np.float64)
     bounds = [0]
     for k in range(parts - 1):
-        target = round((k + 1) * elems_total / parts)
+        target = round(share[k] / share[-1] * elems_total)
         lo, hi = 0, rows_total  # smallest boundary g with position(g) >= target
         while lo < hi:
             mid = (lo + hi) // 2
@@ -131,7 +136,7 @@ def cut(shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int) -
         best = lo
         if lo > 0 and target - position(lo - 1) <= position(lo) - target:
             best = lo - 1
-        if rows_total >= parts:  # leave at least one row to this piece and to each one after
+        if weights is None and rows_total >= parts:  # at least one row to this piece and each after
             first, last = bounds[-1] + 1, rows_total - (parts - 1 - k)
         else:
             first, last = bounds[-1], rows_total
@@ -168,48 +173,56 @@ def layer_index(name: str) -> int | None:
     return None
 
 
-def strided_order(names: Sequence[str], fragments: int) -> list[str]:
-    """Streaming DiLoCo's strided layer groups, as one layout order.
-
-    Layer ``i`` belongs to group ``i % fragments``. The order is: the non-layer parameters that
-    come before the first layer parameter in ``names`` (embeddings), then group 0's layers in
-    increasing layer index (the parameters of one layer in their original order), then group 1,
-    ..., then the remaining non-layer parameters in their original order (final norm, lm_head).
-
-    Args:
-        names: parameter names in model order.
-        fragments: number of groups, at least 1.
-
-    Raises:
-        ValueError: ``fragments < 1``.
-    """
-    if fragments < 1:
-        raise ValueError(f"cannot stride over {fragments} fragments")
-    head: list[str] = []
-    tail: list[str] = []
-    layers: dict[int, list[str]] = {}
-    for name in names:
-        index = layer_index(name)
-        if index is None:
-            (tail if layers else head).append(name)
-        else:
-            layers.setdefault(index, []).append(name)
-    ordered = sorted(layers, key=lambda i: (i % fragments, i))
-    return head + [name for i in ordered for name in layers[i]] + tail
-
-
 def fragments(shapes: Mapping[str, Sequence[int]], count: int) -> list[Rows]:
-    """The ``count`` Streaming DiLoCo sync fragments.
+    """The ``count`` Streaming DiLoCo sync fragments: decoder layer ``i`` whole in fragment
+    ``i % count``, and the parameters outside the layers (embeddings, final norm, lm_head)
+    spread over the fragments to even out their bytes.
 
-    ``cut(shapes, strided_order(names, count), count)``: with at least ``count`` equal layers and
-    small non-layer parameters, fragment ``f`` is about the layers ``i % count == f`` (the
-    embeddings land in fragment 0 and the final norm and lm_head in the last one).
+    The non-layer parameters, laid end to end in model order, are cut (at row boundaries,
+    so a large embedding may be split) into pieces that fill the lightest fragments up to
+    one common level (water-filling). A cut in byte order instead put the whole embedding
+    in fragment 0 (at vocab 32k, d 512, 8 layers and 4 fragments, most of fragment 0),
+    and moved layers out of their ``i % count`` group to balance it. A model with no
+    recognisable layers is cut into ``count`` byte-balanced runs in model order.
 
     Args:
         shapes: name -> full shape, in model order.
         count: number of fragments, at least 1.
     """
-    return cut(shapes, strided_order(list(shapes), count), count)
+    if count < 1:
+        raise ValueError(f"cannot cut into {count} fragments")
+    layer_of = {name: layer_index(name) for name in shapes}
+    if count == 1 or all(i is None for i in layer_of.values()):
+        return cut(shapes, list(shapes), count)
+    out: list[Rows] = [{} for _ in range(count)]
+    load = [0.0] * count
+    others = {}
+    for name, shape in shapes.items():
+        if num_rows(shape) <= 0:
+            continue
+        if layer_of[name] is None:
+            others[name] = shape
+            continue
+        f = layer_of[name] % count
+        out[f][name] = (0, num_rows(shape))
+        load[f] += num_rows(shape) * row_numel(shape)
+    extra = sum(num_rows(s) * row_numel(s) for s in others.values())
+    if extra:
+        for f, piece in enumerate(cut(others, list(others), count, weights=fill_to_level(load, extra))):
+            out[f].update(piece)
+    return [{name: frag[name] for name in shapes if name in frag} for frag in out]
+
+
+def fill_to_level(load: Sequence[float], extra: float) -> list[float]:
+    """How much of ``extra`` each bin gets so that the lightest bins rise to one common
+    level (water-filling): ``max(0, level - load[i])``, summing to ``extra``."""
+    ordered = sorted(load)
+    level = ordered[-1]
+    for k in range(1, len(ordered) + 1):
+        level = (extra + sum(ordered[:k])) / k
+        if k == len(ordered) or level <= ordered[k]:
+            break
+    return [max(0.0, level - x) for x in load]
 
 
 def server_shards(shapes: Mapping[str, Sequence[int]], count: int) -> list[Rows]:

@@ -71,7 +71,8 @@ def test_shape_helpers():
 @pytest.mark.parametrize("parts", range(1, 8))
 def test_cut_tiles_model_and_shard_orders(key, parts):
     shapes = ALL[key]
-    for order in (list(shapes), list(reversed(shapes)), P.strided_order(list(shapes), parts)):
+    shuffled = [list(shapes)[i] for i in np.random.default_rng(parts).permutation(len(shapes))]
+    for order in (list(shapes), list(reversed(shapes)), shuffled):
         pieces = P.cut(shapes, order, parts)
         assert len(pieces) == parts
         assert_tiles(pieces, shapes)
@@ -81,7 +82,7 @@ def test_cut_tiles_model_and_shard_orders(key, parts):
 
 
 def test_cut_is_contiguous_in_layout_order():
-    order = P.strided_order(list(EIGHT), 4)
+    order = list(reversed(EIGHT))
     layout = [(n, r) for n in order for r in range(P.num_rows(EIGHT[n]))]
     position = {c: i for i, c in enumerate(layout)}
     pieces = P.cut(EIGHT, order, 4)
@@ -135,8 +136,6 @@ def test_cut_errors():
         P.fragments(TINY, 0)
     with pytest.raises(ValueError):
         P.server_shards(TINY, 0)
-    with pytest.raises(ValueError):
-        P.strided_order(list(TINY), 0)
 
 
 def test_layer_index():
@@ -151,37 +150,70 @@ def test_layer_index():
         assert P.layer_index(name) is None, name
 
 
-def test_strided_order():
-    names = list(EIGHT)
-    order = P.strided_order(names, 4)
-    assert sorted(order) == sorted(names) and len(order) == len(names)
-    assert order[0] == "model.embed_tokens.weight"
-    assert order[-2:] == ["model.norm.weight", "lm_head.weight"]
-    layers = [P.layer_index(n) for n in order[1:-2]]
-    assert layers == [i for i in (0, 4, 1, 5, 2, 6, 3, 7) for _ in range(9)]
-    # The params of one layer keep their original order.
-    assert [n for n in order if P.layer_index(n) == 5] == [n for n in names if P.layer_index(n) == 5]
-    assert P.strided_order(names, 1) == names
-    # Non-layer params after the first layer param go to the end; those before stay in front.
-    mixed = ["a", "layers.1.w", "b", "layers.0.w", "layers.2.w", "c"]
-    assert P.strided_order(mixed, 2) == ["a", "layers.0.w", "layers.2.w", "layers.1.w", "b", "c"]
-    assert P.strided_order(["x", "y"], 3) == ["x", "y"]
+def layers_in_place(frags, shapes) -> bool:
+    """Whether every decoder layer i lies whole in fragment i mod F (and nowhere else)."""
+    count = len(frags)
+    for name, shape in shapes.items():
+        i = P.layer_index(name)
+        if i is None or P.num_rows(shape) == 0:
+            continue
+        holders = [f for f, frag in enumerate(frags) if name in frag]
+        if holders != [i % count] or frags[i % count][name] != (0, P.num_rows(shape)):
+            return False
+    return True
 
 
-def test_fragments_follow_strided_layers():
-    frags = P.fragments(EIGHT, 4)
-    assert len(frags) == 4
+@pytest.mark.parametrize("count", [2, 3, 4, 5])
+def test_fragments_follow_strided_layers(count):
+    frags = P.fragments(EIGHT, count)
+    assert len(frags) == count
     assert_tiles(frags, EIGHT)
-    in_its_fragment = 0
-    for i in range(8):
-        names = [n for n in EIGHT if P.layer_index(n) == i]
-        holders = [f for f, frag in enumerate(frags)
-                   if all(n in frag and frag[n] == (0, P.num_rows(EIGHT[n])) for n in names)]
-        if holders == [i % 4]:
-            in_its_fragment += 1
-    assert in_its_fragment >= 6
-    sizes = [P.numel(f, EIGHT) for f in frags]
-    assert max(sizes) / (sum(sizes) / 4) < 1.05
+    assert layers_in_place(frags, EIGHT)
+    for frag in frags:
+        assert_model_order(frag, EIGHT)
+
+
+def big_vocab_llama(vocab=32000, d=512, ffn=1376, layers=8, tied=False) -> dict:
+    shapes = {"model.embed_tokens.weight": (vocab, d)}
+    for i in range(layers):
+        pre = f"model.layers.{i}"
+        shapes.update({f"{pre}.self_attn.q_proj.weight": (d, d), f"{pre}.self_attn.k_proj.weight": (d, d),
+                       f"{pre}.self_attn.v_proj.weight": (d, d), f"{pre}.self_attn.o_proj.weight": (d, d),
+                       f"{pre}.mlp.gate_proj.weight": (ffn, d), f"{pre}.mlp.up_proj.weight": (ffn, d),
+                       f"{pre}.mlp.down_proj.weight": (d, ffn), f"{pre}.input_layernorm.weight": (d,),
+                       f"{pre}.post_attention_layernorm.weight": (d,)})
+    shapes["model.norm.weight"] = (d,)
+    if not tied:
+        shapes["lm_head.weight"] = (vocab, d)
+    return shapes
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_large_embeddings_and_head_do_not_crowd_out_the_strided_layers(tied):
+    """Vocab 32k, d 512, 8 layers, F=4: the embedding and head are 2/3 of the bytes.
+    Layer i stays in fragment i mod 4, and the rest is spread so the fragments carry
+    equal bytes (to one embedding row), so each sync's peak is 1/4 of the model."""
+    shapes = big_vocab_llama(tied=tied)
+    frags = P.fragments(shapes, 4)
+    assert_tiles(frags, shapes)
+    assert layers_in_place(frags, shapes)
+    sizes = [P.numel(f, shapes) for f in frags]
+    assert max(sizes) - min(sizes) <= 512
+    # The embedding is split over the fragments rather than filling fragment 0.
+    assert sum("model.embed_tokens.weight" in f for f in frags) >= 2
+
+
+def test_fragments_without_layers_are_byte_balanced_runs():
+    shapes = {"a": (10, 4), "b": (30, 4), "c": (20, 4)}
+    frags = P.fragments(shapes, 3)
+    assert_tiles(frags, shapes)
+    assert [P.numel(f, shapes) for f in frags] == [80, 80, 80]
+
+
+def test_fill_to_level():
+    assert P.fill_to_level([10, 0, 4], 6) == [0, 5, 1]
+    assert P.fill_to_level([10, 0, 4], 34) == [6, 16, 12]
+    assert P.fill_to_level([3, 3], 0) == [0, 0]
 
 
 @pytest.mark.parametrize("key", list(ALL))
