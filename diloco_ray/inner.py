@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import compression, data, faults, links, modeling, partition, samples, snapshot
+from diloco_ray import compression, data, faults, links, loss, modeling, partition, samples, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
@@ -72,14 +72,15 @@ class RoundStats:
 
     rank: int
     inner_steps: int
-    tokens: int
-    loss_sum: float       # sum of per-step mean losses
+    tokens: int           # tokens trained on (attention mask), for throughput
+    loss_sum: float       # sum over steps of each step's per-token mean loss (this rank's share)
     compute_seconds: float  # the inner steps alone
     load_seconds: float   # waiting for and applying the server's weights
     bytes_up: int         # pseudo-gradient bytes this rank sent (payload + scales + headers)
     bytes_down: int = 0   # weight bytes this rank received
     aborted: bool = False  # stopped early by abort(): nothing to apply
     restarted: bool = False  # a re-run round: started again from the global weights (and the round-start state)
+    loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
     resumed_step: int = 0  # inner steps restored from an in-flight snapshot
 
 
@@ -212,37 +213,42 @@ class RankWorker:
         first, last = sync_period(fragment, len(steps), cfg.sync_fragments)
         sharded = self.world_size > 1 and cfg.grad_accum > 1
         loss_sum = torch.zeros((), device=self.device)
-        tokens, aborted, resumed, t, poison = 0, False, 0, first, False
+        tokens, counted, aborted, resumed, t = 0, 0, False, 0, first
         logged = (first, 0.0)  # (step, loss_sum) at the last step event
         if snapshots and snapshots.get("resume_step"):
-            resumed, tokens = self._restore_snapshot(snapshots, plan, loss_sum)
+            resumed, tokens, counted = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
-        for t, m, batch in self._micro_batches(source, steps[:last], first):
-            if m == 0:
-                if self._stop_requested(attempt):
-                    aborted = True
-                    break
-                poison = self.faults.at_step(round_index, t)
-                self._beat(job, t)
-                for group in self.optimizer.param_groups:
-                    group["lr"] = inner_lr_at(round_index * cfg.max_steps + t, cfg)
-            final = m == cfg.grad_accum - 1
-            if sharded:  # reduce-scatter gradients once per step, not per micro-batch
-                self.model.set_requires_gradient_sync(final)
-            tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
-            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            with self._autocast():
-                loss = self.model(**batch).loss / cfg.grad_accum
+        for t, batches in self._step_batches(source, steps[:last], first):
+            if self._stop_requested(attempt):
+                aborted = True
+                break
+            poison = self.faults.at_step(round_index, t)
+            self._beat(job, t)
+            for group in self.optimizer.param_groups:
+                group["lr"] = inner_lr_at(round_index * cfg.max_steps + t, cfg)
+            step_tokens = [loss.loss_tokens(b["labels"]) for b in batches]
+            items = loss.items_per_rank(self._replica_total(sum(step_tokens)), self.world_size)
+            for m, batch in enumerate(batches):
+                final = m == len(batches) - 1
+                if sharded:  # reduce-scatter gradients once per step, not per micro-batch
+                    self.model.set_requires_gradient_sync(final)
+                tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
+                counted += step_tokens[m]
+                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+                with self._autocast():
+                    # Summed over the micro-batch's loss tokens and divided by the step's
+                    # (see diloco_ray.loss): one big batch's per-token mean, whatever the
+                    # padding, masking or grad_accum.
+                    step_loss = self.model(**batch, num_items_in_batch=items).loss
                 if poison:
-                    loss = loss * float("nan")  # the fault plan's poisoned step
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            loss_sum += loss.detach()
-            if final:
-                self._optimizer_step()
-                if (t + 1) % cfg.logging_steps == 0:
-                    logged = self._report_step(job, t + 1, loss_sum, logged, tokens)
-                if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
-                    self._save_snapshot(snapshots, plan, t + 1, loss_sum, tokens)
+                    step_loss = step_loss * float("nan")  # the fault plan's poisoned step
+                (self.scaler.scale(step_loss) if self.scaler else step_loss).backward()
+                loss_sum += step_loss.detach()
+            self._optimizer_step()
+            if (t + 1) % cfg.logging_steps == 0:
+                logged = self._report_step(job, t + 1, loss_sum, logged, tokens)
+            if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
+                self._save_snapshot(snapshots, plan, t + 1, loss_sum, (tokens, counted))
         t2 = time.perf_counter()
         if late_merge and not aborted:
             received += self._receive(job, merge=True)
@@ -254,7 +260,7 @@ class RankWorker:
         stats = RoundStats(rank=self.rank, inner_steps=(t - first) if aborted else last - first, tokens=tokens,
                            loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=(t1 - t0) + (t3 - t2),
                            bytes_up=sum(b.nbytes for b in buffers), bytes_down=received, aborted=aborted,
-                           resumed_step=resumed, restarted=restarted)
+                           resumed_step=resumed, restarted=restarted, loss_tokens=counted)
         if aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
         return (*buffers, stats)
@@ -339,24 +345,47 @@ class RankWorker:
         for (t, m, _), batch in zip(items, loader):
             yield t, m, batch
 
-    def _save_snapshot(self, snapshots: dict, plan: list, step: int, loss_sum: torch.Tensor, tokens: int) -> None:
+    def _step_batches(self, source, steps: list, first: int):
+        """``(step, [micro-batches])`` from step ``first`` on: a step's micro-batches
+        together, so its loss can be normalised by all of their loss tokens."""
+        pending: list = []
+        for t, m, batch in self._micro_batches(source, steps, first):
+            pending.append(batch)
+            if m == len(steps[t]) - 1:
+                yield t, pending
+                pending = []
+
+    def _replica_total(self, count: int) -> int:
+        """``count`` summed over the replica's ranks (one small all-reduce per step)."""
+        if self.world_size == 1:
+            return count
+        import torch.distributed as dist
+
+        total = torch.tensor([count], dtype=torch.int64, device=self.device)
+        dist.all_reduce(total)
+        return int(total.item())
+
+    def _save_snapshot(self, snapshots: dict, plan: list, step: int, loss_sum: torch.Tensor,
+                       tokens: tuple[int, int]) -> None:
+        """``tokens``: (tokens, loss tokens) trained on so far this round."""
         state = {**self._optimizer_and_rng(), "rows": {n: _local(p).detach().cpu() for n, p in self.params},
-                 "plan": [list(r) for r in plan], "loss_sum": float(loss_sum), "tokens": tokens}
+                 "plan": [list(r) for r in plan], "loss_sum": float(loss_sum), "tokens": tokens[0],
+                 "loss_tokens": tokens[1]}
         snapshot.save(snapshots["folder"], snapshots["slot"], self.rank, step, state)
 
     @torch.no_grad()
-    def _restore_snapshot(self, snapshots: dict, plan: list, loss_sum: torch.Tensor) -> tuple[int, int]:
-        """Continue a round from an in-flight snapshot: (first step to run, tokens so far).
-        A snapshot taken with another data plan does not apply: (0, 0)."""
+    def _restore_snapshot(self, snapshots: dict, plan: list, loss_sum: torch.Tensor) -> tuple[int, int, int]:
+        """Continue a round from an in-flight snapshot: (first step to run, tokens and
+        loss tokens so far). A snapshot taken with another data plan does not apply: zeros."""
         step = snapshots["resume_step"]
         state = snapshot.load(snapshots["folder"], snapshots["slot"], self.rank, step)
         if state["plan"] != [list(r) for r in plan]:
-            return 0, 0
+            return 0, 0, 0
         for name, p in self.params:
             _local(p).copy_(state["rows"][name])
         self._restore_optimizer_and_rng(state)
         loss_sum += state["loss_sum"]
-        return step, state["tokens"]
+        return step, state["tokens"], state.get("loss_tokens", 0)
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
@@ -468,7 +497,7 @@ class RankWorker:
     # ---- eval and output --------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, weights: list) -> tuple[float, int]:
-        """Mean-loss sum and batch count over this rank's share of the eval batches, for
+        """Summed token loss and loss-token count over this rank's share of the eval batches, for
         the global weights ``weights`` (one packed buffer or ref per server). The rank's
         own training state is left as it was.
 
@@ -498,6 +527,8 @@ class RankWorker:
                     partition.take(local[name], mine, held[0]).copy_(partition.take(piece, mine, start))
 
     def _evaluate(self) -> tuple[float, int]:
+        """(summed token loss, loss tokens) over this rank's eval batches: the driver
+        divides the sums over all ranks, a per-token mean as in training."""
         cfg = self.config
         self.model.eval()
         evals = self.tokens.eval
@@ -511,9 +542,10 @@ class RankWorker:
                 break
             batch = {k: v.to(self.device) for k, v in evals.batch(idx, cfg.dynamic_batch).items()}
             with self._autocast():
-                loss = self.model(**batch).loss
+                mean = self.model(**batch).loss
             if real:
-                total, count = total + float(loss), count + 1
+                n = loss.loss_tokens(batch["labels"])
+                total, count = total + float(mean) * n, count + n
         return total, count
 
     def save_final(self, weights: list, path: str, merged_path: str | None = None) -> str:

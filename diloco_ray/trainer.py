@@ -328,7 +328,8 @@ class DilocoFSDPTrainer:
             if cfg.sync_fragments == 1 and len(reported) < cfg.min_replicas:
                 self._wasted_steps += sum(s.inner_steps for stats in reported.values() for s in stats[:1])
                 return None
-            weight = {rid: float(sum(s.tokens for s in stats)) for rid, stats in reported.items()}
+            # Each replica counts by the tokens that carried loss (see diloco_ray.loss).
+            weight = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
             contributions = [[Contribution(rid, launched[rid][1][s], weight[rid]) for rid in reported]
                              for s in range(len(self.server))]
             refs = self.server.sync(fragment, contributions, plans)
