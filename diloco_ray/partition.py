@@ -183,7 +183,8 @@ def fragments(shapes: Mapping[str, Sequence[int]], count: int) -> list[Rows]:
     one common level (water-filling). A cut in byte order instead put the whole embedding
     in fragment 0 (at vocab 32k, d 512, 8 layers and 4 fragments, most of fragment 0),
     and moved layers out of their ``i % count`` group to balance it. A model with no
-    recognisable layers is cut into ``count`` byte-balanced runs in model order.
+    recognisable layers, or fewer layers than fragments (whole layers cannot fill them
+    all), is cut into ``count`` byte-balanced runs in model order.
 
     Args:
         shapes: name -> full shape, in model order.
@@ -192,7 +193,7 @@ def fragments(shapes: Mapping[str, Sequence[int]], count: int) -> list[Rows]:
     if count < 1:
         raise ValueError(f"cannot cut into {count} fragments")
     layer_of = {name: layer_index(name) for name in shapes}
-    if count == 1 or all(i is None for i in layer_of.values()):
+    if count == 1 or len({i for i in layer_of.values() if i is not None}) < count:
         return cut(shapes, list(shapes), count)
     out: list[Rows] = [{} for _ in range(count)]
     load = [0.0] * count

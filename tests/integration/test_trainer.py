@@ -88,7 +88,8 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
                 full[name] = torch.cat([r for _, r in rows])
             pseudo_grads.append(full)
             weights.append(weight)
-        assert weights == [float(cfg.sequences_per_replica_round * cfg.seq_len)] * 2
+        # Weighted by loss tokens: a packed sequence predicts seq_len - 1 of its tokens.
+        assert weights == [float(cfg.sequences_per_replica_round * (cfg.seq_len - 1))] * 2
 
         expected = OuterOptimizer({n: torch.from_numpy(w) for n, w in before.items()}, cfg).step(pseudo_grads, weights)
         for name, value in after.items():

@@ -302,3 +302,10 @@ def test_take_put_zero_dim(lib):
         P.take(x, (0, 2))
     with pytest.raises(ValueError):
         P.take(x, (1, 2), offset=1)
+
+
+def test_more_fragments_than_layers_are_byte_balanced_runs():
+    frags = P.fragments(TINY, 4)  # 2 layers, 4 fragments
+    assert_tiles(frags, TINY)
+    sizes = [P.numel(f, TINY) for f in frags]
+    assert max(sizes) / (sum(sizes) / 4) < 1.05
