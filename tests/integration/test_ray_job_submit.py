@@ -46,14 +46,16 @@ def local_head():
     group: ``ray stop`` would stop every Ray on the machine."""
     # Short: Ray's unix sockets live under it and their paths are limited to 107 bytes.
     temp = tempfile.mkdtemp(prefix="rjs", dir="/tmp")
+    # RAY_TMPDIR/ray is where `ray start` notes the head's address, for a driver on this
+    # machine to find (ray_current_cluster).
     env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}"}
+           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_TMPDIR": temp}
     env.pop("RAY_ADDRESS", None)
     dashboard = free_port()
     cmd = [os.path.join(BIN, "ray"), "start", "--head", "--port", str(free_port()), "--block",
            "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
            "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", "4", "--disable-usage-stats",
-           "--temp-dir", temp]
+           "--temp-dir", os.path.join(temp, "ray")]
     with open(os.path.join(temp, "head.log"), "w") as log:
         head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
@@ -95,3 +97,18 @@ def test_ray_job_submit_runs_the_default_on_a_local_head(local_head, tmp_path):
     assert [r["round"] for r in rounds] == [0, 1] and all(r["replicas"] == 2 for r in rounds)
     assert (out / "final" / "model.safetensors").exists()
     print(f"ray job submit: 2 rounds of tiny.yaml in {time.monotonic() - t0:.1f}s")
+
+
+def test_train_joins_a_running_local_head_and_says_so(local_head, tmp_path):
+    """`ray start --head` runs on this machine and RAY_ADDRESS is not set: `diloco-ray
+    train` joins that cluster (one line on stderr) instead of failing on num_cpus."""
+    _, env = local_head
+    run = subprocess.run([os.path.join(BIN, "diloco-ray"), "train", os.path.join(ROOT, "configs", "tiny.yaml"),
+                          "--set", f"output_dir={tmp_path / 'run'}", "--set", "diloco_loops=1", "--set", "max_steps=2",
+                          "--set", "eval_batches=0"],
+                         env={**env, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}, capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "joining the running local Ray cluster at" in run.stderr
+    assert os.path.isdir(tmp_path / "run" / "final")
+
