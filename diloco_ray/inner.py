@@ -405,31 +405,27 @@ class RankWorker:
             self._reset_inner_state()
         restart = bool(job.get("restart"))
         if restart:
-            for name, rows in self._local_rows().items():
-                if name in self.sync.anchor:
-                    rows.copy_(self.sync.anchor[name].to(rows.dtype))
-            saved = self._round_start
-            if saved is not None and saved[0] == round_index and not job.get("reset_inner"):
-                self._restore_optimizer_and_rng(_host_copy(saved[1]))  # load_state_dict may alias what it gets
-                self.sync.residual = {n: t.clone() for n, t in saved[1]["residual"].items()}
+            self.rewind_round(round_index, keep=True)
         elif self.config.restore_on_retry and not resuming:
             state = _host_copy({**self._optimizer_and_rng(), "residual": self.sync.residual})
             self._round_start = (round_index, state)
         return restart
 
     @torch.no_grad()
-    def rewind_round(self, round_index: int) -> None:
-        """Back to the start of ``round_index`` (the run is stopping, and its checkpoint
-        is of that round's boundary): local := anchor, and the round-start inner state
-        when this rank has begun the round. A rank still at the boundary is unchanged."""
+    def rewind_round(self, round_index: int, keep: bool = False) -> None:
+        """Back to the start of ``round_index`` (a re-run of it, or the run is stopping
+        and checkpoints that round's boundary): local := anchor, and the round-start
+        inner state when this rank has begun the round (a rank still at the boundary
+        has nothing to undo). ``keep`` keeps that state for another re-run."""
         for name, rows in self._local_rows().items():
             if name in self.sync.anchor:
                 rows.copy_(self.sync.anchor[name].to(rows.dtype))
         saved = self._round_start
         if saved is not None and saved[0] == round_index:
-            self._restore_optimizer_and_rng(_host_copy(saved[1]))
+            self._restore_optimizer_and_rng(_host_copy(saved[1]))  # load_state_dict may alias what it gets
             self.sync.residual = {n: t.clone() for n, t in saved[1]["residual"].items()}
-            self._round_start = None
+            if not keep:
+                self._round_start = None
 
     def _reset_inner_state(self) -> None:
         """A fresh inner optimizer (and scaler) and no residual: what a replica whose
