@@ -138,18 +138,10 @@ class RankWorker:
             self.tokens = samples.TokenData(empty, evals, reader)
         else:
             self.tokens = samples.load_token_data(cfg, self.tokenizer)
-        model = modeling.build_model(cfg, self.tokenizer)
+        # Sharded while still empty (meta), so each rank allocates and loads its rows only.
+        model = modeling.build_model(cfg, self.tokenizer, self.device, self._shard if self.world_size > 1 else None,
+                                     self.world_size, self.rank)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
-        model.to(self.device)
-        if self.world_size > 1:
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-            # bf16 compute with fp32 gradient reduction; fp16 goes through autocast + scaler.
-            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-                if cfg.mixed_precision == "bf16" else MixedPrecisionPolicy()
-            for layer in modeling.decoder_layers(model):
-                fully_shard(layer, mp_policy=policy)
-            fully_shard(model, mp_policy=policy)
         if cfg.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
         self.model = model
@@ -161,6 +153,17 @@ class RankWorker:
                              cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block)
         self._batches: tuple | None = None
         return self.shapes
+
+    def _shard(self, model: torch.nn.Module) -> None:
+        """FSDP2 over the replica's ranks: each decoder layer one unit, the rest the root."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # bf16 compute with fp32 gradient reduction; fp16 goes through autocast + scaler.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.config.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        for layer in modeling.decoder_layers(model):
+            fully_shard(layer, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
 
     def seed_pieces(self):
         """This rank's rows of its freshly built weights, one fp32 buffer per server (a

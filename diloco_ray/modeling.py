@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import os
 import string
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from diloco_ray import model_init
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 
@@ -61,23 +62,62 @@ def load_tokenizer(config: TrainerConfig):
     return tok
 
 
-def build_model(config: TrainerConfig, tokenizer) -> nn.Module:
+def build_model(config: TrainerConfig, tokenizer, device: str | torch.device = "cpu",
+                shard: Callable[[nn.Module], None] | None = None, world_size: int = 1, rank: int = 0) -> nn.Module:
     """The causal LM in fp32, identically initialised on every rank that calls this.
 
-    ``model_name`` loads pretrained weights (``from_pretrained``, hub id or folder);
-    ``model_config`` builds a fresh model of that architecture, seeded by ``config.seed``,
-    with the vocabulary sized to the tokenizer.
+    ``model_name`` loads pretrained weights (hub id or folder); ``model_config`` builds a
+    fresh model of that architecture, seeded by ``config.seed``, with the vocabulary
+    sized to the tokenizer. Either way the model is built on the meta device, handed to
+    ``shard`` (FSDP's ``fully_shard``) before any storage exists, and only then are its
+    rows allocated on ``device`` and filled, one parameter at a time (see
+    :mod:`diloco_ray.model_init`): no rank ever holds the whole model.
+
+    Args:
+        config: the job's config.
+        tokenizer: sizes the vocabulary of a ``model_config`` model.
+        device: where the parameters live.
+        shard: called with the empty (meta) model; must leave each parameter holding
+            the rows ``shard_rows(rows, world_size, rank)`` (as ``fully_shard`` does).
+        world_size, rank: this rank's place among the ranks ``shard`` splits over.
     """
+    build, folder = _factory(config, tokenizer)
+    reader = model_init.CheckpointRows(folder) if folder is not None else None
+    if config.model_name is not None and reader is None:
+        # No safetensors weights (a .bin checkpoint): no rows to read, so load it whole.
+        model = _adapt(_load_whole(config), config)
+        if shard is not None:
+            shard(model)
+        return model.to(device)
+    try:
+        live = _adapt(model_init.meta_model(build), config)
+    except ValueError as e:
+        raise ConfigError(f"attn_implementation: {_first_line(e)}") from None
+    template = _adapt(model_init.meta_model(build), config)
+    if reader is not None:
+        reader.prefix = getattr(_base(template), "base_model_prefix", "")
+    if shard is not None:
+        shard(live)
+    live.to_empty(device=device)
+    if hasattr(_base(live), "tie_weights"):
+        _base(live).tie_weights()  # to_empty may have replaced a tied parameter
+    model_init.fill(live, template, config.seed, reader, world_size, rank)
+    return live
+
+
+def _factory(config: TrainerConfig, tokenizer) -> tuple[Callable[[], nn.Module], str | None]:
+    """(a function that builds the bare model, the checkpoint folder to read or None)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     if config.model_name is not None:
+        folder = model_init.checkpoint_folder(config.model_name)
         try:
-            model = AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32, **extra)
+            hf_config = AutoConfig.from_pretrained(config.model_name)
         except (OSError, ValueError) as e:
-            field = "attn_implementation" if config.attn_implementation and "attn" in str(e).lower() else "model_name"
-            raise ConfigError(f"{field}: cannot load a causal LM from '{config.model_name}': {_first_line(e)}") from None
-        return _adapt(model, config)
+            raise ConfigError(f"model_name: cannot load a causal LM from '{config.model_name}': "
+                              f"{_first_line(e)}") from None
+        return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), folder
     arch = dict(config.model_config)
     model_type = arch.pop("model_type")
     arch.setdefault("vocab_size", len(tokenizer))
@@ -89,13 +129,23 @@ def build_model(config: TrainerConfig, tokenizer) -> nn.Module:
         hf_config = AutoConfig.for_model(model_type, **arch)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"model_config: {_first_line(e)}") from None
+    return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), None
+
+
+def _load_whole(config: TrainerConfig) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     try:
-        with torch.random.fork_rng():
-            torch.manual_seed(config.seed)
-            model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)
-    except ValueError as e:
-        raise ConfigError(f"attn_implementation: {_first_line(e)}") from None
-    return _adapt(model, config)
+        return AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32, **extra)
+    except (OSError, ValueError) as e:
+        field = "attn_implementation" if config.attn_implementation and "attn" in str(e).lower() else "model_name"
+        raise ConfigError(f"{field}: cannot load a causal LM from '{config.model_name}': {_first_line(e)}") from None
+
+
+def _base(model: nn.Module) -> nn.Module:
+    """The Hugging Face model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def _adapt(model: nn.Module, config: TrainerConfig) -> nn.Module:
@@ -115,9 +165,8 @@ def _adapt(model: nn.Module, config: TrainerConfig) -> nn.Module:
         peft_config = IA3Config(target_modules=config.target_modules,
                                 feedforward_modules=ff if config.target_modules else None, task_type="CAUSAL_LM")
     try:
-        with torch.random.fork_rng():
-            torch.manual_seed(config.seed)  # LoRA's A matrices: the same on every rank
-            return get_peft_model(model, peft_config)
+        # On a meta model the adapter's values are set later (model_init.fill).
+        return get_peft_model(model, peft_config)
     except ValueError as e:
         raise ConfigError(f"target_modules: {_first_line(e)}") from None
 

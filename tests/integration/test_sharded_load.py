@@ -1,0 +1,124 @@
+"""Two FSDP ranks (gloo, spawned processes, no Ray) build their model shard by shard.
+
+Each rank goes through ``RankWorker.setup`` as in a real replica. The test checks that
+a rank's memory grows by about its half of the model, never by the whole model (the
+build before sharded loading grew by more than the whole model on every rank), and that
+the rows each rank holds equal those of an unsharded build -- from a config, and from a
+bf16 safetensors checkpoint with a LoRA adapter on top.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from diloco_ray import modeling
+from diloco_ray.config import TrainerConfig
+from diloco_ray.sharding import shard_rows
+
+# ~34M parameters: large enough that half of it stands out of the noise of a process.
+BIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
+       "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}
+SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+
+
+def config(**fields) -> TrainerConfig:
+    base = dict(dataset_name="builtin:arithmetic", seq_len=32, batch_size=2, max_steps=1, diloco_loops=1,
+                ranks_per_replica=2, eval_batches=0, output_dir="unused", seed=5)
+    return TrainerConfig(**{**base, **fields})
+
+
+def _rank(rank: int, port: int, jobs: list, out: str) -> None:
+    from diloco_ray.inner import RankWorker
+
+    torch.set_num_threads(1)
+    results = []
+    for fields in jobs:
+        gc.collect()
+        before = _reset_peak_rss()
+        worker = RankWorker(config(**fields).to_dict(), 0, rank, 2)
+        worker.setup("127.0.0.1", port)
+        grew = _peak_rss() - before
+        rows = {n: (p.to_local() if hasattr(p, "to_local") else p.data).clone() for n, p in worker.params}
+        results.append({"grew": grew, "rows": rows})
+        worker.shutdown()
+        del worker
+        port += 1
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak RSS (VmHWM) to its current RSS, and return that."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _peak_rss()
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Both ranks' rows and memory growth for each job, plus the unsharded builds."""
+    folder = str(tmp_path_factory.mktemp("ckpt"))
+    tok = modeling.char_tokenizer()
+    source = modeling.build_model(config(model_config=SMALL, seed=11), tok)
+    source.to(torch.bfloat16).save_pretrained(folder)  # a bf16 checkpoint, as hub models ship
+    tok.save_pretrained(folder)
+    # The first build pays for imports and data (a rank's fixed overhead), so the second
+    # one's growth is the model's alone.
+    jobs = [{"model_config": SMALL}, {"model_config": BIG},
+            {"model_name": folder, "use_peft": True, "target_modules": ["q_proj", "v_proj"]}]
+    out = str(tmp_path_factory.mktemp("ranks"))
+    mp.start_processes(_rank, args=(_free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
+    ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
+    whole = [modeling.build_model(config(**job), modeling.load_tokenizer(config(**job))) for job in jobs]
+    return jobs, ranks, whole
+
+
+def test_a_rank_never_holds_the_whole_model(built):
+    _, ranks, whole = built
+    full_bytes = sum(p.numel() * 4 for _, p in modeling.trained_parameters(whole[1]))
+    for r in range(2):
+        grew = ranks[r][1]["grew"]
+        # Its half (0.5), one module being initialised and the data; never the whole (>= 1.0).
+        assert grew < 0.75 * full_bytes, f"rank {r} grew by {grew / full_bytes:.2f} x the model"
+
+
+@pytest.mark.parametrize("job", [1, 2], ids=["model_config", "bf16_checkpoint_with_lora"])
+def test_rows_equal_an_unsharded_build(built, job):
+    _, ranks, whole = built
+    expected = dict(modeling.trained_parameters(whole[job]))
+    for r in range(2):
+        rows = ranks[r][job]["rows"]
+        assert set(rows) == set(expected)
+        for name, value in rows.items():
+            full = expected[name].detach()
+            want = full if full.dim() == 0 else full[shard_rows(full.shape[0], 2, r)]
+            assert torch.equal(value, want), name
+
+
+def test_checkpoint_rows_keep_the_checkpoint_values(built, tmp_path):
+    jobs, _, whole = built
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(jobs[2]["model_name"], dtype=torch.float32)
+    base = whole[2].get_base_model()
+    for name, p in reference.named_parameters():
+        peft_name = name.replace("q_proj.weight", "q_proj.base_layer.weight").replace(
+            "v_proj.weight", "v_proj.base_layer.weight")
+        assert torch.equal(dict(base.named_parameters())[peft_name], p), name
