@@ -35,7 +35,7 @@ import json
 import math
 import struct
 import warnings
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -119,6 +119,25 @@ def _encode(flat: torch.Tensor, codec: str, block: int) -> tuple[np.ndarray, np.
     return _as_le_bytes(scale.numpy(), "<f4"), payload
 
 
+_VALUE_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
+_CHUNK = 1 << 18  # values encoded at a time: bounds the codec's scratch memory (~6 MB)
+
+
+def _encode_into(flat: torch.Tensor, codec: str, block: int, scales: np.ndarray, payload: np.ndarray) -> None:
+    """:func:`_encode` written into the sections ``scales`` and ``payload``, a chunk of
+    whole blocks at a time (an even number of them, so int4 chunks start on a byte)."""
+    blocks_per_chunk = max(2, (_CHUNK // block) // 2 * 2) if codec in _QMAX else None
+    step = blocks_per_chunk * block if blocks_per_chunk else _CHUNK
+    for lo in range(0, flat.numel(), step):
+        part = flat[lo:lo + step]
+        s, p = _encode(part, codec, block)
+        if codec in _QMAX:
+            first = lo // block
+            scales[4 * first:4 * first + s.nbytes] = s
+        start = lo // 2 if codec == "int4" else lo * _VALUE_BYTES[codec]
+        payload[start:start + p.nbytes] = p
+
+
 def _view(data: np.ndarray, offset: int, length: int, le_dtype: str) -> torch.Tensor:
     """Zero-copy torch view of a section (copied only if misaligned or foreign-endian)."""
     array = data[offset:offset + length].view(np.dtype(le_dtype))
@@ -166,37 +185,79 @@ def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] =
     Returns:
         The buffer (see the module docstring); ``len`` is exactly the bytes that travel.
     """
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    buf, _ = pack_filled(shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
+                         codec, meta, block)
+    return buf
+
+
+def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.Tensor], object], codec: str,
+                meta: Optional[dict] = None, block: int = DEFAULT_BLOCK,
+                residual: Optional[Mapping[str, torch.Tensor]] = None
+                ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
+    """:func:`pack` whose values are written by ``fill``, with the buffer the only
+    full-size allocation: the layout follows from the shapes alone, so the buffer is
+    allocated first and ``fill(name, out)`` writes each tensor's fp32 values into ``out``
+    -- its section of the buffer itself for codec ``none``, else one scratch tensor at a
+    time, encoded into its section before the next is filled.
+
+    Args:
+        shapes: name -> shape of each tensor, in message order.
+        fill: ``fill(name, out)`` writes that tensor's values into the fp32 tensor ``out``.
+        codec, meta, block: as for :func:`pack`.
+        residual: error feedback (lossy codecs only): name -> fp32 tensor of that shape,
+            added to the values before encoding and overwritten in place with what the
+            codec dropped (zeros for a non-finite tensor, so NaN/Inf is never carried).
+            Names not in it get no feedback. None: no feedback, and no residual built.
+
+    Returns:
+        ``(buffer, residual)``: the residual mapping given (updated), or None.
+    """
     _check_codec(codec)
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    entries, sections, offset = [], [], 0
-    for name, tensor in tensors.items():
+    entries, offset = [], 0
+    for name, shape in shapes.items():
         if not isinstance(name, str):
             raise ValueError(f"tensor names must be str, got {name!r}")
-        flat = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous().view(-1)
-        scales, payload = _encode(flat, codec, block)
-        scales_off = offset
-        payload_off = _align(scales_off + scales.nbytes)
-        offset = _align(payload_off + payload.nbytes)
-        entries.append([name, list(tensor.shape), scales_off, scales.nbytes, payload_off, payload.nbytes])
-        sections += [(scales_off, scales), (payload_off, payload)]
+        numel = math.prod(shape)
+        scales_len = 4 * -(-numel // block) if codec in _QMAX else 0
+        payload_len = codec_nbytes(numel, codec, block) - scales_len
+        payload_off = _align(offset + scales_len)
+        entries.append([name, list(shape), offset, scales_len, payload_off, payload_len])
+        offset = _align(payload_off + payload_len)
     header = json.dumps({"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries},
                         separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     start = _align(_PREFIX + len(header))
-    end = max((off + arr.nbytes for off, arr in sections), default=0)
-    # Every byte is written once: the sections, and zeros in the padding between them
-    # (deterministic bytes), not a zero fill of the whole buffer first.
-    buf = np.empty(start + end, dtype=np.uint8)
-    buf[:start] = 0
+    end = max((e[4] + e[5] for e in entries), default=0)
+    buf = np.zeros(start + end, dtype=np.uint8)  # zero pages cost nothing until written
     buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
     buf[_PREFIX:_PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
-    pos = start
-    for off, arr in sections:  # in increasing offset order
-        buf[pos:start + off] = 0
-        buf[start + off:start + off + arr.nbytes] = arr
-        pos = start + off + arr.nbytes
-    buf[pos:] = 0
-    return buf
+    body = buf[start:]
+    # One scratch tensor, reused: allocating one per tensor costs more, as freed blocks
+    # are not always handed back to the OS.
+    scratch = torch.empty(0 if codec == "none" else max((math.prod(e[1]) for e in entries), default=0))
+    for name, shape, scales_off, scales_len, payload_off, payload_len in entries:
+        if codec == "none":  # straight into the message
+            fill(name, _writable_view(body, payload_off, payload_len).view(tuple(shape)))
+            continue
+        flat = scratch[:math.prod(shape)]
+        fill(name, flat.view(tuple(shape)))
+        feedback = residual.get(name) if residual is not None else None
+        if feedback is not None:
+            flat.add_(feedback.reshape(-1))
+        _encode_into(flat, codec, block, body[scales_off:scales_off + scales_len],
+                     body[payload_off:payload_off + payload_len])
+        if feedback is not None:
+            decoded = _decode(body, [name, shape, scales_off, scales_len, payload_off, payload_len], codec, block)
+            err = flat.sub_(decoded.reshape(-1))
+            feedback.copy_(err.view(feedback.shape) if bool(torch.isfinite(err).all()) else torch.zeros(()))
+    return buf, residual if codec != "none" else None
+
+
+def _writable_view(data: np.ndarray, offset: int, length: int) -> torch.Tensor:
+    """An fp32 tensor over a section of a buffer being written (native little-endian)."""
+    return torch.from_numpy(data[offset:offset + length].view("<f4"))
 
 
 def _as_array(buf) -> np.ndarray:
@@ -293,24 +354,15 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional
     """
     _check_codec(codec)
     residual = residual or {}
-    summed = {}
     for name, tensor in tensors.items():
-        x = tensor.detach().to(device="cpu", dtype=torch.float32)
-        if name in residual:
-            if residual[name].shape != x.shape:
-                raise ValueError(f"residual {name!r} has shape {tuple(residual[name].shape)}, "
-                                 f"tensor has {tuple(x.shape)}")
-            x = x + residual[name]
-        summed[name] = x
-    buf = pack(summed, codec, meta, block)
-    if codec == "none":
-        return buf, None
-    decoded, _ = unpack(buf)
-    new_residual = {}
-    for name, x in summed.items():
-        err = x - decoded[name]
-        new_residual[name] = err if bool(torch.isfinite(err).all()) else torch.zeros_like(err)
-    return buf, new_residual
+        if name in residual and residual[name].shape != tensor.shape:
+            raise ValueError(f"residual {name!r} has shape {tuple(residual[name].shape)}, "
+                             f"tensor has {tuple(tensor.shape)}")
+    new = {name: residual[name].detach().to(torch.float32, copy=True) if name in residual
+           else torch.zeros(tuple(t.shape)) for name, t in tensors.items()}
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    return pack_filled(shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
+                       codec, meta, block, new)
 
 
 # ---- row pieces of named parameters -------------------------------------------------------
@@ -336,6 +388,28 @@ def pack_pieces(pieces: Mapping[str, torch.Tensor], starts: Mapping[str, int], n
     buf, left = compress(keyed, codec, res, full_meta, block=block)
     by_name = {names[int(k)]: v for k, v in left.items()} if left is not None else None
     return buf, by_name
+
+
+def pack_pieces_filled(shapes: Mapping[str, Sequence[int]], starts: Mapping[str, int], names: Sequence[str],
+                       fill: Callable[[str, torch.Tensor], object], codec: str, meta: Optional[dict] = None,
+                       residual: Optional[Mapping[str, torch.Tensor]] = None,
+                       block: int = DEFAULT_BLOCK) -> np.ndarray:
+    """:func:`pack_filled` of parameter row pieces (the message :func:`unpack_pieces` reads).
+
+    Args:
+        shapes: name -> shape of the rows sent of that parameter.
+        starts: name -> the first row's index in the full parameter.
+        names: every parameter name in model order.
+        fill: ``fill(name, out)`` writes those rows, fp32, into ``out``.
+        codec, meta, block: as for :func:`pack`.
+        residual: name -> error-feedback residual of those rows, updated in place.
+    """
+    index = {n: i for i, n in enumerate(names)}
+    keyed = {str(index[n]): tuple(s) for n, s in shapes.items()}
+    res = {str(index[n]): r for n, r in residual.items() if n in shapes} if residual is not None else None
+    full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in shapes]}
+    buf, _ = pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res)
+    return buf
 
 
 def unpack_pieces(buf, names: Sequence[str]) -> tuple[dict[str, tuple[int, torch.Tensor]], dict]:

@@ -111,6 +111,7 @@ class TrainerConfig:
     # --- sync over slow links -----------------------------------------------------------
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales)")
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none)")
+    anchor_on_host: bool = _f(False, "on GPU, keep each rank's anchor (its rows of the global weights, 4 bytes per parameter over the replica's ranks) in pinned host memory instead of GPU memory, as torchft does; the pseudo-gradient is then taken on the host")
     weights_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
     compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs", ge=16)
     sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps (rounded down)", ge=1)

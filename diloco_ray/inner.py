@@ -150,7 +150,8 @@ class RankWorker:
         self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
         self.sync = RankSync(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments,
-                             cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block)
+                             cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block,
+                             cfg.anchor_on_host)
         self._batches: tuple | None = None
         return self.shapes
 

@@ -46,15 +46,17 @@ class RankSync:
         error_feedback: keep residuals.
         alpha: ``fragment_alpha``, used by :meth:`apply` with ``merge=True``.
         block: ``compression_block``.
+        anchor_on_host: keep the anchor in (pinned, when a GPU is there) host memory.
     """
 
     def __init__(self, shapes: Mapping[str, Sequence[int]], world_size: int, rank: int, servers: int = 1,
                  fragments: int = 1, codec: str = "none", error_feedback: bool = False, alpha: float = 0.5,
-                 block: int = compression.DEFAULT_BLOCK):
+                 block: int = compression.DEFAULT_BLOCK, anchor_on_host: bool = False):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.names = list(self.shapes)
         self.world_size, self.rank = world_size, rank
         self.codec, self.alpha, self.block = codec, alpha, block
+        self.anchor_on_host = anchor_on_host
         self.error_feedback = error_feedback and codec != "none"
         # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
         self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
@@ -109,7 +111,7 @@ class RankSync:
                 new = partition.take(piece, mine, start).float()
                 offset = self.held[name][0]
                 if name not in self.anchor:
-                    self.anchor[name] = local[name].detach().float().clone()
+                    self.anchor[name] = self._new_anchor(local[name])
                 anchor = partition.take(self.anchor[name], mine, offset)
                 if meta.get("delta"):
                     anchor.add_(new)
@@ -117,10 +119,16 @@ class RankSync:
                     anchor.copy_(new)
                 rows = partition.take(local[name], mine, offset)
                 if merge and not full:
-                    rows.mul_(self.alpha).add_(anchor.to(rows.dtype), alpha=1.0 - self.alpha)
+                    rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
                 else:
                     rows.copy_(anchor)
             self.versions[s] = meta["version"]
+
+    def _new_anchor(self, local: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of ``local`` where the anchor lives: beside it, or on the host."""
+        if not (self.anchor_on_host and local.device.type == "cuda"):
+            return local.detach().float().clone()
+        return torch.empty(local.shape, dtype=torch.float32, pin_memory=True).copy_(local.detach())
 
     # ---- what goes up ------------------------------------------------------------------
     @torch.no_grad()
@@ -135,22 +143,35 @@ class RankSync:
         stamp = links.stamp(link, link_bytes)
         out = []
         for rows in plan:
-            grads = {}
-            for name, iv in rows.items():
+            residual = self._residual_rows(rows) if self.error_feedback else None
+
+            def fill(name: str, into: torch.Tensor, rows=rows) -> None:
+                # anchor - local, written straight into the message: no full-size temporary.
                 offset = self.held[name][0]
-                grads[name] = partition.take(self.anchor[name], iv, offset) - \
-                    partition.take(local[name], iv, offset).float()
-            residual = {n: partition.take(self.residual[n], iv, self.held[n][0])
-                        for n, iv in rows.items() if n in self.residual} if self.error_feedback else None
-            buf, left = compression.pack_pieces(grads, {n: iv[0] for n, iv in rows.items()}, self.names, self.codec,
-                                                stamp, residual, block=self.block)
-            if self.error_feedback and left is not None:
-                for name, iv in rows.items():
-                    if name not in self.residual:
-                        self.residual[name] = torch.zeros(self.anchor[name].shape)  # on the host, like the codec
-                    partition.take(self.residual[name], iv, self.held[name][0]).copy_(left[name])
-            out.append(buf)
+                anchor = partition.take(self.anchor[name], rows[name], offset)
+                local_rows = partition.take(local[name], rows[name], offset)
+                if local_rows.device == into.device:
+                    torch.sub(anchor, local_rows, out=into.view(anchor.shape))
+                elif anchor.device == into.device:  # anchor on the host: the rows come down first
+                    into.view(anchor.shape).copy_(local_rows)
+                    torch.sub(anchor, into.view(anchor.shape), out=into.view(anchor.shape))
+                else:  # rows on a GPU: one tensor's difference there, then to the host
+                    into.view(anchor.shape).copy_(anchor - local_rows.float())
+
+            out.append(compression.pack_pieces_filled(
+                {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
+                {n: iv[0] for n, iv in rows.items()}, self.names, fill, self.codec, stamp, residual, self.block))
         return out
+
+    def _residual_rows(self, rows: partition.Rows) -> dict[str, torch.Tensor]:
+        """Views of the error-feedback residual of ``rows`` (zeros for a new parameter),
+        which the codec updates in place."""
+        views = {}
+        for name, iv in rows.items():
+            if name not in self.residual:
+                self.residual[name] = torch.zeros(self.anchor[name].shape)  # on the host, like the codec
+            views[name] = partition.take(self.residual[name], iv, self.held[name][0])
+        return views
 
     def seed(self, local: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
         """This rank's rows of its current weights for each server, fp32 (to start the

@@ -69,3 +69,16 @@ def applied_positions(rounds) -> list:
     """Every stream position the applied replicas trained on, over all round records."""
     return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
 
+
+
+def reset_peak_rss() -> int:
+    """Reset this process's peak resident memory (VmHWM) to its current RSS; returns it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak_rss()
+
+
+def peak_rss() -> int:
+    """This process's peak resident memory in bytes since the last :func:`reset_peak_rss`."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from conftest import peak_rss, reset_peak_rss
 from diloco_ray import modeling
 from diloco_ray.config import TrainerConfig
 from diloco_ray.sharding import shard_rows
@@ -41,28 +42,16 @@ def _rank(rank: int, port: int, jobs: list, out: str) -> None:
     results = []
     for fields in jobs:
         gc.collect()
-        before = _reset_peak_rss()
+        before = resetpeak_rss()
         worker = RankWorker(config(**fields).to_dict(), 0, rank, 2)
         worker.setup("127.0.0.1", port)
-        grew = _peak_rss() - before
+        grew = peak_rss() - before
         rows = {n: (p.to_local() if hasattr(p, "to_local") else p.data).clone() for n, p in worker.params}
         results.append({"grew": grew, "rows": rows})
         worker.shutdown()
         del worker
         port += 1
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-
-
-def _reset_peak_rss() -> int:
-    """Reset this process's peak RSS (VmHWM) to its current RSS, and return that."""
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _peak_rss()
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
 def _free_port() -> int:

@@ -384,3 +384,38 @@ def test_load_empty_state():
     sync.load_state_dict({})
     assert sync.residual == {}
     assert sync.versions == [1, 1]  # no anchors in the state: what it holds stays
+
+
+# ----------------------------------------------------------------------- memory of a sync
+BIG = {f"layer{i}": (1024, 1024) for i in range(16)}  # 16M parameters, 64 MB in fp32
+
+
+@pytest.mark.parametrize("codec,feedback", [("none", False), ("int8", False), ("int8", True)])
+def test_outgoing_allocates_the_message_and_one_tensor(codec, feedback):
+    """anchor - local goes straight into the message: its bytes, one tensor of scratch
+    for a lossy codec, and a residual only with error feedback (kept: it is state)."""
+    import gc
+
+    from conftest import peak_rss, reset_peak_rss
+
+    def ready(shapes):
+        sync = RankSync(shapes, world_size=1, rank=0, codec=codec, error_feedback=feedback)
+        local = {n: torch.randn(s) for n, s in shapes.items()}
+        sync.anchor = {n: t + 0.01 for n, t in local.items()}
+        return sync, local
+
+    warm, warm_local = ready({"w": (64, 4096)})
+    warm.outgoing(0, warm_local)  # the kernels' code pages count as resident on first use
+    sync, local = ready(BIG)
+    gc.collect()
+    before = reset_peak_rss()
+    (buf,) = sync.outgoing(0, local)
+    grew = peak_rss() - before
+    one_tensor = 4 * 1024 * 1024
+    state = 4 * 16 * one_tensor / 4 if feedback else 0  # the residual itself
+    assert grew < buf.nbytes + state + 3 * one_tensor, f"{grew / 1e6:.0f} MB for a {buf.nbytes / 1e6:.0f} MB message"
+    pieces, _ = decode(buf, BIG)
+    expected = sync.anchor["layer3"] - local["layer3"]
+    tolerance = 0 if codec == "none" else 0.02 / 127 * 2
+    assert torch.allclose(pieces["layer3"][1], expected, atol=tolerance, rtol=0)
+    assert bool(sync.residual) == feedback
