@@ -102,6 +102,9 @@ class ParameterServer:
     def __init__(self, config: dict, index: int = 0):
         self.config = TrainerConfig.from_dict(config)
         self.index, self.count = index, self.config.num_param_servers
+        # Decoding, summing, clipping and stepping are vectorised torch ops: give them
+        # the cores this actor reserves.
+        torch.set_num_threads(max(1, int(self.config.server_cpus)))
         self.optimizer: OuterOptimizer | None = None
         self.shapes: dict[str, tuple] = {}
         self.cursor = data.DataCursor()
@@ -227,8 +230,18 @@ class ParameterServer:
 
     def last_weights(self) -> np.ndarray:
         """The latest sync's weights message again (a resumed run's replicas merge it);
-        before any sync, the full weights."""
-        return self.last_message if len(self.last_message) else self.weights(None)
+        before any sync, the full weights.
+
+        Uncompressed, the message is the current weights of the last synced fragment, so
+        it is rebuilt rather than kept (a full copy of the slice); a delta message
+        depends on what replicas held before it, so that one is kept."""
+        if self.version == 0:
+            return self.weights(None)
+        if self.config.weights_compression == "none":
+            fragment = (self.fragment - 1) % self.config.sync_fragments
+            return self._pack(self.optimizer.params, self._target(fragment), "none",
+                              {"version": self.version, "fragment": fragment})
+        return self.last_message
 
     def plan(self, slots: int) -> list[list[tuple[int, int]]]:
         """The stream ranges each of ``slots`` replicas trains on next (no state change)."""
@@ -258,8 +271,7 @@ class ParameterServer:
         self._message_version = self.version
         if codec == "none":
             meta = {"version": self.version, "fragment": fragment}
-            self.last_message = self._pack(self.optimizer.params, self._target(fragment), "none", meta)
-            return self.last_message
+            return self._pack(self.optimizer.params, self._target(fragment), "none", meta)
         target = self._target(fragment)
         params = self.optimizer.params
         delta = {n: self._rows(params, n, iv) - self._rows(self.held, n, iv) for n, iv in target.items()}

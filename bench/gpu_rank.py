@@ -1,0 +1,92 @@
+"""One rank on one GPU, without Ray: ``python bench/gpu_rank.py [--layers 16 --hidden 2048]``.
+
+Builds a Llama-style model through the rank's own path (``modeling.build_model``: meta
+device, then only the rank's rows allocated on the GPU and filled), runs AdamW inner steps
+in bf16 autocast with gradient checkpointing, and times one pseudo-gradient pack
+(``RankSync.outgoing``) with the anchor on the GPU and in pinned host memory. Prints
+tokens/s, MFU (6 x parameters x tokens/s over the GPU's dense bf16 peak), peak GPU memory
+in bytes per parameter, and sync seconds per parameter. For the device tool: Ray is not
+installed there, so the rank's parts are driven directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from diloco_ray import modeling  # noqa: E402
+from diloco_ray.config import TrainerConfig  # noqa: E402
+from diloco_ray.rank_sync import RankSync  # noqa: E402
+
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--compile", action="store_true")
+    args = ap.parse_args()
+    arch = {"model_type": "llama", "hidden_size": args.hidden, "intermediate_size": args.hidden * 4,
+            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 128,
+            "num_key_value_heads": args.hidden // 128, "vocab_size": 32000, "tie_word_embeddings": False}
+    cfg = TrainerConfig(model_config=arch, seq_len=args.seq, batch_size=args.batch, mixed_precision="bf16",
+                        gradient_checkpointing=True, output_dir="unused", attn_implementation="sdpa",
+                        dataset_name="builtin:arithmetic")
+    tok = modeling.char_tokenizer()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    model = modeling.build_model(cfg, tok, "cuda")
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t0
+    params = dict(modeling.trained_parameters(model))
+    n = sum(p.numel() for p in params.values())
+    load_peak = torch.cuda.max_memory_allocated()
+    print(f"model {n / 1e9:.2f}B params, build {build_s:.1f} s, GPU peak at load {load_peak / n:.2f} B/param")
+    step_fn = torch.compile(model) if args.compile else model
+    opt = torch.optim.AdamW(params.values(), lr=1e-4, fused=True)
+    ids = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
+    timings = []
+    for step in range(args.steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = step_fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        timings.append(time.perf_counter() - t)
+    steady = sorted(timings[2:])[len(timings[2:]) // 2]
+    tps = args.batch * args.seq / steady
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
+    print(f"device {name}; step {steady * 1e3:.0f} ms, {tps:,.0f} tokens/s, MFU {6 * n * tps / peak:.1%} "
+          f"(6 N T / {peak / 1e12:.0f} TFLOP/s), loss {float(loss):.3f}")
+    print(f"GPU peak in training {torch.cuda.max_memory_allocated() / n:.2f} B/param (AdamW fp32 floor 16 + anchor 4)")
+    for on_host in (False, True):
+        shapes = {k: tuple(p.shape) for k, p in params.items()}
+        sync = RankSync(shapes, 1, 0, anchor_on_host=on_host)
+        local = {k: p.data for k, p in params.items()}
+        sync.anchor = {k: sync._new_anchor(p) for k, p in local.items()}
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        (buf,) = sync.outgoing(0, local)
+        s = time.perf_counter() - t
+        print(f"sync pack, anchor {'in pinned host memory' if on_host else 'on the GPU'}: {s:.2f} s "
+              f"= {s / n * 1e9:.2f} ns/param, message {buf.nbytes / n:.2f} B/param, "
+              f"GPU now {torch.cuda.memory_allocated() / n:.2f} B/param")
+        del sync, buf
+
+
+if __name__ == "__main__":
+    main()
