@@ -70,15 +70,19 @@ class Watcher(threading.Thread):
         super().__init__(daemon=True)
         self.period, self.phase, self.peaks = period, "load", {}
         self._done = threading.Event()
-        self._kinds: dict[int, str | None] = {}
+        self._kinds: dict[int, str] = {}
 
     def _kind(self, proc: psutil.Process) -> str | None:
+        # Only a found kind is remembered: an idle Ray worker takes an actor's title later.
         if proc.pid not in self._kinds:
             try:
                 title = " ".join(proc.cmdline()[:1])
             except psutil.Error:
                 return None
-            self._kinds[proc.pid] = next((k for c, k in KINDS.items() if title.startswith(f"ray::{c}")), None)
+            kind = next((k for c, k in KINDS.items() if title.startswith(f"ray::{c}")), None)
+            if kind is None:
+                return None
+            self._kinds[proc.pid] = kind
         return self._kinds[proc.pid]
 
     def sample(self) -> None:

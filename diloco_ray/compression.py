@@ -303,13 +303,27 @@ def packed_meta(buf) -> dict:
     return _parse_header(buf)[1]["meta"]
 
 
-def unpack(buf) -> tuple[dict[str, torch.Tensor], dict]:
+class Encoded:
+    """One tensor of a packed buffer, not yet decoded: its ``shape`` now, its fp32
+    values from :meth:`decode` (so a reader can check a message's layout first and
+    then decode one tensor at a time, never holding the whole message decoded)."""
+
+    def __init__(self, body: np.ndarray, entry: list, codec: str, block: int):
+        self._args = (body, entry, codec, block)
+        self.shape = torch.Size(entry[1])
+
+    def decode(self) -> torch.Tensor:
+        return _decode(*self._args)
+
+
+def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
     """Decode a :func:`pack` buffer into (name -> fp32 tensor of the original shape, meta).
 
     Args:
         buf: np.uint8 array (read-only is fine, as Ray's object store hands out) or
             bytes-like. With codec ``none`` the returned tensors share memory with
             ``buf``: treat them as read-only (``.clone()`` before editing in place).
+        lazy: return :class:`Encoded` tensors, decoded on demand.
 
     Raises:
         ValueError: ``buf`` is not a pack() buffer (bad magic, corrupt header, truncated).
@@ -331,7 +345,7 @@ def unpack(buf) -> tuple[dict[str, torch.Tensor], dict]:
             raise ValueError(f"corrupt pack() header: tensor {name!r} sections do not match its shape")
         if max(scales_off + scales_len, payload_off + payload_len) > len(body):
             raise ValueError(f"truncated pack() buffer: tensor {name!r} ends past {len(data)} bytes")
-        out[name] = _decode(body, entry, codec, block)
+        out[name] = Encoded(body, entry, codec, block) if lazy else _decode(body, entry, codec, block)
     return out, header["meta"]
 
 
@@ -412,9 +426,10 @@ def pack_pieces_filled(shapes: Mapping[str, Sequence[int]], starts: Mapping[str,
     return buf
 
 
-def unpack_pieces(buf, names: Sequence[str]) -> tuple[dict[str, tuple[int, torch.Tensor]], dict]:
-    """Inverse of :func:`pack_pieces`: (name -> (first row, fp32 rows), meta)."""
-    tensors, meta = unpack(buf)
+def unpack_pieces(buf, names: Sequence[str], lazy: bool = False) -> tuple[dict[str, tuple[int, torch.Tensor]], dict]:
+    """Inverse of :func:`pack_pieces`: (name -> (first row, fp32 rows), meta); with
+    ``lazy`` the rows are :class:`Encoded`, decoded on demand."""
+    tensors, meta = unpack(buf, lazy)
     starts = meta.get("rows", [])
     if len(starts) != len(tensors):
         raise ValueError(f"message lists {len(starts)} row offsets for {len(tensors)} pieces")

@@ -164,7 +164,7 @@ class ParameterServer:
         found, arrived = [], 0.0
         covered = dict.fromkeys(target, 0)
         for r, buf in enumerate(buffers):
-            pieces, meta = compression.unpack_pieces(buf, self.names)
+            pieces, meta = compression.unpack_pieces(buf, self.names, lazy=True)
             arrived = max(arrived, links.arrival(meta) or 0.0)
             for name, (start, piece) in pieces.items():
                 span = (start, start + partition.num_rows(piece.shape))
@@ -173,33 +173,40 @@ class ParameterServer:
                 if tuple(piece.shape[1:]) != self.shapes[name][1:]:
                     raise ValueError(f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
                                      f"want (*, {', '.join(map(str, self.shapes[name][1:]))})")
-                found.append((name, span, torch.as_tensor(piece)))
+                found.append((name, span, piece))
                 covered[name] += span[1] - span[0]
         for name, (a, b) in target.items():
             if covered[name] != b - a:
                 raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
-        for name, _, piece in found:
-            # A vectorised fp32 sum is finite when every value is; only when it is not
-            # (NaN/Inf, or finite values large enough to overflow) is each value checked.
-            if not math.isfinite(float(piece.sum())) and not bool(torch.isfinite(piece).all()):
-                raise ValueError(f"{NON_FINITE} in '{name}'")
         return found, arrived
+
+    @staticmethod
+    def _values(name: str, piece: compression.Encoded) -> torch.Tensor:
+        """A piece decoded (a view into the message when uncompressed) and checked finite."""
+        values = piece.decode()
+        # A vectorised fp32 sum is finite when every value is; only when it is not
+        # (NaN/Inf, or finite values large enough to overflow) is each value checked.
+        if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
+            raise ValueError(f"{NON_FINITE} in '{name}'")
+        return values
 
     def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
         """Like :meth:`_decode`, assembled into tensors covering ``target`` exactly."""
         found, arrived = self._decode(buffers, target)
         out = {n: torch.empty(self._piece_shape(n, iv)) for n, iv in target.items()}
         for name, span, piece in found:
-            partition.put(out[name], span, piece, offset=target[name][0])
+            partition.put(out[name], span, self._values(name, piece), offset=target[name][0])
         return out, arrived
 
     def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float) -> float:
-        """Add one replica's checked pieces, times ``weight``, straight into ``acc``
-        (nothing added when a check fails); returns its arrival time."""
+        """Add one replica's checked pieces, times ``weight``, straight into ``acc``, a
+        piece at a time (never a decoded copy of the whole message); returns its arrival
+        time. Raises ValueError when a check fails: a non-finite piece found part-way
+        leaves ``acc`` holding the pieces before it (the caller rebuilds it)."""
         found, arrived = self._decode(buffers, target)
         for name, span, piece in found:
             rows = partition.take(acc[name], span, target[name][0])
-            rows.add_(piece.reshape(rows.shape), alpha=weight)
+            rows.add_(self._values(name, piece).reshape(rows.shape), alpha=weight)
         return arrived
 
     # ---- state ---------------------------------------------------------------------------
@@ -307,6 +314,8 @@ class ParameterServer:
                 arrived = self._accumulate(acc, resolve(c.refs), target, float(c.weight))
             except ValueError as e:
                 reasons[c.replica_id] = str(e)
+                if e.args[0].startswith(NON_FINITE):  # added part-way: sum the valid ones again
+                    acc = self._sum(contributions, set(valid), target)
                 continue
             except ray.exceptions.RayError as e:  # its node went down after it reported
                 reasons[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
@@ -320,6 +329,14 @@ class ParameterServer:
                         weights={c.replica_id: float(c.weight) for c in contributions},
                         reasons=reasons, arrived=time.time())
 
+    def _sum(self, contributions: list[Contribution], ids: set[int], target: partition.Rows) -> dict:
+        """The weighted sum of the contributions of replicas ``ids`` (checked before)."""
+        acc = {n: torch.zeros(self._piece_shape(n, iv)) for n, iv in target.items()}
+        for c in contributions:
+            if c.replica_id in ids:
+                self._accumulate(acc, resolve(c.refs), target, float(c.weight))
+        return acc
+
     def reduce(self, *prepared: Prepared) -> Reduced:
         """Agree on the accepted replicas (rejected anywhere means rejected everywhere),
         form this slice's mean, and return its squared norms."""
@@ -329,12 +346,8 @@ class ParameterServer:
         weights = prepared[0].weights
         total = sum(weights[rid] for rid in accepted)
         if accepted != pending["valid"]:  # another server rejected one this server summed
-            target = self._target(pending["fragment"])
-            acc = {n: torch.zeros_like(t) for n, t in pending["acc"].items()}
-            for c in pending["contributions"]:
-                if c.replica_id in accepted:
-                    self._accumulate(acc, resolve(c.refs), target, float(c.weight))
-            pending["acc"] = acc
+            pending["acc"] = None  # freed before the new sum is built
+            pending["acc"] = self._sum(pending["contributions"], set(accepted), self._target(pending["fragment"]))
         mean = {n: t.div_(total) for n, t in pending["acc"].items()} if total > 0 else {}
         target = self._target(pending["fragment"])
         pending.update(mean=mean, accepted=accepted)
