@@ -115,6 +115,7 @@ def run_once(arch: dict, layout: dict, out: str) -> dict:
                         dataset_name="builtin:arithmetic", seq_len=64, batch_size=4, max_steps=2, diloco_loops=2,
                         warmup_steps=0, eval_batches=0, cpus_per_rank=1, server_cpus=1, output_dir=out,
                         overwrite_output_dir=True, **layout)
+    _wait_for_exit()
     trainer = DilocoFSDPTrainer(cfg)
     watcher = Watcher()
     watcher.start()
@@ -141,6 +142,19 @@ def run_once(arch: dict, layout: dict, out: str) -> dict:
             "setup_s": setup_s, "save_s": save_s,
             "round_s": sum(r["round_seconds"] for r in rounds) / len(rounds),
             "sync_s": sum(r["sync_seconds"] for r in rounds) / len(rounds)}
+
+
+def _wait_for_exit(timeout: float = 60.0) -> None:
+    """Wait until the last run's rank and server processes are gone: a killed actor's
+    process takes a moment to exit, and counted in the next run it would pass for its
+    own (a 2x1 rank's training peak read as a 1x2 rank's load peak)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in psutil.process_iter(["cmdline"])
+                 if any((p.info["cmdline"] or [""])[0].startswith(f"ray::{c}") for c in KINDS)]
+        if not alive:
+            return
+        time.sleep(0.2)
 
 
 def _numel(shape) -> int:
