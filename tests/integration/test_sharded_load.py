@@ -42,7 +42,7 @@ def _rank(rank: int, port: int, jobs: list, out: str) -> None:
     results = []
     for fields in jobs:
         gc.collect()
-        before = resetpeak_rss()
+        before = reset_peak_rss()
         worker = RankWorker(config(**fields).to_dict(), 0, rank, 2)
         worker.setup("127.0.0.1", port)
         grew = peak_rss() - before
