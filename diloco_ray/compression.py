@@ -372,8 +372,11 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional
         if name in residual and residual[name].shape != tensor.shape:
             raise ValueError(f"residual {name!r} has shape {tuple(residual[name].shape)}, "
                              f"tensor has {tuple(tensor.shape)}")
-    new = {name: residual[name].detach().to(torch.float32, copy=True) if name in residual
-           else torch.zeros(tuple(t.shape)) for name, t in tensors.items()}
+    if codec == "none":  # lossless: no residual to build
+        new = None
+    else:
+        new = {name: residual[name].detach().to(torch.float32, copy=True) if name in residual
+               else torch.zeros(tuple(t.shape)) for name, t in tensors.items()}
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     return pack_filled(shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
                        codec, meta, block, new)

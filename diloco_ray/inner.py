@@ -23,6 +23,7 @@ from diloco_ray import compression, data, faults, links, loss, modeling, partiti
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
+from diloco_ray.round_start import RoundStart
 from diloco_ray.server import resolve
 
 
@@ -102,9 +103,9 @@ class RankWorker:
         self.model = None
         self._abort_attempt = -1  # set from another thread by abort()
         self.faults = faults.RankFaults(faults.for_rank(faults.parse(self.config.fault_plan), replica_id, rank))
-        # (round, host copy of the optimizer, RNG and residual) at the start of that round,
-        # so a re-run of the round starts exactly where the first attempt did.
-        self._round_start: tuple | None = None
+        # The optimizer, RNG and residual at the start of the current round (on local
+        # disk), so a re-run of the round starts exactly where the first attempt did.
+        self._round_start = RoundStart()
         self._last_beat = 0.0
 
     # ---- set-up -----------------------------------------------------------------------
@@ -411,8 +412,7 @@ class RankWorker:
         if restart:
             self.rewind_round(round_index, keep=True)
         elif self.config.restore_on_retry and not resuming:
-            state = _host_copy({**self._optimizer_and_rng(), "residual": self.sync.residual})
-            self._round_start = (round_index, state)
+            self._round_start.save(round_index, {**self._optimizer_and_rng(), "residual": self.sync.residual})
         return restart
 
     @torch.no_grad()
@@ -424,12 +424,12 @@ class RankWorker:
         for name, rows in self._local_rows().items():
             if name in self.sync.anchor:
                 rows.copy_(self.sync.anchor[name].to(rows.dtype))
-        saved = self._round_start
-        if saved is not None and saved[0] == round_index:
-            self._restore_optimizer_and_rng(_host_copy(saved[1]))  # load_state_dict may alias what it gets
-            self.sync.residual = {n: t.clone() for n, t in saved[1]["residual"].items()}
+        saved = self._round_start.load(round_index)  # a fresh copy each time: load_state_dict may alias it
+        if saved is not None:
+            self._restore_optimizer_and_rng(saved)
+            self.sync.residual = {n: t.to("cpu") for n, t in saved["residual"].items()}
             if not keep:
-                self._round_start = None
+                self._round_start.clear()
 
     def _reset_inner_state(self) -> None:
         """A fresh inner optimizer (and scaler) and no residual: what a replica whose
@@ -439,7 +439,7 @@ class RankWorker:
         if self.scaler is not None:
             self.scaler = torch.amp.GradScaler(self.device.type)
         self.sync.residual = {}
-        self._round_start = None
+        self._round_start.clear()
 
     def _beat(self, job: dict, step: int) -> None:
         """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
@@ -632,20 +632,9 @@ class RankWorker:
     def shutdown(self) -> None:
         import torch.distributed as dist
 
+        self._round_start.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _host_copy(obj):
-    """The same structure with every tensor copied to host memory (a snapshot that later
-    steps cannot change)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        return {k: _host_copy(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_host_copy(v) for v in obj)
-    return obj
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:

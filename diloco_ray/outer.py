@@ -279,7 +279,7 @@ class OuterOptimizer:
         """``outer_grad_clip`` (None: no clipping)."""
         return self._clip
 
-    def apply(self, mean: Mapping[str, Tensor], lr: float, clip_coef: float = 1.0) -> None:
+    def apply(self, mean: Mapping[str, Tensor], lr: float, clip_coef: float = 1.0, in_place: bool = False) -> None:
         """One outer optimizer step from an already averaged, validated outer gradient.
 
         Only the params named in ``mean`` move (and only their optimizer state): the
@@ -290,13 +290,17 @@ class OuterOptimizer:
             mean: name -> outer gradient (any subset of the params, same shapes).
             lr: the outer lr for this step (see :meth:`lr_at`).
             clip_coef: factor to scale the gradient by (see :func:`clip_coefficient`).
+            in_place: scale ``mean``'s tensors themselves (the caller's scratch, as the
+                server's sum is) instead of a copy: no temporary of the slice's size.
         """
         for name, g in mean.items():
             p = self._params[name]
             if g.shape != p.shape:
                 raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
             g = g.to(device=p.device, dtype=torch.float32)
-            p.grad = g * clip_coef if clip_coef != 1.0 else g  # never scale the caller's tensor
+            if clip_coef != 1.0:  # the caller's tensor is scaled only when it says so
+                g = g.mul_(clip_coef) if in_place else g * clip_coef
+            p.grad = g
         for group in self._optimizer.param_groups:
             group["lr"] = lr
         self._optimizer.step()

@@ -105,6 +105,7 @@ class ParameterServer:
         # Decoding, summing, clipping and stepping are vectorised torch ops: give them
         # the cores this actor reserves.
         torch.set_num_threads(max(1, int(self.config.server_cpus)))
+        _return_freed_memory()
         self.optimizer: OuterOptimizer | None = None
         self.shapes: dict[str, tuple] = {}
         self.cursor = data.DataCursor()
@@ -374,7 +375,7 @@ class ParameterServer:
         streaming = cfg.sync_fragments > 1
         if accepted:
             mean = {self.pieces[(n, fragment)]: g for n, g in pending["mean"].items()}
-            opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm))
+            opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm), in_place=True)
         elif not streaming:
             # Plain DiLoCo: nothing usable arrived, so the round is run again.
             return AppliedRound(applied=False, round=round_index, fragment=0, outer_lr=lr, pseudo_grad_norm=None,
@@ -466,6 +467,20 @@ class ParameterServer:
         self._round_accepted = None if accepted is None else set(accepted)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])
         return self.weight_bytes()
+
+
+def _return_freed_memory() -> None:
+    """Have glibc serve every allocation of 128 KiB or more with its own mapping, handed
+    back to the OS when freed. By default glibc raises that threshold after the first
+    large free, and the server's per-round buffers (the sum, the weights message) then
+    come from a heap that keeps what was freed: resident memory creeps a slice's size
+    above what is live. Not glibc (macOS, musl): nothing to do."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 20) -> float:
