@@ -127,6 +127,7 @@ class TrainerConfig:
     lora_dropout: float = _f(0.05, "LoRA dropout", ge=0.0, lt=1.0)
     target_modules: Optional[list] = _f(None, "module names to adapt (default: peft's choice for the architecture)")
     peft_bias: Literal["none", "all", "lora_only"] = _f("none", "which biases LoRA trains")
+    final_shard_mb: float = _f(2048.0, "largest shard file of final/ in MiB (sharded safetensors with an index, streamed from the servers one tensor at a time)", gt=0.0)
     merge_adapter: bool = _f(False, "also write the adapter merged into the base weights to output_dir/final_merged")
     prompt_template: Optional[str] = _f(None, "format string over a row's columns for the prompt (no loss on it)")
     completion_template: Optional[str] = _f(None, "format string over a row's columns for the completion (loss on it)")

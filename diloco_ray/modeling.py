@@ -105,13 +105,21 @@ def build_model(config: TrainerConfig, tokenizer, device: str | torch.device = "
     return live
 
 
-def _factory(config: TrainerConfig, tokenizer) -> tuple[Callable[[], nn.Module], str | None]:
-    """(a function that builds the bare model, the checkpoint folder to read or None)."""
+def meta_model(config: TrainerConfig, tokenizer) -> nn.Module:
+    """The configured model (with its PEFT adapter) on the meta device: its config,
+    names and shapes, no weights."""
+    build, _ = _factory(config, tokenizer, download=False)
+    return _adapt(model_init.meta_model(build), config)
+
+
+def _factory(config: TrainerConfig, tokenizer, download: bool = True) -> tuple[Callable[[], nn.Module], str | None]:
+    """(a function that builds the bare model, the checkpoint folder to read or None;
+    None too without ``download``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
     if config.model_name is not None:
-        folder = model_init.checkpoint_folder(config.model_name)
+        folder = model_init.checkpoint_folder(config.model_name) if download else None
         try:
             hf_config = AutoConfig.from_pretrained(config.model_name)
         except (OSError, ValueError) as e:
@@ -208,16 +216,18 @@ def save_hf(model: nn.Module, tokenizer, weights: dict[str, torch.Tensor], path:
     result = model.load_state_dict({n: torch.as_tensor(w) for n, w in weights.items()}, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"weights hold tensors the model does not have: {result.unexpected_keys[:5]}")
-    _write_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    write_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def save_merged(model: nn.Module, tokenizer, path: str) -> None:
     """Fold a PEFT adapter into its base weights and write a plain Hugging Face model."""
     merged = model.merge_and_unload()
-    _write_atomically(path, lambda tmp: (merged.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    write_atomically(path, lambda tmp: (merged.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
-def _write_atomically(path: str, write) -> None:
+def write_atomically(path: str, write) -> None:
+    """Run ``write(tmp)`` into ``path.tmp``, then put it in place of ``path``: a crash
+    never leaves a half-written folder."""
     import shutil
 
     tmp = f"{path}.tmp"

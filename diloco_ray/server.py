@@ -260,6 +260,14 @@ class ParameterServer:
         """This slice of the exact fp32 global weights, packed (for eval and final/)."""
         return self._pack(self.optimizer.params, self.owned, "none", {"version": self.version})
 
+    def rows_of(self, name: str) -> tuple[int, np.ndarray] | None:
+        """(first row, fp32 rows) of the global weights of ``name`` that this server
+        holds, or None: what the final save streams, one tensor at a time."""
+        iv = self.owned.get(name)
+        if iv is None:
+            return None
+        return iv[0], self._rows(self.optimizer.params, name, iv).numpy().copy()
+
     def weights(self, fragment: int | None = None) -> np.ndarray:
         """What replicas load after a sync of ``fragment`` (None: everything, for a replica
         that starts from scratch), packed.
@@ -483,7 +491,7 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 20) -> float:
+def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 16) -> float:
     """Sum of squares accumulated in float64, a chunk at a time: float64 precision
     without a float64 copy of the whole tensor (which cost more than the sum itself)."""
     flat = t.reshape(-1)

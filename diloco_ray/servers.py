@@ -104,6 +104,13 @@ class ServerGroup:
         """Refs to the exact fp32 global weights, packed per server (eval, final/)."""
         return [a.global_weights.remote() for a in self.actors]
 
+    def tensor(self, name: str, shape) -> np.ndarray:
+        """The full fp32 values of one parameter, gathered from the servers holding it."""
+        from diloco_ray.final_save import assemble_rows
+
+        slices = [r for r in ray.get([a.rows_of.remote(name) for a in self.actors]) if r is not None]
+        return assemble_rows(name, shape, slices)
+
     def kill(self) -> None:
         for a in self.actors:
             try:

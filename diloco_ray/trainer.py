@@ -22,7 +22,9 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray import faults, links, preflight, ray_connection, snapshot
+import torch
+
+from diloco_ray import faults, final_save, links, modeling, preflight, ray_connection, snapshot, staging
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
@@ -684,11 +686,31 @@ class DilocoFSDPTrainer:
 
     # ---- output and teardown ----------------------------------------------------------
     def save_final(self) -> str:
-        """Write the global weights as a Hugging Face model to ``output_dir/final``."""
+        """Write the global weights as a Hugging Face model to ``output_dir/final``:
+        sharded safetensors streamed from the servers one tensor at a time (see
+        :mod:`diloco_ray.final_save`), or the PEFT adapter."""
         path = self.run_dir.path("final")
-        merged = self.run_dir.path("final_merged") if self.config.merge_adapter else None
-        if self._on_a_live_replica(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
-            raise RuntimeError("no replica is left to write final/")
+        if self.config.merge_adapter:
+            # Merging needs the base weights beside the adapter: a replica, which has
+            # them, writes both folders (that rank builds the whole base model).
+            merged = self.run_dir.path("final_merged")
+            if self._on_a_live_replica(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
+                raise RuntimeError("no replica is left to write final/")
+            return path
+        cfg = self.config
+        tokenizer = modeling.load_tokenizer(cfg)
+        model = modeling.meta_model(cfg, tokenizer)
+
+        def write(folder: str) -> None:
+            if cfg.use_peft:
+                adapter = {n: torch.from_numpy(self.server.tensor(n, s)) for n, s in self.shapes.items()}
+                final_save.save_adapter(folder, model, tokenizer, adapter)
+            else:
+                final_save.save_model(folder, model, tokenizer, self.shapes,
+                                      lambda n: self.server.tensor(n, self.shapes[n]), int(cfg.final_shard_mb * 2**20))
+
+        modeling.write_atomically(staging.scratch(path), write)
+        staging.publish_tree(path)
         return path
 
     def _warn(self, message: str) -> None:

@@ -53,10 +53,20 @@ def first_round(worker, plan, round_index=0):
 
 
 def final_weights(output_dir):
-    """``output_dir/final``'s weights, name -> tensor."""
+    """``output_dir/final``'s weights, name -> tensor (one file or sharded with an index)."""
+    return folder_weights(os.path.join(output_dir, "final"))
+
+
+def folder_weights(folder):
+    """A Hugging Face folder's safetensors weights, name -> tensor, sharded or not."""
+    import glob
+
     from safetensors.torch import load_file
 
-    return load_file(os.path.join(output_dir, "final", "model.safetensors"))
+    out = {}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        out.update(load_file(path))
+    return out
 
 
 def max_abs_diff(a_dir, b_dir) -> float:

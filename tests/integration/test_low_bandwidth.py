@@ -5,9 +5,8 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
-from conftest import tiny_config
+from conftest import folder_weights, tiny_config
 from diloco_ray import DilocoFSDPTrainer
 
 pytestmark = pytest.mark.integration
@@ -16,7 +15,7 @@ pytestmark = pytest.mark.integration
 def train(tmp_path, name, **overrides):
     cfg = tiny_config(tmp_path / name, **overrides)
     result = DilocoFSDPTrainer(cfg).train()
-    return result, load_file(os.path.join(result.final_path, "model.safetensors"))
+    return result, folder_weights(result.final_path)
 
 
 def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
@@ -24,7 +23,15 @@ def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
     # the one over every server's slice.
     common = dict(diloco_loops=2, outer_grad_clip=0.05, ranks_per_replica=2)
     one, w1 = train(tmp_path, "one", **common)
-    two, w2 = train(tmp_path, "two", num_param_servers=2, **common)
+    # final/ streamed from two servers in 40 KiB shards (the model is ~120 KB): an index
+    # and several files, loadable with from_pretrained, equal to the one-server run's.
+    two, w2 = train(tmp_path, "two", num_param_servers=2, final_shard_mb=0.04, **common)
+    files = sorted(os.listdir(two.final_path))
+    assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 2
+    from transformers import AutoModelForCausalLM
+
+    loaded = dict(AutoModelForCausalLM.from_pretrained(two.final_path).named_parameters())
+    assert all(torch.equal(loaded[n], t) for n, t in w2.items())
     assert all(r["pseudo_grad_norm"] > 0.05 for r in one.rounds)
     assert [r["pseudo_grad_norm"] for r in one.rounds] == pytest.approx([r["pseudo_grad_norm"] for r in two.rounds],
                                                                         rel=1e-9)
