@@ -15,6 +15,9 @@ What is measured, and why:
   process that maps them.
 * **Fixed overhead** per process kind (Python, torch, transformers, Ray, the data) is
   measured, not guessed: the same layout with the tiny model of ``configs/tiny.yaml``.
+* **Gradient checkpointing on**, as at the sizes users train: the floors count state
+  per parameter, and without it a step's activations (here about 8 B/param at 41M, more
+  with longer sequences) would be measured as if they were per-parameter state.
 * **Floors and goals** (the issue's): a rank's peak, at load and in training, within
   1.25 x (16 B/param for fp32 AdamW + 4 B/param anchor, over its replica's ranks, + its
   overhead); a server's peak within 12 B/param of its slice above its overhead; the
@@ -114,6 +117,7 @@ def run_once(arch: dict, layout: dict, out: str) -> dict:
                                       "tie_word_embeddings": False, **arch},
                         dataset_name="builtin:arithmetic", seq_len=64, batch_size=4, max_steps=2, diloco_loops=2,
                         warmup_steps=0, eval_batches=0, cpus_per_rank=1, server_cpus=1, output_dir=out,
+                        gradient_checkpointing=True,
                         overwrite_output_dir=True, **layout)
     _wait_for_exit()
     trainer = DilocoFSDPTrainer(cfg)

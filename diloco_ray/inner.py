@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import compression, data, faults, links, loss, modeling, partition, samples, snapshot
+from diloco_ray import compression, data, faults, host_memory, links, loss, modeling, partition, samples, snapshot
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
@@ -97,6 +97,10 @@ class RankWorker:
     """
 
     def __init__(self, config: dict, replica_id: int, rank: int, world_size: int, device: str = "cpu"):
+        # Quiet, reproducible ranks: tokenizers' own thread pool fights the inner loop for
+        # cores and warns after fork. Set here rather than as the actor's runtime_env,
+        # which would keep Ray from using one of its already started worker processes.
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.config = TrainerConfig.from_dict(config)
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
@@ -129,6 +133,9 @@ class RankWorker:
         if self.world_size > 1:
             import torch.distributed as dist
 
+            # FSDP's all-gathered layers come and go every step: keep glibc from
+            # holding on to their pages (see diloco_ray.host_memory).
+            host_memory.fix_mmap_threshold(host_memory.FSDP_RANK_THRESHOLD)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size)

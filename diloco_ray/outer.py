@@ -290,19 +290,32 @@ class OuterOptimizer:
             mean: name -> outer gradient (any subset of the params, same shapes).
             lr: the outer lr for this step (see :meth:`lr_at`).
             clip_coef: factor to scale the gradient by (see :func:`clip_coefficient`).
-            in_place: scale ``mean``'s tensors themselves (the caller's scratch, as the
-                server's sum is) instead of a copy: no temporary of the slice's size.
+            in_place: ``mean`` is the caller's scratch (a dict, as the server's sum is):
+                its tensors are scaled in place and each is dropped from it once its
+                parameter has stepped, one parameter at a time, so the step never holds
+                more than one tensor beyond the weights, their state and what is left of
+                the sum. The result is the same: the optimizers this takes update each
+                parameter from its own gradient and state alone.
         """
         for name, g in mean.items():
             p = self._params[name]
             if g.shape != p.shape:
                 raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
-            g = g.to(device=p.device, dtype=torch.float32)
-            if clip_coef != 1.0:  # the caller's tensor is scaled only when it says so
-                g = g.mul_(clip_coef) if in_place else g * clip_coef
-            p.grad = g
         for group in self._optimizer.param_groups:
             group["lr"] = lr
+        if in_place:
+            for name in list(mean):
+                p = self._params[name]
+                p.grad = mean.pop(name).to(device=p.device, dtype=torch.float32)
+                if clip_coef != 1.0:
+                    p.grad.mul_(clip_coef)
+                self._optimizer.step()  # steps only the parameter that has a gradient
+                p.grad = None
+            return
+        for name, g in mean.items():
+            p = self._params[name]
+            g = g.to(device=p.device, dtype=torch.float32)
+            p.grad = g * clip_coef if clip_coef != 1.0 else g  # never scale the caller's tensor
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
 

@@ -17,11 +17,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from diloco_ray.config import TrainerConfig
 from diloco_ray.inner import RankWorker
 
-# Quiet, reproducible rank processes: tokenizers' own thread pool fights the inner loop
-# for cores and warns after fork.
-_RANK_ENV = {"TOKENIZERS_PARALLELISM": "false"}
-
-
 def resources_for_replica(resources, replica_id: int) -> dict:
     """The custom resources (``replica_resources``) each rank bundle of replica
     ``replica_id`` asks for: the mapping, or entry ``id mod len`` of a list."""
@@ -62,7 +57,6 @@ class Replica:
                 num_cpus=config.cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-                runtime_env={"env_vars": _RANK_ENV},
             ).remote(config.to_dict(), replica_id, r, self.world_size, device)
             for r in range(self.world_size)
         ]

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from diloco_ray import compression, data, links, partition
+from diloco_ray import compression, data, host_memory, links, partition
 from diloco_ray.config import TrainerConfig
 from diloco_ray.outer import OuterOptimizer, clip_coefficient
 
@@ -105,7 +105,7 @@ class ParameterServer:
         # Decoding, summing, clipping and stepping are vectorised torch ops: give them
         # the cores this actor reserves.
         torch.set_num_threads(max(1, int(self.config.server_cpus)))
-        _return_freed_memory()
+        host_memory.fix_mmap_threshold(host_memory.SERVER_THRESHOLD)
         self.optimizer: OuterOptimizer | None = None
         self.shapes: dict[str, tuple] = {}
         self.cursor = data.DataCursor()
@@ -357,7 +357,9 @@ class ParameterServer:
         if accepted != pending["valid"]:  # another server rejected one this server summed
             pending["acc"] = None  # freed before the new sum is built
             pending["acc"] = self._sum(pending["contributions"], set(accepted), self._target(pending["fragment"]))
-        mean = {n: t.div_(total) for n, t in pending["acc"].items()} if total > 0 else {}
+        acc = pending.pop("acc")  # becomes the mean, in place: one reference, which commit consumes
+        mean = {n: t.div_(total) for n, t in acc.items()} if total > 0 else {}
+        del acc
         target = self._target(pending["fragment"])
         pending.update(mean=mean, accepted=accepted)
         sumsq = [(self.position[n], target[n][0], _sum_of_squares(g)) for n, g in mean.items()]
@@ -382,8 +384,8 @@ class ParameterServer:
         round_index, fragment = opt.round, self.fragment
         streaming = cfg.sync_fragments > 1
         if accepted:
-            mean = {self.pieces[(n, fragment)]: g for n, g in pending["mean"].items()}
-            opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm), in_place=True)
+            mean = {self.pieces[(n, fragment)]: g for n, g in pending.pop("mean").items()}
+            opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm), in_place=True)  # consumes mean
         elif not streaming:
             # Plain DiLoCo: nothing usable arrived, so the round is run again.
             return AppliedRound(applied=False, round=round_index, fragment=0, outer_lr=lr, pseudo_grad_norm=None,
@@ -475,20 +477,6 @@ class ParameterServer:
         self._round_accepted = None if accepted is None else set(accepted)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])
         return self.weight_bytes()
-
-
-def _return_freed_memory() -> None:
-    """Have glibc serve every allocation of 128 KiB or more with its own mapping, handed
-    back to the OS when freed. By default glibc raises that threshold after the first
-    large free, and the server's per-round buffers (the sum, the weights message) then
-    come from a heap that keeps what was freed: resident memory creeps a slice's size
-    above what is live. Not glibc (macOS, musl): nothing to do."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        pass
 
 
 def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 16) -> float:

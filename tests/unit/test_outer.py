@@ -371,3 +371,22 @@ def test_load_state_dict_by_name_when_param_order_differs():
     reordered.step(grads, [1.0])
     for name in params:
         assert torch.equal(reordered.params[name], uninterrupted.params[name])
+
+
+@pytest.mark.parametrize("outer", [dict(outer_opt="SGD", outer_momentum=0.9),
+                                   dict(outer_opt="Adam", outer_opt_kwargs={"betas": [0.9, 0.95]})])
+def test_in_place_one_parameter_at_a_time_equals_one_step(outer):
+    """The server's way (apply(in_place=True): the sum scaled in place, each parameter
+    stepped alone and its gradient dropped) gives the same weights as one step of all."""
+    g = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g)}
+    together = OuterOptimizer({k: v.clone() for k, v in start.items()}, cfg(**outer))
+    alone = OuterOptimizer({k: v.clone() for k, v in start.items()}, cfg(**outer))
+    for step in range(3):
+        mean = {k: torch.randn(v.shape, generator=g) for k, v in start.items()}
+        together.apply(mean, lr=0.5, clip_coef=0.3)
+        scratch = {k: v.clone() for k, v in mean.items()}
+        alone.apply(scratch, lr=0.5, clip_coef=0.3, in_place=True)
+        assert scratch == {}  # consumed
+        for k in start:
+            assert torch.equal(alone.params[k], together.params[k]), (step, k)
