@@ -43,3 +43,54 @@ def test_fsdp_over_nccl_two_ranks(ray_gpu, tmp_path):
     result = _train(cfg)
     assert [r["replicas"] for r in result.rounds] == [1, 1]
     assert result.rounds[-1]["eval_loss"] < result.rounds[0]["eval_loss"] * 1.05
+
+
+def test_gradient_checkpointing_and_compile_bf16_on_gpu(ray_gpu, tmp_path):
+    cfg = tiny_config(tmp_path / "run", device="cuda", num_replicas=1, min_replicas=1, mixed_precision="bf16",
+                      gradient_checkpointing=True, torch_compile=True, diloco_loops=2, max_steps=8, cpus_per_rank=1)
+    result = _train(cfg)
+    losses = [r["eval_loss"] for r in result.rounds]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def _rank(tmp_path, **fields):
+    from diloco_ray.inner import RankWorker
+
+    cfg = tiny_config(tmp_path / "run", device="cuda", model_config={
+        "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}, **fields)
+    worker = RankWorker(cfg.to_dict(), 0, 0, 1, device="cuda")
+    return worker
+
+
+def test_sharded_load_puts_only_the_weights_on_the_gpu(tmp_path):
+    """The model is built on the meta device and filled on the GPU: at load the GPU holds
+    the weights (4 B/param) and nothing else -- no second copy moved over."""
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    worker = _rank(tmp_path)
+    worker.setup()
+    params = sum(p.numel() for _, p in worker.params)
+    assert (torch.cuda.max_memory_allocated() - before) / params < 4.1
+
+
+def test_anchor_on_host_sends_the_same_pseudo_gradient():
+    """anchor_on_host keeps the anchor in pinned host memory (off the GPU); the
+    pseudo-gradient taken against it equals the one taken on the GPU, bit for bit."""
+    from diloco_ray import compression
+    from diloco_ray.rank_sync import RankSync
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shapes = {"a": (64, 32), "b": (7,)}
+    start = {n: torch.randn(s, device="cuda", generator=g) for n, s in shapes.items()}
+    local = {n: t + 0.01 * torch.randn(t.shape, device="cuda", generator=g) for n, t in start.items()}
+    sent = {}
+    for on_host in (False, True):
+        sync = RankSync(shapes, 1, 0, anchor_on_host=on_host)
+        sync.anchor = {n: sync._new_anchor(t) for n, t in start.items()}
+        assert all(a.is_pinned() == on_host and (a.device.type == "cpu") == on_host for a in sync.anchor.values())
+        (buf,) = sync.outgoing(0, local)
+        sent[on_host] = {n: t for n, (_, t) in compression.unpack_pieces(buf, list(shapes))[0].items()}
+    for name, grad in sent[False].items():
+        assert torch.equal(sent[True][name], grad), name
