@@ -35,7 +35,7 @@ import json
 import math
 import struct
 import warnings
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -151,24 +151,32 @@ def _view(data: np.ndarray, offset: int, length: int, le_dtype: str) -> torch.Te
 
 def _decode(data: np.ndarray, entry: list, codec: str, block: int) -> torch.Tensor:
     """One tensor, fp32, in its original shape, from its header entry."""
+    shape = entry[1]
+    return _decode_range(data, entry, codec, block, 0, math.prod(shape)).view(shape)
+
+
+def _decode_range(data: np.ndarray, entry: list, codec: str, block: int, lo: int, hi: int) -> torch.Tensor:
+    """Values ``[lo, hi)`` of one flattened tensor, fp32 (a view for codec ``none``).
+    For int8/int4, ``lo`` must start a block (and, for int4, a byte: an even value)."""
     _, shape, scales_off, scales_len, payload_off, payload_len = entry
-    n = math.prod(shape)
     if codec == "none":
-        return _view(data, payload_off, payload_len, "<f4").view(shape)
+        return _view(data, payload_off, payload_len, "<f4")[lo:hi]
     if codec in ("fp16", "bf16"):
-        raw = _view(data, payload_off, payload_len, "<i2")
-        return raw.view(torch.float16 if codec == "fp16" else torch.bfloat16).float().view(shape)
-    scale = _view(data, scales_off, scales_len, "<f4")
+        raw = _view(data, payload_off, payload_len, "<i2")[lo:hi]
+        return raw.view(torch.float16 if codec == "fp16" else torch.bfloat16).float()
+    n = hi - lo
+    scale = _view(data, scales_off, scales_len, "<f4")[lo // block:-(-hi // block)]
     raw = _view(data, payload_off, payload_len, "|u1")
     out = torch.empty(scale.numel() * block)
     if codec == "int4":
+        raw = raw[lo // 2:-(-hi // 2)]
         pairs = torch.stack([raw & 0x0F, raw >> 4], dim=1).view(-1)[:n]
         out[:n] = pairs.to(torch.int16) - 8
     else:
-        out[:n] = raw.view(torch.int8)
+        out[:n] = raw[lo:hi].view(torch.int8)
     out[n:] = 0
     out.view(-1, block).mul_(scale[:, None])  # a NaN scale makes its whole block NaN
-    return out[:n].view(shape)
+    return out[:n]
 
 
 def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] = None,
@@ -314,6 +322,15 @@ class Encoded:
 
     def decode(self) -> torch.Tensor:
         return _decode(*self._args)
+
+    def chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
+        """``(first value, fp32 values)`` of the flattened tensor, a bounded chunk at a
+        time (whole blocks, an even count): a reader never holds the tensor decoded."""
+        body, entry, codec, block = self._args
+        n = math.prod(entry[1])
+        step = max(2, (_CHUNK // block) // 2 * 2) * block if codec in _QMAX else _CHUNK
+        for lo in range(0, n, step):
+            yield lo, _decode_range(body, entry, codec, block, lo, min(n, lo + step))
 
 
 def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:

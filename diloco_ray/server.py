@@ -206,8 +206,13 @@ class ParameterServer:
         leaves ``acc`` holding the pieces before it (the caller rebuilds it)."""
         found, arrived = self._decode(buffers, target)
         for name, span, piece in found:
-            rows = partition.take(acc[name], span, target[name][0])
-            rows.add_(self._values(name, piece).reshape(rows.shape), alpha=weight)
+            flat = partition.take(acc[name], span, target[name][0]).view(-1)  # rows are contiguous
+            for lo, values in piece.chunks():
+                # A vectorised fp32 sum is finite when every value is; only when it is not
+                # (NaN/Inf, or finite values large enough to overflow) is each value checked.
+                if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
+                    raise ValueError(f"{NON_FINITE} in '{name}'")
+                flat[lo:lo + values.numel()].add_(values, alpha=weight)
         return arrived
 
     # ---- state ---------------------------------------------------------------------------
