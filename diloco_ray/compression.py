@@ -120,7 +120,7 @@ def _encode(flat: torch.Tensor, codec: str, block: int) -> tuple[np.ndarray, np.
 
 
 _VALUE_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
-_CHUNK = 1 << 18  # values encoded at a time: bounds the codec's scratch memory (~6 MB)
+_CHUNK = 1 << 17  # values encoded at a time: bounds the codec's scratch memory (~3 MB)
 
 
 def _encode_into(flat: torch.Tensor, codec: str, block: int, scales: np.ndarray, payload: np.ndarray) -> None:
@@ -256,10 +256,13 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
             flat.add_(feedback.reshape(-1))
         _encode_into(flat, codec, block, body[scales_off:scales_off + scales_len],
                      body[payload_off:payload_off + payload_len])
-        if feedback is not None:
-            decoded = _decode(body, [name, shape, scales_off, scales_len, payload_off, payload_len], codec, block)
-            err = flat.sub_(decoded.reshape(-1))
-            feedback.copy_(err.view(feedback.shape) if bool(torch.isfinite(err).all()) else torch.zeros(()))
+        if feedback is not None:  # what the codec dropped, decoded a chunk at a time
+            entry = [name, shape, scales_off, scales_len, payload_off, payload_len]
+            finite = True
+            for lo, values in Encoded(body, entry, codec, block).chunks():
+                dropped = flat[lo:lo + values.numel()].sub_(values)
+                finite = finite and bool(torch.isfinite(dropped).all())
+            feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
     return buf, residual if codec != "none" else None
 
 

@@ -388,34 +388,65 @@ def test_load_empty_state():
 
 # ----------------------------------------------------------------------- memory of a sync
 BIG = {f"layer{i}": (1024, 1024) for i in range(16)}  # 16M parameters, 64 MB in fp32
+MEMORY_CASES = [("none", False), ("int8", False), ("int8", True)]
 
 
-@pytest.mark.parametrize("codec,feedback", [("none", False), ("int8", False), ("int8", True)])
-def test_outgoing_allocates_the_message_and_one_tensor(codec, feedback):
-    """anchor - local goes straight into the message: its bytes, one tensor of scratch
-    for a lossy codec, and a residual only with error feedback (kept: it is state)."""
+def measure_outgoing_memory() -> None:
+    """Prints, as JSON, how much each case of :data:`MEMORY_CASES` grew this process's
+    peak memory in one ``outgoing`` call, its message's size, and whether the message
+    holds ``anchor - local``. Run in a fresh process: what earlier tests left in the
+    allocator's free lists moves a peak by megabytes."""
     import gc
+    import json
 
     from conftest import peak_rss, reset_peak_rss
 
-    def ready(shapes):
-        sync = RankSync(shapes, world_size=1, rank=0, codec=codec, error_feedback=feedback)
-        local = {n: torch.randn(s) for n, s in shapes.items()}
-        sync.anchor = {n: t + 0.01 for n, t in local.items()}
-        return sync, local
+    results = []
+    for codec, feedback in MEMORY_CASES:
+        def ready(shapes):
+            sync = RankSync(shapes, world_size=1, rank=0, codec=codec, error_feedback=feedback)
+            local = {n: torch.randn(s) for n, s in shapes.items()}
+            sync.anchor = {n: t + 0.01 for n, t in local.items()}
+            return sync, local
 
-    warm, warm_local = ready({"w": (64, 4096)})
-    warm.outgoing(0, warm_local)  # the kernels' code pages count as resident on first use
-    sync, local = ready(BIG)
-    gc.collect()
-    before = reset_peak_rss()
-    (buf,) = sync.outgoing(0, local)
-    grew = peak_rss() - before
+        warm, warm_local = ready({"w": (64, 4096)})
+        warm.outgoing(0, warm_local)  # the kernels' code pages count as resident on first use
+        sync, local = ready(BIG)
+        gc.collect()
+        before = reset_peak_rss()
+        (buf,) = sync.outgoing(0, local)
+        grew = peak_rss() - before
+        pieces, _ = decode(buf, BIG)
+        expected = sync.anchor["layer3"] - local["layer3"]
+        tolerance = 0 if codec == "none" else 0.02 / 127 * 2
+        right = bool(torch.allclose(pieces["layer3"][1], expected, atol=tolerance, rtol=0))
+        results.append({"grew": grew, "message": int(buf.nbytes), "right": right, "residual": bool(sync.residual)})
+    print(json.dumps(results))
+
+
+@pytest.fixture(scope="module")
+def outgoing_memory() -> list[dict]:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", "import test_rank_sync; test_rank_sync.measure_outgoing_memory()"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", range(len(MEMORY_CASES)), ids=[f"{c}-{f}" for c, f in MEMORY_CASES])
+def test_outgoing_allocates_the_message_and_one_tensor(outgoing_memory, case):
+    """anchor - local goes straight into the message: its bytes, one tensor of scratch
+    for a lossy codec, and a residual only with error feedback (kept: it is state)."""
+    codec, feedback = MEMORY_CASES[case]
+    grew, message, right, residual = (outgoing_memory[case][k] for k in ("grew", "message", "right", "residual"))
     one_tensor = 4 * 1024 * 1024
-    state = 4 * 16 * one_tensor / 4 if feedback else 0  # the residual itself
-    assert grew < buf.nbytes + state + 3 * one_tensor, f"{grew / 1e6:.0f} MB for a {buf.nbytes / 1e6:.0f} MB message"
-    pieces, _ = decode(buf, BIG)
-    expected = sync.anchor["layer3"] - local["layer3"]
-    tolerance = 0 if codec == "none" else 0.02 / 127 * 2
-    assert torch.allclose(pieces["layer3"][1], expected, atol=tolerance, rtol=0)
-    assert bool(sync.residual) == feedback
+    state = 16 * one_tensor if feedback else 0  # the residual itself
+    assert grew < message + state + 3 * one_tensor, f"{grew / 1e6:.0f} MB for a {message / 1e6:.0f} MB message"
+    assert right, "the message does not hold anchor - local"
+    assert residual == feedback
