@@ -21,8 +21,11 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def subprocess_env():
+    """A driver process's environment: it joins this module's Ray, as a driver of
+    ``ray job submit`` joins its cluster (a Ray of its own would cost seconds to start);
+    when its process dies, Ray ends its job's actors."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    env.pop("RAY_ADDRESS", None)
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address if ray.is_initialized() else "local"
     return env
 
 
@@ -105,14 +108,14 @@ MID_ROUND_KILL_SCRIPT = """
 import json, os, signal, sys, time
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.inner import RankWorker
-os.environ["DRIVER_PID"] = str(os.getpid())   # Ray's local workers inherit it
-
 class KillDriverMidRound(RankWorker):
+    driver_pid = os.getpid()   # the class travels to the actors by value, and this with it
+
     def _save_snapshot(self, snapshots, plan, step, loss_sum, tokens):
         super()._save_snapshot(snapshots, plan, step, loss_sum, tokens)
         if self.replica_id == 0 and "round-00000002" in snapshots["folder"] and step == 4:
-            os.kill(int(os.environ["DRIVER_PID"]), signal.SIGKILL)
-            time.sleep(60)   # the cluster goes down with its driver
+            os.kill(self.driver_pid, signal.SIGKILL)
+            time.sleep(60)   # Ray ends this actor with its driver's job
 
 DilocoFSDPTrainer(TrainerConfig(**json.loads(sys.argv[1])), worker_cls=KillDriverMidRound).train()
 """

@@ -40,10 +40,10 @@ def wait_for(url: str, timeout_s: float) -> None:
             time.sleep(1)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def local_head():
-    """A head node of its own (ports, temp dir, token), stopped by killing its process
-    group: ``ray stop`` would stop every Ray on the machine."""
+    """A head node of its own (ports, temp dir, token), shared by this module's tests and
+    stopped by killing its process group: ``ray stop`` would stop every Ray on the machine."""
     # Short: Ray's unix sockets live under it and their paths are limited to 107 bytes.
     temp = tempfile.mkdtemp(prefix="rjs", dir="/tmp")
     # RAY_TMPDIR/ray is where `ray start` notes the head's address, for a driver on this
@@ -65,9 +65,9 @@ def local_head():
     finally:
         os.killpg(head.pid, signal.SIGTERM)
         try:
-            head.wait(timeout=15)
+            head.wait(timeout=3)  # `ray start --block` can take 15 s to go: its group is killed below
         except subprocess.TimeoutExpired:
-            pass
+            os.killpg(head.pid, signal.SIGKILL)
         # Whatever is left of this cluster (its processes all name its temp dir).
         subprocess.run(["pkill", "-9", "-f", temp], check=False)
 
