@@ -181,20 +181,26 @@ NOTES = """## Notes
   move by about 5% from run to run (`inner_overhead` read 0.947 to 1.04 and
   `vs_hf_trainer` 0.954 to 1.21 over five runs), which is why each side is a median
   (over rounds, and over chunks of one round's steps for the baselines).
-- **`sync_vs_memcpy` misses its goal of 3** (6.3 to 12.5 over runs; 20.6 before the
-  optimisations below). The reference is one pass over the bytes at single-thread
-  `np.copyto` speed (14-15 GB/s here). A sync through Ray's object store is many
-  passes by design: each of the 4 ranks computes `anchor - local`, packs it and Ray
-  copies it into the object store; the server checks and adds each replica's pieces,
-  takes the Nesterov step and packs the new weights, which Ray copies again; each rank
-  copies them into its anchor and its parameters. That is about 35 passes of the
-  model's 110 MB, run by 5 processes on 2 cores, so about 0.25 s is the floor of this
-  design here against a 0.06 s reference. py-spy on the server showed two avoidable
-  costs, both fixed: a per-replica copy plus `isfinite().all()` (now the pieces are
-  added in place after a vectorised check) and a float64 copy of the mean for the norm
-  (now chunked); the trainer also no longer asks for the global weights when nothing
-  evaluates them. What is left: fusing `anchor - local` into the message buffer, and
-  placing buffers in the object store directly instead of copying them in.
+- **`sync_vs_memcpy` misses its goal of 3** (11.9 in the run of 2026-11-23: 0.65 s per
+  sync against 0.055 s for one copy of the 876 MB moved). The reference is one pass over
+  the bytes at single-thread `np.copyto` speed. A sync through Ray's object store is
+  many passes by design, run here by 4 ranks and a server on 2 cores: each rank applies
+  the new weights (anchor and parameters), writes `anchor - local` into its message and
+  Ray copies that into the object store; the server adds 4 replicas' pieces, takes the
+  norm and the Nesterov step and packs the new weights, which Ray copies again. py-spy
+  of one run: the server spends ~0.2 s a sync (Nesterov step 0.08 s, four adds 0.06 s,
+  zeroing the sum, norm and packing 0.05 s); each rank ~0.3 s outside its inner steps
+  (its message 0.1 s, the round-start state of `restore_on_retry` 0.11 s, applying the
+  weights 0.05 s, Ray's copy), and four ranks share two cores. The memory work of issue
+  13 made this slower before it was made faster again: with every large buffer a fresh
+  mapping (the server hands memory back to the OS, 12 B/param peak instead of 16-20) a
+  sync took 1.84 s, because first-touching pages costs ~1 ns a byte on this VM; keeping
+  the server's sum space from sync to sync, summing squares through one reused scratch,
+  and writing the round-start file over the last one brought it to 0.65 s (0.40 s before
+  issue 13, with 4-8 B/param more held). Turning `restore_on_retry` off changes nothing
+  measurable (0.663 s): the ranks' copies overlap the server's work. What is left: a
+  rank's message buffer reused from sync to sync, and buffers placed in the object store
+  directly instead of copied in.
 - **`comm_reduction_vs_ddp`** is computed at TrainerConfig's default H = 500; at
   tiny.yaml's H = 30 the same bytes are a 48x reduction (int8 up, fp32 down; int8
   both ways doubles it).
@@ -209,9 +215,11 @@ NOTES = """## Notes
   37.2%, peak 17.9 B/param. One pseudo-gradient pack (`anchor - local` into the
   message): 2.05 s eager / 1.53 s compiled run (1.3-1.7 ns/param) with the anchor on the
   GPU; with `anchor_on_host` 2.57 s / 1.73 s and 4 B/param less GPU memory (16.06 ->
-  12.06 B/param held). Not measured there: FSDP2 over NCCL (one GPU) and the Ray-driven
-  tests in `tests/gpu` (Ray is not installed on that machine and its wheel is over the
-  64 MiB a call may carry).
+  12.06 B/param held). `pytest tests/gpu` there (Ray carried over as a
+  split wheel): 4 passed -- a replica per GPU in bf16, gradient checkpointing + compile +
+  bf16 through the trainer, sharded load putting only the weights (4.0 B/param) on the
+  GPU, `anchor_on_host` sending the same pseudo-gradient -- and FSDP2 over NCCL skipped:
+  it needs 2 GPUs and the machine had one.
 """
 
 

@@ -201,7 +201,8 @@ def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] =
 
 def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.Tensor], object], codec: str,
                 meta: Optional[dict] = None, block: int = DEFAULT_BLOCK,
-                residual: Optional[Mapping[str, torch.Tensor]] = None
+                residual: Optional[Mapping[str, torch.Tensor]] = None,
+                allocate: Optional[Callable[[int], np.ndarray]] = None
                 ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """:func:`pack` whose values are written by ``fill``, with the buffer the only
     full-size allocation: the layout follows from the shapes alone, so the buffer is
@@ -217,6 +218,9 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
             added to the values before encoding and overwritten in place with what the
             codec dropped (zeros for a non-finite tensor, so NaN/Inf is never carried).
             Names not in it get no feedback. None: no feedback, and no residual built.
+        allocate: ``allocate(nbytes)`` returns the uint8 array the message is written
+            into (any contents: every byte is written), so a caller can place it in
+            memory it already holds. Default: a new array.
 
     Returns:
         ``(buffer, residual)``: the residual mapping given (updated), or None.
@@ -238,7 +242,13 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
                         separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     start = _align(_PREFIX + len(header))
     end = max((e[4] + e[5] for e in entries), default=0)
-    buf = np.zeros(start + end, dtype=np.uint8)  # zero pages cost nothing until written
+    if allocate is None:
+        buf = np.zeros(start + end, dtype=np.uint8)  # zero pages cost nothing until written
+    else:  # memory in use before: zero what no section writes (the header's padding, gaps)
+        buf = allocate(start + end)
+        buf[:start] = 0
+        written = sorted((e[2], e[3]) for e in entries) + sorted((e[4], e[5]) for e in entries)
+        _zero_gaps(buf[start:], written)
     buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
     buf[_PREFIX:_PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
     body = buf[start:]
@@ -264,6 +274,16 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
                 finite = finite and bool(torch.isfinite(dropped).all())
             feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
     return buf, residual if codec != "none" else None
+
+
+def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
+    """Zero the bytes of ``body`` that no ``(offset, length)`` section covers."""
+    at = 0
+    for offset, length in sorted(sections):
+        if offset > at:
+            body[at:offset] = 0
+        at = max(at, offset + length)
+    body[at:] = 0
 
 
 def _writable_view(data: np.ndarray, offset: int, length: int) -> torch.Tensor:
@@ -430,7 +450,8 @@ def pack_pieces(pieces: Mapping[str, torch.Tensor], starts: Mapping[str, int], n
 def pack_pieces_filled(shapes: Mapping[str, Sequence[int]], starts: Mapping[str, int], names: Sequence[str],
                        fill: Callable[[str, torch.Tensor], object], codec: str, meta: Optional[dict] = None,
                        residual: Optional[Mapping[str, torch.Tensor]] = None,
-                       block: int = DEFAULT_BLOCK) -> np.ndarray:
+                       block: int = DEFAULT_BLOCK, allocate: Optional[Callable[[int], np.ndarray]] = None
+                       ) -> np.ndarray:
     """:func:`pack_filled` of parameter row pieces (the message :func:`unpack_pieces` reads).
 
     Args:
@@ -440,12 +461,14 @@ def pack_pieces_filled(shapes: Mapping[str, Sequence[int]], starts: Mapping[str,
         fill: ``fill(name, out)`` writes those rows, fp32, into ``out``.
         codec, meta, block: as for :func:`pack`.
         residual: name -> error-feedback residual of those rows, updated in place.
+        allocate: as for :func:`pack_filled`.
     """
     index = {n: i for i, n in enumerate(names)}
     keyed = {str(index[n]): tuple(s) for n, s in shapes.items()}
     res = {str(index[n]): r for n, r in residual.items() if n in shapes} if residual is not None else None
     full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in shapes]}
-    buf, _ = pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res)
+    buf, _ = pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res,
+                         allocate)
     return buf
 
 

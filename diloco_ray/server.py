@@ -307,10 +307,32 @@ class ParameterServer:
         return buf
 
     def _pack(self, tensors: dict, target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
+        """Rows ``target`` of ``tensors`` as a message. Uncompressed, it is written into
+        the sum space when no sum is in it (see :meth:`_message_space`)."""
+        meta = {**meta, "sent_at": time.time()}
+        starts = {n: iv[0] for n, iv in target.items()}
+        if codec == "none":
+            return compression.pack_pieces_filled(
+                {n: self._piece_shape(n, iv) for n, iv in target.items()}, starts, self.names,
+                lambda n, out: out.copy_(self._rows(tensors, n, target[n])), "none", meta,
+                block=self.config.compression_block, allocate=self._message_space)
         pieces = {n: self._rows(tensors, n, iv) for n, iv in target.items()}
-        buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, self.names, codec,
-                                         {**meta, "sent_at": time.time()}, block=self.config.compression_block)
+        buf, _ = compression.pack_pieces(pieces, starts, self.names, codec, meta, block=self.config.compression_block)
         return buf
+
+    def _message_space(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` for a message: the sum space's memory when no sync holds a sum in
+        it. The weights message of a sync is built after its sum was consumed, so the
+        two share one buffer and the server's peak stays weights + momentum + one
+        buffer. Such a message is valid until the next :meth:`prepare`: through Ray it
+        was copied into the object store when the call returned."""
+        if self._pending is not None:
+            return np.empty(nbytes, dtype=np.uint8)
+        floats = -(-nbytes // 4)
+        if self._sum_space.numel() < floats:
+            self._sum_space = torch.empty(0)
+            self._sum_space = torch.empty(floats)
+        return self._sum_space.numpy().view(np.uint8)[:nbytes]
 
     # ---- one sync: prepare -> reduce -> commit -------------------------------------------
     def prepare(self, fragment: int, contributions: list[Contribution]) -> Prepared:

@@ -67,6 +67,25 @@ class Rank:
         self.rows = {n: rows_of(s, world_size, rank) for n, s in shapes.items()}
 
 
+class ThroughRay:
+    """A server called as through Ray: what a call returns is a copy (Ray copies a
+    returned buffer into its object store), so a message stays valid after the server
+    reuses the memory it was built in."""
+
+    def __init__(self, server: ParameterServer):
+        self.server = server
+
+    def __getattr__(self, name):
+        method = getattr(self.server, name)
+        if not callable(method):
+            return method
+
+        def call(*args, **kwargs):
+            out = method(*args, **kwargs)
+            return out.copy() if isinstance(out, np.ndarray) else out
+        return call
+
+
 class Sim:
     """Servers and replicas, driven one sync at a time as the trainer chains them."""
 
@@ -78,7 +97,7 @@ class Sim:
         self.replicas = {rid: [Rank(self.cfg, shapes, world_size, r, init) for r in range(world_size)]
                          for rid in range(replicas)}
         seeds = [rank.sync.seed(rank.local) for rank in self.replicas[0]]  # [rank][server]
-        self.servers = [ParameterServer(self.cfg.to_dict(), index=s) for s in range(num_servers)]
+        self.servers = [ThroughRay(ParameterServer(self.cfg.to_dict(), index=s)) for s in range(num_servers)]
         for s, server in enumerate(self.servers):
             server.initialize([seeds[r][s] for r in range(world_size)], shapes)
         self.messages, self.full = [s.weights(None) for s in self.servers], True
@@ -432,7 +451,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
     sim.sync(1, 0, plans)  # mid-round when streaming
     for s in sim.servers:
         s.save(str(tmp_path))
-    loaded = [ParameterServer(sim.cfg.to_dict(), index=i) for i in range(num_servers)]
+    loaded = [ThroughRay(ParameterServer(sim.cfg.to_dict(), index=i)) for i in range(num_servers)]
     for s in loaded:
         s.load(str(tmp_path))
     assert states(loaded) == states(sim.servers)
