@@ -183,7 +183,7 @@ def figures(size: str, name: str, layout: dict, run: dict, base: dict) -> list[t
     peak = max(run["peaks"][f"{ph}/server"] for ph in ("train", "save"))
     over = max(base["peaks"][f"{ph}/server"] for ph in ("train", "save"))
     per = (peak - over) / (p / servers)
-    rows.append((f"server_peak[{size},{name}]", f"{peak / 1e9:.2f} GB = {per:.1f} B/param of its slice above "
+    rows.append((f"server_peak[{size},{name}]", f"{peak / 1e9:.2f} GB = {per:.2f} B/param of its slice above "
                  f"{over / 1e9:.2f} GB overhead; goal <= 12", per <= 12))
     driver = max(v for k, v in run["peaks"].items() if k.endswith("/driver"))
     grew = driver - max(v for k, v in base["peaks"].items() if k.endswith("/driver"))

@@ -182,6 +182,12 @@ def _build_torch_optimizer(params: list[Tensor], config: Any) -> torch.optim.Opt
     if cls is torch.optim.SGD and "nesterov" not in extra:
         if kwargs.get("momentum", 0) > 0 and kwargs.get("dampening", 0) == 0:
             kwargs["nesterov"] = True
+    # The fused kernel updates in place: the per-parameter optimizer's Nesterov term is a
+    # full-size temporary (the server's peak would hold it), and it is 2.5x faster on CPU.
+    signature = inspect.signature(cls.__init__).parameters
+    if "fused" in signature and not {"fused", "foreach"} & set(extra) and all(
+            p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params):
+        kwargs["fused"] = True
     return cls(params, **kwargs)
 
 
