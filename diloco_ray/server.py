@@ -268,11 +268,12 @@ class ParameterServer:
 
     def rows_of(self, name: str) -> tuple[int, np.ndarray] | None:
         """(first row, fp32 rows) of the global weights of ``name`` that this server
-        holds, or None: what the final save streams, one tensor at a time."""
+        holds, or None: what the final save streams, one tensor at a time. The rows are
+        a view of the weights, not a copy: Ray copies them into its object store."""
         iv = self.owned.get(name)
         if iv is None:
             return None
-        return iv[0], self._rows(self.optimizer.params, name, iv).numpy().copy()
+        return iv[0], self._rows(self.optimizer.params, name, iv).numpy()
 
     def weights(self, fragment: int | None = None) -> np.ndarray:
         """What replicas load after a sync of ``fragment`` (None: everything, for a replica
