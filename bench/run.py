@@ -247,7 +247,12 @@ def write_report(bench: Bench, seconds: float, path: str, plot_path: str) -> Non
         lines.append(f"| {label} | {len(rounds)} | {evals[-1]:.4f} | {min(evals):.4f} | "
                      f"{sum(r['tokens'] for r in rounds)} | "
                      f"{sum(r['round_seconds'] - r['eval_seconds'] for r in rounds):.1f} |")
-    lines += ["", f"![eval loss per round]({os.path.relpath(plot_path, os.path.dirname(path))})", "", NOTES]
+    lines += ["", f"![eval loss per round]({os.path.relpath(plot_path, os.path.dirname(path))})", ""]
+    scale = os.path.join(HERE, "scale.md")  # written by bench/scale.py, a separate run
+    if os.path.exists(scale):
+        with open(scale) as f:
+            lines += ["## Memory per process at 12M-113M parameters (`bench/scale.py`)", "", f.read(), ""]
+    lines += [NOTES]
     with open(path, "w") as f:
         f.write("\n".join(lines))
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import platform
 import shutil
 import sys
 import tempfile
@@ -211,6 +212,16 @@ def extrapolate(results: dict) -> list[str]:
     return lines
 
 
+def write_markdown(rows: list[tuple], extrapolation: list[str], summary: str, path: str) -> None:
+    """The figures as the markdown section BENCHMARKS.md includes (bench/run.py)."""
+    lines = [f"`python bench/scale.py --quick` on {platform.machine()}, {os.cpu_count()} cores: {summary}.", "",
+             "| figure | measured | within goal |", "|---|---|---|"]
+    lines += [f"| `{label}` | {text} | {'yes' if ok else 'NO'} |" for label, text, ok in rows]
+    lines += [""] + [f"- {line}" for line in extrapolation]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="12M, 41M and 113M only")
@@ -230,13 +241,16 @@ def main() -> int:
                 for row in figures(size, name, layout, run, base[name]):
                     rows.append(row)
                     print(f"{row[0]} {row[1]} {'OK' if row[2] else 'MISS'}", flush=True)
-    for line in extrapolate(results):
+    extrapolation = extrapolate(results)
+    for line in extrapolation:
         print(line)
     with open(os.path.join(HERE, "scale.json"), "w") as f:
         json.dump({s: {n: run for n, (_, run, _) in r.items()} for s, r in results.items()}, f, indent=1)
     missed = [r[0] for r in rows if not r[2]]
-    print(f"scale: {len(rows) - len(missed)}/{len(rows)} figures within goal in {time.perf_counter() - started:.0f} s"
-          + (f"; missed: {', '.join(missed)}" if missed else ""))
+    summary = (f"{len(rows) - len(missed)}/{len(rows)} figures within goal in {time.perf_counter() - started:.0f} s"
+               + (f"; missed: {', '.join(missed)}" if missed else ""))
+    write_markdown(rows, extrapolation, summary, os.path.join(HERE, "scale.md"))
+    print(f"scale: {summary}")
     return 1 if missed else 0
 
 
