@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diloco_ray import modeling  # noqa: E402
+from diloco_ray import modeling, tokenization  # noqa: E402
 from diloco_ray.config import TrainerConfig  # noqa: E402
 from diloco_ray.rank_sync import RankSync  # noqa: E402
 
@@ -42,7 +42,7 @@ def main() -> None:
     cfg = TrainerConfig(model_config=arch, seq_len=args.seq, batch_size=args.batch, mixed_precision="bf16",
                         gradient_checkpointing=True, output_dir="unused", attn_implementation="sdpa",
                         dataset_name="builtin:arithmetic")
-    tok = modeling.char_tokenizer()
+    tok = tokenization.char_tokenizer()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     model = modeling.build_model(cfg, tok, "cuda")

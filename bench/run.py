@@ -51,7 +51,7 @@ import ray  # noqa: E402
 
 import baselines  # noqa: E402
 import elastic  # noqa: E402
-from diloco_ray import DilocoFSDPTrainer, TrainerConfig, modeling  # noqa: E402
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig, modeling, tokenization  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 DEFAULT_H = TrainerConfig.__dataclass_fields__["max_steps"].default
@@ -80,7 +80,7 @@ def tokens_per_s(rounds: list[dict]) -> float:
 
 
 def trained_params(cfg: TrainerConfig) -> int:
-    model = modeling.build_model(cfg, modeling.load_tokenizer(cfg))
+    model = modeling.build_model(cfg, tokenization.load_tokenizer(cfg))
     return sum(p.numel() for _, p in modeling.trained_parameters(model))
 
 

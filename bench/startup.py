@@ -3,7 +3,9 @@
 Times, for ``configs/tiny.yaml`` (or CONFIG): ``ray.init``; the driver's ``setup()``
 (servers and replicas placed and built, the servers seeded) until round 0 can start; and,
 inside one rank driven in this process, its own set-up split into imports, tokenizer,
-data (tokenise and pack), model build and the rest. Run it against two checkouts with
+data (tokenise and pack: in a run, the job's one tokenising task does this while the
+ranks build their models; see ``diloco_ray.replica.start_token_data``), model build and
+the rest. Run it against two checkouts with
 ``PYTHONPATH=<checkout>`` to compare before and after.
 """
 
@@ -28,7 +30,7 @@ def import_seconds() -> float:
 
 def rank_split(config_path: str) -> dict[str, float]:
     """One rank's ``setup()`` in this process, its stages timed by wrapping them."""
-    from diloco_ray import inner, modeling, samples
+    from diloco_ray import inner, modeling, samples, tokenization
     from diloco_ray.config import TrainerConfig
 
     split: dict[str, float] = {}
@@ -44,7 +46,7 @@ def rank_split(config_path: str) -> dict[str, float]:
                 split[label] = split.get(label, 0.0) + time.perf_counter() - t
         setattr(module, name, wrapper)
 
-    timed(modeling, "load_tokenizer", "tokenizer")
+    timed(tokenization, "load_tokenizer", "tokenizer")
     timed(samples, "load_token_data", "data")
     timed(modeling, "build_model", "model")
     cfg = TrainerConfig.from_yaml(config_path, overrides={"output_dir": tempfile.mkdtemp()})

@@ -34,12 +34,25 @@ class Stopped(KeyboardInterrupt):
         self.signal_name = signal_name
 
 
+def first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message (its type when it has none): loaders' errors
+    run to pages, and a user error is one line."""
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 def unwrap(exc: BaseException) -> BaseException:
-    """The user-facing cause inside a (possibly nested) Ray task error, else ``exc``."""
-    seen = 0
-    while seen < 8 and not isinstance(exc, UserInputError):
+    """The user-facing cause inside a (possibly nested) Ray task error, else ``exc``.
+
+    Ray re-raises a remote error as a class that is both ``RayTaskError`` and the
+    original's class, so the first :class:`UserInputError` met may still be a wrapper
+    (whose ``str`` carries the remote traceback): follow ``cause`` to the innermost."""
+    found = exc if isinstance(exc, UserInputError) else None
+    for _ in range(8):
         cause = getattr(exc, "cause", None)
-        if cause is None or cause is exc:
+        if not isinstance(cause, BaseException) or cause is exc:
             break
-        exc, seen = cause, seen + 1
-    return exc
+        exc = cause
+        if isinstance(exc, UserInputError):
+            found = exc
+    return found if found is not None else exc

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import compression, data, faults, host_memory, links, loss, modeling, partition, samples, snapshot
+from diloco_ray import compression, data, faults, host_memory, links, loss, modeling, partition, samples, snapshot, tokenization
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
@@ -123,9 +123,17 @@ class RankWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master_addr: str | None = None, master_port: int | None = None) -> dict[str, tuple]:
-        """Join the replica's process group, load data and model, shard it, build the
-        inner optimizer. Returns name -> full shape of the trained parameters."""
+    def setup(self, master_addr: str | None = None, master_port: int | None = None,
+              token_data: list | None = None) -> dict[str, tuple]:
+        """Join the replica's process group, build and shard the model, build the inner
+        optimizer, take in the data. Returns name -> full shape of the trained parameters.
+
+        Args:
+            master_addr, master_port: rank 0's rendezvous address (``world_size > 1``).
+            token_data: ``[ref]`` to the job's :class:`~diloco_ray.samples.TokenData` (the
+                driver's one tokenising task; in a list, so Ray hands over the ref and
+                the model is built while the task runs), or None to tokenise here.
+        """
         cfg = self.config
         torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
         if self.device.type == "cuda":
@@ -139,13 +147,7 @@ class RankWorker:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
                                     rank=self.rank, world_size=self.world_size)
-        self.tokenizer = modeling.load_tokenizer(cfg)
-        if cfg.streaming:
-            reader, evals = samples.open_stream(cfg, self.tokenizer)
-            empty = samples.Samples(*(np.zeros((0, cfg.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
-            self.tokens = samples.TokenData(empty, evals, reader)
-        else:
-            self.tokens = samples.load_token_data(cfg, self.tokenizer)
+        self.tokenizer = tokenization.load_tokenizer(cfg)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
         model = modeling.build_model(cfg, self.tokenizer, self.device, self._shard if self.world_size > 1 else None,
                                      self.world_size, self.rank)
@@ -160,8 +162,23 @@ class RankWorker:
         self.sync = RankSync(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments,
                              cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block,
                              cfg.anchor_on_host)
+        self.tokens = self._token_data(token_data)
         self._batches: tuple | None = None
         return self.shapes
+
+    def _token_data(self, shared: list | None) -> samples.TokenData:
+        cfg = self.config
+        if cfg.streaming:  # each rank reads the stream itself, round by round
+            reader, evals = samples.open_stream(cfg, self.tokenizer)
+            empty = samples.Samples(*(np.zeros((0, cfg.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
+            return samples.TokenData(empty, evals, reader)
+        if shared is None:
+            return samples.load_token_data(cfg, self.tokenizer)
+        import ray
+
+        # Read-only arrays in the node's object store, shared by its ranks. No deadline
+        # here: the driver bounds a replica's whole start (placement_timeout_s).
+        return ray.get(shared[0])
 
     def _shard(self, model: torch.nn.Module) -> None:
         """FSDP2 over the replica's ranks: each decoder layer one unit, the rest the root."""

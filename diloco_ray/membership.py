@@ -89,12 +89,15 @@ class Membership:
         round_of: the index of the round the run is at, for the events.
         on_admit: called with (replica, slot) just before a replica becomes active, e.g.
             to restore its inner state from a checkpoint.
+        token_data: the job's tokenised data for every new replica (see
+            :func:`~diloco_ray.replica.start_token_data`).
     """
 
     def __init__(self, config: TrainerConfig, device: str, worker_cls: type,
                  on_event: Callable[[dict], None], round_of: Callable[[], int],
-                 on_admit: Optional[Callable[[Replica, int], None]] = None):
+                 on_admit: Optional[Callable[[Replica, int], None]] = None, token_data: Optional[list] = None):
         self.config, self.device, self.worker_cls = config, device, worker_cls
+        self.token_data = token_data
         self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
         self.active: list[Replica] = []
         self.starting: list[Replica] = []
@@ -115,7 +118,7 @@ class Membership:
             self.starting.remove(rep)
             rep.stop()
         for _ in range(d.start):
-            rep = Replica(self._next_id, self.config, self.device, self.worker_cls)
+            rep = Replica(self._next_id, self.config, self.device, self.worker_cls, self.token_data)
             rep.requested_at = time.time()
             self._next_id += 1
             self.starting.append(rep)

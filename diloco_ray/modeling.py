@@ -1,6 +1,7 @@
-"""Tokenizers and models: loading from the hub or a folder, or building from a config.
+"""Models: loading from the hub or a folder, or building from a config.
 
-This module owns how a rank gets its ``nn.Module`` and tokenizer, which parameters are
+This module owns how a rank gets its ``nn.Module`` (its tokenizer comes from
+:mod:`diloco_ray.tokenization`), which parameters are
 DiLoCo's *trained* parameters (the ones whose pseudo-gradients travel), and how the final
 model is written in Hugging Face format. Nothing here knows about Ray.
 """
@@ -8,7 +9,6 @@ model is written in Hugging Face format. Nothing here knows about Ray.
 from __future__ import annotations
 
 import os
-import string
 from typing import Callable, Iterable
 
 import torch
@@ -16,50 +16,7 @@ from torch import nn
 
 from diloco_ray import model_init
 from diloco_ray.config import TrainerConfig
-from diloco_ray.errors import ConfigError
-
-BUILTIN_CHAR_TOKENIZER = "builtin:char"
-_CHARS = list(string.printable[:95]) + ["\n", "\t"]
-
-
-def char_tokenizer():
-    """A character-level tokenizer over printable ASCII, built offline.
-
-    Each character is one token; ``<pad>`` (0), ``<eos>`` (1) and ``<unk>`` (2) come first.
-    It is a real ``PreTrainedTokenizerFast``, so it saves and reloads like any other.
-    """
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {t: i for i, t in enumerate(["<pad>", "<eos>", "<unk>"] + _CHARS)}
-    # BPE with no merges splits text into single characters; Fuse joins them back.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
-
-
-def load_tokenizer(config: TrainerConfig):
-    """The tokenizer named by ``tokenizer_name`` (default ``model_name``), with a pad token."""
-    name = config.tokenizer_name or config.model_name or BUILTIN_CHAR_TOKENIZER
-    if name == BUILTIN_CHAR_TOKENIZER:
-        tok = char_tokenizer()
-    else:
-        from transformers import AutoTokenizer
-
-        try:
-            tok = AutoTokenizer.from_pretrained(name)
-        except (OSError, ValueError) as e:
-            field = "tokenizer_name" if config.tokenizer_name else "model_name"
-            raise ConfigError(f"{field}: cannot load a tokenizer from '{name}' "
-                              f"(not a local folder, and not reachable on the hub): {_first_line(e)}") from None
-    if tok.pad_token is None:
-        # Causal LMs often ship without one; padding positions are masked out of the loss.
-        tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
-    if tok.eos_token is None:
-        raise ConfigError(f"tokenizer_name: the tokenizer from '{name}' has no eos token, "
-                          "which packing needs to separate documents")
-    return tok
+from diloco_ray.errors import ConfigError, first_line
 
 
 def build_model(config: TrainerConfig, tokenizer, device: str | torch.device = "cpu",
@@ -92,7 +49,7 @@ def build_model(config: TrainerConfig, tokenizer, device: str | torch.device = "
     try:
         live = _adapt(model_init.meta_model(build), config)
     except ValueError as e:
-        raise ConfigError(f"attn_implementation: {_first_line(e)}") from None
+        raise ConfigError(f"attn_implementation: {first_line(e)}") from None
     template = _adapt(model_init.meta_model(build), config)
     if reader is not None:
         reader.prefix = getattr(_base(template), "base_model_prefix", "")
@@ -124,7 +81,7 @@ def _factory(config: TrainerConfig, tokenizer, download: bool = True) -> tuple[C
             hf_config = AutoConfig.from_pretrained(config.model_name)
         except (OSError, ValueError) as e:
             raise ConfigError(f"model_name: cannot load a causal LM from '{config.model_name}': "
-                              f"{_first_line(e)}") from None
+                              f"{first_line(e)}") from None
         return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), folder
     arch = dict(config.model_config)
     model_type = arch.pop("model_type")
@@ -136,7 +93,7 @@ def _factory(config: TrainerConfig, tokenizer, download: bool = True) -> tuple[C
     try:
         hf_config = AutoConfig.for_model(model_type, **arch)
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"model_config: {_first_line(e)}") from None
+        raise ConfigError(f"model_config: {first_line(e)}") from None
     return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), None
 
 
@@ -148,7 +105,7 @@ def _load_whole(config: TrainerConfig) -> nn.Module:
         return AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32, **extra)
     except (OSError, ValueError) as e:
         field = "attn_implementation" if config.attn_implementation and "attn" in str(e).lower() else "model_name"
-        raise ConfigError(f"{field}: cannot load a causal LM from '{config.model_name}': {_first_line(e)}") from None
+        raise ConfigError(f"{field}: cannot load a causal LM from '{config.model_name}': {first_line(e)}") from None
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -176,7 +133,7 @@ def _adapt(model: nn.Module, config: TrainerConfig) -> nn.Module:
         # On a meta model the adapter's values are set later (model_init.fill).
         return get_peft_model(model, peft_config)
     except ValueError as e:
-        raise ConfigError(f"target_modules: {_first_line(e)}") from None
+        raise ConfigError(f"target_modules: {first_line(e)}") from None
 
 
 _FEEDFORWARD_NAMES = {"down_proj", "fc2", "c_proj", "w2", "dense_4h_to_h"}
@@ -235,8 +192,3 @@ def write_atomically(path: str, write) -> None:
     write(tmp)  # safetensors
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -165,7 +165,9 @@ class OuterStepInfo:
     round: int = 0
 
 
-def _build_torch_optimizer(params: list[Tensor], config: Any) -> torch.optim.Optimizer:
+def build_outer_optimizer(params: list[Tensor], config: Any) -> torch.optim.Optimizer:
+    """``torch.optim.<outer_opt>`` over ``params`` with ``outer_lr``, ``outer_momentum``
+    (where the class takes one, Nesterov for SGD) and ``outer_opt_kwargs``."""
     name = config.outer_opt
     cls = getattr(torch.optim, str(name), None)
     if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
@@ -222,7 +224,7 @@ class OuterOptimizer:
         self._clip = clip
         self._schedule = config.outer_lr_schedule
         self._loops = int(config.diloco_loops)
-        self._optimizer = _build_torch_optimizer(list(self._params.values()), config)
+        self._optimizer = build_outer_optimizer(list(self._params.values()), config)
         # An explicit lr in outer_opt_kwargs overrides outer_lr, schedule included.
         self._base_lr = float(self._optimizer.defaults["lr"])
         self.round = 0

@@ -42,13 +42,13 @@ def check_optimizers(cfg: TrainerConfig) -> None:
     import torch
 
     from diloco_ray.inner import build_inner_optimizer
-    from diloco_ray.outer import _build_torch_optimizer
+    from diloco_ray.outer import build_outer_optimizer
 
     optimizer_class("inner_opt", cfg.inner_opt)
     optimizer_class("outer_opt", cfg.outer_opt)
     build_inner_optimizer([torch.zeros(1, requires_grad=True)], cfg)
     try:
-        _build_torch_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+        build_outer_optimizer([torch.zeros(1, requires_grad=True)], cfg)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"outer_opt_kwargs: {e} (for {cfg.outer_opt})") from None
 

@@ -14,8 +14,26 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from diloco_ray import samples
 from diloco_ray.config import TrainerConfig
 from diloco_ray.inner import RankWorker
+
+
+def start_token_data(config: TrainerConfig) -> list | None:
+    """Start the job's one tokenising task; ``[ref]`` to its TokenData, which every rank
+    of every replica (later ones too) reads, or None with ``streaming`` (ranks read the
+    stream themselves).
+
+    Tokenising once instead of on every rank saves each rank importing ``datasets`` and
+    tokenising (~1.3 s here, minutes on a large corpus) and keeps one copy of the
+    samples per node instead of one per rank. It asks for no CPU, so a cluster whose
+    CPUs the replicas reserve still runs it, and ends its worker process after it
+    (``max_calls=1``), so what tokenising held goes back to the node.
+    """
+    if config.streaming:
+        return None
+    task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
+    return [task.remote(config.to_dict())]
 
 def resources_for_replica(resources, replica_id: int) -> dict:
     """The custom resources (``replica_resources``) each rank bundle of replica
@@ -33,12 +51,16 @@ class Replica:
         config: the job's TrainerConfig.
         device: ``"cpu"`` or ``"cuda"`` (one GPU per rank).
         worker_cls: the rank class to run (``RankWorker``; tests may pass a fake).
+        token_data: :func:`start_token_data`'s ``[ref]``, handed to every rank's set-up
+            (None: each rank tokenises).
     """
 
-    def __init__(self, replica_id: int, config: TrainerConfig, device: str, worker_cls: type = RankWorker):
+    def __init__(self, replica_id: int, config: TrainerConfig, device: str, worker_cls: type = RankWorker,
+                 token_data: list | None = None):
         self.id = replica_id
         self.config = config
         self.world_size = config.ranks_per_replica
+        self.token_data = token_data
         bundle: dict[str, float] = {"CPU": config.cpus_per_rank}
         if device == "cuda":
             bundle["GPU"] = 1
@@ -67,12 +89,12 @@ class Replica:
         return [self.placed_ref] if self.setup_refs is None else list(self.setup_refs)
 
     def setup(self) -> list:
-        """Start the ranks' set-up (process group, data, model, FSDP); refs to their
+        """Start the ranks' set-up (process group, model, FSDP, data); refs to their
         parameter shapes."""
         addr, port = None, None
         if self.world_size > 1:
             addr, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=self.config.call_timeout_s)
-        return [r.setup.remote(addr, port) for r in self.ranks]
+        return [r.setup.remote(addr, port, self.token_data) for r in self.ranks]
 
     def seed_pieces(self) -> list[list]:
         """Per server, refs to each rank's rows of the freshly built weights."""

@@ -17,12 +17,12 @@ the longest sample of the batch.
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
-from diloco_ray import sources
+from diloco_ray import sources, tokenization
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, DataError
 
@@ -44,9 +44,11 @@ class Samples:
     def __len__(self) -> int:
         return len(self.input_ids)
 
-    def batch(self, idx: np.ndarray, dynamic: bool = False) -> dict[str, torch.Tensor]:
-        """``input_ids``, ``labels``, ``attention_mask`` for samples ``idx``; with
-        ``dynamic``, cut to the longest of them instead of ``seq_len``."""
+    def batch(self, idx: np.ndarray, dynamic: bool = False) -> dict:
+        """``input_ids``, ``labels``, ``attention_mask`` for samples ``idx`` as torch
+        tensors; with ``dynamic``, cut to the longest of them instead of ``seq_len``."""
+        import torch  # only ranks cut batches (see the module docstring)
+
         width = int(self.lengths[idx].max()) if dynamic and len(idx) else self.input_ids.shape[1]
         ids = torch.from_numpy(self.input_ids[idx, :width])
         mask = torch.from_numpy((np.arange(width)[None, :] < self.lengths[idx, None]).astype(np.int64))
@@ -247,6 +249,15 @@ def open_stream(config: TrainerConfig, tokenizer) -> tuple[StreamReader, Samples
         formatter(eval_raw[0])  # a template naming a missing column fails here, with the columns
     evals = _to_samples(tokenize(eval_raw), config.seq_len, tokenizer.pad_token_id, packed)
     return StreamReader(train_stream, tokenize, config, tokenizer.pad_token_id), evals
+
+
+def prepare_token_data(config: dict) -> TokenData:
+    """A job's samples, tokenised once for all of its ranks: the body of the Ray task the
+    driver starts with the replicas (``config`` as ``TrainerConfig.to_dict``)."""
+    # As on the ranks: the task's worker process may host a rank later.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    cfg = TrainerConfig.from_dict(config)
+    return load_token_data(cfg, tokenization.load_tokenizer(cfg))
 
 
 def load_token_data(config: TrainerConfig, tokenizer) -> TokenData:

@@ -32,7 +32,7 @@ import torch
 
 from diloco_ray import compression, data, host_memory, links, partition
 from diloco_ray.config import TrainerConfig
-from diloco_ray.outer import OuterOptimizer, clip_coefficient
+from diloco_ray.outer import OuterOptimizer, build_outer_optimizer, clip_coefficient
 
 # How a rejection for NaN/Inf reads: the driver resets such a replica's inner state.
 NON_FINITE = "non-finite values"
@@ -117,6 +117,18 @@ class ParameterServer:
         self._sum_space = torch.empty(0)  # where a sync's sum is built (see _zeroed_sum)
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
         self._message_version = 0      # the version last_message carries
+        self._import_optimizer_machinery()
+
+    def _import_optimizer_machinery(self) -> None:
+        """torch imports its optimizer machinery (``torch._dynamo``, ~1 s) when the first
+        optimizer is built: pay that here, while the replicas set up, rather than in
+        :meth:`initialize` once they are done. A bad ``outer_opt`` is the preflight's to
+        report (and :meth:`initialize`'s, which builds the real one): an actor that
+        fails in ``__init__`` would only say that it died."""
+        try:
+            build_outer_optimizer([torch.zeros(1, requires_grad=True)], self.config)
+        except (TypeError, ValueError):
+            pass
 
     # ---- layout ------------------------------------------------------------------------
     def _layout(self, shapes: dict) -> None:

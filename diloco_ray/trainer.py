@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 import torch
 
-from diloco_ray import faults, final_save, links, modeling, preflight, ray_connection, snapshot, staging
+from diloco_ray import faults, final_save, links, modeling, preflight, ray_connection, snapshot, staging, tokenization
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
@@ -33,7 +33,7 @@ from diloco_ray.metrics import MetricsLogger, StepBoard
 from diloco_ray.ray_metrics import RoundMetrics
 from diloco_ray.run_folder import RunFolder, resolve_resume
 from diloco_ray.records import round_record
-from diloco_ray.replica import Replica
+from diloco_ray.replica import Replica, start_token_data
 from diloco_ray.server import NON_FINITE, Contribution, ParameterServer
 from diloco_ray.servers import ServerGroup, assemble_weights
 
@@ -188,10 +188,12 @@ class DilocoFSDPTrainer:
                                                      "name": cfg.wandb_run_name or run_name, "tags": cfg.wandb_tags})
         self.board = self._new_board()
         self.ray_metrics = RoundMetrics(run_name)
+        token_data = start_token_data(cfg)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
         restore_from = resume[0] if resume else None
         self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
-                                  on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from))
+                                  on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from),
+                                  token_data=token_data)
         shortfall = capacity_shortfall(cfg, self.device, ray.cluster_resources())
         if shortfall:
             # An autoscaler may still add nodes, so this warns rather than fails; without
@@ -698,7 +700,7 @@ class DilocoFSDPTrainer:
                 raise RuntimeError("no replica is left to write final/")
             return path
         cfg = self.config
-        tokenizer = modeling.load_tokenizer(cfg)
+        tokenizer = tokenization.load_tokenizer(cfg)
         model = modeling.meta_model(cfg, tokenizer)
 
         def write(folder: str) -> None:

@@ -15,7 +15,7 @@ from conftest import first_round, tiny_config
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events
-from diloco_ray.modeling import char_tokenizer
+from diloco_ray.tokenization import char_tokenizer
 
 # Bytes a message adds to its payload (magic, offsets, row starts) for a handful of tensors.
 HEADER = 512
@@ -123,7 +123,6 @@ def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl
     worker.setup()
     facts = worker.describe()
     assert facts["compiled"] and facts["attn_implementation"] == "eager" and facts["gradient_checkpointing"]
-    steps = [[(t, m) for m in range(cfg.grad_accum)] for t in range(2)]
     plan = [(0, cfg.sequences_per_replica_round)]
     from diloco_ray import data
 
@@ -144,3 +143,38 @@ def test_streaming_run(ray_local, tmp_path, llama_folder, sums_jsonl):
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
     positions = sorted(p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c))
     assert positions == list(range(2 * 3 * cfg.sequences_per_replica_round))
+
+
+def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl, monkeypatch):
+    # The driver's one task tokenises; a rank given its ref reads the arrays from the object
+    # store (read-only, not a copy) and tokenises nothing itself.
+    from diloco_ray import samples, tokenization
+    from diloco_ray.replica import start_token_data
+
+    cfg = tiny_config(tmp_path / "run", dataset_name=None, dataset_kwargs={}, json_file_path=sums_jsonl,
+                      prompt_template="{question} = ", completion_template="{answer}", seq_len=24)
+    expected = samples.load_token_data(cfg, tokenization.load_tokenizer(cfg))
+    shared = start_token_data(cfg)
+    monkeypatch.setattr(samples, "load_token_data", lambda *a: pytest.fail("the rank tokenised the data itself"))
+    worker = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)
+    worker.setup(token_data=shared)
+    for split in ("train", "eval"):
+        got, want = getattr(worker.tokens, split), getattr(expected, split)
+        assert len(got) == len(want) > 0
+        for field in ("input_ids", "labels", "lengths"):
+            assert (getattr(got, field) == getattr(want, field)).all(), (split, field)
+    assert not worker.tokens.train.input_ids.flags.writeable
+    assert start_token_data(tiny_config(tmp_path / "s", streaming=True)) is None  # ranks read a stream
+
+
+def test_a_data_error_in_the_tokenising_task_reaches_the_user(ray_local, tmp_path, sums_jsonl):
+    from diloco_ray.errors import DataError, unwrap
+
+    cfg = tiny_config(tmp_path / "run", dataset_name=None, dataset_kwargs={}, json_file_path=sums_jsonl,
+                      prompt_template="{questoin} = ", completion_template="{answer}", seq_len=24)
+    with pytest.raises(Exception) as info:
+        DilocoFSDPTrainer(cfg).train()
+    error = unwrap(info.value)
+    assert isinstance(error, DataError), repr(info.value)[:500]
+    message = str(error)  # the original, not Ray's wrapper with the remote traceback
+    assert message.startswith("prompt_template:") and "questoin" in message and "question" in message

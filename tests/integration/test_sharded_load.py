@@ -18,7 +18,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import peak_rss, reset_peak_rss
-from diloco_ray import modeling
+from diloco_ray import modeling, tokenization
 from diloco_ray.config import TrainerConfig
 from diloco_ray.sharding import shard_rows
 
@@ -64,7 +64,7 @@ def _free_port() -> int:
 def built(tmp_path_factory):
     """Both ranks' rows and memory growth for each job, plus the unsharded builds."""
     folder = str(tmp_path_factory.mktemp("ckpt"))
-    tok = modeling.char_tokenizer()
+    tok = tokenization.char_tokenizer()
     source = modeling.build_model(config(model_config=SMALL, seed=11), tok)
     source.to(torch.bfloat16).save_pretrained(folder)  # a bf16 checkpoint, as hub models ship
     tok.save_pretrained(folder)
@@ -75,7 +75,7 @@ def built(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ranks"))
     mp.start_processes(_rank, args=(_free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
-    whole = [modeling.build_model(config(**job), modeling.load_tokenizer(config(**job))) for job in jobs]
+    whole = [modeling.build_model(config(**job), tokenization.load_tokenizer(config(**job))) for job in jobs]
     return jobs, ranks, whole
 
 

@@ -108,7 +108,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     so is Streaming DiLoCo (each fragment's sync hands the replica its own weights back),
     whichever server owns which rows. A fragment's global weights are the replica's as of
     that fragment's last sync (step floor((k+1) H / F) of the last round)."""
-    from diloco_ray import data, modeling, partition, samples
+    from diloco_ray import data, modeling, partition, samples, tokenization
     from diloco_ray.inner import build_inner_optimizer, inner_lr_at, sync_period
 
     cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
@@ -118,7 +118,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     got = load_file(os.path.join(result.final_path, "model.safetensors"))
 
     torch.set_num_threads(1)
-    tok = modeling.load_tokenizer(cfg)
+    tok = tokenization.load_tokenizer(cfg)
     tokens = samples.load_token_data(cfg, tok)
     model = modeling.build_model(cfg, tok)
     params = [p for _, p in modeling.trained_parameters(model)]

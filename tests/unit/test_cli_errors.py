@@ -144,3 +144,19 @@ def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
                                                    "resume_from": str(out)})
     RunFolder(cfg).prepare(resuming=True)
     assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is not None
+
+
+def test_unwrap_finds_the_original_inside_nested_ray_errors():
+    # A rank's set-up failing on the tokenising task's DataError: Ray wraps it twice, and
+    # the inner wrapper is also a DataError whose str() carries a remote traceback.
+    from ray.exceptions import RayTaskError
+
+    from diloco_ray.errors import DataError, unwrap
+
+    original = DataError("prompt_template: names column 'x'")
+    inner = RayTaskError("prepare_token_data", "Traceback: task", original).as_instanceof_cause()
+    outer = RayTaskError("RankWorker.setup", "Traceback: rank", inner).as_instanceof_cause()
+    assert isinstance(inner, DataError) and "Traceback" in str(inner)
+    assert unwrap(outer) is original
+    plain = RuntimeError("boom")
+    assert unwrap(RayTaskError("f", "tb", plain).as_instanceof_cause()) is plain

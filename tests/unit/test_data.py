@@ -35,7 +35,7 @@ def datasets_cache(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def tok():
-    from diloco_ray.modeling import char_tokenizer
+    from diloco_ray.tokenization import char_tokenizer
 
     return char_tokenizer()
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from diloco_ray import final_save, modeling, partition
+from diloco_ray import final_save, modeling, partition, tokenization
 from diloco_ray.config import TrainerConfig
 
 ARCH = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
@@ -40,7 +40,7 @@ def servers_of(weights: dict, count: int):
 @pytest.mark.parametrize("tied", [False, True])
 def test_sharded_final_loads_with_from_pretrained_and_equals_the_servers(tmp_path, tied):
     cfg = config(tmp_path, model_config={**ARCH, "tie_word_embeddings": tied})
-    tok = modeling.load_tokenizer(cfg)
+    tok = tokenization.load_tokenizer(cfg)
     weights = {n: p.detach().numpy().copy() for n, p in modeling.trained_parameters(modeling.build_model(cfg, tok))}
     shapes, fetch, calls = servers_of(weights, 2)
     folder = str(tmp_path / "final")
@@ -74,7 +74,7 @@ def test_adapter_written_by_peft_loads_and_equals(tmp_path):
     from peft import PeftModel
 
     cfg = config(tmp_path, use_peft=True, target_modules=["q_proj", "v_proj"])
-    tok = modeling.load_tokenizer(cfg)
+    tok = tokenization.load_tokenizer(cfg)
     trained = modeling.build_model(cfg, tok)
     adapter = {n: p.detach().clone() + 0.5 for n, p in modeling.trained_parameters(trained)}  # "trained" values
     folder = str(tmp_path / "final")

@@ -11,14 +11,8 @@ import torch
 
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
-from diloco_ray.modeling import (
-    build_model,
-    char_tokenizer,
-    decoder_layers,
-    load_tokenizer,
-    save_hf,
-    trained_parameters,
-)
+from diloco_ray.modeling import build_model, decoder_layers, save_hf, trained_parameters
+from diloco_ray.tokenization import char_tokenizer, load_tokenizer
 
 ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             num_key_value_heads=2)

@@ -7,7 +7,7 @@ import torch
 from conftest import first_round
 from diloco_ray.config import TrainerConfig
 from diloco_ray.inner import RankWorker
-from diloco_ray.modeling import char_tokenizer
+from diloco_ray.tokenization import char_tokenizer
 
 
 def worker(tmp_path, **kw):

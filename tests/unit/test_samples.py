@@ -3,7 +3,6 @@ functions, padding and dynamic batches, length grouping, local file formats."""
 
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,7 +10,7 @@ import pytest
 from diloco_ray import data, samples, sources
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, DataError
-from diloco_ray.modeling import char_tokenizer
+from diloco_ray.tokenization import char_tokenizer
 
 TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
         "num_attention_heads": 2, "num_key_value_heads": 2}
