@@ -198,9 +198,12 @@ NOTES = """## Notes
   the server's sum space from sync to sync, summing squares through one reused scratch,
   and writing the round-start file over the last one brought it to 0.65 s (0.40 s before
   issue 13, with 4-8 B/param more held). Turning `restore_on_retry` off changes nothing
-  measurable (0.663 s): the ranks' copies overlap the server's work. What is left: a
-  rank's message buffer reused from sync to sync, and buffers placed in the object store
-  directly instead of copied in.
+  measurable (0.663 s): the ranks' copies overlap the server's work. A later run of the
+  figure alone measured 0.37 s (5.8), about this design's floor here: a sync is ~0.6-0.7
+  CPU-seconds of memory passes (each rank ~0.1 s: apply, round-start state, message,
+  Ray's copy; the server ~0.2 s) on 2 cores, >= 0.3 s, a ratio of ~5. Reaching 3 takes
+  replicas on their own cores (one node each, as deployed) or buffers placed in the
+  object store directly instead of copied in.
 - **`comm_reduction_vs_ddp`** is computed at TrainerConfig's default H = 500; at
   tiny.yaml's H = 30 the same bytes are a 48x reduction (int8 up, fp32 down; int8
   both ways doubles it).
