@@ -47,10 +47,10 @@ sys.path.insert(0, HERE)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import ray  # noqa: E402
-
 import baselines  # noqa: E402
 import elastic  # noqa: E402
+import ray  # noqa: E402
+
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig, modeling, tokenization  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -244,7 +244,8 @@ def write_report(bench: Bench, seconds: float, path: str, plot_path: str) -> Non
         lines.append(f"| `{name}` | {value:.3g} | {shown} | {bench.notes[name]} |")
     lines += ["", "## Convergence on the default task (`configs/tiny.yaml`)", "",
               "Same tokens per replica per round; eval loss after each round's outer step.", "",
-              "| run | rounds | final eval loss | best eval loss | tokens | wall s (no eval) |", "|---|---|---|---|---|---|"]
+              "| run | rounds | final eval loss | best eval loss | tokens | wall s (no eval) |",
+              "|---|---|---|---|---|---|"]
     for label, rounds in bench.runs.items():
         evals = [r["eval_loss"] for r in rounds if r["eval_loss"] is not None]
         lines.append(f"| {label} | {len(rounds)} | {evals[-1]:.4f} | {min(evals):.4f} | "

@@ -204,7 +204,8 @@ def extrapolate(results: dict) -> list[str]:
     for name, (layout, run, base) in results[size].items():
         p = run["params"]
         rank = (run["peaks"]["train/rank"] - base["peaks"]["train/rank"]) / (p / layout["ranks_per_replica"])
-        server = (run["peaks"]["train/server"] - base["peaks"]["train/server"]) / (p / layout.get("num_param_servers", 1))
+        server_slice = p / layout.get("num_param_servers", 1)
+        server = (run["peaks"]["train/server"] - base["peaks"]["train/server"]) / server_slice
         for total, ranks, servers in ((8e9, 8, 4), (70e9, 8, 8)):
             lines.append(f"extrapolated[{total / 1e9:.0f}B, {ranks} ranks/replica, {servers} servers, from {size} "
                          f"{name}]: rank {rank * total / ranks / 1e9:.1f} GB ({rank:.1f} B/param of its share), "

@@ -19,13 +19,24 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from diloco_ray import compression, data, faults, host_memory, links, loss, modeling, partition, samples, snapshot, tokenization
+from diloco_ray import (
+    compression,
+    data,
+    faults,
+    host_memory,
+    links,
+    loss,
+    modeling,
+    partition,
+    samples,
+    snapshot,
+    tokenization,
+)
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.rank_sync import RankSync
 from diloco_ray.round_start import RoundStart
 from diloco_ray.server import resolve
-
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 

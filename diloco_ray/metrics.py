@@ -99,7 +99,8 @@ class MetricsLogger:
             self._wandb.log({"round": step, **{f"round/{k}": v for k, v in scalars.items()}})
 
     def _log_step(self, record: dict) -> None:
-        scalars = {f"inner/replica{record['replica']}/{k}": record[k] for k in ("loss", "lr") if _is_number(record.get(k))}
+        scalars = {f"inner/replica{record['replica']}/{k}": record[k] for k in ("loss", "lr")
+                   if _is_number(record.get(k))}
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, record["global_step"])

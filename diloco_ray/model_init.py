@@ -133,7 +133,9 @@ def _owning_modules(template: nn.Module) -> Iterator[tuple[str, nn.Module, list[
             taken.update(id(m) for m in parts)
             yield name, module, parts
             continue
-        if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) is not None:
+        owns_tensors = next(module.parameters(recurse=False), None) is not None \
+            or next(module.buffers(recurse=False), None) is not None
+        if owns_tensors:
             yield name, module, [module]
 
 

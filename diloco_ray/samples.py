@@ -102,7 +102,8 @@ def load_function(spec: str, field: str) -> Callable:
     return fn
 
 
-def row_formatter(config: TrainerConfig, columns: list[str], source: str) -> Optional[Callable[[dict], tuple[str, str]]]:
+def row_formatter(config: TrainerConfig, columns: list[str],
+                  source: str) -> Optional[Callable[[dict], tuple[str, str]]]:
     """``row -> (prompt, completion)`` from the templates or functions, or None for plain
     text. A template naming a missing column is a DataError listing the columns."""
     if config.prompt_func or config.completion_func:

@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
-
 import torch
+from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray import faults, final_save, links, modeling, preflight, ray_connection, snapshot, staging, tokenization
 from diloco_ray.config import TrainerConfig
@@ -31,9 +30,9 @@ from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership, capacity_shortfall
 from diloco_ray.metrics import MetricsLogger, StepBoard
 from diloco_ray.ray_metrics import RoundMetrics
-from diloco_ray.run_folder import RunFolder, resolve_resume
 from diloco_ray.records import round_record
 from diloco_ray.replica import Replica, start_token_data
+from diloco_ray.run_folder import RunFolder, resolve_resume
 from diloco_ray.server import NON_FINITE, Contribution, ParameterServer
 from diloco_ray.servers import ServerGroup, assemble_weights
 

@@ -5,7 +5,6 @@ Run on a GPU node with ``python -m pytest -q tests/gpu``.
 
 import pytest
 import torch
-
 from conftest import tiny_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 import ray
-
 from conftest import applied_positions, max_abs_diff, tiny_config
+
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.metrics import read_events
 

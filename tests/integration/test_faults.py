@@ -11,8 +11,8 @@ import sys
 
 import pytest
 import ray
-
 from conftest import ROOT, applied_positions, max_abs_diff, tiny_config
+
 from diloco_ray import DilocoFSDPTrainer, checkpoint
 from diloco_ray.metrics import read_events
 

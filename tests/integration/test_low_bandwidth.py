@@ -5,8 +5,8 @@ import os
 
 import pytest
 import torch
-
 from conftest import folder_weights, tiny_config
+
 from diloco_ray import DilocoFSDPTrainer
 
 pytestmark = pytest.mark.integration

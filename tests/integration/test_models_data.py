@@ -9,9 +9,9 @@ import random
 
 import pytest
 import torch
+from conftest import first_round, tiny_config
 from safetensors import safe_open
 
-from conftest import first_round, tiny_config
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events
@@ -50,7 +50,8 @@ def sums_jsonl(tmp_path_factory):
 
 def peft_config(tmp_path, llama_folder, sums_jsonl, **kw):
     fields = dict(model_config=None, model_name=llama_folder, tokenizer_name=None, dataset_name=None,
-                  dataset_kwargs={}, json_file_path=sums_jsonl, prompt_template="{question} = ", completion_template="{answer}",
+                  dataset_kwargs={}, json_file_path=sums_jsonl, prompt_template="{question} = ",
+                  completion_template="{answer}",
                   use_peft=True, lora_r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seq_len=24,
                   batch_size=8, max_steps=15, lr=3e-3)
     fields.update(kw)
@@ -87,7 +88,8 @@ def test_lora_sends_only_the_adapter_and_learns(ray_local, tmp_path, llama_folde
 
 
 def test_ia3_adapter(ray_local, tmp_path, llama_folder, sums_jsonl):
-    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, peft_type="IA3", target_modules=["k_proj", "v_proj", "down_proj"],
+    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, peft_type="IA3",
+                      target_modules=["k_proj", "v_proj", "down_proj"],
                       num_replicas=1, diloco_loops=2, max_steps=5)
     result = DilocoFSDPTrainer(cfg).train()
     config = json.load(open(os.path.join(result.final_path, "adapter_config.json")))
@@ -141,7 +143,8 @@ def test_streaming_run(ray_local, tmp_path, llama_folder, sums_jsonl):
     rounds = result.rounds
     assert [r["replicas"] for r in rounds] == [2, 2, 2]
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
-    positions = sorted(p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c))
+    positions = sorted(p for r in rounds for plan in r["data_ranges"].values()
+                       for s, c in plan for p in range(s, s + c))
     assert positions == list(range(2 * 3 * cfg.sequences_per_replica_round))
 
 

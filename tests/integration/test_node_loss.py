@@ -7,9 +7,9 @@ import time
 
 import pytest
 import ray
+from conftest import tiny_config
 from ray.cluster_utils import Cluster
 
-from conftest import tiny_config
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events

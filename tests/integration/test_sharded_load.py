@@ -16,8 +16,8 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-
 from conftest import peak_rss, reset_peak_rss
+
 from diloco_ray import modeling, tokenization
 from diloco_ray.config import TrainerConfig
 from diloco_ray.sharding import shard_rows

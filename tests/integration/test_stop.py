@@ -10,8 +10,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import ROOT, max_abs_diff, tiny_config
+
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig, checkpoint
 from diloco_ray.metrics import read_events
 

@@ -9,9 +9,9 @@ import sys
 import pytest
 import ray
 import torch
+from conftest import tiny_config
 from safetensors.torch import load_file
 
-from conftest import tiny_config
 from diloco_ray import DilocoFSDPTrainer, compression
 from diloco_ray.inner import RankWorker
 from diloco_ray.metrics import read_events
@@ -32,7 +32,8 @@ class RecordingServer(ParameterServer):
     """Keeps every rank's pieces it was sent, so the test can redo the outer step itself."""
 
     def prepare(self, fragment, contributions):
-        self.recorded = [(c.replica_id, c.weight, [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
+        self.recorded = [(c.replica_id, c.weight,
+                          [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
                          for c in contributions]
         return super().prepare(fragment, contributions)
 

@@ -14,7 +14,6 @@ from diloco_ray import checkpoint as ckpt
 from diloco_ray.errors import ConfigError, DataError
 from diloco_ray.outer import OuterOptimizer
 
-
 # --------------------------------------------------------------------- helpers
 
 

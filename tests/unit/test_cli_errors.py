@@ -4,8 +4,8 @@ nothing written, and no secret ever echoed."""
 import os
 
 import pytest
-
 from conftest import ROOT
+
 from diloco_ray import cli, storage
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")

@@ -482,7 +482,8 @@ def test_local_script_ports_avoid_rays_defaults(script):
 
 
 def test_local_scripts_do_not_share_ports():
-    ports = [dict(re.findall(r"\$\{(RAY_\w+PORT):-(\d+)\}", _read(s))) for s in ("local_multinode.sh", "local_regions.sh")]
+    ports = [dict(re.findall(r"\$\{(RAY_\w+PORT):-(\d+)\}", _read(s)))
+             for s in ("local_multinode.sh", "local_regions.sh")]
     agents = [int(p["RAY_AGENT_PORT"]) for p in ports]
     used = [set(p.values()) - {p["RAY_AGENT_PORT"]} for p in ports]
     assert not used[0] & used[1]

@@ -93,6 +93,7 @@ def test_the_inner_loop_gives_grad_accum_the_gradient_of_one_batch(tmp_path):
     import random
 
     from conftest import first_round, tiny_config
+
     from diloco_ray.inner import RankWorker
 
     rng = random.Random(0)

@@ -32,7 +32,8 @@ def test_jsonl_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
     assert all("time" in e for e in events)
     tb = EventAccumulator(str(tmp_path / "logs"))
     tb.Reload()
-    assert [(e.step, e.value) for e in tb.Scalars("round/train_loss")] == [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+    expected = [(0, 1.0), (1, 0.5), (2, pytest.approx(1 / 3))]
+    assert [(e.step, e.value) for e in tb.Scalars("round/train_loss")] == expected
     loss = tb.Scalars("inner/replica1/loss")
     assert [(e.step, e.value) for e in loss] == [(4, 2.0), (8, 1.0), (12, 0.0)]
     assert "round/round" not in tb.Tags()["scalars"]

@@ -141,7 +141,8 @@ def test_load_from_folder(saved_model, tok):
     folder, weights = saved_model
     cfg = TrainerConfig(model_name=folder, dataset_name="builtin:arithmetic", seq_len=16)
     t = load_tokenizer(cfg)
-    assert t("12+35=47\n", add_special_tokens=False)["input_ids"] == tok("12+35=47\n", add_special_tokens=False)["input_ids"]
+    text = "12+35=47\n"
+    assert t(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
     assert t.eos_token_id == 1
     model = build_model(cfg, t)
     assert type(model).__name__ == "LlamaForCausalLM"

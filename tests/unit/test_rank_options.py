@@ -3,8 +3,8 @@
 
 import pytest
 import torch
-
 from conftest import first_round
+
 from diloco_ray.config import TrainerConfig
 from diloco_ray.inner import RankWorker
 from diloco_ray.tokenization import char_tokenizer

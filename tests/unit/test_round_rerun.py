@@ -4,8 +4,8 @@ attempt's pseudo-gradient, however the first attempt ended."""
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from diloco_ray import compression
 from diloco_ray.inner import RankWorker
 

@@ -6,8 +6,8 @@ import gc
 import os
 
 import torch
-
 from conftest import peak_rss, reset_peak_rss
+
 from diloco_ray.round_start import RoundStart
 
 

@@ -9,8 +9,8 @@ import uuid
 
 import pyarrow.fs as pafs
 import pytest
-
 import s3_server
+
 from diloco_ray import storage
 from diloco_ray.errors import ConfigError
 
