@@ -29,7 +29,7 @@ class DiesInRoundTwo(RankWorker):
     """Replica 1 dies at the start of round 2, after noting the time."""
 
     def run_round(self, job):
-        if self.replica_id == 1 and job["round"] == 2:
+        if self.replica_id == 1 and job.round == 2:
             with open(DEATH_FILE, "w") as f:
                 json.dump({"time": time.time()}, f)
             os._exit(1)

@@ -34,6 +34,7 @@ from diloco_ray import (
 )
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
+from diloco_ray.messages import SnapshotPlan, SyncPeriod
 from diloco_ray.rank_sync import RankSync
 from diloco_ray.round_start import RoundStart
 from diloco_ray.server import resolve
@@ -217,36 +218,28 @@ class RankWorker:
         return self.config.sync_fragments > 1 or self.config.overlap_communication
 
     # ---- one sync period --------------------------------------------------------------
-    def run_round(self, job: dict):
+    def run_round(self, job: SyncPeriod):
         """Run one sync period: take in the server's latest weights, run this period's
         inner steps, and return ``(*buffers, RoundStats)``: this rank's pseudo-gradient
         for the period's fragment, one packed buffer per server.
 
         Args:
-            job: what the driver hands every rank (see ``DilocoFSDPTrainer._job``):
-                ``round``, ``sync`` (the fragment synced at the end, 0-based within the
-                round), ``plan`` (this replica's stream ranges for the round),
-                ``messages`` (one packed weights message or ref per server, of sync
-                ``version``), ``full`` (whether they hold every parameter), ``servers``
-                (actor handles, for a full load after a missed sync), ``link`` (a
-                :class:`~diloco_ray.links.Link` or None) and ``snapshots`` (in-flight
-                snapshot settings or None: ``folder``, ``slot``, ``every``, ``resume_step``).
+            job: what the driver hands every rank of the replica for this period.
         """
         cfg = self.config
-        round_index, fragment, plan = job["round"], job["sync"], job["plan"]
-        snapshots = job.get("snapshots")
-        attempt = job.get("attempt", round_index)
+        round_index, fragment, plan = job.round, job.fragment, job.plan
+        snapshots, attempt = job.snapshots, job.attempt
         t0 = time.perf_counter()
         self.faults.start_period()
         # Overlap: a fragment's new weights are merged one period late, so the steps run
         # while they travel; a full load (new replica, missed sync) cannot wait.
-        late_merge = cfg.overlap_communication and not job["full"]
-        if job.get("reset"):  # the servers were restored from a checkpoint: reload everything
+        late_merge = cfg.overlap_communication and not job.full
+        if job.reset:  # the servers were restored from a checkpoint: reload everything
             self.sync.versions = [-1] * len(self.sync.versions)
         received = self._receive(job, merge=False, full_only=late_merge)
         restarted = False
         if fragment == 0:
-            restarted = self._begin_round(job, resuming=bool(snapshots and snapshots.get("resume_step")))
+            restarted = self._begin_round(job, resuming=bool(snapshots and snapshots.resume_step))
         t1 = time.perf_counter()
         self.model.train()
         source, steps = self._round_batches(round_index, plan)
@@ -255,7 +248,7 @@ class RankWorker:
         loss_sum = torch.zeros((), device=self.device)
         tokens, counted, aborted, resumed, t = 0, 0, False, 0, first
         logged = (first, 0.0)  # (step, loss_sum) at the last step event
-        if snapshots and snapshots.get("resume_step"):
+        if snapshots and snapshots.resume_step:
             resumed, tokens, counted = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
         for t, batches in self._step_batches(source, steps[:last], first):
@@ -287,7 +280,7 @@ class RankWorker:
             self._optimizer_step()
             if (t + 1) % cfg.logging_steps == 0:
                 logged = self._report_step(job, t + 1, loss_sum, logged, tokens)
-            if snapshots and (t + 1) % snapshots["every"] == 0 and t + 1 < len(steps):
+            if snapshots and (t + 1) % snapshots.every == 0 and t + 1 < len(steps):
                 self._save_snapshot(snapshots, plan, t + 1, loss_sum, (tokens, counted))
         t2 = time.perf_counter()
         if late_merge and not aborted:
@@ -296,7 +289,7 @@ class RankWorker:
         if self.faults.drop_link and not aborted:
             self._wait_for_abort(attempt)  # the message never leaves; the driver gives up on it
             aborted = True
-        buffers = [] if aborted else self._outgoing(fragment, job.get("link"))
+        buffers = [] if aborted else self._outgoing(fragment, job.link)
         stats = RoundStats(rank=self.rank, inner_steps=(t - first) if aborted else last - first, tokens=tokens,
                            loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=(t1 - t0) + (t3 - t2),
                            bytes_up=sum(b.nbytes for b in buffers), bytes_down=received, aborted=aborted,
@@ -305,17 +298,17 @@ class RankWorker:
             buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
         return (*buffers, stats)
 
-    def _report_step(self, job: dict, step: int, loss_sum: torch.Tensor, logged: tuple, tokens: int) -> tuple:
+    def _report_step(self, job: SyncPeriod, step: int, loss_sum: torch.Tensor, logged: tuple, tokens: int) -> tuple:
         """Rank 0 sends a step event (mean loss since the last one, lr, tokens) to the
         driver's board, without waiting. Reading ``loss_sum`` syncs the device, which is
         why it happens every ``logging_steps`` and not every step."""
-        board = job.get("board")
+        board = job.board
         if board is None or self.rank != 0:
             return logged
         total = float(loss_sum)
         since = max(1, step - logged[0])
-        board.report.remote({"event": "step", "round": job["round"], "replica": self.replica_id, "step": step,
-                             "global_step": job["round"] * self.config.max_steps + step,
+        board.report.remote({"event": "step", "round": job.round, "replica": self.replica_id, "step": step,
+                             "global_step": job.round * self.config.max_steps + step,
                              "loss": (total - logged[1]) / since, "lr": self.optimizer.param_groups[0]["lr"],
                              # rank 0's count for the whole replica: its ranks see equal batches
                              "tokens": tokens * self.world_size, "time": time.time()})
@@ -325,24 +318,24 @@ class RankWorker:
         """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""
         return self.sync.outgoing(fragment, self._local_rows(), link)
 
-    def _receive(self, job: dict, merge: bool, full_only: bool = False) -> int:
+    def _receive(self, job: SyncPeriod, merge: bool, full_only: bool = False) -> int:
         """Bring this rank up to the weights of the job's sync version: skip messages it
         already holds, load everything after a gap, else apply them (blending them in
         with ``merge``). Waits out the simulated downlink. Returns the bytes received."""
-        version = job["version"]
-        decision = self.sync.plan(version, fragment_message=not job["full"])
+        version = job.version
+        decision = self.sync.plan(version, fragment_message=not job.full)
         received = 0
         if decision == "full":
-            received += self._apply(resolve([s.weights.remote(None) for s in job["servers"]]), job, merge=False)
-            decision = self.sync.plan(version, fragment_message=not job["full"])
+            received += self._apply(resolve([s.weights.remote(None) for s in job.servers]), job, merge=False)
+            decision = self.sync.plan(version, fragment_message=not job.full)
         if decision == "apply" and not full_only:
-            received += self._apply(resolve(job["messages"]), job, merge=merge)
+            received += self._apply(resolve(job.messages), job, merge=merge)
         return received
 
     @torch.no_grad()
-    def _apply(self, buffers: list, job: dict, merge: bool) -> int:
+    def _apply(self, buffers: list, job: SyncPeriod, merge: bool) -> int:
         nbytes = sum(len(b) for b in buffers)
-        link = job.get("link")
+        link = job.link
         if link is not None:
             sent = max(compression.packed_meta(b).get("sent_at", 0.0) for b in buffers)
             links.wait_for([sent + link.seconds(nbytes)])
@@ -405,20 +398,20 @@ class RankWorker:
         dist.all_reduce(total)
         return int(total.item())
 
-    def _save_snapshot(self, snapshots: dict, plan: list, step: int, loss_sum: torch.Tensor,
+    def _save_snapshot(self, snapshots: SnapshotPlan, plan: list, step: int, loss_sum: torch.Tensor,
                        tokens: tuple[int, int]) -> None:
         """``tokens``: (tokens, loss tokens) trained on so far this round."""
         state = {**self._optimizer_and_rng(), "rows": {n: _local(p).detach().cpu() for n, p in self.params},
                  "plan": [list(r) for r in plan], "loss_sum": float(loss_sum), "tokens": tokens[0],
                  "loss_tokens": tokens[1]}
-        snapshot.save(snapshots["folder"], snapshots["slot"], self.rank, step, state)
+        snapshot.save(snapshots.folder, snapshots.slot, self.rank, step, state)
 
     @torch.no_grad()
-    def _restore_snapshot(self, snapshots: dict, plan: list, loss_sum: torch.Tensor) -> tuple[int, int, int]:
+    def _restore_snapshot(self, snapshots: SnapshotPlan, plan: list, loss_sum: torch.Tensor) -> tuple[int, int, int]:
         """Continue a round from an in-flight snapshot: (first step to run, tokens and
         loss tokens so far). A snapshot taken with another data plan does not apply: zeros."""
-        step = snapshots["resume_step"]
-        state = snapshot.load(snapshots["folder"], snapshots["slot"], self.rank, step)
+        step = snapshots.resume_step
+        state = snapshot.load(snapshots.folder, snapshots.slot, self.rank, step)
         if state["plan"] != [list(r) for r in plan]:
             return 0, 0, 0
         for name, p in self.params:
@@ -429,21 +422,20 @@ class RankWorker:
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
-    def _begin_round(self, job: dict, resuming: bool) -> bool:
+    def _begin_round(self, job: SyncPeriod, resuming: bool) -> bool:
         """At the start of a round: reset a poisoned replica, and either start a re-run
         of the round from where its first attempt started or note that state for one.
 
-        A re-run (``job["restart"]``: too few replicas reported, or the server was
+        A re-run (``job.restart``: too few replicas reported, or the server was
         restored) always puts the local weights back to the global ones (local :=
         anchor), so the next pseudo-gradient spans this round's steps only. With
         ``restore_on_retry`` it also restores the inner optimizer, the RNG and the
         error-feedback residual of the round's start, so the re-run trains exactly as
         the first attempt did. Returns whether this was a re-run.
         """
-        round_index = job["round"]
-        if job.get("reset_inner"):
+        round_index, restart = job.round, job.restart
+        if job.reset_inner:
             self._reset_inner_state()
-        restart = bool(job.get("restart"))
         if restart:
             self.rewind_round(round_index, keep=True)
         elif self.config.restore_on_retry and not resuming:
@@ -476,13 +468,13 @@ class RankWorker:
         self.sync.residual = {}
         self._round_start.clear()
 
-    def _beat(self, job: dict, step: int) -> None:
+    def _beat(self, job: SyncPeriod, step: int) -> None:
         """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
         frozen rank is told apart from a slow one even without a round deadline."""
-        board, now = job.get("board"), time.monotonic()
+        board, now = job.board, time.monotonic()
         if board is not None and now - self._last_beat >= BEAT_S:
             self._last_beat = now
-            board.beat.remote(self.replica_id, self.rank, job.get("attempt", job["round"]), step)
+            board.beat.remote(self.replica_id, self.rank, job.attempt, step)
 
     def abort(self, attempt: int) -> None:
         """Ask a running sync period of launch ``attempt`` to stop at its next step boundary.

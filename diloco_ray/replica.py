@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from diloco_ray import samples
 from diloco_ray.config import TrainerConfig
 from diloco_ray.inner import RankWorker
+from diloco_ray.messages import SyncPeriod
 
 
 def start_token_data(config: TrainerConfig) -> list | None:
@@ -103,7 +104,7 @@ class Replica:
         refs = [[ref] if servers == 1 else ref for ref in refs]
         return [[per_rank[s] for per_rank in refs] for s in range(servers)]
 
-    def run_round(self, job: dict) -> tuple[list[list], list]:
+    def run_round(self, job: SyncPeriod) -> tuple[list[list], list]:
         """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
         buffer refs; the ranks' stats refs)."""
         servers = self.config.num_param_servers

@@ -28,6 +28,7 @@ from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership, capacity_shortfall
+from diloco_ray.messages import SnapshotPlan, SyncPeriod
 from diloco_ray.metrics import MetricsLogger, StepBoard
 from diloco_ray.ray_metrics import RoundMetrics
 from diloco_ray.records import round_record
@@ -379,24 +380,24 @@ class DilocoFSDPTrainer:
         self._reconcile()
         return record
 
-    def _job(self, rep: Replica, slot: int, fragment: int, plan: list) -> dict:
+    def _job(self, rep: Replica, slot: int, fragment: int, plan: list) -> SyncPeriod:
         """What every rank of ``rep`` gets for one sync period (see RankWorker.run_round)."""
         cfg = self.config
-        return {"round": self.round_index, "sync": fragment, "plan": plan, "attempt": self._attempt,
-                "messages": self._messages, "full": self._messages_full, "version": self._version,
-                "reset": self._reset, "restart": self._restart, "reset_inner": rep.id in self._reset_inner,
-                "servers": self.server.actors, "board": self.board,
-                "link": links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
-                "snapshots": self._snapshot_settings(slot) if fragment == 0 else None}
+        return SyncPeriod(round=self.round_index, fragment=fragment, plan=plan, attempt=self._attempt,
+                          messages=self._messages, full=self._messages_full, version=self._version,
+                          servers=self.server.actors, reset=self._reset, restart=self._restart,
+                          reset_inner=rep.id in self._reset_inner, board=self.board,
+                          link=links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
+                          snapshots=self._snapshot_plan(slot) if fragment == 0 else None)
 
-    def _snapshot_settings(self, slot: int) -> Optional[dict]:
+    def _snapshot_plan(self, slot: int) -> Optional[SnapshotPlan]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
         because round checkpoints already come at least as often)."""
         every = self.config.checkpoint_steps
         if every is None or every >= self.config.max_steps:
             return None
-        return {"folder": snapshot.round_dir(self.inflight_root, self.round_index), "slot": slot,
-                "every": every, "resume_step": self._resume_steps.get(slot)}
+        return SnapshotPlan(folder=snapshot.round_dir(self.inflight_root, self.round_index), slot=slot,
+                            every=every, resume_step=self._resume_steps.get(slot))
 
     def _gather(self, launched: dict, timeout_s: Optional[float]):
         """Collect every replica's stats as they arrive, until the deadline.

@@ -42,9 +42,10 @@ def first_round(worker, plan, round_index=0):
     """Run sync period 0 of ``round_index`` on an in-process RankWorker, starting from
     the weights it built; returns (pseudo-gradient name -> fp32 tensor, RoundStats)."""
     from diloco_ray import compression
+    from diloco_ray.messages import SyncPeriod
 
-    job = {"round": round_index, "sync": 0, "plan": plan, "messages": worker.sync.seed(worker._local_rows()),
-           "full": True, "version": 0, "servers": [], "link": None}
+    job = SyncPeriod(round=round_index, fragment=0, plan=plan, attempt=round_index,
+                     messages=worker.sync.seed(worker._local_rows()), full=True, version=0)
     *buffers, stats = worker.run_round(job)
     grads = {}
     for buf in buffers:

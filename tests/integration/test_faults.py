@@ -113,7 +113,7 @@ class KillDriverMidRound(RankWorker):
 
     def _save_snapshot(self, snapshots, plan, step, loss_sum, tokens):
         super()._save_snapshot(snapshots, plan, step, loss_sum, tokens)
-        if self.replica_id == 0 and "round-00000002" in snapshots["folder"] and step == 4:
+        if self.replica_id == 0 and "round-00000002" in snapshots.folder and step == 4:
             os.kill(self.driver_pid, signal.SIGKILL)
             time.sleep(60)   # Ray ends this actor with its driver's job
 

@@ -22,7 +22,7 @@ class SlowRoundOne(RankWorker):
     """Round 1 takes at least 3 s, so the node is lost while it runs."""
 
     def run_round(self, job):
-        if job["round"] == 1:
+        if job.round == 1:
             time.sleep(3.0)
         return super().run_round(job)
 

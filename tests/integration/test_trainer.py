@@ -45,7 +45,7 @@ class CrashingWorker(RankWorker):
     """The last rank of replica 1 dies at inner step 2 of round 1."""
 
     def run_round(self, job):
-        self._round, self._step = job["round"], 0
+        self._round, self._step = job.round, 0
         return super().run_round(job)
 
     def _optimizer_step(self):

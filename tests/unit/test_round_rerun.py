@@ -2,12 +2,15 @@
 weights and the inner state of the round's start, so it sends exactly the first
 attempt's pseudo-gradient, however the first attempt ended."""
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_config
 
 from diloco_ray import compression
 from diloco_ray.inner import RankWorker
+from diloco_ray.messages import SyncPeriod
 
 
 def rank(tmp_path, **overrides):
@@ -19,8 +22,8 @@ def rank(tmp_path, **overrides):
 
 def period(w, job_over=None):
     """Round 1's only sync period, from the weights of version 0."""
-    job = {"round": 1, "sync": 0, "plan": [(0, 12)], "messages": [w._start], "full": True, "version": 0,
-           "servers": [], "link": None, "attempt": 7, **(job_over or {})}
+    job = SyncPeriod(round=1, fragment=0, plan=[(0, 12)], attempt=7, messages=[w._start], full=True, version=0)
+    job = dataclasses.replace(job, **(job_over or {}))
     *buffers, stats = w.run_round(job)
     grads = {}
     for buf in (b for b in buffers if len(b)):  # an aborted period sends empty buffers

@@ -1,0 +1,69 @@
+"""What crosses the driver/rank boundary, typed: one frozen dataclass per message.
+
+The driver builds a :class:`SyncPeriod` for every rank of a replica at the start of each
+sync period and the rank only reads it, so both sides agree on one definition instead of
+on the keys of a dict. Plain data, no Ray: the references and actor handles inside are
+opaque here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """In-flight snapshots of a replica's progress inside a long round.
+
+    Args:
+        folder: the round's snapshot folder.
+        slot: the replica's slot (its ranks' files are named by it).
+        every: save after every ``every`` inner steps.
+        resume_step: resume from this step's snapshot (None: start the round afresh).
+    """
+
+    folder: str
+    slot: int
+    every: int
+    resume_step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SyncPeriod:
+    """What every rank of a replica gets for one sync period (see ``RankWorker.run_round``).
+
+    Args:
+        round: the outer round.
+        fragment: the fragment synced at the end of the period (0-based within the round;
+            always 0 without streaming).
+        plan: the replica's stream ranges ``[(start, count), ...]`` for the round.
+        attempt: the driver's launch counter; an abort names the attempt it stops.
+        messages: one packed weights message (or its object ref) per server, of sync
+            ``version``.
+        full: whether ``messages`` hold every parameter (not one fragment's).
+        version: the sync the messages bring the replica to.
+        servers: the server actor handles, for a full load after a missed sync.
+        reset: the servers were restored from a checkpoint: load everything again.
+        restart: the round runs again (too few replicas reported, or a lost server).
+        reset_inner: start with a fresh inner optimizer and residual (the replica's last
+            pseudo-gradient was rejected as non-finite).
+        board: the driver's step board (step events, heartbeats), or None.
+        link: the simulated link of the replica's slot (``links.Link``), or None.
+        snapshots: in-flight snapshot settings (first period of a round only), or None.
+    """
+
+    round: int
+    fragment: int
+    plan: Sequence[tuple[int, int]]
+    attempt: int
+    messages: Sequence[Any]
+    full: bool
+    version: int
+    servers: Sequence[Any] = ()
+    reset: bool = False
+    restart: bool = False
+    reset_inner: bool = False
+    board: Any = None
+    link: Any = None
+    snapshots: Optional[SnapshotPlan] = None
