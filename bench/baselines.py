@@ -23,7 +23,8 @@ import torch
 
 from diloco_ray import data
 from diloco_ray.config import TrainerConfig
-from diloco_ray.inner import RankWorker, build_inner_optimizer, inner_lr_at
+from diloco_ray.inner import RankWorker, inner_lr_at
+from diloco_ray.optimizers import build_inner_optimizer
 
 
 def _worker(config: TrainerConfig) -> RankWorker:

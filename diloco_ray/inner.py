@@ -33,8 +33,8 @@ from diloco_ray import (
     tokenization,
 )
 from diloco_ray.config import TrainerConfig
-from diloco_ray.errors import ConfigError
 from diloco_ray.messages import SnapshotPlan, SyncPeriod
+from diloco_ray.optimizers import build_inner_optimizer
 from diloco_ray.rank_sync import RankSync
 from diloco_ray.round_start import RoundStart
 from diloco_ray.server import resolve
@@ -65,18 +65,6 @@ def sync_period(fragment: int, steps: int, fragments: int) -> tuple[int, int]:
     """The inner steps ``[first, last)`` of a round that end with ``fragment``'s sync:
     syncs fall at ``floor((k + 1) * steps / fragments)``, so periods differ by at most one."""
     return fragment * steps // fragments, (fragment + 1) * steps // fragments
-
-
-def build_inner_optimizer(params, config: TrainerConfig) -> torch.optim.Optimizer:
-    """``torch.optim.<inner_opt>(params, lr=lr, **inner_opt_kwargs)``."""
-    cls = getattr(torch.optim, config.inner_opt, None)
-    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ConfigError(f"inner_opt: '{config.inner_opt}' is not a torch.optim optimizer; "
-                          "allowed: e.g. AdamW, Adam, SGD, Adafactor")
-    try:
-        return cls(params, **{"lr": config.lr, **config.inner_opt_kwargs})
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"inner_opt_kwargs: {e} (for {config.inner_opt})") from None
 
 
 @dataclass

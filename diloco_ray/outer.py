@@ -12,7 +12,6 @@ communication; callers hand it tensors and get tensors back.
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -20,7 +19,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from diloco_ray.errors import ConfigError
+from diloco_ray.optimizers import build_outer_optimizer
 
 __all__ = [
     "OuterOptimizer",
@@ -163,34 +162,6 @@ class OuterStepInfo:
     grad_norm: float | None = None
     lr: float = 0.0
     round: int = 0
-
-
-def build_outer_optimizer(params: list[Tensor], config: Any) -> torch.optim.Optimizer:
-    """``torch.optim.<outer_opt>`` over ``params`` with ``outer_lr``, ``outer_momentum``
-    (where the class takes one, Nesterov for SGD) and ``outer_opt_kwargs``."""
-    name = config.outer_opt
-    cls = getattr(torch.optim, str(name), None)
-    if not (inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)) or cls is torch.optim.Optimizer:
-        raise ConfigError(
-            f"outer_opt: {name!r} is not a torch.optim optimizer; expected e.g. 'SGD', 'Adam', 'AdamW', 'RMSprop'"
-        )
-    extra = dict(config.outer_opt_kwargs or {})
-    kwargs: dict[str, Any] = {"lr": float(config.outer_lr)}
-    if "momentum" in inspect.signature(cls.__init__).parameters:
-        kwargs["momentum"] = float(config.outer_momentum)
-    kwargs.update(extra)
-    # DiLoCo's recipe is Nesterov outer momentum; decide from the effective momentum
-    # so that a kwargs override to momentum=0 (or dampening) does not make SGD raise.
-    if cls is torch.optim.SGD and "nesterov" not in extra:
-        if kwargs.get("momentum", 0) > 0 and kwargs.get("dampening", 0) == 0:
-            kwargs["nesterov"] = True
-    # The fused kernel updates in place: the per-parameter optimizer's Nesterov term is a
-    # full-size temporary (the server's peak would hold it), and it is 2.5x faster on CPU.
-    signature = inspect.signature(cls.__init__).parameters
-    if "fused" in signature and not {"fused", "foreach"} & set(extra) and all(
-            p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params):
-        kwargs["fused"] = True
-    return cls(params, **kwargs)
 
 
 class OuterOptimizer:

@@ -32,7 +32,8 @@ import torch
 
 from diloco_ray import compression, data, host_memory, links, partition
 from diloco_ray.config import TrainerConfig
-from diloco_ray.outer import OuterOptimizer, build_outer_optimizer, clip_coefficient
+from diloco_ray.optimizers import build_outer_optimizer
+from diloco_ray.outer import OuterOptimizer, clip_coefficient
 
 # How a rejection for NaN/Inf reads: the driver resets such a replica's inner state.
 NON_FINITE = "non-finite values"

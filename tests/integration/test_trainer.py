@@ -110,7 +110,8 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     whichever server owns which rows. A fragment's global weights are the replica's as of
     that fragment's last sync (step floor((k+1) H / F) of the last round)."""
     from diloco_ray import data, modeling, partition, samples, tokenization
-    from diloco_ray.inner import build_inner_optimizer, inner_lr_at, sync_period
+    from diloco_ray.inner import inner_lr_at, sync_period
+    from diloco_ray.optimizers import build_inner_optimizer
 
     cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
                       diloco_loops=3, max_steps=4, eval_batches=0, **sync)

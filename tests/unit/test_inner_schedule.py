@@ -9,7 +9,8 @@ import torch
 
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError
-from diloco_ray.inner import build_inner_optimizer, inner_lr_at
+from diloco_ray.inner import inner_lr_at
+from diloco_ray.optimizers import build_inner_optimizer
 
 
 def make(**kw) -> TrainerConfig:
