@@ -62,7 +62,8 @@ __all__ = [
 FORMAT = 1
 MANIFEST = "manifest.json"
 _TMP_PREFIX = ".tmp-"
-_FINAL_RE = re.compile(r"^round-(\d+)$")
+# The one name of a round's folder (checkpoints, bucket checkpoints, in-flight snapshots).
+ROUND_FOLDER = re.compile(r"^round-(\d+)$")
 _CHUNK = 1 << 20
 
 # Skeleton tags. Every JSON object in a skeleton is exactly one of these single-key
@@ -298,7 +299,8 @@ def sha256_file(path: str) -> str:
 # ------------------------------------------------------------- checkpoint folders
 
 
-def _final_name(round: int) -> str:
+def round_folder_name(round: int) -> str:
+    """``round-XXXXXXXX``: the folder of round ``round``'s checkpoint (or snapshots)."""
     return f"round-{round:08d}"
 
 
@@ -308,9 +310,9 @@ def _check_round(round: int) -> int:
     return round
 
 
-def _round_of(path: str) -> int | None:
+def round_of_folder(path: str) -> int | None:
     """The round in a final folder's name, or None if it is not named ``round-N``."""
-    m = _FINAL_RE.match(os.path.basename(os.path.normpath(path)))
+    m = ROUND_FOLDER.match(os.path.basename(os.path.normpath(path)))
     return int(m.group(1)) if m else None
 
 
@@ -326,7 +328,7 @@ def begin(root: str, round: int) -> str:
     """
     _check_round(round)
     os.makedirs(root, exist_ok=True)
-    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{_final_name(round)}-", dir=root)
+    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{round_folder_name(round)}-", dir=root)
 
 
 def commit(tmp: str, root: str, round: int, meta: dict) -> str:
@@ -374,12 +376,12 @@ def commit(tmp: str, root: str, round: int, meta: dict) -> str:
     for d in dirs:
         _fsync_dir(d)
 
-    final = os.path.join(root, _final_name(round))
+    final = os.path.join(root, round_folder_name(round))
     old = None
     if os.path.exists(final):
         # Move the old one aside under a temp name rather than deleting it first: if we
         # crash between the two renames, prune() still finds and removes it.
-        old = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}old-{_final_name(round)}-", dir=root)
+        old = tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}old-{round_folder_name(round)}-", dir=root)
         os.rmdir(old)
         os.replace(final, old)
     os.replace(tmp, final)
@@ -449,7 +451,7 @@ def verify(path: str) -> str | None:
     unlisted = sorted(set(_files_under(path)) - set(files) - {MANIFEST})
     if unlisted:
         return f"{unlisted[0]!r} is in the checkpoint but not listed in its {MANIFEST}"
-    named = _round_of(path)
+    named = round_of_folder(path)
     if named is not None and manifest.get("round") != named:
         return f"{MANIFEST} says round {manifest.get('round')!r} but the folder is round {named}"
     for rel, digest in files.items():
@@ -487,7 +489,7 @@ def list_checkpoints(root: str) -> list[str]:
         return []
     found = []
     for entry in os.listdir(root):
-        m = _FINAL_RE.match(entry)
+        m = ROUND_FOLDER.match(entry)
         full = os.path.join(root, entry)
         if m and os.path.isdir(full):
             found.append((int(m.group(1)), full))
@@ -587,20 +589,20 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
     path = os.path.abspath(resume_from)
     skipped: list[tuple[str, str]] = []
 
-    if os.path.isfile(os.path.join(path, MANIFEST)) or _round_of(path) is not None:
+    if os.path.isfile(os.path.join(path, MANIFEST)) or round_of_folder(path) is not None:
         root = os.path.dirname(path)
         reason = verify(path)
         if reason is None:
             return path, []
         skipped.append((path, reason))
-        mine = _round_of(path)
+        mine = round_of_folder(path)
         if mine is None:
             # Not named round-N: its round is only in the manifest, if that is readable.
             try:
                 mine = int(read_manifest(path).get("round"))
             except (DataError, TypeError, ValueError):
                 mine = None
-        older = [p for p in list_checkpoints(root) if mine is not None and _round_of(p) < mine]
+        older = [p for p in list_checkpoints(root) if mine is not None and round_of_folder(p) < mine]
         found, failed = first_valid(reversed(older))
         skipped += failed
         if found is not None:

@@ -26,19 +26,15 @@ def _join(uri: str, name: str) -> str:
     return f"{uri.rstrip('/')}/{name}"
 
 
-def _round_name(round: int) -> str:
-    return f"round-{round:08d}"
-
-
 def round_of(uri: str):
     """The round in a ``.../round-N`` URI, else None."""
-    return checkpoint._round_of(uri.rstrip("/"))
+    return checkpoint.round_of_folder(uri.rstrip("/"))
 
 
 def list_checkpoints(root: str) -> list[str]:
     """URIs of the ``round-N`` folders under ``root``, oldest round first (valid or not)."""
     mirror = storage.Mirror(root)
-    names = [n for n in mirror.listdir(mirror.local) if checkpoint._FINAL_RE.match(n)]
+    names = [n for n in mirror.listdir(mirror.local) if checkpoint.ROUND_FOLDER.match(n)]
     return [_join(root, n) for n in sorted(names, key=lambda n: int(n.split("-")[1]))]
 
 
@@ -102,7 +98,7 @@ def begin(root: str, round: int) -> str:
     """The URI the checkpoint of ``round`` is written to. A manifest left there by an
     earlier write of the same round is deleted first, so it cannot vouch for a mix of
     old and new files if this write is cut short."""
-    uri = _join(root, _round_name(round))
+    uri = _join(root, checkpoint.round_folder_name(round))
     storage.Mirror(uri).delete(MANIFEST)
     return uri
 

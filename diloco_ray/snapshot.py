@@ -29,7 +29,7 @@ _NAME = re.compile(r"^slot-(\d+)-rank-(\d+)-step-(\d+)\.done$")
 
 def round_dir(root: str, round_index: int) -> str:
     """The folder of round ``round_index``'s snapshots under ``root`` (checkpoints/inflight)."""
-    return os.path.join(root, f"round-{round_index:08d}")
+    return os.path.join(root, checkpoint.round_folder_name(round_index))
 
 
 def _name(slot: int, rank: int, step: int) -> str:
