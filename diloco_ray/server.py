@@ -230,22 +230,17 @@ class ParameterServer:
         return arrived
 
     # ---- state ---------------------------------------------------------------------------
-    def initialize(self, buffer_refs: list, shapes: dict[str, tuple]) -> int:
+    def initialize(self, buffer_refs: list, shapes: dict[str, tuple]) -> None:
         """Seed this slice of the global weights from one replica's rank buffers (fp32
-        pieces, as :meth:`~diloco_ray.inner.RankWorker.seed_pieces` packs them); returns
-        the slice's bytes."""
+        pieces, as :meth:`~diloco_ray.inner.RankWorker.seed_pieces` packs them)."""
         self._layout(shapes)
         params, _ = self._receive(resolve(buffer_refs), self.owned)
         self.optimizer = OuterOptimizer(self._split(params), self.config)
         self._reset_held()
-        return self.weight_bytes()
 
     def _reset_held(self) -> None:
         if self.config.weights_compression != "none":
             self.held = {n: t.clone() for n, t in self.optimizer.params.items()}
-
-    def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.optimizer.params.values())
 
     def round_index(self) -> int:
         """The index of the next round to apply."""
@@ -502,9 +497,8 @@ class ParameterServer:
                        "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
         return staging.publish(where, [weights_file, *outer_files, meta_file])
 
-    def load(self, where: str) -> int:
-        """Restore the state :meth:`save` wrote (a folder or a bucket URI); returns the
-        slice's bytes."""
+    def load(self, where: str) -> None:
+        """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
         from diloco_ray import checkpoint, staging
         from diloco_ray.errors import ConfigError
 
@@ -536,7 +530,6 @@ class ParameterServer:
         accepted = meta.get("round_accepted")
         self._round_accepted = None if accepted is None else set(accepted)
         self.cursor = data.DataCursor.from_dict(meta["cursor"])
-        return self.weight_bytes()
 
 
 def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 16) -> float:

@@ -56,13 +56,13 @@ class ServerGroup:
         return len(self.actors)
 
     # ---- state ---------------------------------------------------------------------------
-    def initialize(self, per_server_refs: list[list], shapes: dict) -> int:
-        """Seed every server from one replica's ranks; returns the model's fp32 bytes."""
-        return sum(ray.get([a.initialize.remote(per_server_refs[s], shapes) for s, a in enumerate(self.actors)]))
+    def initialize(self, per_server_refs: list[list], shapes: dict) -> None:
+        """Seed every server from one replica's ranks."""
+        ray.get([a.initialize.remote(per_server_refs[s], shapes) for s, a in enumerate(self.actors)])
 
-    def load(self, path: str) -> int:
-        """Restore every server from checkpoint ``path``; returns the model's fp32 bytes."""
-        return sum(ray.get([a.load.remote(path) for a in self.actors]))
+    def load(self, path: str) -> None:
+        """Restore every server from checkpoint ``path``."""
+        ray.get([a.load.remote(path) for a in self.actors])
 
     def save(self, folder: str) -> list:
         return [a.save.remote(folder) for a in self.actors]

@@ -220,7 +220,7 @@ class DilocoFSDPTrainer:
         else:
             seed = self.replicas[0]  # every rank builds the same initial model
             self.shapes = seed.shapes
-            self.weight_bytes = self.server.initialize(seed.seed_pieces(), seed.shapes)
+            self.server.initialize(seed.seed_pieces(), seed.shapes)
             self.round_index = 0
             self._after_restore(reset=False)
             if cfg.checkpoint_steps is not None:
@@ -244,7 +244,7 @@ class DilocoFSDPTrainer:
         for bad, why in skipped:
             print(f"diloco-ray: checkpoint {bad} is unusable ({why}); using an older one", file=sys.stderr)
             self._log({"event": "checkpoint", "action": "skipped", "path": bad, "reason": why})
-        self.weight_bytes = self.server.load(path)
+        self.server.load(path)
         self.shapes = self.replicas[0].shapes if self.replicas else None
         self.round_index = self.server.round_index()
         self._last_checkpoint_round = self.round_index
