@@ -314,7 +314,7 @@ class RankWorker:
         decision = self.sync.plan(version, fragment_message=not job.full)
         received = 0
         if decision == "full":
-            received += self._apply(resolve([s.weights.remote(None) for s in job.servers]), job, merge=False)
+            received += self._apply(resolve([s.full_weights.remote() for s in job.servers]), job, merge=False)
             decision = self.sync.plan(version, fragment_message=not job.full)
         if decision == "apply" and not full_only:
             received += self._apply(resolve(job.messages), job, merge=merge)

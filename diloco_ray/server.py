@@ -258,7 +258,7 @@ class ParameterServer:
         it is rebuilt rather than kept (a full copy of the slice); a delta message
         depends on what replicas held before it, so that one is kept."""
         if self.version == 0:
-            return self.weights(None)
+            return self.full_weights()
         if self.config.weights_compression == "none":
             fragment = (self.fragment - 1) % self.config.sync_fragments
             return self._pack(self.optimizer.params, self._target(fragment), "none",
@@ -283,18 +283,20 @@ class ParameterServer:
             return None
         return iv[0], self._rows(self.optimizer.params, name, iv).numpy()
 
-    def weights(self, fragment: int | None = None) -> np.ndarray:
-        """What replicas load after a sync of ``fragment`` (None: everything, for a replica
-        that starts from scratch), packed.
+    def full_weights(self) -> np.ndarray:
+        """Every parameter of this slice as replicas hold it, packed fp32 (for a replica
+        that starts from scratch or missed a sync). Changes nothing."""
+        return self._pack(self.held or self.optimizer.params, self.owned, "none", {"version": self.version})
 
-        With ``weights_compression`` the message of a fragment is the compressed change
-        since the last one (``delta``, from ``base`` to ``version``), and the server
-        tracks what replicas then hold so quantisation error never accumulates; a full
-        load sends what replicas hold, in fp32.
+    def new_weights_message(self, fragment: int) -> np.ndarray:
+        """The message every replica applies after the sync of ``fragment``, packed; built
+        once per committed version, and from then on it is what replicas hold.
+
+        With ``weights_compression`` it is the compressed change since the last one
+        (``delta``, from ``base`` to ``version``), and the server tracks what replicas
+        then hold, so quantisation error never accumulates.
         """
         codec = self.config.weights_compression
-        if fragment is None:
-            return self._pack(self.held or self.optimizer.params, self.owned, "none", {"version": self.version})
         if self.version == self._message_version:
             # The sync committed nothing (a round to run again): there is no new version,
             # so no new message, and `held` must not move (it tracks what replicas hold).

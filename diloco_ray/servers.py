@@ -89,12 +89,12 @@ class ServerGroup:
         prepared = [a.prepare.remote(fragment, contributions[s]) for s, a in enumerate(self.actors)]
         reduced = [a.reduce.remote(*prepared) for a in self.actors]
         commits = [a.commit.remote(plans, *reduced) for a in self.actors]
-        weights = [a.weights.remote(fragment) for a in self.actors]
+        weights = [a.new_weights_message.remote(fragment) for a in self.actors]
         return SyncRefs(commits=commits, weights=weights)
 
     def full_weights(self) -> list:
         """Refs to what replicas hold, every parameter (for a replica starting out)."""
-        return [a.weights.remote(None) for a in self.actors]
+        return [a.full_weights.remote() for a in self.actors]
 
     def last_weights(self) -> list:
         """Refs to the latest sync's weights message (what replicas merge next)."""

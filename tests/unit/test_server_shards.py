@@ -100,7 +100,7 @@ class Sim:
         self.servers = [ThroughRay(ParameterServer(self.cfg.to_dict(), index=s)) for s in range(num_servers)]
         for s, server in enumerate(self.servers):
             server.initialize([seeds[r][s] for r in range(world_size)], shapes)
-        self.messages, self.full = [s.weights(None) for s in self.servers], True
+        self.messages, self.full = [s.full_weights() for s in self.servers], True
         self.history: list[list] = []  # per sync: every server's AppliedRound
 
     # ---- replica side ---------------------------------------------------------------
@@ -109,7 +109,7 @@ class Sim:
         for rank in self.replicas[rid]:
             decision = rank.sync.plan(version, fragment_message=not self.full)
             if decision == "full":
-                rank.sync.apply([s.weights(None) for s in self.servers], rank.local)
+                rank.sync.apply([s.full_weights() for s in self.servers], rank.local)
                 decision = rank.sync.plan(version, fragment_message=not self.full)
             if decision == "apply":
                 rank.sync.apply(self.messages, rank.local)
@@ -152,7 +152,7 @@ class Sim:
         prepared = [srv.prepare(fragment, contributions[s]) for s, srv in enumerate(self.servers)]
         reduced = [srv.reduce(*prepared) for srv in self.servers]
         applied = [srv.commit(plans, *reduced) for srv in self.servers]
-        self.messages, self.full = [srv.weights(fragment) for srv in self.servers], False
+        self.messages, self.full = [srv.new_weights_message(fragment) for srv in self.servers], False
         self.history.append(applied)
         return applied, reduced
 
@@ -165,7 +165,7 @@ class Sim:
         return assemble_weights([s.global_weights() for s in self.servers], self.shapes)
 
     def held(self) -> dict[str, np.ndarray]:
-        return assemble_weights([s.weights(None) for s in self.servers], self.shapes)
+        return assemble_weights([s.full_weights() for s in self.servers], self.shapes)
 
     def anchors(self, rid: int) -> dict[str, torch.Tensor]:
         ranks = self.replicas[rid]
@@ -456,7 +456,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
         s.load(str(tmp_path))
     assert states(loaded) == states(sim.servers)
     assert max_diff(assemble_weights([s.global_weights() for s in loaded], SHAPES), sim.global_weights()) == 0.0
-    assert max_diff(assemble_weights([s.weights(None) for s in loaded], SHAPES), sim.held()) == 0.0
+    assert max_diff(assemble_weights([s.full_weights() for s in loaded], SHAPES), sim.held()) == 0.0
     for a, b in zip(loaded, sim.servers):  # the same message, sent anew (its send time is now)
         (ta, ma), (tb, mb) = compression.unpack(a.last_weights()), compression.unpack(b.last_weights())
         ma.pop("sent_at", None), mb.pop("sent_at", None)
@@ -476,7 +476,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
         prepared = [srv.prepare(fragment, contributions[s]) for s, srv in enumerate(group)]
         reduced = [srv.reduce(*prepared) for srv in group]
         applied = [srv.commit(plans, *reduced) for srv in group]
-        messages = [srv.weights(fragment) for srv in group]
+        messages = [srv.new_weights_message(fragment) for srv in group]
         results.append((applied, messages, assemble_weights([s.global_weights() for s in group], SHAPES)))
     (a0, m0, w0), (a1, m1, w1) = results
     assert max_diff(w0, w1) == 0.0
@@ -527,7 +527,7 @@ def test_full_load_after_resuming_a_compressed_checkpoint_without_compression(tm
     sim.servers[0].save(str(tmp_path))
     server = ParameterServer(make_config(num_param_servers=1, sync_fragments=1).to_dict(), index=0)
     server.load(str(tmp_path))
-    sim.servers, sim.messages, sim.full = [server], [server.weights(None)], True
+    sim.servers, sim.messages, sim.full = [server], [server.full_weights()], True
     sim.round(1)
     assert max_diff(sim.held(), sim.global_weights()) == 0.0
 
