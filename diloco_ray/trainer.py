@@ -98,6 +98,7 @@ class DilocoFSDPTrainer:
         self.inflight_root = self.run_dir.inflight
         self._last_checkpoint_round: Optional[int] = None
         self._resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
+        self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
         # What replicas load next: one weights message per server, of sync `_version`.
         self._messages: list = []
         self._messages_full = True
@@ -190,9 +191,10 @@ class DilocoFSDPTrainer:
         self.ray_metrics = RoundMetrics(run_name)
         token_data = start_token_data(cfg)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
-        restore_from = resume[0] if resume else None
+        # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
+        self._inner_state_from = resume[0] if resume else None
         self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
-                                  on_admit=lambda rep, slot: self._restore_inner(rep, slot, restore_from),
+                                  on_admit=self._restore_inner,
                                   token_data=token_data)
         shortfall = capacity_shortfall(cfg, self.device, ray.cluster_resources())
         if shortfall:
@@ -209,7 +211,7 @@ class DilocoFSDPTrainer:
             raise RuntimeError(f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas were placed "
                                f"and set up within placement_timeout_s={cfg.placement_timeout_s:g}s "
                                f"(cluster resources: {totals})")
-        restore_from = None  # replicas that join later start with a fresh inner state
+        self._inner_state_from = None
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
             folder = snapshot.round_dir(self.inflight_root, self.round_index)
@@ -235,9 +237,10 @@ class DilocoFSDPTrainer:
         self._global_refs = None  # fetched when eval or final/ needs them
         self._reset = reset
 
-    def _restore_inner(self, rep: Replica, slot: int, folder: Optional[str]) -> None:
-        if folder is not None:
-            ray.get(rep.load_inner_state(folder, slot), timeout=self.config.call_timeout_s)
+    def _restore_inner(self, rep: Replica, slot: int) -> None:
+        """A replica about to join: with set-up resuming a checkpoint, its inner state."""
+        if self._inner_state_from is not None:
+            ray.get(rep.load_inner_state(self._inner_state_from, slot), timeout=self.config.call_timeout_s)
 
     def _load_server(self, path: str, skipped: list, reason: str) -> None:
         """Load the server state from checkpoint ``path`` and rewind the records to it."""
