@@ -1,14 +1,15 @@
-"""What crosses the driver/rank boundary, typed: one frozen dataclass per message.
+"""What crosses the driver's boundaries, typed: one dataclass per message.
 
 The driver builds a :class:`SyncPeriod` for every rank of a replica at the start of each
 sync period and the rank only reads it, so both sides agree on one definition instead of
-on the keys of a dict. Plain data, no Ray: the references and actor handles inside are
-opaque here.
+on the keys of a dict. A :class:`Launch` is what the driver holds of one replica's period
+while it runs, and a :class:`RoundPoll` what came back of all of them by the deadline.
+Plain data, no Ray: the references and actor handles inside are opaque here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 
@@ -67,3 +68,34 @@ class SyncPeriod:
     board: Any = None
     link: Any = None
     snapshots: Optional[SnapshotPlan] = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One replica's sync period as the driver holds it while it runs.
+
+    Args:
+        replica: the replica (``diloco_ray.replica.Replica``).
+        buffers: per server, the ranks' pseudo-gradient buffer refs.
+        stats: per rank, the ref of its ``RoundStats``.
+    """
+
+    replica: Any
+    buffers: Sequence[Sequence[Any]]
+    stats: Sequence[Any]
+
+
+@dataclass(frozen=True)
+class RoundPoll:
+    """What the replicas of one sync period sent back by its deadline.
+
+    Args:
+        reported: replica id -> its ranks' ``RoundStats`` (rank order), for the replicas
+            whose every rank finished the period.
+        late: ids of the replicas still running at the deadline (told to stop).
+        failed: ``(replica, why)`` for the replicas dropped (``"failed"``, ``"unresponsive"``).
+    """
+
+    reported: dict[int, list] = field(default_factory=dict)
+    late: list[int] = field(default_factory=list)
+    failed: list[tuple[Any, str]] = field(default_factory=list)

@@ -28,7 +28,7 @@ from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
 from diloco_ray.membership import Membership, capacity_shortfall
-from diloco_ray.messages import SnapshotPlan, SyncPeriod
+from diloco_ray.messages import Launch, RoundPoll, SnapshotPlan, SyncPeriod
 from diloco_ray.metrics import MetricsLogger, StepBoard
 from diloco_ray.ray_metrics import RoundMetrics
 from diloco_ray.records import round_record
@@ -320,24 +320,25 @@ class DilocoFSDPTrainer:
         held = (self._messages, self._messages_full)  # what replicas hold, if this sync commits nothing
         for fragment in range(cfg.sync_fragments):
             self._attempt += 1
-            launched = {rep.id: (rep, *rep.run_round(self._job(rep, slots[rep.id], fragment, plans[rep.id])))
+            launched = {rep.id: Launch(rep, *rep.run_round(self._job(rep, slots[rep.id], fragment, plans[rep.id])))
                         for rep in active}
             # Resume steps, a reload, a re-run's restart and a reset apply to the first period only.
             self._resume_steps, self._reset, self._restart = {}, False, False
             self._reset_inner -= set(launched)
             if fragment == 0:
                 self._inject_driver_faults()
-            reported, late, failed = self._gather(launched, timeout)
-            for rep, why in failed:
+            poll = self._gather(launched, timeout)
+            reported = poll.reported
+            for rep, why in poll.failed:
                 self.members.remove(rep, why)
-            late_ids |= set(late)
-            failed_ids |= {rep.id for rep, _ in failed}
+            late_ids |= set(poll.late)
+            failed_ids |= {rep.id for rep, _ in poll.failed}
             if cfg.sync_fragments == 1 and len(reported) < cfg.min_replicas:
                 self._wasted_steps += sum(s.inner_steps for stats in reported.values() for s in stats[:1])
                 return None
             # Each replica counts by the tokens that carried loss (see diloco_ray.loss).
             weight = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
-            contributions = [[Contribution(rid, launched[rid][1][s], weight[rid]) for rid in reported]
+            contributions = [[Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported]
                              for s in range(len(self.server))]
             refs = self.server.sync(fragment, contributions, plans)
             periods.append({"reported": reported, "refs": refs})
@@ -402,7 +403,7 @@ class DilocoFSDPTrainer:
         return SnapshotPlan(folder=snapshot.round_dir(self.inflight_root, self.round_index), slot=slot,
                             every=every, resume_step=self._resume_steps.get(slot))
 
-    def _gather(self, launched: dict, timeout_s: Optional[float]):
+    def _gather(self, launched: dict[int, Launch], timeout_s: Optional[float]) -> RoundPoll:
         """Collect every replica's stats as they arrive, until the deadline.
 
         A rank that fails takes its whole replica down at once: its partners would
@@ -410,11 +411,10 @@ class DilocoFSDPTrainer:
         no progress for ``stall_timeout_s`` (a frozen process answers nothing, and Ray
         cannot tell it from a slow one). Replicas still running at the deadline are told
         to stop and get ``abort_grace_s`` to do so; one that does not is dropped as
-        unresponsive. Returns (reported: id -> [RoundStats], late ids, [(failed replica,
-        why)]).
+        unresponsive.
         """
         cfg = self.config
-        owner = {ref: (rid, r) for rid, (_, _, stats) in launched.items() for r, ref in enumerate(stats)}
+        owner = {ref: (rid, r) for rid, launch in launched.items() for r, ref in enumerate(launch.stats)}
         results: dict[int, list] = {rid: [] for rid in launched}
         failed: dict[int, tuple[Replica, str]] = {}
         pending = set(owner)
@@ -423,8 +423,8 @@ class DilocoFSDPTrainer:
 
         def drop(rid: int, why: str) -> None:
             nonlocal pending
-            failed[rid] = (launched[rid][0], why)
-            launched[rid][0].stop()  # frees ranks blocked in a collective with the lost one
+            failed[rid] = (launched[rid].replica, why)
+            launched[rid].replica.stop()  # frees ranks blocked in a collective with the lost one
             pending = {r for r in pending if owner[r][0] != rid}
 
         while pending:
@@ -450,7 +450,7 @@ class DilocoFSDPTrainer:
                 break  # the deadline passed
         late = sorted({owner[r][0] for r in pending})
         for rid in late:
-            launched[rid][0].abort(self._attempt)
+            launched[rid].replica.abort(self._attempt)
         # A late replica stops at its next step; one that cannot (frozen) is dropped, so it
         # neither holds up the next round nor is launched again and again.
         acks = [r for r in pending if owner[r][0] in late]
@@ -461,10 +461,10 @@ class DilocoFSDPTrainer:
             except (RayActorError, RayTaskError):
                 pass  # counted below as not having answered
         for rid in late:
-            if len(results[rid]) < len(launched[rid][2]) and rid not in failed:
+            if len(results[rid]) < len(launched[rid].stats) and rid not in failed:
                 drop(rid, "unresponsive")
         reported = {}
-        for rid, (rep, _, stats_refs) in launched.items():
+        for rid in launched:
             stats = results[rid]
             if rid in failed or rid in late or any(s.aborted for s in stats):
                 beat = max((b[1] for (r, _), b in self._beats.items() if r == rid and b[0] == self._attempt),
@@ -473,7 +473,7 @@ class DilocoFSDPTrainer:
                 continue
             reported[rid] = sorted(stats, key=lambda s: s.rank)
         late = [rid for rid in launched if rid not in failed and rid not in reported]
-        return reported, late, list(failed.values())
+        return RoundPoll(reported, late, list(failed.values()))
 
     def _stalled(self, pending: set, owner: dict, launched_at: float) -> set[int]:
         """Replica ids with a rank still running that has shown no progress (a step
