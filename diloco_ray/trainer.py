@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Literal, Optional
 
 import ray
 import torch
@@ -39,6 +39,23 @@ from diloco_ray.servers import ServerGroup, assemble_weights
 
 # A round that too few replicas finish is run again; this many times in a row is fatal.
 MAX_ROUND_RETRIES = 3
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one attempt at a round ended, as a decision for :meth:`DilocoFSDPTrainer.run_round`.
+
+    Args:
+        action: ``"proceed"`` (applied: ``record`` is its round record), ``"run_again"``
+            (the round runs again from its start), or ``"recover_server"`` (restore the
+            servers from the last checkpoint, then run the round again).
+        record: the round record, when applied.
+        why: what made the round run again (for errors and debugging).
+    """
+
+    action: Literal["proceed", "run_again", "recover_server"]
+    record: Optional[dict] = None
+    why: str = ""
 STEP_POLL_S = 1.0  # how often the driver collects step events while a round runs
 
 
@@ -292,18 +309,20 @@ class DilocoFSDPTrainer:
         """
         self._wasted_steps = 0
         for _ in range(MAX_ROUND_RETRIES + 1):
-            record = self._attempt_round()
-            if record is not None:
-                return record
+            outcome = self._attempt_round()
+            if outcome.action == "proceed":
+                return outcome.record
+            if outcome.action == "recover_server":
+                self._recover_server()
             self._restart = True
             self._reconcile()
-        raise RuntimeError(f"round {self.round_index}: fewer than min_replicas={self.config.min_replicas} "
-                           f"replicas reported in {MAX_ROUND_RETRIES + 1} attempts")
+        raise RuntimeError(f"round {self.round_index}: not applied in {MAX_ROUND_RETRIES + 1} attempts "
+                           f"(the last: {outcome.why})")
 
-    def _attempt_round(self) -> Optional[dict]:
+    def _attempt_round(self) -> RoundOutcome:
         """One round: ``sync_fragments`` sync periods, each ending with one fragment's
-        sync. Returns its record, or None when it must be run again (plain DiLoCo with
-        too few replicas reporting, or a lost server)."""
+        sync. Proceeds with its record, or says why it must run again (plain DiLoCo with
+        too few replicas reporting or no update applied, or a lost server)."""
         cfg = self.config
         t_start = time.perf_counter()
         members = list(self.replicas)
@@ -312,8 +331,7 @@ class DilocoFSDPTrainer:
         try:
             plans = dict(zip(slots, self.server.plan(len(members))))
         except RayActorError:
-            self._recover_server()
-            return None
+            return RoundOutcome("recover_server", why="a server died before the round")
         active, late_ids, failed_ids = list(members), set(), set()
         periods: list[dict] = []  # per sync: reported stats and the servers' refs
         timeout = None if cfg.round_timeout_s is None else cfg.round_timeout_s / cfg.sync_fragments
@@ -335,7 +353,7 @@ class DilocoFSDPTrainer:
             failed_ids |= {rep.id for rep, _ in poll.failed}
             if cfg.sync_fragments == 1 and len(reported) < cfg.min_replicas:
                 self._wasted_steps += sum(s.inner_steps for stats in reported.values() for s in stats[:1])
-                return None
+                return RoundOutcome("run_again", why=f"{len(reported)} < min_replicas={cfg.min_replicas} reported")
             # Each replica counts by the tokens that carried loss (see diloco_ray.loss).
             weight = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
             contributions = [[Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported]
@@ -349,8 +367,7 @@ class DilocoFSDPTrainer:
         try:
             applied = [ray.get(p["refs"].commits)[0] for p in periods]
         except RayActorError:
-            self._recover_server()
-            return None
+            return RoundOutcome("recover_server", why="a server died during the sync")
         for info, period in zip(applied, periods):
             # A replica rejected for NaN/Inf starts its next period with a fresh inner state.
             self._reset_inner |= {rid for rid, why in info.rejected.items() if why.startswith(NON_FINITE)}
@@ -359,7 +376,7 @@ class DilocoFSDPTrainer:
         if cfg.sync_fragments == 1:
             if not applied[0].applied:
                 self._messages, self._messages_full = held  # no new version: replicas keep what they hold
-                return None
+                return RoundOutcome("run_again", why="no update applied (every pseudo-gradient rejected)")
             self._version += 1
         t_applied = time.perf_counter()
         self.round_index = applied[-1].round + 1
@@ -382,7 +399,7 @@ class DilocoFSDPTrainer:
         self.run_dir.publish()
         self._notify("on_round_end", record)
         self._reconcile()
-        return record
+        return RoundOutcome("proceed", record=record)
 
     def _job(self, rep: Replica, slot: int, fragment: int, plan: list) -> SyncPeriod:
         """What every rank of ``rep`` gets for one sync period (see RankWorker.run_round)."""
