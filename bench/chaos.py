@@ -80,7 +80,7 @@ def main() -> int:
     parser.add_argument("--every", type=float, default=20.0, help="seconds between failures")
     parser.add_argument("--rounds", type=int, default=30, help="outer rounds of each run")
     args = parser.parse_args()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     clean, clean_s = run(args.rounds)
     chaos = Chaos(args.every)
     faulty, faulty_s = run(args.rounds, [chaos])

@@ -286,7 +286,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     t0 = time.perf_counter()
     # One Ray for every run; more logical CPUs than cores, as the trainer would ask for.
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     ray.cloudpickle.register_pickle_by_value(elastic)  # its worker class must reach the actors
     bench = Bench(args.quick)
     try:

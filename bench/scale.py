@@ -229,7 +229,7 @@ def main() -> int:
     ap.add_argument("--sizes", help="comma-separated subset of " + ",".join(SIZES))
     args = ap.parse_args()
     sizes = args.sizes.split(",") if args.sizes else list(SIZES)[:3] if args.quick else list(SIZES)
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     started = time.perf_counter()
     results, rows = {}, []
     with tempfile.TemporaryDirectory() as tmp:

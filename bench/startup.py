@@ -63,7 +63,7 @@ def driver_split(config_path: str) -> dict[str, float]:
     from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 
     t = time.perf_counter()
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     ray_s = time.perf_counter() - t
     cfg = TrainerConfig.from_yaml(config_path, overrides={"output_dir": tempfile.mkdtemp(),
                                                           "overwrite_output_dir": True})

@@ -30,10 +30,11 @@ def tiny_config(output_dir, **overrides) -> TrainerConfig:
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray instance per test module, with more logical CPUs than cores."""
+    """One local Ray instance per test module, with more logical CPUs than cores: always a
+    private one (address="local"), even where a `ray start` head runs on this machine."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
 

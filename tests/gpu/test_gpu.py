@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def ray_gpu():
     import ray
 
-    ray.init(num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+             log_to_driver=False)
     yield ray
     ray.shutdown()
 

@@ -34,7 +34,7 @@ def metrics_port():
     old = os.environ.get("RAY_metrics_report_interval_ms")
     os.environ["RAY_metrics_report_interval_ms"] = str(REPORT_INTERVAL_MS)
     try:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port)
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _metrics_export_port=port)
         yield port
     finally:
         ray.shutdown()
