@@ -11,6 +11,7 @@ import argparse
 import sys
 import textwrap
 
+from diloco_ray import logs
 from diloco_ray.config import field_help, parse_set
 from diloco_ray.errors import UserInputError, unwrap
 
@@ -116,6 +117,7 @@ class _ShowProgress:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    logs.to_stderr()
     try:
         return {"train": _train, "report": _report, "scale": _scale}[args.command](args)
     except KeyboardInterrupt:

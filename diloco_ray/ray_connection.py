@@ -14,11 +14,11 @@ from __future__ import annotations
 import math
 import os
 import socket
-import sys
 import tempfile
 from typing import Optional
 
 from diloco_ray.config import TrainerConfig
+from diloco_ray.logs import log
 
 
 def decide(env_address: Optional[str], file_address: Optional[str], alive: bool) -> tuple[str, Optional[str]]:
@@ -71,8 +71,8 @@ def connect(config: TrainerConfig) -> bool:
     mode, address = decide(env, recorded, recorded is not None and answers(recorded))
     if mode == "join":
         if not env:
-            print(f"diloco-ray: joining the running local Ray cluster at {address} "
-                  "(set RAY_ADDRESS=local to start a private one)", file=sys.stderr, flush=True)
+            log.info("joining the running local Ray cluster at %s (set RAY_ADDRESS=local to start a private one)",
+                     address)
         ray.init(address=address)
         return False
     # Logical CPUs, not cores: rank actors reserve cpus_per_rank each, and a laptop with

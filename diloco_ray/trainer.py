@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from diloco_ray import faults, final_save, links, modeling, preflight, ray_conne
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.inner import RankWorker
+from diloco_ray.logs import log
 from diloco_ray.membership import Membership, capacity_shortfall
 from diloco_ray.messages import Launch, RoundPoll, SnapshotPlan, SyncPeriod
 from diloco_ray.metrics import MetricsLogger, StepBoard
@@ -262,7 +262,7 @@ class DilocoFSDPTrainer:
     def _load_server(self, path: str, skipped: list, reason: str) -> None:
         """Load the server state from checkpoint ``path`` and rewind the records to it."""
         for bad, why in skipped:
-            print(f"diloco-ray: checkpoint {bad} is unusable ({why}); using an older one", file=sys.stderr)
+            log.warning("checkpoint %s is unusable (%s); using an older one", bad, why)
             self._log({"event": "checkpoint", "action": "skipped", "path": bad, "reason": why})
         self.server.load(path)
         self.shapes = self.replicas[0].shapes if self.replicas else None
@@ -736,8 +736,8 @@ class DilocoFSDPTrainer:
         return path
 
     def _warn(self, message: str) -> None:
-        """A line on stderr for whoever watches, and a ``warning`` event in metrics.jsonl."""
-        print(f"diloco-ray: warning: {message}", file=sys.stderr, flush=True)
+        """A warning for whoever watches (:mod:`diloco_ray.logs`), and a ``warning`` event in metrics.jsonl."""
+        log.warning(message)
         self._log({"event": "warning", "message": message, "round": self.round_index})
 
     def _log(self, record: dict) -> None:
