@@ -33,6 +33,7 @@ from diloco_ray import (
     tokenization,
 )
 from diloco_ray.config import TrainerConfig
+from diloco_ray.events import StepEvent
 from diloco_ray.messages import SnapshotPlan, SyncPeriod
 from diloco_ray.optimizers import build_inner_optimizer
 from diloco_ray.rank_sync import RankSync
@@ -295,11 +296,11 @@ class RankWorker:
             return logged
         total = float(loss_sum)
         since = max(1, step - logged[0])
-        board.report.remote({"event": "step", "round": job.round, "replica": self.replica_id, "step": step,
-                             "global_step": job.round * self.config.max_steps + step,
-                             "loss": (total - logged[1]) / since, "lr": self.optimizer.param_groups[0]["lr"],
-                             # rank 0's count for the whole replica: its ranks see equal batches
-                             "tokens": tokens * self.world_size, "time": time.time()})
+        board.report.remote(StepEvent(round=job.round, replica=self.replica_id, step=step,
+                                      global_step=job.round * self.config.max_steps + step,
+                                      loss=(total - logged[1]) / since, lr=self.optimizer.param_groups[0]["lr"],
+                                      # rank 0's count for the whole replica: its ranks see equal batches
+                                      tokens=tokens * self.world_size, time=time.time()))
         return step, total
 
     def _outgoing(self, fragment: int, link) -> list[np.ndarray]:

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import ray
 
 from diloco_ray.config import TrainerConfig
+from diloco_ray.events import MembershipEvent
 from diloco_ray.replica import Replica, resources_for_replica
 
 
@@ -85,7 +86,7 @@ class Membership:
         config: the job's TrainerConfig.
         device: ``"cpu"`` or ``"cuda"``.
         worker_cls: the rank class for new replicas.
-        on_event: called with each membership event (a dict) for metrics.jsonl.
+        on_event: called with each :class:`~diloco_ray.events.MembershipEvent`, for metrics.jsonl.
         round_of: the index of the round the run is at, for the events.
         on_admit: called with (replica, slot) just before a replica becomes active, e.g.
             to restore its inner state from a checkpoint.
@@ -94,7 +95,7 @@ class Membership:
     """
 
     def __init__(self, config: TrainerConfig, device: str, worker_cls: type,
-                 on_event: Callable[[dict], None], round_of: Callable[[], int],
+                 on_event: Callable[[MembershipEvent], None], round_of: Callable[[], int],
                  on_admit: Optional[Callable[[Replica, int], None]] = None, token_data: Optional[list] = None):
         self.config, self.device, self.worker_cls = config, device, worker_cls
         self.token_data = token_data
@@ -154,20 +155,20 @@ class Membership:
             if rep in self.starting:
                 self.starting.remove(rep)
             rep.stop()
-            self.on_event({"event": "membership", "action": "failed_start", "replica_id": rep.id,
-                           "round": self.round_of(), "reason": str(e).splitlines()[0][:200]})
+            self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id,
+                                          reason=str(e).splitlines()[0][:200]))
             return
         self.active.append(rep)
-        self.on_event({"event": "membership", "action": "join", "replica_id": rep.id, "round": self.round_of(),
-                       "replicas": len(self.active), "start_seconds": time.time() - rep.requested_at})
+        self.on_event(MembershipEvent("join", self.round_of(), replica_id=rep.id, replicas=len(self.active),
+                                      start_seconds=time.time() - rep.requested_at))
 
     def remove(self, rep: Replica, reason: str) -> None:
         """Stop ``rep`` and forget it (its placement group is released)."""
         rep.stop()
         if rep in self.active:
             self.active.remove(rep)
-        self.on_event({"event": "membership", "action": "leave", "replica_id": rep.id, "reason": reason,
-                       "round": self.round_of(), "replicas": len(self.active)})
+        self.on_event(MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason,
+                                      replicas=len(self.active)))
 
     def stop_all(self) -> None:
         for rep in self.active + self.starting:

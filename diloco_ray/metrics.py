@@ -13,6 +13,8 @@ import os
 import time
 from typing import Any, Optional
 
+from diloco_ray.events import StepEvent
+
 
 class StepBoard:
     """Where rank 0 of every replica drops its step events (``report``, called without
@@ -20,10 +22,10 @@ class StepBoard:
     makes it an actor with ``ray.remote`` when it creates it, so tests can use it as is."""
 
     def __init__(self):
-        self._events: list[dict] = []
+        self._events: list[StepEvent] = []
         self._beats: dict[tuple[int, int], tuple[int, int, float]] = {}
 
-    def report(self, event: dict) -> None:
+    def report(self, event: StepEvent) -> None:
         self._events.append(event)
 
     def beat(self, replica_id: int, rank: int, attempt: int, step: int) -> None:
@@ -36,7 +38,7 @@ class StepBoard:
         """(replica id, rank) -> (attempt, step, wall time) of each rank's latest beat."""
         return dict(self._beats)
 
-    def drain(self) -> list[dict]:
+    def drain(self) -> list[StepEvent]:
         events, self._events = self._events, []
         return events
 

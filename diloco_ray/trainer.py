@@ -25,6 +25,15 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray import faults, final_save, links, modeling, preflight, ray_connection, snapshot, staging, tokenization
 from diloco_ray.config import TrainerConfig
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
+from diloco_ray.events import (
+    CheckpointEvent,
+    EarlyStopEvent,
+    Event,
+    FaultEvent,
+    MembershipEvent,
+    ServerEvent,
+    WarningEvent,
+)
 from diloco_ray.inner import RankWorker
 from diloco_ray.logs import log
 from diloco_ray.membership import Membership, capacity_shortfall
@@ -263,7 +272,7 @@ class DilocoFSDPTrainer:
         """Load the server state from checkpoint ``path`` and rewind the records to it."""
         for bad, why in skipped:
             log.warning("checkpoint %s is unusable (%s); using an older one", bad, why)
-            self._log({"event": "checkpoint", "action": "skipped", "path": bad, "reason": why})
+            self._log(CheckpointEvent("skipped", path=bad, reason=why))
         self.server.load(path)
         self.shapes = self.replicas[0].shapes if self.replicas else None
         self.round_index = self.server.round_index()
@@ -273,7 +282,7 @@ class DilocoFSDPTrainer:
         self.records = [r for r in self.records if r["round"] < self.round_index]
         # A restarted server is behind what the replicas hold: they reload everything.
         self._after_restore(reset=reason == "server_restart")
-        self._log({"event": "checkpoint", "action": reason, "path": path, "round": self.round_index})
+        self._log(CheckpointEvent(reason, path=path, round=self.round_index))
 
     def _connect_ray(self) -> None:
         if not ray.is_initialized():
@@ -525,8 +534,8 @@ class DilocoFSDPTrainer:
             return
         for event in events:
             self._log(event)
-            self.ray_metrics.step(event["replica"], event["loss"], event["lr"])
-            self._notify("on_step", event)
+            self.ray_metrics.step(event.replica, event.loss, event.lr)
+            self._notify("on_step", event.to_record())
 
     def _new_board(self):
         """The StepBoard actor, on the driver's own node: a lost worker node must not
@@ -577,7 +586,7 @@ class DilocoFSDPTrainer:
         for fault in faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="server") + \
                 faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="driver"):
             self._fired.add(fault.key)
-            self._log({"event": "fault", "target": fault.target, "kind": fault.kind, "round": self.round_index})
+            self._log(FaultEvent(fault.target, fault.kind, self.round_index))
             if fault.target == "server":
                 ray.kill(self.server.actors[fault.index % len(self.server)], no_restart=True)
             else:
@@ -605,8 +614,7 @@ class DilocoFSDPTrainer:
             return
         self._scale_mtime, target = request
         self.scale(target)
-        self._log({"event": "membership", "action": "scale", "target": self.target_replicas,
-                   "round": self.round_index})
+        self._log(MembershipEvent("scale", self.round_index, target=self.target_replicas))
 
     def _early_stop(self) -> bool:
         """Whether eval loss has not improved by early_stopping_threshold for
@@ -618,8 +626,7 @@ class DilocoFSDPTrainer:
         best_before = min(losses[:-patience])
         if min(losses[-patience:]) < best_before - self.config.early_stopping_threshold:
             return False
-        self._log({"event": "early_stop", "round": self.round_index, "best_eval_loss": min(losses),
-                   "patience": patience})
+        self._log(EarlyStopEvent(self.round_index, min(losses), patience))
         return True
 
     def _maybe_checkpoint(self) -> None:
@@ -644,8 +651,7 @@ class DilocoFSDPTrainer:
             files = {k: v for hashes in ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
                      for k, v in (hashes or {}).items()}
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
-            self._log({"event": "checkpoint", "action": "failed", "round": self.round_index,
-                       "reason": str(e).splitlines()[0][:200]})
+            self._log(CheckpointEvent("failed", round=self.round_index, reason=str(e).splitlines()[0][:200]))
             return None
         meta = {"replica_ids": [r.id for r in members], "ranks_per_replica": cfg.ranks_per_replica,
                 "seed": cfg.seed, "max_steps": cfg.max_steps}
@@ -653,8 +659,7 @@ class DilocoFSDPTrainer:
         self._last_checkpoint_round = self.round_index
         snapshot.clear_before(self.inflight_root, self.round_index)
         pruned = self.run_dir.prune(cfg.save_total_limit)
-        self._log({"event": "checkpoint", "action": "saved", "path": path, "round": self.round_index,
-                   "pruned": pruned})
+        self._log(CheckpointEvent("saved", path=path, round=self.round_index, pruned=pruned))
         return path
 
     def _checkpoint_on_stop(self) -> Optional[str]:
@@ -692,7 +697,7 @@ class DilocoFSDPTrainer:
         if path is None:
             raise RuntimeError("the parameter server died and there is no checkpoint to recreate it from; "
                                "set checkpoint_steps to make a run survive that")
-        self._log({"event": "server", "action": "restart", "round": self.round_index, "from": path})
+        self._log(ServerEvent("restart", self.round_index, from_path=path))
         self.server.kill()
         self.server = ServerGroup(self.config, self.server_cls)
         was_at = self.round_index
@@ -738,11 +743,12 @@ class DilocoFSDPTrainer:
     def _warn(self, message: str) -> None:
         """A warning for whoever watches (:mod:`diloco_ray.logs`), and a ``warning`` event in metrics.jsonl."""
         log.warning(message)
-        self._log({"event": "warning", "message": message, "round": self.round_index})
+        self._log(WarningEvent(message, self.round_index))
 
-    def _log(self, record: dict) -> None:
+    def _log(self, event: Event | dict) -> None:
+        """One line in metrics.jsonl: a typed event, or a round record (a dict)."""
         if self.metrics is not None:
-            self.metrics.log(record)
+            self.metrics.log(event.to_record() if isinstance(event, Event) else event)
 
     def shutdown(self) -> None:
         """Stop replicas and server; stop Ray if this trainer started it."""
