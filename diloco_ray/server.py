@@ -26,6 +26,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import torch
@@ -77,6 +78,29 @@ class Reduced:
 
 
 @dataclass
+class PendingSync:
+    """What one sync keeps between :meth:`ParameterServer.prepare`, ``reduce`` and
+    ``commit``. The sum becomes the mean in place and the step consumes it, so each stage
+    hands the big tensors on and leaves None behind: one reference to them at a time.
+
+    Args:
+        fragment: the fragment being synced.
+        contributions: the replicas' contributions to this server.
+        valid: ids of the replicas whose pieces this server summed.
+        started: wall-clock time the first piece arrived.
+        acc: name -> weighted sum of the valid pieces, until ``reduce``.
+        mean: name -> the accepted mean, from ``reduce`` until ``commit``.
+    """
+
+    fragment: int
+    contributions: list
+    valid: list[int]
+    started: float
+    acc: Optional[dict] = None
+    mean: Optional[dict] = None
+
+
+@dataclass
 class AppliedRound:
     """What a commit reports (small; goes to the driver)."""
 
@@ -114,7 +138,7 @@ class ParameterServer:
         self.version = 0               # syncs committed: the version replicas hold
         self.held: dict[str, torch.Tensor] = {}  # what replicas hold, with weights_compression
         self._round_accepted: set[int] | None = None
-        self._pending: dict | None = None
+        self._pending: PendingSync | None = None
         self._sum_space = torch.empty(0)  # where a sync's sum is built (see _zeroed_sum)
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
         self._message_version = 0      # the version last_message carries
@@ -371,8 +395,7 @@ class ParameterServer:
             arrivals.append(arrived)
             valid.append(c.replica_id)
         links.wait_for(arrivals)  # a simulated slow uplink delivers the pieces only now
-        self._pending = {"fragment": fragment, "contributions": contributions, "acc": acc, "valid": valid,
-                         "started": started}
+        self._pending = PendingSync(fragment, contributions, valid, started, acc=acc)
         return Prepared(order=[c.replica_id for c in contributions],
                         weights={c.replica_id: float(c.weight) for c in contributions},
                         reasons=reasons, arrived=time.time())
@@ -411,17 +434,17 @@ class ParameterServer:
         accepted = [rid for rid in prepared[0].order if rid not in reasons]
         weights = prepared[0].weights
         total = sum(weights[rid] for rid in accepted)
-        if accepted != pending["valid"]:  # another server rejected one this server summed
+        if accepted != pending.valid:  # another server rejected one this server summed
             # Built again, in the same space.
-            pending["acc"] = self._sum(pending["contributions"], set(accepted), self._target(pending["fragment"]))
-        acc = pending.pop("acc")  # becomes the mean, in place: one reference, which commit consumes
-        mean = {n: t.div_(total) for n, t in acc.items()} if total > 0 else {}
+            pending.acc = self._sum(pending.contributions, set(accepted), self._target(pending.fragment))
+        acc, pending.acc = pending.acc, None  # becomes the mean, in place: one reference, which commit consumes
+        pending.mean = {n: t.div_(total) for n, t in acc.items()} if total > 0 else {}
         del acc
-        target = self._target(pending["fragment"])
-        pending.update(mean=mean, accepted=accepted)
+        target = self._target(pending.fragment)
+        mean = pending.mean
         sumsq = [(self.position[n], target[n][0], _sum_of_squares(g)) for n, g in mean.items()]
         return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons,
-                       started=pending["started"])
+                       started=pending.started)
 
     def commit(self, plans: dict, *reduced: Reduced) -> AppliedRound:
         """Take the outer step for this sync with the norm over every server's slice, and
@@ -441,7 +464,9 @@ class ParameterServer:
         round_index, fragment = opt.round, self.fragment
         streaming = cfg.sync_fragments > 1
         if accepted:
-            mean = {self.pieces[(n, fragment)]: g for n, g in pending.pop("mean").items()}
+            named, pending.mean = pending.mean, None
+            mean = {self.pieces[(n, fragment)]: g for n, g in named.items()}
+            del named
             opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm), in_place=True)  # consumes mean
         elif not streaming:
             # Plain DiLoCo: nothing usable arrived, so the round is run again.
