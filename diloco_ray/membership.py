@@ -16,6 +16,7 @@ from typing import Callable, Optional
 import ray
 
 from diloco_ray.config import TrainerConfig
+from diloco_ray.errors import first_line
 from diloco_ray.events import MembershipEvent
 from diloco_ray.replica import Replica, resources_for_replica
 
@@ -156,7 +157,7 @@ class Membership:
                 self.starting.remove(rep)
             rep.stop()
             self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id,
-                                          reason=str(e).splitlines()[0][:200]))
+                                          reason=first_line(e)[:200]))
             return
         self.active.append(rep)
         self.on_event(MembershipEvent("join", self.round_of(), replica_id=rep.id, replicas=len(self.active),

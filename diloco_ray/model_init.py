@@ -30,7 +30,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from diloco_ray.errors import ConfigError
+from diloco_ray.errors import ConfigError, first_line
 
 # The prefix PEFT puts before the wrapped model's names, and the segment it inserts
 # before a wrapped layer's own weights: the checkpoint has neither.
@@ -251,5 +251,5 @@ def checkpoint_folder(model_name: str) -> str | None:
             folder = snapshot_download(model_name, allow_patterns=["*.json", "*.safetensors"])
         except Exception as e:  # offline, unknown id: the same error as from_pretrained's
             raise ConfigError(f"model_name: cannot load a causal LM from '{model_name}': "
-                              f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}") from None
+                              f"{first_line(e)}") from None
     return folder if CheckpointRows.available(folder) else None

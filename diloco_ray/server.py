@@ -33,6 +33,7 @@ import torch
 
 from diloco_ray import compression, data, host_memory, links, partition
 from diloco_ray.config import TrainerConfig
+from diloco_ray.errors import ConfigError
 from diloco_ray.optimizers import build_outer_optimizer
 from diloco_ray.outer import OuterOptimizer, clip_coefficient
 
@@ -152,7 +153,7 @@ class ParameterServer:
         fails in ``__init__`` would only say that it died."""
         try:
             build_outer_optimizer([torch.zeros(1, requires_grad=True)], self.config)
-        except (TypeError, ValueError):
+        except ConfigError:
             pass
 
     # ---- layout ------------------------------------------------------------------------
@@ -527,7 +528,6 @@ class ParameterServer:
     def load(self, where: str) -> None:
         """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
         from diloco_ray import checkpoint, staging
-        from diloco_ray.errors import ConfigError
 
         weights_file, outer_name, meta_file = self._names()
         folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors",

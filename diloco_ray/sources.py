@@ -16,7 +16,7 @@ import random
 from typing import Callable
 
 from diloco_ray.config import TrainerConfig
-from diloco_ray.errors import ConfigError, DataError
+from diloco_ray.errors import ConfigError, DataError, first_line
 
 # ---------------------------------------------------------------------------------------
 # Builtin data sets (generated, offline)
@@ -167,16 +167,11 @@ def _guarded(field: str, source: str, load: Callable):
     try:
         return load()
     except TypeError as e:  # load_dataset passes dataset_kwargs on to the builder
-        raise ConfigError(f"dataset_kwargs: not accepted when loading '{source}' ({_short(e)})") from None
+        raise ConfigError(f"dataset_kwargs: not accepted when loading '{source}' ({first_line(e)[:300]})") from None
     except FileNotFoundError as e:
-        raise DataError(f"{field}: '{source}' not found ({_short(e)})") from None
+        raise DataError(f"{field}: '{source}' not found ({first_line(e)[:300]})") from None
     except (ValueError, OSError, ConnectionError) as e:
-        raise DataError(f"{field}: cannot load '{source}': {_short(e)}") from None
-
-
-def _short(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0][:300] if text else type(e).__name__
+        raise DataError(f"{field}: cannot load '{source}': {first_line(e)[:300]}") from None
 
 
 def resolve_text_field(columns: list[str], text_field: str | None, source: str,

@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray import faults, final_save, links, modeling, preflight, ray_connection, snapshot, staging, tokenization
 from diloco_ray.config import TrainerConfig
-from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
+from diloco_ray.errors import ConfigError, Stopped, UserInputError, first_line, unwrap
 from diloco_ray.events import (
     CheckpointEvent,
     EarlyStopEvent,
@@ -651,7 +651,7 @@ class DilocoFSDPTrainer:
             files = {k: v for hashes in ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
                      for k, v in (hashes or {}).items()}
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
-            self._log(CheckpointEvent("failed", round=self.round_index, reason=str(e).splitlines()[0][:200]))
+            self._log(CheckpointEvent("failed", round=self.round_index, reason=first_line(e)[:200]))
             return None
         meta = {"replica_ids": [r.id for r in members], "ranks_per_replica": cfg.ranks_per_replica,
                 "seed": cfg.seed, "max_steps": cfg.max_steps}
