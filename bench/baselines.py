@@ -8,7 +8,7 @@
 * :func:`memcpy_bytes_per_s` is this machine's memory copy speed, the yardstick for the
   outer sync.
 
-Model and batches come from an in-process :class:`~diloco_ray.inner.RankWorker` (built,
+Model and batches come from an in-process :class:`~diloco_ray.runtime.rank.RankWorker` (built,
 not run), so every figure compares the same tensors.
 """
 
@@ -21,10 +21,10 @@ import time
 import numpy as np
 import torch
 
-from diloco_ray import data
-from diloco_ray.config import TrainerConfig
-from diloco_ray.inner import RankWorker, inner_lr_at
-from diloco_ray.optimizers import build_inner_optimizer
+from diloco_ray.algo.optimizers import build_inner_optimizer
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.data import plan as data
+from diloco_ray.runtime.rank import RankWorker, inner_lr_at
 
 
 def _worker(config: TrainerConfig) -> RankWorker:

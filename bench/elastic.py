@@ -18,8 +18,8 @@ import tempfile
 import time
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
-from diloco_ray.inner import RankWorker
-from diloco_ray.metrics import read_events
+from diloco_ray.observe.metrics import read_events
+from diloco_ray.runtime.rank import RankWorker
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
 DEATH_FILE = os.path.join(tempfile.mkdtemp(), "death.json")

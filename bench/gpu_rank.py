@@ -20,9 +20,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from diloco_ray import modeling, tokenization  # noqa: E402
-from diloco_ray.config import TrainerConfig  # noqa: E402
-from diloco_ray.rank_sync import RankSync  # noqa: E402
+from diloco_ray.algo.rank_sync import RankSync  # noqa: E402
+from diloco_ray.config.schema import TrainerConfig  # noqa: E402
+from diloco_ray.data import tokenization
+from diloco_ray.model import loading as modeling  # noqa: E402
 
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 

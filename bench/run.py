@@ -51,7 +51,9 @@ import baselines  # noqa: E402
 import elastic  # noqa: E402
 import ray  # noqa: E402
 
-from diloco_ray import DilocoFSDPTrainer, TrainerConfig, modeling, tokenization  # noqa: E402
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig  # noqa: E402
+from diloco_ray.data import tokenization  # noqa: E402
+from diloco_ray.model import loading as modeling  # noqa: E402
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 DEFAULT_H = TrainerConfig.__dataclass_fields__["max_steps"].default

@@ -4,7 +4,7 @@ Times, for ``configs/tiny.yaml`` (or CONFIG): ``ray.init``; the driver's ``setup
 (servers and replicas placed and built, the servers seeded) until round 0 can start; and,
 inside one rank driven in this process, its own set-up split into imports, tokenizer,
 data (tokenise and pack: in a run, the job's one tokenising task does this while the
-ranks build their models; see ``diloco_ray.replica.start_token_data``), model build and
+ranks build their models; see ``diloco_ray.runtime.replica.start_token_data``), model build and
 the rest. Run it against two checkouts with
 ``PYTHONPATH=<checkout>`` to compare before and after.
 """
@@ -24,14 +24,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def import_seconds() -> float:
     """A fresh interpreter importing what a rank imports (what each new actor pays)."""
-    code = "import time; t = time.perf_counter(); import diloco_ray.inner; print(time.perf_counter() - t)"
+    code = "import time; t = time.perf_counter(); import diloco_ray.runtime.rank; print(time.perf_counter() - t)"
     return float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
 
 
 def rank_split(config_path: str) -> dict[str, float]:
     """One rank's ``setup()`` in this process, its stages timed by wrapping them."""
-    from diloco_ray import inner, modeling, samples, tokenization
-    from diloco_ray.config import TrainerConfig
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.data import samples, tokenization
+    from diloco_ray.model import loading as modeling
+    from diloco_ray.runtime import rank as inner
 
     split: dict[str, float] = {}
 

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 from diloco_ray import logs
-from diloco_ray.config import field_help, parse_set
+from diloco_ray.config.schema import field_help, parse_set
 from diloco_ray.errors import UserInputError, unwrap
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
@@ -49,8 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _train(args) -> int:
     import signal
 
-    from diloco_ray.config import TrainerConfig
-    from diloco_ray.trainer import DilocoFSDPTrainer
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.driver.trainer import DilocoFSDPTrainer
 
     config = TrainerConfig.from_yaml(args.config, overrides=parse_set(args.overrides))
     if args.print_config:
@@ -76,25 +76,25 @@ def _train(args) -> int:
 
 
 def _scale(args) -> int:
-    from diloco_ray.run_folder import request_scale
+    from diloco_ray.persist.run_folder import request_scale
 
     print(f"requested {args.replicas} replicas: {request_scale(args.output_dir, args.replicas)}")
     return EXIT_OK
 
 
 def _report(args) -> int:
-    from diloco_ray.report import write_report
+    from diloco_ray.observe.report import write_report
 
     print(write_report(args.output_dir))
     return EXIT_OK
 
 
 class _ShowProgress:
-    """Feeds the trainer's callbacks to a :class:`~diloco_ray.progress.Progress` on
+    """Feeds the trainer's callbacks to a :class:`~diloco_ray.observe.progress.Progress` on
     stdout: bars on a terminal, plain lines otherwise (logs, ``ray job submit``)."""
 
     def __init__(self, config):
-        from diloco_ray.progress import Progress
+        from diloco_ray.observe.progress import Progress
 
         # stdout: bars on a terminal, and in a log the round lines users read as results.
         self.progress = Progress(config.diloco_loops, config.max_steps, stream=sys.stdout)

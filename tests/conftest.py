@@ -12,7 +12,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from diloco_ray.config import TrainerConfig
+from diloco_ray.config.schema import TrainerConfig
 
 TINY_MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
               "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": False}
@@ -42,8 +42,8 @@ def ray_local():
 def first_round(worker, plan, round_index=0):
     """Run sync period 0 of ``round_index`` on an in-process RankWorker, starting from
     the weights it built; returns (pseudo-gradient name -> fp32 tensor, RoundStats)."""
-    from diloco_ray import compression
-    from diloco_ray.messages import SyncPeriod
+    from diloco_ray.algo import compression
+    from diloco_ray.runtime.messages import SyncPeriod
 
     job = SyncPeriod(round=round_index, fragment=0, plan=plan, attempt=round_index,
                      messages=worker.sync.seed(worker._local_rows()), full=True, version=0)

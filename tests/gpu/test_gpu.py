@@ -54,7 +54,7 @@ def test_gradient_checkpointing_and_compile_bf16_on_gpu(ray_gpu, tmp_path):
 
 
 def _rank(tmp_path, **fields):
-    from diloco_ray.inner import RankWorker
+    from diloco_ray.runtime.rank import RankWorker
 
     cfg = tiny_config(tmp_path / "run", device="cuda", model_config={
         "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
@@ -78,8 +78,8 @@ def test_sharded_load_puts_only_the_weights_on_the_gpu(tmp_path):
 def test_anchor_on_host_sends_the_same_pseudo_gradient():
     """anchor_on_host keeps the anchor in pinned host memory (off the GPU); the
     pseudo-gradient taken against it equals the one taken on the GPU, bit for bit."""
-    from diloco_ray import compression
-    from diloco_ray.rank_sync import RankSync
+    from diloco_ray.algo import compression
+    from diloco_ray.algo.rank_sync import RankSync
 
     g = torch.Generator(device="cuda").manual_seed(0)
     shapes = {"a": (64, 32), "b": (7,)}

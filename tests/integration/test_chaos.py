@@ -1,4 +1,4 @@
-"""The chaos suite: every fault of the fault plan (:mod:`diloco_ray.faults`) injected at
+"""The chaos suite: every fault of the fault plan (:mod:`diloco_ray.config.fault_plan`) injected at
 a given replica, rank, round and step, and the result checked against what the math
 says: the same final weights as the run without the fault where the rules promise it
 (a re-run round, a server restored from a checkpoint), else the documented rule (a lost
@@ -14,7 +14,7 @@ import ray
 from conftest import applied_positions, max_abs_diff, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
-from diloco_ray.metrics import read_events
+from diloco_ray.observe.metrics import read_events
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

@@ -68,7 +68,7 @@ def test_print_config_shows_the_resolved_config_and_runs_nothing(tmp_path, capsy
     import yaml
 
     from diloco_ray import cli
-    from diloco_ray.config import FIELD_NAMES, TrainerConfig
+    from diloco_ray.config.schema import FIELD_NAMES, TrainerConfig
 
     out = tmp_path / "out"
     assert cli.main(["train", TINY, "--set", f"output_dir={out}", "--set", "lr=1e-4", "--print-config"]) == 0
@@ -85,7 +85,7 @@ def test_missing_config_file(tmp_path):
 
 
 def test_help_lists_every_field():
-    from diloco_ray.config import FIELD_NAMES
+    from diloco_ray.config.schema import FIELD_NAMES
 
     r = run_cli("train", "--help")
     assert r.returncode == 0

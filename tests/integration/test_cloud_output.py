@@ -11,9 +11,10 @@ import s3_server
 from conftest import tiny_config
 from safetensors.numpy import load_file
 
-from diloco_ray import DilocoFSDPTrainer, storage
-from diloco_ray.config import TrainerConfig
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError
+from diloco_ray.persist import storage
 
 pytestmark = pytest.mark.integration
 s3_bucket = s3_server.s3_bucket
@@ -105,7 +106,7 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
     assert [int(line.split('"round": ')[1].split(",")[0]) for line in text.splitlines()
             if '"event": "round"' in line] == [0, 1, 2, 3]  # round 2 rerun once, contiguous
 
-    from diloco_ray.report import write_report
+    from diloco_ray.observe.report import write_report
 
     assert "4 of 4 rounds" in write_report(uri)
     assert "runs/tiny/report.png" in s3_bucket.keys("runs/tiny/")
@@ -123,7 +124,7 @@ def test_a_missing_bucket_is_refused_before_ray(s3_bucket, tmp_path):
 
 def test_in_flight_snapshots_need_a_local_output_dir(s3_bucket):
     with pytest.raises(ConfigError, match="checkpoint_steps"):
-        from diloco_ray import preflight
+        from diloco_ray.config import preflight
 
         preflight.check(TrainerConfig(**{**tiny_config("s3://b/run").to_dict(), "checkpoint_steps": 2}),
                         resuming=False)

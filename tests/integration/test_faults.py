@@ -13,8 +13,9 @@ import pytest
 import ray
 from conftest import ROOT, applied_positions, max_abs_diff, tiny_config
 
-from diloco_ray import DilocoFSDPTrainer, checkpoint
-from diloco_ray.metrics import read_events
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.observe.metrics import read_events
+from diloco_ray.persist import checkpoint
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -107,7 +108,7 @@ def test_scale_two_three_two(ray_local, tmp_path):
 MID_ROUND_KILL_SCRIPT = """
 import json, os, signal, sys, time
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
-from diloco_ray.inner import RankWorker
+from diloco_ray.runtime.rank import RankWorker
 class KillDriverMidRound(RankWorker):
     driver_pid = os.getpid()   # the class travels to the actors by value, and this with it
 

@@ -13,9 +13,9 @@ from conftest import first_round, tiny_config
 from safetensors import safe_open
 
 from diloco_ray import DilocoFSDPTrainer
-from diloco_ray.inner import RankWorker
-from diloco_ray.metrics import read_events
-from diloco_ray.tokenization import char_tokenizer
+from diloco_ray.data.tokenization import char_tokenizer
+from diloco_ray.observe.metrics import read_events
+from diloco_ray.runtime.rank import RankWorker
 
 # Bytes a message adds to its payload (magic, offsets, row starts) for a handful of tensors.
 HEADER = 512
@@ -126,7 +126,7 @@ def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl
     facts = worker.describe()
     assert facts["compiled"] and facts["attn_implementation"] == "eager" and facts["gradient_checkpointing"]
     plan = [(0, cfg.sequences_per_replica_round)]
-    from diloco_ray import data
+    from diloco_ray.data import plan as data
 
     batches = data.rank_batches(plan, cfg, 0, len(worker.tokens.train), worker.tokens.train.lengths)
     widths = [b["input_ids"].shape[1] for _, _, b in worker._micro_batches(worker.tokens.train, batches, 0)]
@@ -151,8 +151,8 @@ def test_streaming_run(ray_local, tmp_path, llama_folder, sums_jsonl):
 def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl, monkeypatch):
     # The driver's one task tokenises; a rank given its ref reads the arrays from the object
     # store (read-only, not a copy) and tokenises nothing itself.
-    from diloco_ray import samples, tokenization
-    from diloco_ray.replica import start_token_data
+    from diloco_ray.data import samples, tokenization
+    from diloco_ray.runtime.replica import start_token_data
 
     cfg = tiny_config(tmp_path / "run", dataset_name=None, dataset_kwargs={}, json_file_path=sums_jsonl,
                       prompt_template="{question} = ", completion_template="{answer}", seq_len=24)

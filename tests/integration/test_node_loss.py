@@ -11,8 +11,8 @@ from conftest import tiny_config
 from ray.cluster_utils import Cluster
 
 from diloco_ray import DilocoFSDPTrainer
-from diloco_ray.inner import RankWorker
-from diloco_ray.metrics import read_events
+from diloco_ray.observe.metrics import read_events
+from diloco_ray.runtime.rank import RankWorker
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])

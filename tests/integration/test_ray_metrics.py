@@ -1,4 +1,4 @@
-"""diloco_ray.ray_metrics on a local Ray: round figures set in the driver reach the
+"""diloco_ray.observe.ray_metrics on a local Ray: round figures set in the driver reach the
 Prometheus endpoint of the node's metrics agent, and gauges stay there between rounds."""
 
 import math
@@ -10,7 +10,7 @@ import urllib.request
 
 import pytest
 
-from diloco_ray.ray_metrics import RoundMetrics
+from diloco_ray.observe.ray_metrics import RoundMetrics
 
 pytestmark = pytest.mark.integration
 

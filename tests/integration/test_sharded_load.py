@@ -18,9 +18,10 @@ import torch
 import torch.multiprocessing as mp
 from conftest import peak_rss, reset_peak_rss
 
-from diloco_ray import modeling, tokenization
-from diloco_ray.config import TrainerConfig
-from diloco_ray.sharding import shard_rows
+from diloco_ray.algo.sharding import shard_rows
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.data import tokenization
+from diloco_ray.model import loading as modeling
 
 # ~34M parameters: large enough that half of it stands out of the noise of a process.
 BIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
@@ -36,7 +37,7 @@ def config(**fields) -> TrainerConfig:
 
 
 def _rank(rank: int, port: int, jobs: list, out: str) -> None:
-    from diloco_ray.inner import RankWorker
+    from diloco_ray.runtime.rank import RankWorker
 
     torch.set_num_threads(1)
     results = []

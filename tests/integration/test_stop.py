@@ -12,8 +12,9 @@ import time
 import pytest
 from conftest import ROOT, max_abs_diff, tiny_config
 
-from diloco_ray import DilocoFSDPTrainer, TrainerConfig, checkpoint
-from diloco_ray.metrics import read_events
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+from diloco_ray.observe.metrics import read_events
+from diloco_ray.persist import checkpoint
 
 pytestmark = pytest.mark.integration
 # A checkpoint every other round: the one at round 3 is written only because of the stop.

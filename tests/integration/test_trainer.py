@@ -12,11 +12,12 @@ import torch
 from conftest import tiny_config
 from safetensors.torch import load_file
 
-from diloco_ray import DilocoFSDPTrainer, compression
-from diloco_ray.inner import RankWorker
-from diloco_ray.metrics import read_events
-from diloco_ray.outer import OuterOptimizer
-from diloco_ray.server import ParameterServer, resolve
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.algo import compression
+from diloco_ray.algo.outer import OuterOptimizer
+from diloco_ray.observe.metrics import read_events
+from diloco_ray.runtime.rank import RankWorker
+from diloco_ray.runtime.server import ParameterServer, resolve
 
 pytestmark = pytest.mark.integration
 
@@ -109,9 +110,12 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     so is Streaming DiLoCo (each fragment's sync hands the replica its own weights back),
     whichever server owns which rows. A fragment's global weights are the replica's as of
     that fragment's last sync (step floor((k+1) H / F) of the last round)."""
-    from diloco_ray import data, modeling, partition, samples, tokenization
-    from diloco_ray.inner import inner_lr_at, sync_period
-    from diloco_ray.optimizers import build_inner_optimizer
+    from diloco_ray.algo import partition
+    from diloco_ray.algo.optimizers import build_inner_optimizer
+    from diloco_ray.data import plan as data
+    from diloco_ray.data import samples, tokenization
+    from diloco_ray.model import loading as modeling
+    from diloco_ray.runtime.rank import inner_lr_at, sync_period
 
     cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
                       diloco_loops=3, max_steps=4, eval_batches=0, **sync)

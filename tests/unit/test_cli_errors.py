@@ -6,7 +6,8 @@ import os
 import pytest
 from conftest import ROOT
 
-from diloco_ray import cli, storage
+from diloco_ray import cli
+from diloco_ray.persist import storage
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYEXAMPLEKEY"
@@ -65,12 +66,13 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
     import sys
     import time
 
-    from diloco_ray.config import TrainerConfig
-    from diloco_ray.run_folder import LOCK_FILE, RunFolder
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.persist.run_folder import LOCK_FILE, RunFolder
 
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from diloco_ray.config import TrainerConfig; from diloco_ray.run_folder import RunFolder\n"
+        "import sys, time; from diloco_ray.config import TrainerConfig\n"
+        "from diloco_ray.persist.run_folder import RunFolder\n"
         f"held = RunFolder(TrainerConfig.from_yaml({TINY!r}, overrides={{'output_dir': {str(out)!r}}})); held.lock()\n"
         "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONPATH": ROOT})
@@ -99,7 +101,7 @@ def a_checkpoint(root, round_index=3):
     """A valid (verifying) checkpoint folder under ``root``."""
     import torch
 
-    from diloco_ray import checkpoint
+    from diloco_ray.persist import checkpoint
 
     tmp = checkpoint.begin(str(root), round_index)
     checkpoint.save_state(tmp, "global", {"w": torch.ones(2)})
@@ -124,9 +126,9 @@ def test_resume_from_another_runs_checkpoint_into_a_finished_run_is_refused(tmp_
 
 
 def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
-    from diloco_ray import checkpoint
-    from diloco_ray.config import TrainerConfig
-    from diloco_ray.run_folder import RunFolder
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.persist import checkpoint
+    from diloco_ray.persist.run_folder import RunFolder
 
     out = tmp_path / "run"
     a_checkpoint(out / "checkpoints")

@@ -22,8 +22,8 @@ import yaml
 from packaging.requirements import Requirement
 
 from diloco_ray.cli import build_parser
-from diloco_ray.config import TrainerConfig, parse_set
-from diloco_ray.replica import resources_for_replica
+from diloco_ray.config.schema import TrainerConfig, parse_set
+from diloco_ray.runtime.replica import resources_for_replica
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "cluster")
@@ -79,7 +79,7 @@ def _train_config(argv: list[str]) -> TrainerConfig:
 def _check_remote_output_dir(cfg: TrainerConfig) -> None:
     # Nodes share no disk (the driver writes metrics.jsonl, a worker's rank final/).
     assert cfg.output_dir.startswith(REMOTE_OUTPUT), cfg.output_dir
-    from diloco_ray.storage import check_uri
+    from diloco_ray.persist.storage import check_uri
 
     check_uri("output_dir", cfg.output_dir)
 

@@ -1,0 +1,340 @@
+"""The DiLoCo outer update, as pure tensor math.
+
+This module owns everything that happens to the *global* parameters once the
+replicas' pseudo-gradients (``global - local`` after the inner steps) are in
+hand: validating each pseudo-gradient, averaging the accepted ones with
+weights in fp32, optional global-norm clipping, the outer learning-rate
+schedule, and the ``torch.optim`` outer optimizer (Nesterov SGD by default)
+together with its checkpointable state. It knows nothing about Ray, workers or
+communication; callers hand it tensors and get tensors back.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from diloco_ray.algo.optimizers import build_outer_optimizer
+
+__all__ = [
+    "OuterOptimizer",
+    "OuterStepInfo",
+    "clip_coefficient",
+    "find_invalid",
+    "global_norm",
+    "outer_lr_at",
+    "weighted_mean",
+]
+
+_SCHEDULES = (None, "cosine", "linear", "polynomial")
+
+
+def outer_lr_at(base_lr: float, schedule: str | None, r: int, T: int) -> float:
+    """Outer learning rate for round ``r`` under ``schedule``.
+
+    Args:
+        base_lr: the peak outer learning rate (``config.outer_lr``).
+        schedule: ``None`` (constant), ``"cosine"``, ``"linear"`` or ``"polynomial"``
+            (quadratic decay).
+        r: 0-based index of the round being applied.
+        T: total number of outer rounds (``config.diloco_loops``); ``r`` is clamped
+            to ``[0, T]`` so an over-long run decays to 0 instead of going negative.
+
+    Raises:
+        ValueError: unknown schedule, or a decaying schedule with ``T <= 0``.
+    """
+    if schedule is None:
+        return float(base_lr)
+    if schedule not in _SCHEDULES:
+        raise ValueError(f"unknown outer_lr_schedule {schedule!r}; expected one of {_SCHEDULES}")
+    if T <= 0:
+        raise ValueError(f"outer_lr_schedule {schedule!r} needs diloco_loops > 0, got {T}")
+    frac = min(max(r, 0), T) / T
+    if schedule == "cosine":
+        return float(base_lr) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    if schedule == "linear":
+        return float(base_lr) * (1.0 - frac)
+    return float(base_lr) * (1.0 - frac) ** 2
+
+
+def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> str | None:
+    """Why ``pseudo_grad`` cannot be applied to ``reference_params``, or None if it can.
+
+    Args:
+        pseudo_grad: name -> tensor, one replica's ``global - local``.
+        reference_params: name -> tensor, the global params it must match in keys and shapes.
+
+    Returns:
+        A human-readable reason (missing/unexpected key, non-tensor, shape mismatch,
+        non-finite values), or None when the pseudo-gradient is usable.
+    """
+    missing = [k for k in reference_params if k not in pseudo_grad]
+    if missing:
+        return f"missing key {missing[0]!r}"
+    extra = [k for k in pseudo_grad if k not in reference_params]
+    if extra:
+        return f"unexpected key {extra[0]!r}"
+    for name, ref in reference_params.items():
+        g = pseudo_grad[name]
+        if not isinstance(g, Tensor):
+            return f"{name!r} is a {type(g).__name__}, not a tensor"
+        if g.shape != ref.shape:
+            return f"shape mismatch for {name!r}: got {tuple(g.shape)}, want {tuple(ref.shape)}"
+        if g.is_floating_point() and not bool(torch.isfinite(g).all()):
+            return f"non-finite values in {name!r}"
+    return None
+
+
+def weighted_mean(pseudo_grads: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
+    """``sum(w_i * g_i) / sum(w_i)`` per key, accumulated in fp32.
+
+    Args:
+        pseudo_grads: non-empty list of name -> tensor dicts with identical keys and shapes
+            (any float dtype; each is cast to fp32 before accumulating so bf16/fp16
+            inputs do not lose precision in the sum).
+        weights: one finite, non-negative weight per entry, with a positive sum.
+
+    Returns:
+        name -> fp32 tensor, on the device of the first entry's tensors.
+    """
+    if len(pseudo_grads) != len(weights):
+        raise ValueError(f"got {len(pseudo_grads)} pseudo-grads but {len(weights)} weights")
+    if not pseudo_grads:
+        raise ValueError("weighted_mean needs at least one pseudo-grad")
+    total = float(sum(float(w) for w in weights))
+    if not total > 0:
+        raise ValueError(f"weights must sum to > 0, got {total}")
+    out: dict[str, Tensor] = {}
+    for name, first in pseudo_grads[0].items():
+        acc = torch.zeros(first.shape, dtype=torch.float32, device=first.device)
+        for g, w in zip(pseudo_grads, weights):
+            acc.add_(g[name].to(device=acc.device, dtype=torch.float32), alpha=float(w))
+        out[name] = acc.div_(total)
+    return out
+
+
+def global_norm(tensors: Mapping[str, Tensor]) -> float:
+    """L2 norm over all tensors together, computed as ``clip_grad_norm_`` does (fp32).
+
+    Args:
+        tensors: name -> tensor; an empty mapping has norm 0.0.
+    """
+    if not tensors:
+        return 0.0
+    norms = [torch.linalg.vector_norm(t.detach().float()) for t in tensors.values()]
+    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
+
+
+def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
+    """The factor global-norm clipping scales the gradient by, as ``clip_grad_norm_``
+    computes it: ``min(1, max_norm / (total_norm + 1e-6))`` (1.0 when clipping is off).
+
+    Kept apart from the step so a sharded server can clip by a norm taken across shards.
+    """
+    if max_norm is None:
+        return 1.0
+    return min(1.0, float(max_norm) / (float(total_norm) + 1e-6))
+
+
+@dataclass
+class OuterStepInfo:
+    """What one ``OuterOptimizer.step`` call did.
+
+    Args:
+        applied: whether the global params were updated.
+        accepted: indices (into the pseudo_grads list) that passed validation.
+        rejected: indices that failed validation.
+        reasons: index -> why it was rejected.
+        grad_norm: L2 norm of the outer gradient before clipping; None if not applied.
+        lr: the outer lr used (or that would have been used).
+        round: 0-based round index applied (or that would have been applied).
+    """
+
+    applied: bool
+    accepted: list[int] = field(default_factory=list)
+    rejected: list[int] = field(default_factory=list)
+    reasons: dict[int, str] = field(default_factory=dict)
+    grad_norm: float | None = None
+    lr: float = 0.0
+    round: int = 0
+
+
+class OuterOptimizer:
+    """Owns the global params and applies DiLoCo outer updates to them.
+
+    Args:
+        global_params: name -> tensor; copied into fp32 leaf tensors this object owns
+            (the caller's tensors are never mutated).
+        config: object with ``outer_lr``, ``outer_momentum``, ``outer_opt``,
+            ``outer_opt_kwargs``, ``outer_lr_schedule``, ``outer_grad_clip`` and
+            ``diloco_loops`` attributes.
+
+    Attributes:
+        round: number of updates applied so far.
+        last_step: ``OuterStepInfo`` of the latest ``step`` call (None before any).
+    """
+
+    def __init__(self, global_params: Mapping[str, Tensor], config: Any) -> None:
+        self._params: dict[str, Tensor] = {}
+        for name, p in global_params.items():
+            if not p.is_floating_point():
+                raise ValueError(f"global param {name!r} must be floating point, got {p.dtype}")
+            self._params[name] = p.detach().to(dtype=torch.float32, copy=True)
+        clip = config.outer_grad_clip
+        if clip is not None and not (math.isfinite(clip) and clip > 0):
+            raise ValueError(f"outer_grad_clip must be None or a positive float, got {clip!r}")
+        if config.outer_lr_schedule not in _SCHEDULES:
+            raise ValueError(
+                f"unknown outer_lr_schedule {config.outer_lr_schedule!r}; expected one of {_SCHEDULES}"
+            )
+        self._clip = clip
+        self._schedule = config.outer_lr_schedule
+        self._loops = int(config.diloco_loops)
+        self._optimizer = build_outer_optimizer(list(self._params.values()), config)
+        # An explicit lr in outer_opt_kwargs overrides outer_lr, schedule included.
+        self._base_lr = float(self._optimizer.defaults["lr"])
+        self.round = 0
+        self.last_step: OuterStepInfo | None = None
+
+    @property
+    def params(self) -> dict[str, Tensor]:
+        """name -> current global fp32 tensor (the live tensors, updated in place)."""
+        return dict(self._params)
+
+    def step(self, pseudo_grads: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
+        """Apply one outer round from the replicas' pseudo-gradients.
+
+        Args:
+            pseudo_grads: one name -> tensor dict per replica (``global - local``).
+                Invalid ones (non-finite, wrong keys or shapes) are skipped and
+                recorded in ``last_step``.
+            weights: one finite, non-negative weight per replica (e.g. tokens seen).
+
+        Returns:
+            The global params after the round (unchanged if nothing was applied).
+
+        Raises:
+            ValueError: length mismatch, or a negative / non-finite weight.
+        """
+        if len(pseudo_grads) != len(weights):
+            raise ValueError(f"got {len(pseudo_grads)} pseudo-grads but {len(weights)} weights")
+        for i, w in enumerate(weights):
+            if not (math.isfinite(float(w)) and float(w) >= 0):
+                raise ValueError(f"weight {i} must be finite and >= 0, got {w!r}")
+
+        lr = outer_lr_at(self._base_lr, self._schedule, self.round, self._loops)
+        info = OuterStepInfo(applied=False, lr=lr, round=self.round)
+        for i, g in enumerate(pseudo_grads):
+            reason = find_invalid(g, self._params)
+            if reason is None:
+                info.accepted.append(i)
+            else:
+                info.rejected.append(i)
+                info.reasons[i] = reason
+        self.last_step = info
+
+        acc_weights = [float(weights[i]) for i in info.accepted]
+        if not info.accepted or not sum(acc_weights) > 0:
+            return self.params
+
+        mean = weighted_mean([pseudo_grads[i] for i in info.accepted], acc_weights)
+        info.grad_norm = global_norm(mean)
+        self.apply(mean, lr, clip_coefficient(info.grad_norm, self._clip))
+        self.round += 1
+        info.applied = True
+        return self.params
+
+    def lr_at(self, round_index: int) -> float:
+        """The outer lr of round ``round_index`` under the configured schedule."""
+        return outer_lr_at(self._base_lr, self._schedule, round_index, self._loops)
+
+    @property
+    def max_norm(self) -> float | None:
+        """``outer_grad_clip`` (None: no clipping)."""
+        return self._clip
+
+    def apply(self, mean: Mapping[str, Tensor], lr: float, clip_coef: float = 1.0, in_place: bool = False) -> None:
+        """One outer optimizer step from an already averaged, validated outer gradient.
+
+        Only the params named in ``mean`` move (and only their optimizer state): the
+        others get no gradient, and torch optimizers skip those. This is what a streaming
+        sync of one fragment, or one server shard, needs. ``round`` is not advanced.
+
+        Args:
+            mean: name -> outer gradient (any subset of the params, same shapes).
+            lr: the outer lr for this step (see :meth:`lr_at`).
+            clip_coef: factor to scale the gradient by (see :func:`clip_coefficient`).
+            in_place: ``mean`` is the caller's scratch (a dict, as the server's sum is):
+                its tensors are scaled in place and each is dropped from it once its
+                parameter has stepped, one parameter at a time, so the step never holds
+                more than one tensor beyond the weights, their state and what is left of
+                the sum. The result is the same: the optimizers this takes update each
+                parameter from its own gradient and state alone.
+        """
+        for name, g in mean.items():
+            p = self._params[name]
+            if g.shape != p.shape:
+                raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
+        for group in self._optimizer.param_groups:
+            group["lr"] = lr
+        if in_place:
+            for name in list(mean):
+                p = self._params[name]
+                p.grad = mean.pop(name).to(device=p.device, dtype=torch.float32)
+                if clip_coef != 1.0:
+                    p.grad.mul_(clip_coef)
+                self._optimizer.step()  # steps only the parameter that has a gradient
+                p.grad = None
+            return
+        for name, g in mean.items():
+            p = self._params[name]
+            g = g.to(device=p.device, dtype=torch.float32)
+            p.grad = g * clip_coef if clip_coef != 1.0 else g  # never scale the caller's tensor
+        self._optimizer.step()
+        self._optimizer.zero_grad(set_to_none=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Snapshot: ``{"params": name -> clone, "optimizer": torch state, "round": int,
+        "names": param order}``.
+
+        The optimizer state is deep-copied: torch updates its buffers in place, so a
+        shallow snapshot would drift as training continues.
+        """
+        return {
+            "params": {k: v.detach().clone() for k, v in self._params.items()},
+            "optimizer": copy.deepcopy(self._optimizer.state_dict()),
+            "round": self.round,
+            # torch keys optimizer state by position; the names make it loadable by name.
+            "names": list(self._params),
+        }
+
+    def load_state_dict(self, sd: Mapping[str, Any]) -> None:
+        """Restore params, optimizer state and round from ``state_dict()`` output.
+
+        Args:
+            sd: a state dict from any ``OuterOptimizer`` whose params have the same
+                names and shapes as this one's. It is copied, never aliased.
+        """
+        saved = sd["params"]
+        reason = find_invalid(saved, self._params)
+        if reason is not None:
+            raise ValueError(f"cannot load outer optimizer state: {reason}")
+        with torch.no_grad():
+            for name, p in self._params.items():
+                p.copy_(saved[name])
+        optim = copy.deepcopy(sd["optimizer"])
+        names = sd.get("names")
+        if names is not None and list(names) != list(self._params):
+            if sorted(names) != sorted(self._params):
+                raise ValueError("cannot load outer optimizer state: its parameter names differ")
+            # Saved in another order: move each state entry to where its param is now.
+            position = {name: i for i, name in enumerate(self._params)}
+            optim["state"] = {position[names[int(i)]]: v for i, v in optim["state"].items()}
+        # torch's load_state_dict keeps same-dtype/device state tensors by reference.
+        self._optimizer.load_state_dict(optim)
+        self.round = int(sd["round"])

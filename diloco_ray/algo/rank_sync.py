@@ -1,0 +1,206 @@
+"""A rank's side of the sync: what it holds of the global model and what it sends.
+
+:class:`RankSync` is plain tensor code (no Ray): the rank actor feeds it the server's
+messages and its local parameters, and gets back the buffers to send. It owns
+
+* the **anchor** -- this rank's rows of the global weights as the replica last received
+  them; a pseudo-gradient is ``anchor - local``;
+* the **versions** -- per server, how many syncs the anchor reflects, so a message is
+  applied once, in order, and a gap (a replica that missed a sync, or a new one) is
+  detected and answered with a full load;
+* the **residuals** of error feedback, one per trained parameter, zero when a replica
+  joins (a fresh replica has sent nothing yet, so it owes no correction);
+* the row layout: which rows of which fragment go to which server (:mod:`partition`).
+
+Messages are :func:`compression.pack` buffers whose meta carries ``rows`` (the first row
+of each piece), ``version`` and, for fragment messages, ``fragment``; with
+``weights_compression`` they hold a ``delta`` against the previous version instead of
+values.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from diloco_ray.algo import compression, links, partition
+from diloco_ray.algo.sharding import shard_rows
+
+
+class NeedsFullLoad(Exception):
+    """A message cannot be applied on top of what this rank holds (it missed a sync)."""
+
+
+class RankSync:
+    """One rank's anchor, versions, residuals and row layout.
+
+    Args:
+        shapes: name -> full shape of every trained parameter, in model order.
+        world_size: ranks in the replica.
+        rank: this rank.
+        servers: ``num_param_servers``.
+        fragments: ``sync_fragments``.
+        codec: ``pseudo_grad_compression``.
+        error_feedback: keep residuals.
+        alpha: ``fragment_alpha``, used by :meth:`apply` with ``merge=True``.
+        block: ``compression_block``.
+        anchor_on_host: keep the anchor in (pinned, when a GPU is there) host memory.
+    """
+
+    def __init__(self, shapes: Mapping[str, Sequence[int]], world_size: int, rank: int, servers: int = 1,
+                 fragments: int = 1, codec: str = "none", error_feedback: bool = False, alpha: float = 0.5,
+                 block: int = compression.DEFAULT_BLOCK, anchor_on_host: bool = False):
+        self.shapes = {n: tuple(s) for n, s in shapes.items()}
+        self.names = list(self.shapes)
+        self.world_size, self.rank = world_size, rank
+        self.codec, self.alpha, self.block = codec, alpha, block
+        self.anchor_on_host = anchor_on_host
+        self.error_feedback = error_feedback and codec != "none"
+        # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
+        self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
+        mine = partition.rank_rows(self.shapes, world_size, rank)
+        owned = partition.server_shards(self.shapes, servers)
+        self.sends = [[partition.intersect(mine, frag, own) for own in owned]
+                      for frag in partition.fragments(self.shapes, fragments)]
+        self.anchor: dict[str, torch.Tensor] = {}
+        self.residual: dict[str, torch.Tensor] = {}
+        self.versions = [-1] * servers
+
+    # ---- what comes down ---------------------------------------------------------------
+    def plan(self, version: int, fragment_message: bool) -> str:
+        """What to do with the messages of sync ``version``: ``"skip"`` (already held),
+        ``"apply"``, or ``"full"`` (this rank missed a sync, or never had the weights:
+        load everything first, then see again)."""
+        if all(version <= v for v in self.versions):
+            return "skip"
+        if fragment_message and any(version > v + 1 for v in self.versions):
+            return "full"
+        return "apply"
+
+    @torch.no_grad()
+    def apply(self, buffers: Sequence, local: Mapping[str, torch.Tensor], merge: bool = False) -> None:
+        """Apply one message per server to the anchor and the local rows.
+
+        A full message (no ``fragment``) replaces both. A fragment message moves the
+        anchor to the new global rows and either replaces the local rows too or, with
+        ``merge`` (overlapping communication), blends them:
+        ``local = alpha * local + (1 - alpha) * global``.
+
+        Args:
+            buffers: one packed message per server, in server order.
+            local: name -> this rank's local rows of each parameter (written in place).
+            merge: blend instead of replace (fragment messages only).
+
+        Raises:
+            NeedsFullLoad: a fragment message does not follow the version held.
+        """
+        for s, buf in enumerate(buffers):
+            pieces, meta = compression.unpack_pieces(buf, self.names)
+            full = meta.get("fragment") is None
+            if meta["version"] <= self.versions[s]:
+                continue
+            if not full and meta["version"] != self.versions[s] + 1:
+                raise NeedsFullLoad(f"server {s} sent version {meta['version']} on top of {self.versions[s]}")
+            for name, (start, piece) in pieces.items():
+                span = (start, start + partition.num_rows(piece.shape))
+                mine = partition.intersect({name: span}, {name: self.held[name]}).get(name)
+                if mine is None:
+                    continue
+                new = partition.take(piece, mine, start).float()
+                offset = self.held[name][0]
+                if name not in self.anchor:
+                    self.anchor[name] = self._new_anchor(local[name])
+                anchor = partition.take(self.anchor[name], mine, offset)
+                if meta.get("delta"):
+                    anchor.add_(new)
+                else:
+                    anchor.copy_(new)
+                rows = partition.take(local[name], mine, offset)
+                if merge and not full:
+                    rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
+                else:
+                    rows.copy_(anchor)
+            self.versions[s] = meta["version"]
+
+    def _new_anchor(self, local: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of ``local`` where the anchor lives: beside it, or on the host."""
+        if not (self.anchor_on_host and local.device.type == "cuda"):
+            return local.detach().float().clone()
+        return torch.empty(local.shape, dtype=torch.float32, pin_memory=True).copy_(local.detach())
+
+    # ---- what goes up ------------------------------------------------------------------
+    @torch.no_grad()
+    def outgoing(self, fragment: int, local: Mapping[str, torch.Tensor],
+                 link: links.Link | None = None) -> list[np.ndarray]:
+        """This rank's pseudo-gradient ``anchor - local`` of ``fragment``, one packed
+        buffer per server, through the codec (with error feedback when enabled)."""
+        plan = self.sends[fragment]
+        # Every rank of the replica shares its link; assume they send equal shares.
+        link_bytes = self.world_size * sum(compression.codec_nbytes(partition.numel(rows, self.shapes), self.codec,
+                                                                    self.block) for rows in plan)
+        stamp = links.stamp(link, link_bytes)
+        out = []
+        for rows in plan:
+            residual = self._residual_rows(rows) if self.error_feedback else None
+
+            def fill(name: str, into: torch.Tensor, rows=rows) -> None:
+                # anchor - local, written straight into the message: no full-size temporary.
+                offset = self.held[name][0]
+                anchor = partition.take(self.anchor[name], rows[name], offset)
+                local_rows = partition.take(local[name], rows[name], offset)
+                if local_rows.device == into.device:
+                    torch.sub(anchor, local_rows, out=into.view(anchor.shape))
+                elif anchor.device == into.device:  # anchor on the host: the rows come down first
+                    into.view(anchor.shape).copy_(local_rows)
+                    torch.sub(anchor, into.view(anchor.shape), out=into.view(anchor.shape))
+                else:  # rows on a GPU: one tensor's difference there, then to the host
+                    into.view(anchor.shape).copy_(anchor - local_rows.float())
+
+            out.append(compression.pack_pieces_filled(
+                {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
+                {n: iv[0] for n, iv in rows.items()}, self.names, fill, self.codec, stamp, residual, self.block))
+        return out
+
+    def _residual_rows(self, rows: partition.Rows) -> dict[str, torch.Tensor]:
+        """Views of the error-feedback residual of ``rows`` (zeros for a new parameter),
+        which the codec updates in place."""
+        views = {}
+        for name, iv in rows.items():
+            if name not in self.residual:
+                self.residual[name] = torch.zeros(self.anchor[name].shape)  # on the host, like the codec
+            views[name] = partition.take(self.residual[name], iv, self.held[name][0])
+        return views
+
+    def seed(self, local: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
+        """This rank's rows of its current weights for each server, fp32 (to start the
+        servers from the model every rank built)."""
+        mine = partition.rank_rows(self.shapes, self.world_size, self.rank)
+        out = []
+        for rows in partition.server_shards(self.shapes, len(self.versions)):
+            send = partition.intersect(rows, mine)
+            pieces = {n: partition.take(local[n].detach().float(), iv, self.held[n][0]) for n, iv in send.items()}
+            buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in send.items()}, self.names, "none",
+                                             {"version": 0})
+            out.append(buf)
+        return out
+
+    # ---- state that a checkpoint keeps ---------------------------------------------------
+    def state_dict(self, with_anchor: bool) -> dict:
+        """Residuals always; anchors and versions when the local rows are kept too (when
+        they may differ from the global weights at a round boundary)."""
+        state = {"residual": dict(self.residual)}
+        if with_anchor:
+            state.update(anchor=dict(self.anchor), versions=list(self.versions))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residual = {n: t.clone() for n, t in (state.get("residual") or {}).items()}
+        if "anchor" in state:
+            self.anchor = {n: t.clone() for n, t in state["anchor"].items()}
+            self.versions = list(state["versions"])
+
+
+def _span(s: slice) -> tuple[int, int]:
+    return s.start, s.stop

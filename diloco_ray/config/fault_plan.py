@@ -1,0 +1,164 @@
+"""The chaos plan: faults injected at a given place and time, for tests and benchmarks.
+
+In the spirit of torchft's ``EventInjector().fail_at(rank, step)``, ``fault_plan`` in the
+config is a list of mappings, each one fault::
+
+    fault_plan:
+      - {kind: slow, replica: 1, round: 2, step: 1, seconds: 5}   # a straggler
+      - {kind: kill, replica: 0, rank: 1, round: 3, step: 2}      # a rank's process dies
+      - {kind: kill, target: server, round: 4}                    # the parameter server dies
+      - {kind: nan, replica: 1, round: 1}                         # a poisoned gradient
+
+``target`` is ``replica`` (the default), ``server`` or ``driver``. A replica fault fires
+in rank ``rank`` of replica id ``replica`` when that rank reaches inner step ``step`` of
+round ``round``, once (a re-run of the round does not fire it again):
+
+* ``kill``: the rank's process dies at once (SIGKILL), as on a lost node.
+* ``freeze``: the rank's process stops (SIGSTOP) and never answers again.
+* ``slow``: each remaining step of that round takes ``seconds`` longer.
+* ``nan``: that step's loss, and so its gradients and the inner optimizer's state, turn NaN.
+* ``drop_link``: the rank trains on, but its pseudo-gradient never leaves: it waits until
+  the driver gives up on it (the round's deadline, then ``abort_grace_s``).
+
+A ``server`` fault (``kill``; ``index`` picks the server actor) and a ``driver`` fault
+(``kill``: SIGKILL, or ``term``: SIGTERM) fire on the driver while round ``round`` runs,
+after the replicas have started it. This module only parses and matches the plan (pure
+functions); :mod:`diloco_ray.runtime.rank` and :mod:`diloco_ray.driver.trainer` carry the faults out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Optional
+
+from diloco_ray.errors import ConfigError
+
+KINDS = {"replica": ("kill", "freeze", "slow", "nan", "drop_link"),
+         "server": ("kill",),
+         "driver": ("kill", "term")}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected fault.
+
+    Args:
+        kind: what happens (see the module docstring; allowed kinds depend on ``target``).
+        round: the 0-based outer round it fires in.
+        target: ``replica``, ``server`` or ``driver``.
+        replica: the replica id (replica faults).
+        rank: the rank inside the replica (replica faults).
+        step: the inner step of the round it fires at, 0-based (replica faults).
+        seconds: extra seconds per step (``slow``).
+        index: which server actor (server faults).
+    """
+
+    kind: str
+    round: int
+    target: str = "replica"
+    replica: int = 0
+    rank: int = 0
+    step: int = 0
+    seconds: float = 0.0
+    index: int = 0
+
+    @property
+    def key(self) -> tuple:
+        """Identifies the fault, so it fires once."""
+        return (self.target, self.kind, self.round, self.replica, self.rank, self.step, self.index)
+
+
+_INT_FIELDS = ("round", "replica", "rank", "step", "index")
+
+
+def parse(plan: Optional[list]) -> list[Fault]:
+    """Faults from the config's ``fault_plan``; a ConfigError names the entry and field."""
+    if plan is None:
+        return []
+    if not isinstance(plan, list):
+        raise ConfigError(f"fault_plan: {plan!r} is not allowed; expected a list of mappings such as "
+                          "{kind: kill, replica: 0, round: 1, step: 2}")
+    known = {f.name for f in fields(Fault)}
+    out = []
+    for i, entry in enumerate(plan):
+        where = f"fault_plan[{i}]"
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{where}: {entry!r} is not allowed; expected a mapping with kind and round")
+        unknown = sorted(set(entry) - known)
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(known))}")
+        target = entry.get("target", "replica")
+        if target not in KINDS:
+            raise ConfigError(f"{where}.target: {target!r} is not allowed; expected replica, server or driver")
+        kind = entry.get("kind")
+        if kind not in KINDS[target]:
+            raise ConfigError(f"{where}.kind: {kind!r} is not allowed for target {target}; "
+                              f"expected one of {', '.join(KINDS[target])}")
+        if "round" not in entry:
+            raise ConfigError(f"{where}.round: missing; give the 0-based round the fault fires in")
+        for name in _INT_FIELDS:
+            value = entry.get(name, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{where}.{name}: {value!r} is not allowed; expected a whole number >= 0")
+        seconds = entry.get("seconds", 0.0)
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+            raise ConfigError(f"{where}.seconds: {seconds!r} is not allowed; expected a number >= 0")
+        if kind == "slow" and not seconds:
+            raise ConfigError(f"{where}.seconds: a slow fault needs seconds > 0 (extra seconds per step)")
+        out.append(Fault(**{**entry, "seconds": float(seconds)}))
+    return out
+
+
+def for_rank(plan: list[Fault], replica_id: int, rank: int) -> list[Fault]:
+    """The replica faults aimed at one rank."""
+    return [f for f in plan if f.target == "replica" and f.replica == replica_id and f.rank == rank]
+
+
+def due(plan: list[Fault], round_index: int, step: Optional[int] = None, fired: frozenset = frozenset(),
+        target: str = "replica") -> list[Fault]:
+    """The faults of ``target`` that fire now: at ``round_index`` (and, for replica faults,
+    at inner step ``step``), and not fired before."""
+    return [f for f in plan if f.target == target and f.round == round_index and f.key not in fired
+            and (step is None or f.step == step)]
+
+
+class RankFaults:
+    """Carries out one rank's replica faults as its inner loop reaches them.
+
+    Args:
+        plan: the faults aimed at this rank (:func:`for_rank`).
+    """
+
+    def __init__(self, plan: list[Fault]):
+        self.plan = plan
+        self.fired: set = set()
+        self.extra_seconds = 0.0   # slow: added to each remaining step of the round
+        self.drop_link = False     # drop_link: the pseudo-gradient of this period never leaves
+
+    def start_period(self) -> None:
+        """A new sync period: slowness and a dropped link last one period."""
+        self.extra_seconds, self.drop_link = 0.0, False
+
+    def at_step(self, round_index: int, step: int) -> bool:
+        """Fire what is due at this step (kill and freeze never return); returns whether
+        this step's loss must be poisoned with NaN."""
+        import os
+        import signal
+        import time
+
+        poison = False
+        for fault in due(self.plan, round_index, step, frozenset(self.fired)):
+            self.fired.add(fault.key)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif fault.kind == "slow":
+                self.extra_seconds += fault.seconds
+            elif fault.kind == "nan":
+                poison = True
+            elif fault.kind == "drop_link":
+                self.drop_link = True
+        if self.extra_seconds:
+            time.sleep(self.extra_seconds)
+        return poison

@@ -1,0 +1,163 @@
+"""Checks of a job that need more than the config's own fields, run before Ray starts.
+
+:func:`TrainerConfig.validate` checks each field and the rules between fields. What it
+cannot see is the world around the config: whether the optimizer names are real
+``torch.optim`` classes that accept the given kwargs, whether local files and folders
+exist, whether ``output_dir`` already holds a run, whether ``resume_from`` is a
+checkpoint, whether a bucket is reachable. :func:`check` runs all of those on the
+driver, so a typo fails in a second with one line instead of minutes later inside an
+actor. Every failure is a :class:`~diloco_ray.errors.UserInputError` naming the field.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.errors import ConfigError, DataError
+
+RUN_MARKERS = ("final", "checkpoints")  # besides round records in metrics.jsonl
+
+
+def check_optimizers(cfg: TrainerConfig) -> None:
+    """Build both optimizers over one dummy parameter, so unknown names and kwargs the
+    class rejects fail here, naming ``inner_opt``/``outer_opt`` or their kwargs."""
+    import torch
+
+    from diloco_ray.algo.optimizers import build_inner_optimizer, build_outer_optimizer
+
+    build_inner_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+    build_outer_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+
+
+def _looks_local(name: Optional[str]) -> bool:
+    """A model or data set name written as a path (hub ids are ``org/name``)."""
+    return bool(name) and name.startswith(("/", "./", "../", "~"))
+
+
+def check_paths(cfg: TrainerConfig) -> None:
+    """Local files and folders the job reads exist (hub ids are left to the loaders)."""
+    if cfg.json_file_path is not None and not os.path.isfile(cfg.json_file_path):
+        raise DataError(f"json_file_path: '{cfg.json_file_path}' does not exist or is not a file")
+    for field in ("model_name", "tokenizer_name", "dataset_name"):
+        value = getattr(cfg, field)
+        if value and not value.startswith("builtin:") and _looks_local(value) \
+                and not os.path.exists(os.path.expanduser(value)):
+            raise DataError(f"{field}: '{value}' looks like a local path but does not exist; "
+                            "give an existing folder or a hub id such as 'HuggingFaceTB/SmolLM2-135M'")
+    files = (cfg.dataset_kwargs or {}).get("data_files")
+    for path in [files] if isinstance(files, str) else (files if isinstance(files, list) else []):
+        if isinstance(path, str) and "://" not in path and not any(c in path for c in "*?[") \
+                and not os.path.exists(path):
+            raise DataError(f"dataset_kwargs.data_files: '{path}' does not exist")
+
+
+def holds_run(listing: list[str], metrics_text: Optional[str]) -> Optional[str]:
+    """Why a folder with these entries (and this metrics.jsonl) holds a run, or None.
+
+    A folder where a run died before its first round (startup events only) does not
+    count: refusing it would make a fixed config impossible to rerun in place.
+    """
+    for marker in RUN_MARKERS:
+        if marker in listing:
+            return f"{marker}/"
+    if metrics_text and '"event": "round"' in metrics_text:
+        return "round records in metrics.jsonl"
+    return None
+
+
+PSEUDO_FILESYSTEMS = ("/proc", "/sys", "/dev")
+
+
+def check_local_folder(field: str, path: str) -> None:
+    """That a local folder can be created (or is there) and written, without creating
+    anything: not on a kernel pseudo-filesystem, every name within the filesystem's
+    limit, the whole path within PATH_MAX, and its nearest existing parent writable."""
+    full = os.path.realpath(os.path.expanduser(path))
+    if any(full == root or full.startswith(root + os.sep) for root in PSEUDO_FILESYSTEMS):
+        raise ConfigError(f"{field}: '{path}' is on a kernel pseudo-filesystem ({full}); "
+                          "give a folder on a real disk or shared storage")
+    parent = full
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    try:
+        name_max = os.pathconf(parent, "PC_NAME_MAX")
+        path_max = os.pathconf(parent, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    long = next((n for n in full.split(os.sep) if len(n.encode()) > name_max), None)
+    if long is not None:
+        raise ConfigError(f"{field}: '{path}' has a name of {len(long.encode())} bytes ('{long[:20]}...'); "
+                          f"this filesystem allows at most {name_max}")
+    if len(full.encode()) >= path_max:
+        raise ConfigError(f"{field}: '{path}' is {len(full.encode())} bytes long; this system allows paths "
+                          f"shorter than {path_max}")
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{field}: '{path}' cannot be created: '{parent}' is not a writable folder")
+
+
+def resumes_own_run(cfg: TrainerConfig) -> bool:
+    """Whether ``resume_from`` points into ``output_dir`` (the run itself, its
+    checkpoints folder or one of its checkpoints): the normal resume of a run."""
+    from diloco_ray.persist import storage
+
+    out, src = cfg.output_dir.rstrip("/"), (cfg.resume_from or "").rstrip("/")
+    if not storage.is_remote(out) and not storage.is_remote(src):
+        out, src = os.path.realpath(out), os.path.realpath(src)
+        return src == out or src.startswith(out + os.sep)
+    return src == out or src.startswith(out + "/")
+
+
+def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
+    """Refuse to start into an ``output_dir`` that already holds a run, unless resuming
+    that run or ``overwrite_output_dir``: a new run, and a resume from *another* run's
+    checkpoint, would mix two runs' records and checkpoints. Touches nothing."""
+    if cfg.overwrite_output_dir or (resuming and resumes_own_run(cfg)):
+        return
+    from diloco_ray.persist import storage
+
+    mirror = storage.for_output_dir(cfg.output_dir)
+    if mirror is not None:
+        listing = mirror.listdir(mirror.local)
+        data = mirror.read_bytes("metrics.jsonl") if "metrics.jsonl" in listing else None
+        text = data.decode("utf-8", "replace") if data else None
+    else:
+        path = cfg.output_dir
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(f"output_dir: '{path}' is a file; give a folder")
+        listing = os.listdir(path) if os.path.isdir(path) else []
+        metrics = os.path.join(path, "metrics.jsonl")
+        text = open(metrics, encoding="utf-8", errors="replace").read() if os.path.isfile(metrics) else None
+    why = holds_run(listing, text)
+    if why and resuming:
+        raise ConfigError(f"resume_from: '{cfg.resume_from}' is another run's checkpoint, and output_dir "
+                          f"'{cfg.output_dir}' already holds a run ({why}); resume into a new output_dir, "
+                          "or set overwrite_output_dir: true to replace that run")
+    if why:
+        raise ConfigError(f"output_dir: '{cfg.output_dir}' already holds a run ({why}); choose a new "
+                          "output_dir, set resume_from to continue it, or set overwrite_output_dir: true")
+
+
+def check(cfg: TrainerConfig, resuming: bool) -> None:
+    """Every check that can run before Ray starts (see the module docstring)."""
+    from diloco_ray.persist import storage
+
+    for field in ("output_dir", "resume_from"):
+        value = getattr(cfg, field)
+        if value and "://" in value:
+            storage.check_uri(field, value)
+    check_optimizers(cfg)
+    check_paths(cfg)
+    mirror = storage.for_output_dir(cfg.output_dir)
+    if mirror is not None:
+        if cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+            # In-flight snapshots are small files written many times a round by every
+            # rank; they stay on shared local storage.
+            raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight "
+                              "snapshots, which need a local (or shared) output_dir, not a bucket; "
+                              "use a multiple of max_steps")
+        mirror.check_writable()
+    else:
+        check_local_folder("output_dir", cfg.output_dir)
+    check_output_dir(cfg, resuming)

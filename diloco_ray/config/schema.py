@@ -1,0 +1,441 @@
+"""TrainerConfig: every knob of a diloco-ray job, its default, its one-line meaning, and
+its validation.
+
+This module owns the config's *shape*: field names and types, defaults, ranges, YAML
+loading with ``--set KEY=VALUE`` overrides, and the resolved ``config.yaml`` a run leaves
+behind. Every error it raises is a :class:`ConfigError` whose message names the field,
+the value and what is allowed, so the CLI can print it as one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+from diloco_ray.errors import ConfigError
+
+
+def _f(default: Any, help: str, **rules: Any) -> Any:
+    """A dataclass field with a one-line description and validation rules.
+
+    Args:
+        default: the default value (dicts and lists are copied per instance).
+        help: one line shown by ``--help`` and in the README's field table.
+        rules: ``ge``/``gt``/``le`` numeric bounds.
+    """
+    meta = {"help": help, **rules}
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainerConfig:
+    """Every setting of a DiLoCo job. Build with keywords, :meth:`from_yaml` or :meth:`from_dict`.
+
+    Field names follow the seed documents (``max_steps`` is inner steps per outer round,
+    ``diloco_loops`` the number of outer rounds); see each field's description.
+    """
+
+    # --- model -----------------------------------------------------------------------
+    model_name: Optional[str] = _f(None, "Hugging Face hub id or local folder of a causal LM (from_pretrained); replaces model_config")
+    model_config: Optional[dict] = _f(None, "architecture of a fresh model, used when model_name is null, e.g. {model_type: llama, hidden_size: 64}")
+    tokenizer_name: Optional[str] = _f(None, "tokenizer hub id or folder (default: model_name, or 'builtin:char' for model_config)")
+    mixed_precision: Literal["no", "bf16", "fp16"] = _f("no", "inner-loop compute precision; master weights stay fp32")
+    attn_implementation: Optional[str] = _f(None, "attention kernel passed to transformers (sdpa, eager, flash_attention_2; null: its default)")
+    gradient_checkpointing: bool = _f(False, "recompute activations in the backward pass to save memory")
+    torch_compile: bool = _f(False, "torch.compile the model on each rank")
+    # --- data ------------------------------------------------------------------------
+    dataset_name: Optional[str] = _f(None, "datasets.load_dataset name or folder; 'builtin:arithmetic' is generated offline")
+    subset: Optional[str] = _f(None, "dataset configuration name (load_dataset's second argument)")
+    dataset_split: str = _f("train", "split to train on")
+    eval_split: Optional[str] = _f(None, "split to evaluate on (default: hold out split_ratio of the training split)")
+    split_ratio: float = _f(0.05, "fraction of the training split held out for eval when there is no eval_split", gt=0.0, le=0.5)
+    dataset_kwargs: dict = _f({}, "extra keyword arguments to load_dataset (e.g. data_files) or to a builtin generator")
+    json_file_path: Optional[str] = _f(None, "local JSON/JSONL file to train on; when set, it replaces dataset_name")
+    text_field: Optional[str] = _f(None, "column holding the text (default: 'text', else the only string column)")
+    seq_len: int = _f(512, "tokens per training sequence (texts are packed to this length)", ge=8)
+    batch_size: int = _f(8, "sequences per micro-batch, per rank", ge=1)
+    grad_accum: int = _f(1, "micro-batches accumulated per inner step", ge=1)
+    num_workers: int = _f(0, "DataLoader worker processes per rank", ge=0)
+    streaming: bool = _f(False, "read the data set as a stream (load_dataset(streaming=True)) instead of downloading it whole")
+    shuffle_buffer: int = _f(10000, "shuffle buffer for streamed data sets", ge=1)
+    streaming_eval_rows: int = _f(1000, "with streaming: rows of eval_split (or held out from the train split) to evaluate on", ge=1)
+    dynamic_batch: bool = _f(False, "pad to the longest sequence of a batch instead of seq_len")
+    seed: int = _f(42, "seed for model init, data order and sampling", ge=0)
+    # --- inner loop ------------------------------------------------------------------
+    max_steps: int = _f(500, "inner steps per outer round (H in the DiLoCo paper)", ge=1)
+    lr: float = _f(3e-4, "inner learning rate (peak, after warmup)", gt=0.0)
+    lr_schedule: Literal["constant", "cosine", "linear"] = _f("cosine", "inner lr schedule over all inner steps of the run")
+    warmup_steps: int = _f(0, "inner steps of linear lr warmup at the start of the run", ge=0)
+    min_lr_ratio: float = _f(0.1, "final inner lr as a fraction of lr (cosine, linear)", ge=0.0, le=1.0)
+    max_grad_norm: Optional[float] = _f(1.0, "inner gradient clipping by global L2 norm (null: off)", gt=0.0)
+    inner_opt: str = _f("AdamW", "inner optimizer: a torch.optim class name")
+    inner_opt_kwargs: dict = _f({}, "extra keyword arguments for the inner optimizer (e.g. weight_decay, betas)")
+    # --- outer loop ------------------------------------------------------------------
+    diloco_loops: int = _f(10, "outer rounds to run", ge=1)
+    outer_opt: str = _f("SGD", "outer optimizer: a torch.optim class name")
+    outer_opt_kwargs: dict = _f({}, "extra keyword arguments for the outer optimizer (SGD: nesterov defaults to true)")
+    outer_lr: float = _f(0.7, "outer learning rate", gt=0.0)
+    outer_momentum: float = _f(0.9, "outer momentum (Nesterov with SGD)", ge=0.0, lt=1.0)
+    outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(None, "outer lr schedule over diloco_loops (null: constant)")
+    outer_grad_clip: Optional[float] = _f(None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
+    # --- replicas and the cluster ----------------------------------------------------
+    num_replicas: int = _f(2, "DiLoCo replicas (workers) to run; each is one Ray actor group", ge=1)
+    min_replicas: int = _f(1, "rounds proceed while at least this many replicas report", ge=1)
+    max_replicas: Optional[int] = _f(None, "upper bound for scale() (default: num_replicas)", ge=1)
+    ranks_per_replica: int = _f(1, "FSDP ranks (processes; GPUs on GPU) inside one replica", ge=1)
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")
+    cpus_per_rank: float = _f(1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
+    server_cpus: float = _f(1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
+    server_resources: Union[dict, list] = _f({}, "custom Ray resources the server actors need, to pin them to nodes (e.g. {head: 1}); a list gives one mapping per server actor")
+    replica_resources: Union[dict, list] = _f({}, "custom Ray resources every rank of a replica needs, to pin replicas to nodes or regions (e.g. {region-us: 1}); a list gives one mapping per replica id (id i takes entry i mod the list's length)")
+    num_param_servers: int = _f(1, "parameter-server actors; the parameters are split over them, balanced by bytes", ge=1)
+    round_timeout_s: Optional[float] = _f(None, "straggler deadline for one round; late replicas are dropped from it", gt=0.0)
+    join_timeout_s: float = _f(0.0, "how long a round boundary waits for starting replicas before going on without them", ge=0.0)
+    placement_timeout_s: float = _f(600.0, "how long to wait for room for min_replicas replicas before giving up", gt=0.0)
+    abort_grace_s: float = _f(30.0, "how long a replica late for its round's deadline has to stop before it is dropped as unresponsive (a frozen process)", gt=0.0)
+    stall_timeout_s: float = _f(600.0, "a replica whose ranks show no progress (no inner step, no reply) for this long is dropped as frozen, with or without round_timeout_s", gt=0.0)
+    call_timeout_s: float = _f(600.0, "deadline for a call on a replica outside its round (eval, checkpoint, final save); one that misses it is dropped as dead", gt=0.0)
+    shutdown_grace_s: float = _f(60.0, "on SIGTERM or Ctrl-C: how long the driver may take to stop the round in flight and checkpoint the last completed round (with checkpoint_steps set) before it exits", ge=0.0)
+    restore_on_retry: bool = _f(True, "on a re-run round, restore each replica's inner optimizer, RNG and error-feedback residual to the round's start (a host copy per rank: 8 bytes per parameter for AdamW, over the replica's ranks); false keeps them as trained, as torchft does. Local weights always restart from the global ones")
+    fault_plan: Optional[list] = _f(None, "for tests and benchmarks: faults to inject, e.g. [{kind: kill, replica: 1, round: 2, step: 3}] (kinds: kill, freeze, slow, nan, drop_link; target server or driver: kill); see diloco_ray/config/fault_plan.py")
+    # --- sync over slow links -----------------------------------------------------------
+    pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales)")
+    error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none)")
+    anchor_on_host: bool = _f(False, "on GPU, keep each rank's anchor (its rows of the global weights, 4 bytes per parameter over the replica's ranks) in pinned host memory instead of GPU memory, as torchft does; the pseudo-gradient is then taken on the host")
+    weights_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
+    compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs", ge=16)
+    sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps (rounded down)", ge=1)
+    overlap_communication: bool = _f(False, "keep running inner steps while a fragment's sync is in flight; merge it one sync period later")
+    fragment_alpha: float = _f(0.5, "with overlap: a returning fragment becomes alpha*local + (1-alpha)*global", ge=0.0, le=1.0)
+    link_mbps: Optional[Union[float, list]] = _f(None, "simulated replica<->server link bandwidth in Mbit/s: a number, or a list per replica slot (null: not simulated)")
+    link_latency_ms: float = _f(0.0, "simulated one-way latency of each replica's link in ms", ge=0.0)
+    # --- PEFT ------------------------------------------------------------------------
+    use_peft: bool = _f(False, "train a PEFT adapter instead of all weights")
+    peft_type: Literal["LORA", "IA3"] = _f("LORA", "PEFT method")
+    lora_r: int = _f(8, "LoRA rank", ge=1)
+    lora_alpha: float = _f(16.0, "LoRA alpha (scaling = alpha / r)", gt=0.0)
+    lora_dropout: float = _f(0.05, "LoRA dropout", ge=0.0, lt=1.0)
+    target_modules: Optional[list] = _f(None, "module names to adapt (default: peft's choice for the architecture)")
+    peft_bias: Literal["none", "all", "lora_only"] = _f("none", "which biases LoRA trains")
+    final_shard_mb: float = _f(2048.0, "largest shard file of final/ in MiB (sharded safetensors with an index, streamed from the servers one tensor at a time)", gt=0.0)
+    merge_adapter: bool = _f(False, "also write the adapter merged into the base weights to output_dir/final_merged")
+    prompt_template: Optional[str] = _f(None, "format string over a row's columns for the prompt (no loss on it)")
+    completion_template: Optional[str] = _f(None, "format string over a row's columns for the completion (loss on it)")
+    prompt_func: Optional[str] = _f(None, "module:function building the prompt from a row (instead of prompt_template)")
+    completion_func: Optional[str] = _f(None, "module:function building the completion from a row")
+    group_by_length: bool = _f(False, "order each replica's samples so batches hold similar lengths (less padding)")
+    # --- output, eval, checkpoints, logging ------------------------------------------
+    output_dir: str = _f("outputs/diloco", "where config.yaml, metrics.jsonl, checkpoints/ and final/ go")
+    overwrite_output_dir: bool = _f(False, "allow a new run into an output_dir that already holds one")
+    eval_batches: int = _f(10, "eval batches after each outer update (0: no eval)", ge=0)
+    early_stopping_patience: Optional[int] = _f(None, "stop after this many rounds without eval loss improving (null: never)", ge=1)
+    early_stopping_threshold: float = _f(0.0, "how much eval loss must fall to count as improving", ge=0.0)
+    checkpoint_steps: Optional[int] = _f(None, "checkpoint at the first round boundary after this many inner steps (null: never)", ge=1)
+    save_total_limit: Optional[int] = _f(None, "checkpoints kept (oldest pruned; null: all)", ge=1)
+    resume_from: Optional[str] = _f(None, "checkpoint folder to resume from, or an output_dir meaning its latest")
+    log_with: Optional[Union[str, list]] = _f(None, "tensorboard, wandb, or a list of both (metrics.jsonl is always written)")
+    log_dir: Optional[str] = _f(None, "TensorBoard folder (default: output_dir/logs)")
+    logging_steps: int = _f(10, "inner steps between step events (each replica's loss and lr) in metrics.jsonl, the trackers and the progress bar", ge=1)
+    wandb_project: Optional[str] = _f(None, "W&B project (default: diloco-ray); needs log_with: wandb")
+    wandb_entity: Optional[str] = _f(None, "W&B entity (team or user; default: yours); needs log_with: wandb")
+    wandb_run_name: Optional[str] = _f(None, "W&B run name (default: output_dir's last component); needs log_with: wandb")
+    wandb_tags: list = _f([], "W&B run tags; needs log_with: wandb")
+
+    # ------------------------------------------------------------------------------------
+    def __post_init__(self) -> None:
+        validate(self)
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> "TrainerConfig":
+        """Build from a plain dict; unknown keys name the closest valid field.
+
+        Args:
+            values: field name -> value.
+            source: what to call the input in error messages (a file name, say).
+        """
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: expected a mapping of field: value, got {type(values).__name__}")
+        for key in values:
+            if key not in FIELD_NAMES:
+                raise ConfigError(f"{source}: unknown field '{key}'{_closest(key)}")
+        return cls(**values)
+
+    @classmethod
+    def from_yaml(cls, path: str, overrides: Optional[dict] = None) -> "TrainerConfig":
+        """Load a YAML file and apply overrides (dotted keys reach into dict fields).
+
+        Args:
+            path: the YAML file.
+            overrides: field -> value applied on top, e.g. ``{"output_dir": "out"}`` or
+                ``{"outer_opt_kwargs.nesterov": False}``.
+        """
+        if not os.path.isfile(path):
+            raise ConfigError(f"config file '{path}' does not exist")
+        try:
+            with open(path) as f:
+                values = yaml.safe_load(f) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file '{path}' must hold a mapping of field: value")
+        for key, value in (overrides or {}).items():
+            apply_override(values, key, value)
+        return cls.from_dict(values, source=path)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def yaml_text(self) -> str:
+        """The resolved config (every field, defaults included) as YAML that
+        :meth:`from_yaml` reads back to an equal config."""
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def to_yaml(self, path: str) -> None:
+        """Write :meth:`yaml_text` to ``path`` atomically."""
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(self.yaml_text())
+        os.replace(tmp, path)
+
+    # Derived values, so nobody recomputes them differently.
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        return self.min_replicas, self.max_replicas or max(self.num_replicas, self.min_replicas)
+
+    @property
+    def sequences_per_replica_round(self) -> int:
+        """Training sequences one replica consumes in one outer round (all its ranks)."""
+        return self.max_steps * self.grad_accum * self.batch_size * self.ranks_per_replica
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}
+FIELD_NAMES = list(FIELDS)
+
+
+def field_help() -> list[tuple[str, Any, str]]:
+    """(name, default, description) for every field, in declaration order."""
+    out = []
+    for f in dataclasses.fields(TrainerConfig):
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        out.append((f.name, default, f.metadata["help"]))
+    return out
+
+
+def parse_set(items: list[str]) -> dict:
+    """Parse ``KEY=VALUE`` strings; values are YAML scalars, lists or maps."""
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects KEY=VALUE, got '{item}'")
+        try:
+            out[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            raise ConfigError(f"--set {key}: '{raw}' is not a valid YAML value") from None
+    return out
+
+
+def apply_override(values: dict, key: str, value: Any) -> None:
+    """Set ``values[key] = value``; ``a.b`` sets key ``b`` inside dict field ``a``."""
+    head, _, rest = key.partition(".")
+    if head not in FIELDS:
+        raise ConfigError(f"--set: unknown field '{head}'{_closest(head)}")
+    if not rest:
+        values[head] = value
+        return
+    inner = values.get(head)
+    if inner is None:
+        inner = {}
+    if not isinstance(inner, dict):
+        raise ConfigError(f"--set {key}: field '{head}' is not a mapping")
+    inner = dict(inner)
+    inner[rest] = value
+    values[head] = inner
+
+
+def _closest(name: str) -> str:
+    match = difflib.get_close_matches(name, FIELD_NAMES, n=1, cutoff=0.5)
+    return f" (did you mean '{match[0]}'?)" if match else " (see `diloco-ray train --help` for the fields)"
+
+
+# ---------------------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------------------
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
+            dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value) where value may be converted (int -> float, str -> [str])."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, v = _coerce(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):  # YAML reads "3e-4" as a string; accept it as a number
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is list and isinstance(value, str):  # target_modules: q_proj -> [q_proj]
+        return True, [value]
+    return isinstance(value, tp), value
+
+
+_HINTS = typing.get_type_hints(TrainerConfig, include_extras=False)
+
+
+def validate(cfg: TrainerConfig) -> None:
+    """Check types, ranges and cross-field rules; raise ConfigError on the first problem."""
+    if cfg.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
+        cfg.mixed_precision = "no"
+    for name, f in FIELDS.items():
+        value = getattr(cfg, name)
+        ok, value = _coerce(value, _HINTS[name])
+        if not ok:
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(_HINTS[name])}")
+        setattr(cfg, name, value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            m = f.metadata
+            for rule, op, word in (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"),
+                                   ("le", float.__le__, "<="), ("lt", float.__lt__, "<")):
+                if rule in m and not op(float(value), float(m[rule])):
+                    raise ConfigError(f"{name}: {value!r} is not allowed; must be {word} {m[rule]}")
+    _validate_cross_field(cfg)
+
+
+def _validate_cross_field(cfg: TrainerConfig) -> None:
+    # Precedence, so that overlaying a recipe with --set model_name=... or
+    # --set json_file_path=... switches the source cleanly; the loser is cleared, so the
+    # resolved config.yaml shows what was used.
+    if cfg.model_name is not None:
+        cfg.model_config = None
+    if cfg.json_file_path is not None:
+        cfg.dataset_name, cfg.subset = None, None
+    if cfg.model_name is None and cfg.model_config is None:
+        raise ConfigError("model_name: not set; give a hub id or local folder, or model_config to build a model")
+    if cfg.model_config is not None and "model_type" not in cfg.model_config:
+        raise ConfigError("model_config: needs a model_type (e.g. llama) naming a transformers architecture")
+    if cfg.dataset_name is None and cfg.json_file_path is None:
+        raise ConfigError("dataset_name: not set; give a data set name or folder, or json_file_path")
+    lo, hi = cfg.replica_bounds
+    if not lo <= cfg.num_replicas <= hi:
+        raise ConfigError(f"num_replicas: {cfg.num_replicas} is outside [min_replicas={lo}, max_replicas={hi}]")
+    if cfg.log_with is not None:
+        names = [cfg.log_with] if isinstance(cfg.log_with, str) else cfg.log_with
+        bad = [n for n in names if n not in ("tensorboard", "wandb")]
+        if bad:
+            raise ConfigError(f"log_with: {bad[0]!r} is not allowed; expected tensorboard, wandb or a list of them")
+        cfg.log_with = list(names)
+    if "wandb" not in (cfg.log_with or []):
+        for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_tags"):
+            if getattr(cfg, name):
+                raise ConfigError(f"{name}: set, but log_with does not include wandb; add log_with: wandb "
+                                  "or remove it")
+    if cfg.log_dir is not None and "tensorboard" not in (cfg.log_with or []):
+        raise ConfigError("log_dir: set, but log_with does not include tensorboard; add log_with: tensorboard "
+                          "or remove it")
+    if not all(isinstance(t, str) for t in cfg.wandb_tags):
+        raise ConfigError(f"wandb_tags: {cfg.wandb_tags!r} is not allowed; expected a list of strings")
+    if cfg.target_modules is not None and not all(isinstance(m, str) for m in cfg.target_modules):
+        raise ConfigError(f"target_modules: {cfg.target_modules!r} is not allowed; expected a list of module names")
+    if (cfg.prompt_template is None) != (cfg.completion_template is None):
+        raise ConfigError("completion_template: prompt_template and completion_template go together; set both or neither")
+    if (cfg.prompt_func is None) != (cfg.completion_func is None):
+        raise ConfigError("completion_func: prompt_func and completion_func go together; set both or neither")
+    if cfg.prompt_func is not None and cfg.prompt_template is not None:
+        raise ConfigError("prompt_func: set together with prompt_template; use templates or functions")
+    if cfg.early_stopping_patience is not None and cfg.eval_batches == 0:
+        raise ConfigError("early_stopping_patience: needs eval_batches > 0 (it watches the eval loss)")
+    if cfg.merge_adapter and not cfg.use_peft:
+        raise ConfigError("merge_adapter: there is no adapter to merge without use_peft: true")
+    _validate_sync(cfg)
+
+
+def _check_resources(field: str, value) -> None:
+    """A resources field: a mapping of resource name -> non-negative amount, or a
+    non-empty list of such mappings."""
+    mappings = value if isinstance(value, list) else [value]
+    ok = bool(mappings) and all(
+        isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
+                                    and v >= 0 for k, v in m.items()) for m in mappings)
+    if not ok:
+        raise ConfigError(f"{field}: {value!r} is not allowed; expected a mapping of Ray resource name to a "
+                          "non-negative amount (e.g. {region-us: 1}) or a non-empty list of them")
+
+
+def _validate_sync(cfg: TrainerConfig) -> None:
+    """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
+    if cfg.sync_fragments > cfg.max_steps:
+        raise ConfigError(f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
+                          "each fragment needs at least one inner step of its own")
+    if cfg.overlap_communication and cfg.sync_fragments == 1:
+        # Overlap merges a fragment's new weights one sync period late; with one fragment
+        # that merge would land just before the same fragment's next pseudo-gradient is
+        # taken, scaling every update by fragment_alpha (to nothing at alpha 0).
+        raise ConfigError("overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
+                          "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false")
+    from diloco_ray.config import fault_plan as faults
+
+    faults.parse(cfg.fault_plan)
+    streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
+    if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+        raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
+                          "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps")
+    resources = cfg.server_resources
+    if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
+        raise ConfigError(f"server_resources: a list needs one mapping per server actor "
+                          f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}")
+    for name in ("server_resources", "replica_resources"):
+        _check_resources(name, getattr(cfg, name))
+    if cfg.link_mbps is not None:
+        rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
+        if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
+            raise ConfigError(f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
+                              "or a list of them (one per replica slot)")
+        if isinstance(cfg.link_mbps, list):
+            cfg.link_mbps = [float(r) for r in rates]
+            if len(rates) < cfg.replica_bounds[1]:
+                raise ConfigError(f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
+                                  "replicas may run; list one per replica slot")
+        else:
+            cfg.link_mbps = float(cfg.link_mbps)
+
+

@@ -1,0 +1,192 @@
+"""Which replica reads what: the data plan, as pure functions over integers.
+
+Rows come from :mod:`diloco_ray.data.sources` and become token samples in
+:mod:`diloco_ray.data.samples`; this module decides their order. The training stream is an
+endless sequence of sample indices, one seeded permutation per epoch. The parameter
+server owns a :class:`DataCursor` into it: a frontier, plus ranges that were handed out
+but never applied (a replica died, was late, or was rejected). Each round, replica slot
+``s`` gets the ``s``-th batch of ranges: returned ranges first, then fresh ones from the
+frontier. Only the ranges of applied replicas are committed, so with any history of
+joins, drops, retries and resumes every stream position is trained on exactly once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from diloco_ray.config.schema import TrainerConfig
+
+
+def epoch_permutation(num_blocks: int, seed: int, epoch: int) -> np.ndarray:
+    """The order in which epoch ``epoch`` visits the ``num_blocks`` training blocks."""
+    return np.random.default_rng([seed, epoch]).permutation(num_blocks)
+
+
+def stream_indices(start: int, count: int, num_blocks: int, seed: int) -> np.ndarray:
+    """Block indices at positions ``[start, start + count)`` of the endless training stream."""
+    positions = np.arange(start, start + count)
+    epochs = positions // num_blocks
+    out = np.empty(count, dtype=np.int64)
+    for epoch in np.unique(epochs):
+        mask = epochs == epoch
+        out[mask] = epoch_permutation(num_blocks, seed, int(epoch))[positions[mask] % num_blocks]
+    return out
+
+
+Range = tuple[int, int]  # (start, count) of stream positions
+GROUP_WINDOW_BATCHES = 50  # group_by_length sorts windows of this many batches
+
+
+@dataclass
+class DataCursor:
+    """Where the training stream stands.
+
+    Args:
+        frontier: every position before it has been handed out at least once.
+        returned: ranges handed out but not applied, to be handed out again first
+            (sorted, non-overlapping).
+    """
+
+    frontier: int = 0
+    returned: list[Range] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"frontier": self.frontier, "returned": [list(r) for r in self.returned]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DataCursor":
+        return cls(int(d["frontier"]), [(int(s), int(c)) for s, c in d["returned"]])
+
+
+def _normalise(ranges: list[Range]) -> list[Range]:
+    """Sorted, with adjacent or overlapping ranges merged and empty ones dropped."""
+    out: list[list[int]] = []
+    for start, count in sorted(r for r in ranges if r[1] > 0):
+        if out and start <= out[-1][0] + out[-1][1]:
+            out[-1][1] = max(out[-1][0] + out[-1][1], start + count) - out[-1][0]
+        else:
+            out.append([start, count])
+    return [(s, c) for s, c in out]
+
+
+def plan_round(cursor: DataCursor, slots: int, per_replica: int) -> list[list[Range]]:
+    """The ranges each of ``slots`` replicas trains on this round (``per_replica`` each):
+    returned ranges first, in order, then fresh positions from the frontier."""
+    returned = list(cursor.returned)
+    frontier = cursor.frontier
+    plans = []
+    for _ in range(slots):
+        need, mine = per_replica, []
+        while need and returned:
+            start, count = returned[0]
+            take = min(need, count)
+            mine.append((start, take))
+            need -= take
+            returned[0] = (start + take, count - take)
+            if returned[0][1] == 0:
+                returned.pop(0)
+        if need:
+            mine.append((frontier, need))
+            frontier += need
+        plans.append(_normalise(mine))
+    return plans
+
+
+def commit_round(cursor: DataCursor, plans: list[list[Range]], applied: list[bool]) -> DataCursor:
+    """The cursor after a round in which ``plans[i]`` was applied iff ``applied[i]``.
+
+    Everything handed out is taken off the cursor; what was not applied goes back to
+    ``returned``, so the next round hands it out again.
+    """
+    handed = [r for plan in plans for r in plan]
+    fresh_end = max([s + c for s, c in handed if s + c > cursor.frontier] + [cursor.frontier])
+    leftover = _subtract(cursor.returned, handed)
+    back = [r for plan, ok in zip(plans, applied) if not ok for r in plan]
+    return DataCursor(fresh_end, _normalise(leftover + back))
+
+
+def _subtract(ranges: list[Range], taken: list[Range]) -> list[Range]:
+    """The parts of ``ranges`` not covered by ``taken`` (interval arithmetic)."""
+    out = []
+    for start, count in ranges:
+        pieces = [(start, start + count)]
+        for t_start, t_count in taken:
+            t_end = t_start + t_count
+            pieces = [piece for a, b in pieces
+                      for piece in ([(a, b)] if t_end <= a or t_start >= b else
+                                    [p for p in ((a, min(b, t_start)), (max(a, t_end), b)) if p[1] > p[0]])]
+        out.extend((a, b - a) for a, b in pieces)
+    return _normalise(out)
+
+
+def plan_indices(plan: list[Range], num_blocks: int, seed: int) -> np.ndarray:
+    """Block indices of a replica's plan, in order."""
+    if not plan:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([stream_indices(s, c, num_blocks, seed) for s, c in plan])
+
+
+def group_by_length(indices: np.ndarray, lengths: np.ndarray, window: int) -> np.ndarray:
+    """Reorder ``indices`` so that each run of ``window`` is sorted by length (longest
+    first), as transformers' ``group_by_length`` does with "megabatches": batches cut
+    from a window then pad little. The set of indices does not change."""
+    out = indices.copy()
+    for start in range(0, len(out), window):
+        chunk = out[start:start + window]
+        out[start:start + window] = chunk[np.argsort(-lengths[chunk], kind="stable")]
+    return out
+
+
+def rank_batches(plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int,
+                 lengths: np.ndarray | None = None) -> list[list[np.ndarray]]:
+    """The micro-batches one rank trains on in one round: ``[step][micro] -> sample indices``.
+
+    With ``group_by_length`` (and ``lengths``) the plan is first reordered by
+    :func:`group_by_length`; then :func:`split_for_rank` cuts it.
+    """
+    indices = plan_indices(plan, num_blocks, config.seed)
+    if config.group_by_length and lengths is not None:
+        indices = group_by_length(indices, lengths, GROUP_WINDOW_BATCHES * config.batch_size)
+    return split_for_rank(indices, config, rank)
+
+
+def split_for_rank(indices: np.ndarray, config: TrainerConfig, rank: int) -> list[list[np.ndarray]]:
+    """Rank ``rank``'s share of a replica's ordered samples, as ``[step][micro]``.
+
+    A replica's samples are consumed step by step; inside a step, micro-batch ``m`` of
+    rank ``j`` is the ``(m * ranks + j)``-th run of ``batch_size`` samples. One replica
+    with one rank therefore reads its plan in order, which makes DiLoCo with one replica
+    comparable batch for batch with a plain training loop.
+    """
+    ranks, bs, accum = config.ranks_per_replica, config.batch_size, config.grad_accum
+    if len(indices) != config.sequences_per_replica_round:
+        raise ValueError(f"plan holds {len(indices)} positions, a round needs {config.sequences_per_replica_round}")
+    steps = []
+    for t in range(config.max_steps):
+        micro = []
+        for m in range(accum):
+            offset = ((t * accum + m) * ranks + rank) * bs
+            micro.append(indices[offset:offset + bs])
+        steps.append(micro)
+    return steps
+
+
+def plan_positions(plan: list[Range]) -> np.ndarray:
+    """The stream positions of a plan, in order (what a streamed data set is read at)."""
+    if not plan:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(s, s + c) for s, c in plan])
+
+
+def eval_batches_for_rank(num_eval_blocks: int, eval_batches: int, batch_size: int,
+                          rank: int, ranks: int) -> list[np.ndarray]:
+    """The eval batches rank ``rank`` scores: a fixed prefix of the eval split, so every
+    round's eval loss is measured on the same sequences."""
+    out = []
+    for b in range(rank, eval_batches, ranks):
+        idx = np.arange(b * batch_size, min((b + 1) * batch_size, num_eval_blocks))
+        if len(idx):
+            out.append(idx)
+    return out

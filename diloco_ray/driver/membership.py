@@ -1,0 +1,177 @@
+"""Who takes part in the next round: the pure membership policy, and the driver's
+bookkeeping of replicas that are starting.
+
+:func:`decide` is a pure function from (target, active ids, starting ids) to a
+:class:`Decision`; :class:`Membership` carries it out with Ray: it requests placement
+groups, starts set-up once a group is placed, and admits a replica once its set-up is
+done, all without blocking the round loop unless asked to wait.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import ray
+
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.errors import first_line
+from diloco_ray.observe.events import MembershipEvent
+from diloco_ray.runtime.replica import Replica, resources_for_replica
+
+
+@dataclass
+class Decision:
+    """What to change at a round boundary.
+
+    Args:
+        start: how many new replicas to request.
+        stop: ids of active replicas to stop (newest first).
+        cancel: ids of starting replicas to give up on (newest first).
+    """
+
+    start: int = 0
+    stop: list[int] = field(default_factory=list)
+    cancel: list[int] = field(default_factory=list)
+
+
+def decide(target: int, active: list[int], starting: list[int]) -> Decision:
+    """Move towards ``target`` replicas: start the shortfall, or stop the newest extras.
+
+    Starting replicas count towards the target, so a slow start is not requested twice.
+    """
+    if len(active) >= target:
+        return Decision(stop=sorted(active, reverse=True)[:len(active) - target],
+                        cancel=sorted(starting, reverse=True))
+    missing = target - len(active)
+    if len(starting) > missing:
+        return Decision(cancel=sorted(starting, reverse=True)[:len(starting) - missing])
+    return Decision(start=missing - len(starting))
+
+
+def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> Optional[str]:
+    """Why the cluster's resources (``ray.cluster_resources()``) cannot hold
+    ``num_replicas`` replicas plus the servers at once, or None when they add up.
+
+    A sum, not a packing: it catches the common mistake (too few CPUs or GPUs in total)
+    without promising that what adds up also fits node by node.
+    """
+    need: dict[str, float] = {}
+
+    def add(resources: dict, times: float = 1.0) -> None:
+        for name, amount in resources.items():
+            need[name] = need.get(name, 0.0) + amount * times
+
+    ranks = config.ranks_per_replica
+    for rid in range(config.num_replicas):
+        add({"CPU": config.cpus_per_rank, **({"GPU": 1} if device == "cuda" else {}),
+             **resources_for_replica(config.replica_resources, rid)}, ranks)
+    servers = config.server_resources if isinstance(config.server_resources, list) \
+        else [config.server_resources] * config.num_param_servers
+    for extra in servers:
+        add({"CPU": config.server_cpus, **extra})
+    short = {name: (amount, available.get(name, 0.0)) for name, amount in need.items()
+             if amount > available.get(name, 0.0) + 1e-9}
+    if not short:
+        return None
+    what = ", ".join(f"{name} {want:g} (the cluster has {have:g})" for name, (want, have) in sorted(short.items()))
+    return (f"{config.num_replicas} replicas of {ranks} rank(s) and {config.num_param_servers} server(s) need {what}; "
+            "lower num_replicas or cpus_per_rank, or give the cluster more (ray start --num-cpus ...)")
+
+
+class Membership:
+    """The active replicas (in slot order) and the ones still starting.
+
+    Args:
+        config: the job's TrainerConfig.
+        device: ``"cpu"`` or ``"cuda"``.
+        worker_cls: the rank class for new replicas.
+        on_event: called with each :class:`~diloco_ray.observe.events.MembershipEvent`, for metrics.jsonl.
+        round_of: the index of the round the run is at, for the events.
+        on_admit: called with (replica, slot) just before a replica becomes active, e.g.
+            to restore its inner state from a checkpoint.
+        token_data: the job's tokenised data for every new replica (see
+            :func:`~diloco_ray.runtime.replica.start_token_data`).
+    """
+
+    def __init__(self, config: TrainerConfig, device: str, worker_cls: type,
+                 on_event: Callable[[MembershipEvent], None], round_of: Callable[[], int],
+                 on_admit: Optional[Callable[[Replica, int], None]] = None, token_data: Optional[list] = None):
+        self.config, self.device, self.worker_cls = config, device, worker_cls
+        self.token_data = token_data
+        self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
+        self.active: list[Replica] = []
+        self.starting: list[Replica] = []
+        self._next_id = 0
+
+    @property
+    def ids(self) -> list[int]:
+        return [r.id for r in self.active]
+
+    def reconcile(self, target: int, wait_s: float = 0.0) -> None:
+        """Apply :func:`decide`, then admit starting replicas that are ready, waiting up
+        to ``wait_s`` seconds for the rest."""
+        d = decide(target, self.ids, [r.id for r in self.starting])
+        for rid in d.stop:
+            self.remove(next(r for r in self.active if r.id == rid), "scaled down")
+        for rid in d.cancel:
+            rep = next(r for r in self.starting if r.id == rid)
+            self.starting.remove(rep)
+            rep.stop()
+        for _ in range(d.start):
+            rep = Replica(self._next_id, self.config, self.device, self.worker_cls, self.token_data)
+            rep.requested_at = time.time()
+            self._next_id += 1
+            self.starting.append(rep)
+        self.admit_ready(wait_s)
+
+    def admit_ready(self, wait_s: float) -> None:
+        """Advance starting replicas (placed -> set up -> active), waiting up to ``wait_s``."""
+        deadline = time.monotonic() + wait_s
+        while self.starting:
+            for rep in list(self.starting):
+                self._advance(rep)
+            waiting = [ref for rep in self.starting for ref in rep.pending_refs()]
+            remaining = deadline - time.monotonic()
+            if not waiting or remaining <= 0:
+                return
+            ray.wait(waiting, num_returns=1, timeout=remaining)
+
+    def _advance(self, rep: Replica) -> None:
+        try:
+            if rep.setup_refs is None:
+                if ray.wait([rep.placed_ref], timeout=0)[0]:
+                    rep.setup_refs = rep.setup()
+                return
+            if len(ray.wait(rep.setup_refs, num_returns=len(rep.setup_refs), timeout=0)[0]) < len(rep.setup_refs):
+                return
+            self.starting.remove(rep)
+            rep.shapes = ray.get(rep.setup_refs)[0]
+            slot = len(self.active)
+            if self.on_admit is not None:
+                self.on_admit(rep, slot)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            # Died (or froze) while starting: give it up; a later boundary starts another.
+            if rep in self.starting:
+                self.starting.remove(rep)
+            rep.stop()
+            self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id,
+                                          reason=first_line(e)[:200]))
+            return
+        self.active.append(rep)
+        self.on_event(MembershipEvent("join", self.round_of(), replica_id=rep.id, replicas=len(self.active),
+                                      start_seconds=time.time() - rep.requested_at))
+
+    def remove(self, rep: Replica, reason: str) -> None:
+        """Stop ``rep`` and forget it (its placement group is released)."""
+        rep.stop()
+        if rep in self.active:
+            self.active.remove(rep)
+        self.on_event(MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason,
+                                      replicas=len(self.active)))
+
+    def stop_all(self) -> None:
+        for rep in self.active + self.starting:
+            rep.stop()
+        self.active, self.starting = [], []

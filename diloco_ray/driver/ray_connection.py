@@ -1,0 +1,84 @@
+"""How the driver reaches Ray: the cluster RAY_ADDRESS names, a live local head, or a
+private instance of its own.
+
+``ray.init()`` without an address joins the cluster named in Ray's
+``ray_current_cluster`` file (written by ``ray start --head``), and refuses
+``num_cpus`` when it does, even when the file is stale (its head was killed). The
+decision is made here instead, as a pure function of what the environment says, so a
+user with a local head gets a run on it (and a line saying so) and a user with a stale
+file gets a private instance, as with no file at all.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import tempfile
+from typing import Optional
+
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.logs import log
+
+
+def decide(env_address: Optional[str], file_address: Optional[str], alive: bool) -> tuple[str, Optional[str]]:
+    """``("join", address)``, or ``("start", None)`` for a private local instance.
+
+    Args:
+        env_address: ``RAY_ADDRESS`` (``ray job submit`` sets it); ``local`` asks for a
+            private instance.
+        file_address: the ``host:port`` in Ray's ``ray_current_cluster`` file, if any.
+        alive: whether something answers at ``file_address``.
+    """
+    if env_address and env_address != "local":
+        return "join", env_address
+    if env_address == "local" or not file_address or not alive:
+        return "start", None
+    return "join", file_address
+
+
+def cluster_file() -> str:
+    """Where ``ray start --head`` notes the local cluster's address."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        return get_ray_address_file(None)
+    except ImportError:  # another Ray layout: its documented default
+        return os.path.join(tempfile.gettempdir(), "ray", "ray_current_cluster")
+
+
+def answers(address: str, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection to ``host:port`` succeeds (a live GCS listens there)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def connect(config: TrainerConfig) -> bool:
+    """Connect this process to Ray as :func:`decide` says; returns whether it started a
+    private instance (which the trainer then shuts down)."""
+    import ray
+
+    env = os.environ.get("RAY_ADDRESS")
+    try:
+        with open(cluster_file()) as f:
+            recorded = f.read().strip() or None
+    except OSError:
+        recorded = None
+    mode, address = decide(env, recorded, recorded is not None and answers(recorded))
+    if mode == "join":
+        if not env:
+            log.info("joining the running local Ray cluster at %s (set RAY_ADDRESS=local to start a private one)",
+                     address)
+        ray.init(address=address)
+        return False
+    # Logical CPUs, not cores: rank actors reserve cpus_per_rank each, and a laptop with
+    # fewer cores than ranks should still run the job (just slower).
+    need = config.server_cpus * config.num_param_servers + \
+        config.replica_bounds[1] * config.ranks_per_replica * config.cpus_per_rank
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
+             log_to_driver=True)
+    return True

@@ -1,0 +1,3 @@
+"""What a run keeps: one file-system API for folders and buckets, the checkpoint format, snapshots, the run
+folder and ``final/``.
+"""

@@ -1,0 +1,209 @@
+"""A run's ``output_dir`` as the driver sees it: a local folder, or a bucket.
+
+With a local ``output_dir`` (shared storage on a cluster) everything is written in place.
+With ``s3://`` or ``gs://``, the driver writes its own files (``config.yaml``,
+``metrics.jsonl``, TensorBoard/W&B logs) into a node-local staging copy and uploads them
+after every round; checkpoints and ``final/`` go straight to the bucket from the actors
+that write them (see :mod:`cloud_checkpoint` and :func:`storage.publish`). This class is
+the one place that knows which of the two it is: the trainer asks it where things go.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Optional
+
+from diloco_ray.config.preflight import resumes_own_run as preflight_resumes_own_run
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.errors import ConfigError
+from diloco_ray.persist import checkpoint, cloud_checkpoint, storage
+
+SCALE_REQUEST_FILE = "scale_request.json"
+LOCK_FILE = ".diloco-ray.lock"
+# What a run writes into output_dir: overwrite_output_dir removes exactly these (never the
+# whole folder, which may hold the user's own files).
+RUN_OUTPUTS = ("checkpoints", "final", "final_merged", "logs", "metrics.jsonl", "config.yaml",
+               SCALE_REQUEST_FILE, "report.png")
+DRIVER_FILES = ("config.yaml", "metrics.jsonl")
+
+
+class RunFolder:
+    """Where a run's outputs go.
+
+    Args:
+        config: the job; its ``output_dir`` is a folder or an ``s3://``/``gs://`` URI.
+    """
+
+    def __init__(self, config: TrainerConfig):
+        self.config = config
+        self.mirror = storage.for_output_dir(config.output_dir)
+        # The folder the driver writes into: the run's own, or the bucket's staging copy.
+        self.local = self.mirror.local if self.mirror else config.output_dir
+        self.checkpoints = self.path("checkpoints")  # a folder, or a URI in a bucket
+        self.inflight = os.path.join(self.local, "checkpoints", "inflight")
+
+    def lock(self) -> None:
+        """Take the run folder for this process, before Ray starts and before anything
+        in it is changed: a second ``diloco-ray train`` on the same output_dir is refused.
+
+        An exclusive ``flock`` on ``LOCK_FILE``: the kernel releases it when the process
+        exits, however it exits, so a crashed run leaves no stale lock. With a bucket the
+        lock is on the node-local staging folder, so it keeps out a second run on the same
+        machine only (a bucket has no lock to take).
+        """
+        import fcntl
+        import socket
+
+        os.makedirs(self.local, exist_ok=True)
+        path = os.path.join(self.local, LOCK_FILE)
+        handle = open(path, "a+")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            handle.close()
+            raise ConfigError(f"output_dir: '{self.config.output_dir}' is in use by another diloco-ray run "
+                              f"({holder}); wait for it to end, or choose another output_dir") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        handle.flush()
+        self._lock = handle
+
+    def unlock(self) -> None:
+        """Release :meth:`lock` (also released by the kernel when the process ends)."""
+        handle, self._lock = getattr(self, "_lock", None), None
+        if handle is not None:
+            handle.close()
+
+    @property
+    def remote(self) -> bool:
+        return self.mirror is not None
+
+    def path(self, name: str) -> str:
+        """Where ``name`` (e.g. ``final``) lives: an absolute folder, or a URI."""
+        if self.mirror:
+            return f"{self.config.output_dir.rstrip('/')}/{name}"
+        return os.path.abspath(os.path.join(self.local, name))
+
+    # ---- the driver's own files --------------------------------------------------------
+    def prepare(self, resuming: bool) -> None:
+        """Create the local folder. A resumed run in a bucket continues its
+        ``metrics.jsonl``; a new run (preflight refused a folder holding one, unless
+        ``overwrite_output_dir``) starts a fresh one."""
+        os.makedirs(self.local, exist_ok=True)
+        metrics = os.path.join(self.local, "metrics.jsonl")
+        if self.config.overwrite_output_dir and not (resuming and preflight_resumes_own_run(self.config)):
+            self.clear_previous_run()
+        if self.mirror and resuming:
+            self.mirror.download(metrics)
+        elif not resuming and os.path.exists(metrics) and self.mirror:
+            # A bucket's staging copy may hold an older run's file; a new run starts afresh.
+            os.remove(metrics)
+
+    def clear_previous_run(self) -> list[str]:
+        """Remove what an earlier run left (``RUN_OUTPUTS``), so that nothing of it (a
+        checkpoint above all, which a later resume would pick up) outlives the overwrite.
+        Returns the names removed."""
+        import shutil
+
+        removed = []
+        for name in RUN_OUTPUTS:
+            path = os.path.join(self.local, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+                removed.append(name)
+            elif os.path.lexists(path):
+                os.remove(path)
+                removed.append(name)
+            if self.mirror:
+                self.mirror.delete(path)
+        return removed
+
+    def publish(self) -> None:
+        """Upload the driver's files and logs to the bucket (no-op for a local folder)."""
+        if not self.mirror:
+            return
+        self.mirror.upload_files([os.path.join(self.local, f) for f in DRIVER_FILES
+                                  if os.path.exists(os.path.join(self.local, f))])
+        logs = self.config.log_dir or os.path.join(self.local, "logs")
+        if os.path.isdir(logs) and os.path.abspath(logs).startswith(os.path.abspath(self.local) + os.sep):
+            self.mirror.upload(logs)
+
+    # ---- checkpoints ------------------------------------------------------------------
+    def begin_checkpoint(self, round: int) -> str:
+        """The folder (or URI) writers put the checkpoint of ``round`` into."""
+        if self.mirror:
+            return cloud_checkpoint.begin(self.checkpoints, round)
+        return checkpoint.begin(self.checkpoints, round)
+
+    def commit_checkpoint(self, where: str, round: int, meta: dict, files: dict) -> str:
+        """Seal it: the manifest last. ``files`` are the writers' hashes (used in a
+        bucket; on disk the files are hashed here)."""
+        if self.mirror:
+            return cloud_checkpoint.commit(where, round, meta, files)
+        return checkpoint.commit(where, self.checkpoints, round, meta)
+
+    def prune(self, keep: Optional[int]) -> list[str]:
+        if self.mirror:
+            return cloud_checkpoint.prune(self.checkpoints, keep)
+        return checkpoint.prune(self.checkpoints, keep)
+
+    def latest_valid(self) -> tuple[Optional[str], list]:
+        if self.mirror:
+            return cloud_checkpoint.latest_valid(self.checkpoints)
+        return checkpoint.latest_valid(self.checkpoints)
+
+    # ---- scale requests from another process ------------------------------------------
+    def read_scale_request(self, newer_than: float) -> Optional[tuple[float, int]]:
+        """``(mtime, target)`` of a scale request newer than ``newer_than``, else None."""
+        try:
+            if self.mirror:
+                mtime = self.mirror.mtime(SCALE_REQUEST_FILE)
+                if mtime is None or mtime <= newer_than:
+                    return None
+                doc = json.loads(self.mirror.read_bytes(SCALE_REQUEST_FILE) or b"{}")
+            else:
+                path = os.path.join(self.local, SCALE_REQUEST_FILE)
+                mtime = os.path.getmtime(path)
+                if mtime <= newer_than:
+                    return None
+                with open(path) as f:
+                    doc = json.load(f)
+            return mtime, int(doc["target"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+
+def resolve_resume(resume_from: str) -> tuple[str, list]:
+    """The checkpoint to resume from (a folder or a URI) and the ones passed over."""
+    if storage.is_remote(resume_from):
+        return cloud_checkpoint.resolve_resume(resume_from)
+    return checkpoint.resolve_resume(resume_from)
+
+
+def request_scale(output_dir: str, target: int) -> str:
+    """Ask the driver of the run in ``output_dir`` (another process, maybe another
+    machine when the run is in a bucket) to scale to ``target`` replicas at its next
+    round boundary. Returns where the request was written."""
+    if isinstance(target, bool) or not isinstance(target, int) or target < 1:
+        raise ConfigError(f"replicas: {target!r} is not allowed; give a whole number >= 1 "
+                          "(the driver clamps it to [min_replicas, max_replicas])")
+    doc = json.dumps({"target": int(target), "time": time.time()}).encode()
+    mirror = storage.for_output_dir(output_dir)
+    if mirror:
+        if not mirror.exists("metrics.jsonl"):
+            raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale")
+        mirror.write_bytes(SCALE_REQUEST_FILE, doc)
+        return mirror.remote(SCALE_REQUEST_FILE)
+    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
+        raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale")
+    path = os.path.join(output_dir, SCALE_REQUEST_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(doc)
+    os.replace(tmp, path)
+    return path

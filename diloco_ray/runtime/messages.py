@@ -1,0 +1,101 @@
+"""What crosses the driver's boundaries, typed: one dataclass per message.
+
+The driver builds a :class:`SyncPeriod` for every rank of a replica at the start of each
+sync period and the rank only reads it, so both sides agree on one definition instead of
+on the keys of a dict. A :class:`Launch` is what the driver holds of one replica's period
+while it runs, and a :class:`RoundPoll` what came back of all of them by the deadline.
+Plain data, no Ray: the references and actor handles inside are opaque here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+
+@dataclass(frozen=True)
+class SnapshotPlan:
+    """In-flight snapshots of a replica's progress inside a long round.
+
+    Args:
+        folder: the round's snapshot folder.
+        slot: the replica's slot (its ranks' files are named by it).
+        every: save after every ``every`` inner steps.
+        resume_step: resume from this step's snapshot (None: start the round afresh).
+    """
+
+    folder: str
+    slot: int
+    every: int
+    resume_step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class SyncPeriod:
+    """What every rank of a replica gets for one sync period (see ``RankWorker.run_round``).
+
+    Args:
+        round: the outer round.
+        fragment: the fragment synced at the end of the period (0-based within the round;
+            always 0 without streaming).
+        plan: the replica's stream ranges ``[(start, count), ...]`` for the round.
+        attempt: the driver's launch counter; an abort names the attempt it stops.
+        messages: one packed weights message (or its object ref) per server, of sync
+            ``version``.
+        full: whether ``messages`` hold every parameter (not one fragment's).
+        version: the sync the messages bring the replica to.
+        servers: the server actor handles, for a full load after a missed sync.
+        reset: the servers were restored from a checkpoint: load everything again.
+        restart: the round runs again (too few replicas reported, or a lost server).
+        reset_inner: start with a fresh inner optimizer and residual (the replica's last
+            pseudo-gradient was rejected as non-finite).
+        board: the driver's step board (step events, heartbeats), or None.
+        link: the simulated link of the replica's slot (``links.Link``), or None.
+        snapshots: in-flight snapshot settings (first period of a round only), or None.
+    """
+
+    round: int
+    fragment: int
+    plan: Sequence[tuple[int, int]]
+    attempt: int
+    messages: Sequence[Any]
+    full: bool
+    version: int
+    servers: Sequence[Any] = ()
+    reset: bool = False
+    restart: bool = False
+    reset_inner: bool = False
+    board: Any = None
+    link: Any = None
+    snapshots: Optional[SnapshotPlan] = None
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One replica's sync period as the driver holds it while it runs.
+
+    Args:
+        replica: the replica (``diloco_ray.runtime.replica.Replica``).
+        buffers: per server, the ranks' pseudo-gradient buffer refs.
+        stats: per rank, the ref of its ``RoundStats``.
+    """
+
+    replica: Any
+    buffers: Sequence[Sequence[Any]]
+    stats: Sequence[Any]
+
+
+@dataclass(frozen=True)
+class RoundPoll:
+    """What the replicas of one sync period sent back by its deadline.
+
+    Args:
+        reported: replica id -> its ranks' ``RoundStats`` (rank order), for the replicas
+            whose every rank finished the period.
+        late: ids of the replicas still running at the deadline (told to stop).
+        failed: ``(replica, why)`` for the replicas dropped (``"failed"``, ``"unresponsive"``).
+    """
+
+    reported: dict[int, list] = field(default_factory=dict)
+    late: list[int] = field(default_factory=list)
+    failed: list[tuple[Any, str]] = field(default_factory=list)

@@ -1,0 +1,144 @@
+"""One DiLoCo replica as the driver sees it: a placement group and its rank actors.
+
+A :class:`Replica` reserves ``ranks_per_replica`` bundles in one STRICT_PACK placement
+group (so its FSDP ranks share a node and a fast interconnect), starts one
+:class:`~diloco_ray.runtime.rank.RankWorker` actor per bundle, and turns "run a round" into one
+call per rank. It returns object references, never values: the driver decides what to
+wait for, and the big arrays go from the ranks to the server through the object store.
+The worker class is made remote here, at creation, so tests can pass a fake.
+"""
+
+from __future__ import annotations
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.data import samples
+from diloco_ray.runtime.messages import SyncPeriod
+from diloco_ray.runtime.rank import RankWorker
+
+
+def start_token_data(config: TrainerConfig) -> list | None:
+    """Start the job's one tokenising task; ``[ref]`` to its TokenData, which every rank
+    of every replica (later ones too) reads, or None with ``streaming`` (ranks read the
+    stream themselves).
+
+    Tokenising once instead of on every rank saves each rank importing ``datasets`` and
+    tokenising (~1.3 s here, minutes on a large corpus) and keeps one copy of the
+    samples per node instead of one per rank. It asks for no CPU, so a cluster whose
+    CPUs the replicas reserve still runs it, and ends its worker process after it
+    (``max_calls=1``), so what tokenising held goes back to the node.
+    """
+    if config.streaming:
+        return None
+    task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
+    return [task.remote(config.to_dict())]
+
+def resources_for_replica(resources, replica_id: int) -> dict:
+    """The custom resources (``replica_resources``) each rank bundle of replica
+    ``replica_id`` asks for: the mapping, or entry ``id mod len`` of a list."""
+    if isinstance(resources, list):
+        return dict(resources[replica_id % len(resources)])
+    return dict(resources or {})
+
+
+class Replica:
+    """Handle for one replica's placement group and rank actors.
+
+    Args:
+        replica_id: stable id (never reused within a run).
+        config: the job's TrainerConfig.
+        device: ``"cpu"`` or ``"cuda"`` (one GPU per rank).
+        worker_cls: the rank class to run (``RankWorker``; tests may pass a fake).
+        token_data: :func:`start_token_data`'s ``[ref]``, handed to every rank's set-up
+            (None: each rank tokenises).
+    """
+
+    def __init__(self, replica_id: int, config: TrainerConfig, device: str, worker_cls: type = RankWorker,
+                 token_data: list | None = None):
+        self.id = replica_id
+        self.config = config
+        self.world_size = config.ranks_per_replica
+        self.token_data = token_data
+        bundle: dict[str, float] = {"CPU": config.cpus_per_rank}
+        if device == "cuda":
+            bundle["GPU"] = 1
+        bundle.update(resources_for_replica(config.replica_resources, replica_id))
+        self.bundle = bundle
+        self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
+        self.setup_refs: list | None = None  # set once set-up has been started
+        self.requested_at = 0.0
+        self.pg = placement_group([dict(bundle)] * self.world_size, strategy="STRICT_PACK",
+                                  name=f"diloco-replica-{replica_id}")
+        # "control" lets abort() reach a rank while run_round() is busy; every other call
+        # stays in the default group and runs in order.
+        remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
+        self.ranks = [
+            remote_cls.options(
+                num_cpus=config.cpus_per_rank,
+                num_gpus=1 if device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+            ).remote(config.to_dict(), replica_id, r, self.world_size, device)
+            for r in range(self.world_size)
+        ]
+        self.placed_ref = self.pg.ready()
+
+    def pending_refs(self) -> list:
+        """What this replica's start is waiting on: placement, then the ranks' set-up."""
+        return [self.placed_ref] if self.setup_refs is None else list(self.setup_refs)
+
+    def setup(self) -> list:
+        """Start the ranks' set-up (process group, model, FSDP, data); refs to their
+        parameter shapes."""
+        addr, port = None, None
+        if self.world_size > 1:
+            addr, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=self.config.call_timeout_s)
+        return [r.setup.remote(addr, port, self.token_data) for r in self.ranks]
+
+    def seed_pieces(self) -> list[list]:
+        """Per server, refs to each rank's rows of the freshly built weights."""
+        servers = self.config.num_param_servers
+        refs = [r.seed_pieces.options(num_returns=servers).remote() for r in self.ranks]
+        refs = [[ref] if servers == 1 else ref for ref in refs]
+        return [[per_rank[s] for per_rank in refs] for s in range(servers)]
+
+    def run_round(self, job: SyncPeriod) -> tuple[list[list], list]:
+        """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
+        buffer refs; the ranks' stats refs)."""
+        servers = self.config.num_param_servers
+        outs = [r.run_round.options(num_returns=servers + 1).remote(job) for r in self.ranks]
+        return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
+
+    def abort(self, attempt: int) -> None:
+        """Tell every rank to stop the sync period of launch ``attempt`` at its next step
+        (fire and forget)."""
+        for r in self.ranks:
+            r.abort.options(concurrency_group="control").remote(attempt)
+
+    def save_inner_state(self, folder: str, slot: int) -> list:
+        return [r.save_inner_state.remote(folder, slot) for r in self.ranks]
+
+    def load_inner_state(self, folder: str, slot: int) -> list:
+        return [r.load_inner_state.remote(folder, slot) for r in self.ranks]
+
+    def evaluate(self, weight_refs: list) -> list:
+        """Eval of the global weights (one ref per server) on every rank."""
+        return [r.evaluate.remote(weight_refs) for r in self.ranks]
+
+    def save_final(self, weight_refs: list, path: str, merged_path: str | None = None) -> list:
+        return [r.save_final.remote(weight_refs, path, merged_path) for r in self.ranks]
+
+    def stop(self) -> None:
+        """Kill the rank actors and release the placement group (idempotent)."""
+        for r in self.ranks:
+            try:
+                ray.kill(r, no_restart=True)
+            except Exception:  # already dead: nothing to release
+                pass
+        try:
+            remove_placement_group(self.pg)
+        except Exception:
+            pass
+        self.ranks = []

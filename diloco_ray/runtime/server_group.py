@@ -1,0 +1,132 @@
+"""The driver's handle on the parameter-server actors.
+
+:class:`ServerGroup` starts ``num_param_servers`` :class:`~diloco_ray.runtime.server.ParameterServer`
+actors (each placed with its own ``server_resources``), and turns "sync this fragment"
+into the chain prepare -> reduce -> commit -> weights on every server. Ray resolves the
+chain's arguments between the actors, so :meth:`ServerGroup.sync` returns at once with
+references: the driver waits only where it needs an answer, and with
+``overlap_communication`` the replicas keep training meanwhile. The server class is made
+remote here, at creation, so tests can pass a subclass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+
+from diloco_ray.algo import compression
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.runtime.server import Contribution, ParameterServer
+
+
+@dataclass
+class SyncRefs:
+    """The references one sync leaves behind.
+
+    Args:
+        commits: one ``AppliedRound`` ref per server (server 0's is the one reported).
+        weights: one packed weights-message ref per server, for the replicas.
+    """
+
+    commits: list
+    weights: list
+
+
+class ServerGroup:
+    """Starts and drives the parameter-server actors.
+
+    Args:
+        config: the job's TrainerConfig.
+        server_cls: the server class (``ParameterServer``; tests may pass a subclass).
+    """
+
+    def __init__(self, config: TrainerConfig, server_cls: type = ParameterServer):
+        self.config = config
+        count = config.num_param_servers
+        resources = config.server_resources
+        per_server = resources if isinstance(resources, list) else [resources] * count
+        remote_cls = ray.remote(server_cls)
+        self.actors = [remote_cls.options(num_cpus=config.server_cpus, resources=per_server[s] or None,
+                                          name=None).remote(config.to_dict(), s)
+                       for s in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    # ---- state ---------------------------------------------------------------------------
+    def initialize(self, per_server_refs: list[list], shapes: dict) -> None:
+        """Seed every server from one replica's ranks."""
+        ray.get([a.initialize.remote(per_server_refs[s], shapes) for s, a in enumerate(self.actors)])
+
+    def load(self, path: str) -> None:
+        """Restore every server from checkpoint ``path``."""
+        ray.get([a.load.remote(path) for a in self.actors])
+
+    def save(self, folder: str) -> list:
+        return [a.save.remote(folder) for a in self.actors]
+
+    def round_index(self) -> int:
+        return ray.get(self.actors[0].round_index.remote())
+
+    def version(self) -> int:
+        return ray.get(self.actors[0].sync_version.remote())
+
+    def plan(self, slots: int) -> list:
+        """Server 0 holds the data cursor."""
+        return ray.get(self.actors[0].plan.remote(slots))
+
+    # ---- traffic -------------------------------------------------------------------------
+    def sync(self, fragment: int, contributions: list[list[Contribution]], plans: dict) -> SyncRefs:
+        """Chain one sync of ``fragment`` on every server and return at once.
+
+        Args:
+            fragment: the fragment being synced (0 for plain DiLoCo).
+            contributions: per server, the replicas' contributions to it.
+            plans: replica id -> stream ranges, for the cursor at the round's end.
+        """
+        prepared = [a.prepare.remote(fragment, contributions[s]) for s, a in enumerate(self.actors)]
+        reduced = [a.reduce.remote(*prepared) for a in self.actors]
+        commits = [a.commit.remote(plans, *reduced) for a in self.actors]
+        weights = [a.new_weights_message.remote(fragment) for a in self.actors]
+        return SyncRefs(commits=commits, weights=weights)
+
+    def full_weights(self) -> list:
+        """Refs to what replicas hold, every parameter (for a replica starting out)."""
+        return [a.full_weights.remote() for a in self.actors]
+
+    def last_weights(self) -> list:
+        """Refs to the latest sync's weights message (what replicas merge next)."""
+        return [a.last_weights.remote() for a in self.actors]
+
+    def global_weights(self) -> list:
+        """Refs to the exact fp32 global weights, packed per server (eval, final/)."""
+        return [a.global_weights.remote() for a in self.actors]
+
+    def tensor(self, name: str, shape) -> np.ndarray:
+        """The full fp32 values of one parameter, gathered from the servers holding it."""
+        from diloco_ray.persist.final_save import assemble_rows
+
+        slices = [r for r in ray.get([a.rows_of.remote(name) for a in self.actors]) if r is not None]
+        return assemble_rows(name, shape, slices)
+
+    def kill(self) -> None:
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # already gone
+                pass
+
+
+def assemble_weights(buffers: list, shapes: dict) -> dict[str, np.ndarray]:
+    """Full fp32 arrays from every server's packed slice (for inspection and tests)."""
+    from diloco_ray.algo import partition
+
+    out = {n: np.empty(s, dtype=np.float32) for n, s in shapes.items()}
+    for buf in buffers:
+        pieces, _ = compression.unpack_pieces(buf, list(shapes))
+        for name, (start, piece) in pieces.items():
+            rows = partition.num_rows(piece.shape)
+            partition.put(out[name], (start, start + rows), piece.numpy())
+    return out

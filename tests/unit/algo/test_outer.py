@@ -1,0 +1,392 @@
+"""Unit tests for diloco_ray.algo.outer against hand-computed values (no Ray)."""
+
+from __future__ import annotations
+
+import math
+import types
+
+import pytest
+import torch
+
+from diloco_ray.algo.outer import (
+    OuterOptimizer,
+    OuterStepInfo,
+    find_invalid,
+    global_norm,
+    outer_lr_at,
+    weighted_mean,
+)
+
+
+def cfg(**overrides):
+    base = dict(
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        outer_opt="SGD",
+        outer_opt_kwargs={},
+        outer_lr_schedule=None,
+        outer_grad_clip=None,
+        diloco_loops=10,
+    )
+    base.update(overrides)
+    return types.SimpleNamespace(**base)
+
+
+def t(*values, dtype=torch.float32):
+    return torch.tensor(values, dtype=dtype)
+
+
+def close(actual, expected, tol=1e-6):
+    torch.testing.assert_close(actual, torch.tensor(expected, dtype=torch.float32), rtol=0, atol=tol)
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def test_weighted_mean_weights_1_3():
+    ga = {"w": t(1.0, 2.0), "b": t(4.0)}
+    gb = {"w": t(3.0, -2.0), "b": t(0.0)}
+    out = weighted_mean([ga, gb], [1.0, 3.0])
+    # w: (1*[1, 2] + 3*[3, -2]) / 4 = [10, -4] / 4; b: (1*4 + 3*0) / 4
+    close(out["w"], [2.5, -1.0])
+    close(out["b"], [1.0])
+    assert out["w"].dtype == torch.float32
+
+
+def test_weighted_mean_rejects_zero_total():
+    with pytest.raises(ValueError):
+        weighted_mean([{"w": t(1.0)}], [0.0])
+
+
+def test_global_norm_over_all_tensors():
+    assert global_norm({"a": t(3.0), "b": t(4.0)}) == pytest.approx(5.0)
+    assert global_norm({"a": t(1.0, 2.0), "b": t(2.0)}) == pytest.approx(3.0)
+    assert global_norm({}) == 0.0
+
+
+def test_find_invalid_reasons():
+    ref = {"w": torch.zeros(2), "layer.weight": torch.zeros(1)}
+    assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(3.0)}, ref) is None
+    assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(math.nan)}, ref) == (
+        "non-finite values in 'layer.weight'"
+    )
+    assert find_invalid({"w": t(1.0, 2.0, 3.0), "layer.weight": t(3.0)}, ref) == (
+        "shape mismatch for 'w': got (3,), want (2,)"
+    )
+    assert "missing key 'layer.weight'" in find_invalid({"w": t(1.0, 2.0)}, ref)
+    extra = {"w": t(1.0, 2.0), "layer.weight": t(3.0), "zzz": t(1.0)}
+    assert "unexpected key 'zzz'" in find_invalid(extra, ref)
+
+
+# --------------------------------------------------------------- SGD semantics
+
+
+def test_sgd_nesterov_two_steps_by_hand():
+    opt = OuterOptimizer({"w": t(1.0, 2.0)}, cfg(outer_lr=0.7, outer_momentum=0.9))
+    # Round 1: two replicas average to g1 = [0.5, -1.0].
+    # buf = g1; update = g1 + 0.9*buf = [0.95, -1.9]; w = [1 - 0.7*0.95, 2 + 0.7*1.9]
+    out = opt.step([{"w": t(0.4, -1.2)}, {"w": t(0.6, -0.8)}], [1.0, 1.0])
+    close(out["w"], [0.335, 3.33])
+    # Round 2: g2 = [0.2, 0.4]; buf = 0.9*[0.5, -1.0] + g2 = [0.65, -0.5]
+    # update = g2 + 0.9*buf = [0.785, -0.05]; w = [0.335 - 0.5495, 3.33 + 0.035]
+    out = opt.step([{"w": t(0.2, 0.4)}], [1.0])
+    close(out["w"], [-0.2145, 3.365])
+    assert opt.round == 2
+    assert opt.last_step.applied and opt.last_step.round == 1
+
+
+def test_sgd_nesterov_off_via_kwargs():
+    opt = OuterOptimizer(
+        {"w": t(1.0, 2.0)}, cfg(outer_lr=0.7, outer_momentum=0.9, outer_opt_kwargs={"nesterov": False})
+    )
+    # Plain heavy-ball: round 1 update = buf = [0.5, -1.0] -> w = [1 - 0.35, 2 + 0.7]
+    out = opt.step([{"w": t(0.5, -1.0)}], [1.0])
+    close(out["w"], [0.65, 2.7])
+    # round 2: buf = 0.9*[0.5, -1.0] + [0.2, 0.4] = [0.65, -0.5] -> w = [0.65 - 0.455, 2.7 + 0.35]
+    out = opt.step([{"w": t(0.2, 0.4)}], [1.0])
+    close(out["w"], [0.195, 3.05])
+
+
+def test_sgd_lr1_no_momentum_lands_on_local():
+    glob = t(1.0, 2.0)
+    local = t(0.5, 2.5)
+    opt = OuterOptimizer({"w": glob}, cfg(outer_lr=1.0, outer_momentum=0.0))
+    out = opt.step([{"w": glob - local}], [3.0])
+    close(out["w"], [0.5, 2.5])
+    assert torch.equal(glob, t(1.0, 2.0)), "caller's tensor must not be mutated"
+
+
+def test_returned_params_are_plain_fp32_leaves():
+    opt = OuterOptimizer({"w": t(1.0, dtype=torch.bfloat16)}, cfg())
+    out = opt.step([{"w": t(0.5)}], [1.0])
+    assert out["w"].dtype == torch.float32
+    assert out["w"].is_leaf and out["w"].grad is None
+    assert set(opt.params) == {"w"}
+
+
+# -------------------------------------------------------------------- clipping
+
+
+def test_clip_uses_norm_over_all_params():
+    opt = OuterOptimizer(
+        {"a": t(0.0), "b": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=1.0)
+    )
+    opt.step([{"a": t(3.0), "b": t(4.0)}], [1.0])
+    # total norm sqrt(9 + 16) = 5; coef = 1 / (5 + 1e-6); params = -coef * [3, 4]
+    coef = 1.0 / (5.0 + 1e-6)
+    close(opt.params["a"], [-3.0 * coef])
+    close(opt.params["b"], [-4.0 * coef])
+    assert opt.last_step.grad_norm == pytest.approx(5.0)
+
+
+def test_clip_no_scaling_under_limit():
+    opt = OuterOptimizer(
+        {"a": t(0.0), "b": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=10.0)
+    )
+    opt.step([{"a": t(3.0), "b": t(4.0)}], [1.0])
+    close(opt.params["a"], [-3.0])
+    close(opt.params["b"], [-4.0])
+    assert opt.last_step.grad_norm == pytest.approx(5.0)
+
+
+# ------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize(
+    "schedule, expected",
+    [
+        # base 0.8, T = 4, r in (0, 1, 3)
+        (None, [0.8, 0.8, 0.8]),
+        # 0.4 * (1 + cos(pi/4)), 0.4 * (1 + cos(3pi/4)), cos(pi/4) = 0.70710678
+        ("cosine", [0.8, 0.4 * 1.70710678, 0.4 * 0.29289322]),
+        ("linear", [0.8, 0.6, 0.2]),
+        ("polynomial", [0.8, 0.8 * 0.5625, 0.8 * 0.0625]),
+    ],
+)
+def test_outer_lr_at(schedule, expected):
+    got = [outer_lr_at(0.8, schedule, r, 4) for r in (0, 1, 3)]
+    assert got == pytest.approx(expected, abs=1e-7)
+
+
+def test_outer_lr_at_unknown_schedule():
+    with pytest.raises(ValueError):
+        outer_lr_at(0.8, "exponential", 0, 4)
+    with pytest.raises(ValueError):
+        OuterOptimizer({"w": t(0.0)}, cfg(outer_lr_schedule="exponential"))
+
+
+def test_schedule_advances_only_on_applied_rounds():
+    opt = OuterOptimizer(
+        {"w": t(0.0)},
+        cfg(outer_lr=0.8, outer_momentum=0.0, outer_lr_schedule="linear", diloco_loops=4),
+    )
+    opt.step([{"w": t(1.0)}], [1.0])  # r = 0, lr 0.8 -> w = -0.8
+    assert opt.last_step.lr == pytest.approx(0.8)
+    close(opt.params["w"], [-0.8])
+    opt.step([{"w": t(math.nan)}], [1.0])  # rejected: r stays 1
+    assert not opt.last_step.applied
+    assert opt.last_step.round == 1 and opt.last_step.lr == pytest.approx(0.6)
+    assert opt.round == 1
+    opt.step([{"w": t(1.0)}], [1.0])  # r = 1, lr 0.6 -> w = -1.4
+    assert opt.last_step.lr == pytest.approx(0.6)
+    close(opt.params["w"], [-1.4])
+    assert opt.round == 2
+
+
+# ------------------------------------------------------------------- rejection
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_replica_is_excluded(bad):
+    opt = OuterOptimizer({"w": t(0.0, 0.0), "v": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0))
+    grads = [
+        {"w": t(1.0, 2.0), "v": t(3.0)},
+        {"w": t(1.0, 2.0), "v": t(bad)},
+        {"w": t(4.0, -1.0), "v": t(0.0)},
+    ]
+    opt.step(grads, [1.0, 5.0, 2.0])
+    info = opt.last_step
+    assert info.applied and info.accepted == [0, 2] and info.rejected == [1]
+    assert info.reasons == {1: "non-finite values in 'v'"}
+    # mean of accepted: (1*[1, 2] + 2*[4, -1]) / 3 = [3, 0]; v: (3 + 0) / 3 = 1
+    close(opt.params["w"], [-3.0, 0.0])
+    close(opt.params["v"], [-1.0])
+
+
+def test_all_rejected_changes_nothing():
+    opt = OuterOptimizer({"w": t(1.0, 2.0)}, cfg())
+    out = opt.step([{"w": t(math.nan, 0.0)}, {"w": t(0.0, math.inf)}], [1.0, 1.0])
+    close(out["w"], [1.0, 2.0])
+    info = opt.last_step
+    assert not info.applied and info.grad_norm is None
+    assert info.rejected == [0, 1] and set(info.reasons) == {0, 1}
+    assert opt.round == 0
+    assert opt.state_dict()["optimizer"]["state"] == {}
+
+
+def test_empty_or_zero_weight_changes_nothing():
+    opt = OuterOptimizer({"w": t(1.0)}, cfg())
+    opt.step([], [])
+    assert not opt.last_step.applied and opt.round == 0
+    opt.step([{"w": t(1.0)}], [0.0])
+    assert not opt.last_step.applied and opt.round == 0
+    close(opt.params["w"], [1.0])
+
+
+def test_shape_and_key_mismatch_rejected():
+    opt = OuterOptimizer({"w": t(0.0, 0.0), "v": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0))
+    grads = [
+        {"w": t(1.0, 2.0, 3.0), "v": t(1.0)},  # wrong shape
+        {"w": t(1.0, 2.0)},  # missing key
+        {"w": t(1.0, 2.0), "v": t(1.0), "extra": t(1.0)},  # extra key
+        {"w": t(0.5, -0.5), "v": t(2.0)},  # good
+    ]
+    opt.step(grads, [1.0, 1.0, 1.0, 1.0])
+    info = opt.last_step
+    assert info.accepted == [3] and info.rejected == [0, 1, 2]
+    assert info.reasons[0] == "shape mismatch for 'w': got (3,), want (2,)"
+    assert "missing key 'v'" in info.reasons[1]
+    assert "unexpected key 'extra'" in info.reasons[2]
+    close(opt.params["w"], [-0.5, 0.5])
+    close(opt.params["v"], [-2.0])
+
+
+@pytest.mark.parametrize(
+    "grads, weights",
+    [
+        ([{"w": t(1.0)}], [-1.0]),
+        ([{"w": t(1.0)}], [math.nan]),
+        ([{"w": t(1.0)}], [math.inf]),
+        ([{"w": t(1.0)}], [1.0, 1.0]),
+    ],
+)
+def test_bad_weights_raise(grads, weights):
+    opt = OuterOptimizer({"w": t(0.0)}, cfg())
+    with pytest.raises(ValueError):
+        opt.step(grads, weights)
+
+
+# ------------------------------------------------------------ optimizer choice
+
+
+def test_adam_by_name_with_kwargs_and_no_momentum():
+    opt = OuterOptimizer(
+        {"w": t(1.0, 1.0)},
+        cfg(outer_opt="Adam", outer_lr=0.1, outer_momentum=0.9, outer_opt_kwargs={"betas": (0.5, 0.9)}),
+    )
+    group = opt.state_dict()["optimizer"]["param_groups"][0]
+    assert tuple(group["betas"]) == (0.5, 0.9)
+    assert "momentum" not in group
+    opt.step([{"w": t(0.5, -2.0)}], [1.0])
+    # step 1: m = 0.5 g, v = 0.1 g^2; m_hat = g, v_hat = g^2 -> w -= 0.1 * g / (|g| + 1e-8)
+    close(opt.params["w"], [1.0 - 0.1 * 0.5 / (0.5 + 1e-8), 1.0 + 0.1 * 2.0 / (2.0 + 1e-8)])
+
+
+def test_unknown_outer_opt():
+    with pytest.raises(ValueError, match="outer_opt"):
+        OuterOptimizer({"w": t(0.0)}, cfg(outer_opt="Lion9000"))
+    with pytest.raises(ValueError, match="outer_opt"):
+        OuterOptimizer({"w": t(0.0)}, cfg(outer_opt="Optimizer"))
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+ROUNDS = [
+    [{"w": t(0.5, -1.0), "v": t(0.25)}, {"w": t(0.1, 0.3), "v": t(-0.5)}],
+    [{"w": t(0.2, 0.4), "v": t(1.0)}, {"w": t(-0.3, 0.7), "v": t(0.125)}],
+    [{"w": t(1.5, -0.2), "v": t(0.0)}, {"w": t(0.6, 0.6), "v": t(2.0)}],
+]
+WEIGHTS = [[1.0, 3.0], [2.0, 1.0], [1.0, 1.0]]
+
+
+@pytest.mark.parametrize("opt_name", ["SGD", "Adam"])
+def test_state_dict_round_trip_is_bit_identical(opt_name):
+    config = cfg(outer_opt=opt_name, outer_lr=0.3, outer_lr_schedule="cosine", diloco_loops=5)
+    init = {"w": t(1.0, 2.0), "v": t(-1.0)}
+
+    straight = OuterOptimizer(init, config)
+    for g, w in zip(ROUNDS, WEIGHTS):
+        straight.step(g, w)
+
+    first = OuterOptimizer(init, config)
+    for g, w in zip(ROUNDS[:2], WEIGHTS[:2]):
+        first.step(g, w)
+    sd = first.state_dict()
+    first.step(ROUNDS[2], WEIGHTS[2])  # must not leak into the saved snapshot
+
+    resumed = OuterOptimizer(sd["params"], config)
+    resumed.load_state_dict(sd)
+    assert resumed.round == 2
+    resumed.step(ROUNDS[2], WEIGHTS[2])
+
+    assert resumed.round == straight.round == 3
+    for name in init:
+        assert torch.equal(resumed.params[name], straight.params[name])
+        assert torch.equal(first.params[name], straight.params[name])
+
+
+def test_load_state_dict_rejects_mismatched_params():
+    opt = OuterOptimizer({"w": t(0.0, 0.0)}, cfg())
+    other = OuterOptimizer({"w": t(0.0, 0.0, 0.0)}, cfg())
+    with pytest.raises(ValueError):
+        opt.load_state_dict(other.state_dict())
+
+
+# ---------------------------------------------------------------------- dtypes
+
+
+def test_bf16_pseudo_grads_accumulate_in_fp32():
+    # 128.5 needs 9 significant bits: representable in fp32 but not bf16 (8 bits),
+    # so an exact result proves the sum was not done in bf16.
+    grads = [{"w": t(256.0, dtype=torch.bfloat16)}, {"w": t(1.0, dtype=torch.bfloat16)}]
+    mean = weighted_mean(grads, [1.0, 1.0])
+    assert mean["w"].dtype == torch.float32 and mean["w"].item() == 128.5
+
+    opt = OuterOptimizer({"w": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0))
+    opt.step(grads, [1.0, 1.0])
+    assert opt.last_step.applied and opt.last_step.accepted == [0, 1]
+    assert opt.params["w"].dtype == torch.float32 and opt.params["w"].item() == -128.5
+
+
+def test_last_step_is_outer_step_info():
+    opt = OuterOptimizer({"w": t(0.0)}, cfg())
+    assert opt.last_step is None
+    opt.step([{"w": t(1.0)}], [1.0])
+    assert isinstance(opt.last_step, OuterStepInfo)
+
+
+def test_load_state_dict_by_name_when_param_order_differs():
+    """A checkpoint read back in another key order (safetensors sorts keys) must still map
+    each momentum buffer to its own parameter."""
+    config = cfg(outer_lr=0.7, outer_momentum=0.9)
+    params = {"b": torch.tensor([1.0, 2.0]), "a": torch.tensor([3.0])}
+    uninterrupted = OuterOptimizer(params, config)
+    grads = [{"b": torch.tensor([0.5, -0.5]), "a": torch.tensor([0.25])}]
+    uninterrupted.step(grads, [1.0])
+    sd = uninterrupted.state_dict()
+    reordered = OuterOptimizer({"a": sd["params"]["a"], "b": sd["params"]["b"]}, config)
+    reordered.load_state_dict(sd)
+    uninterrupted.step(grads, [1.0])
+    reordered.step(grads, [1.0])
+    for name in params:
+        assert torch.equal(reordered.params[name], uninterrupted.params[name])
+
+
+@pytest.mark.parametrize("outer", [dict(outer_opt="SGD", outer_momentum=0.9),
+                                   dict(outer_opt="Adam", outer_opt_kwargs={"betas": [0.9, 0.95]})])
+def test_in_place_one_parameter_at_a_time_equals_one_step(outer):
+    """The server's way (apply(in_place=True): the sum scaled in place, each parameter
+    stepped alone and its gradient dropped) gives the same weights as one step of all."""
+    g = torch.Generator().manual_seed(0)
+    start = {"a": torch.randn(4, 3, generator=g), "b": torch.randn(5, generator=g)}
+    together = OuterOptimizer({k: v.clone() for k, v in start.items()}, cfg(**outer))
+    alone = OuterOptimizer({k: v.clone() for k, v in start.items()}, cfg(**outer))
+    for step in range(3):
+        mean = {k: torch.randn(v.shape, generator=g) for k, v in start.items()}
+        together.apply(mean, lr=0.5, clip_coef=0.3)
+        scratch = {k: v.clone() for k, v in mean.items()}
+        alone.apply(scratch, lr=0.5, clip_coef=0.3, in_place=True)
+        assert scratch == {}  # consumed
+        for k in start:
+            assert torch.equal(alone.params[k], together.params[k]), (step, k)
