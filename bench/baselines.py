@@ -112,8 +112,13 @@ def hf_trainer(config: TrainerConfig, steps: int, output_dir: str, warmup: int =
     dataset = _Batches(worker.tokens.train, batches)
     clock: dict = {}
 
-    counts = np.cumsum([0] + [sum(int(worker.tokens.train.batch(idx, False)["attention_mask"].sum()) for idx in micro)
-                              for micro in batches])
+    counts = np.cumsum(
+        [0]
+        + [
+            sum(int(worker.tokens.train.batch(idx, False)["attention_mask"].sum()) for idx in micro)
+            for micro in batches
+        ]
+    )
     marks: list[tuple[float, int]] = []
 
     class StartClock(TrainerCallback):
@@ -125,13 +130,28 @@ def hf_trainer(config: TrainerConfig, steps: int, output_dir: str, warmup: int =
                 marks.append((time.perf_counter(), int(counts[state.global_step] - counts[warmup])))
 
     args = TrainingArguments(
-        output_dir=output_dir, max_steps=warmup + steps, per_device_train_batch_size=config.batch_size,
-        gradient_accumulation_steps=config.grad_accum, learning_rate=config.lr, lr_scheduler_type="cosine",
-        warmup_steps=config.warmup_steps, max_grad_norm=config.max_grad_norm or 0.0, optim="adamw_torch",
-        weight_decay=config.inner_opt_kwargs.get("weight_decay", 0.01), use_cpu=True, report_to=[],
-        save_strategy="no", eval_strategy="no", logging_strategy="no", disable_tqdm=True, seed=config.seed,
-        dataloader_num_workers=config.num_workers, remove_unused_columns=False, data_seed=config.seed,
-        dataloader_drop_last=True)
+        output_dir=output_dir,
+        max_steps=warmup + steps,
+        per_device_train_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.grad_accum,
+        learning_rate=config.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=config.warmup_steps,
+        max_grad_norm=config.max_grad_norm or 0.0,
+        optim="adamw_torch",
+        weight_decay=config.inner_opt_kwargs.get("weight_decay", 0.01),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        eval_strategy="no",
+        logging_strategy="no",
+        disable_tqdm=True,
+        seed=config.seed,
+        dataloader_num_workers=config.num_workers,
+        remove_unused_columns=False,
+        data_seed=config.seed,
+        dataloader_drop_last=True,
+    )
     trainer = Trainer(model=worker.model, args=args, train_dataset=dataset, callbacks=[StartClock()])
     # Trainer would shuffle; the baseline reads the same batches in the same order.
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(dataset)

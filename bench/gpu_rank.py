@@ -37,12 +37,26 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
     args = ap.parse_args()
-    arch = {"model_type": "llama", "hidden_size": args.hidden, "intermediate_size": args.hidden * 4,
-            "num_hidden_layers": args.layers, "num_attention_heads": args.hidden // 128,
-            "num_key_value_heads": args.hidden // 128, "vocab_size": 32000, "tie_word_embeddings": False}
-    cfg = TrainerConfig(model_config=arch, seq_len=args.seq, batch_size=args.batch, mixed_precision="bf16",
-                        gradient_checkpointing=True, output_dir="unused", attn_implementation="sdpa",
-                        dataset_name="builtin:arithmetic")
+    arch = {
+        "model_type": "llama",
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 4,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.hidden // 128,
+        "num_key_value_heads": args.hidden // 128,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    }
+    cfg = TrainerConfig(
+        model_config=arch,
+        seq_len=args.seq,
+        batch_size=args.batch,
+        mixed_precision="bf16",
+        gradient_checkpointing=True,
+        output_dir="unused",
+        attn_implementation="sdpa",
+        dataset_name="builtin:arithmetic",
+    )
     tok = tokenization.char_tokenizer()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
@@ -71,8 +85,10 @@ def main() -> None:
     tps = args.batch * args.seq / steady
     name = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BF16.items() if k in name), 989e12)
-    print(f"device {name}; step {steady * 1e3:.0f} ms, {tps:,.0f} tokens/s, MFU {6 * n * tps / peak:.1%} "
-          f"(6 N T / {peak / 1e12:.0f} TFLOP/s), loss {float(loss):.3f}")
+    print(
+        f"device {name}; step {steady * 1e3:.0f} ms, {tps:,.0f} tokens/s, MFU {6 * n * tps / peak:.1%} "
+        f"(6 N T / {peak / 1e12:.0f} TFLOP/s), loss {float(loss):.3f}"
+    )
     print(f"GPU peak in training {torch.cuda.max_memory_allocated() / n:.2f} B/param (AdamW fp32 floor 16 + anchor 4)")
     for on_host in (False, True):
         shapes = {k: tuple(p.shape) for k, p in params.items()}
@@ -83,9 +99,11 @@ def main() -> None:
         t = time.perf_counter()
         (buf,) = sync.outgoing(0, local)
         s = time.perf_counter() - t
-        print(f"sync pack, anchor {'in pinned host memory' if on_host else 'on the GPU'}: {s:.2f} s "
-              f"= {s / n * 1e9:.2f} ns/param, message {buf.nbytes / n:.2f} B/param, "
-              f"GPU now {torch.cuda.memory_allocated() / n:.2f} B/param")
+        print(
+            f"sync pack, anchor {'in pinned host memory' if on_host else 'on the GPU'}: {s:.2f} s "
+            f"= {s / n * 1e9:.2f} ns/param, message {buf.nbytes / n:.2f} B/param, "
+            f"GPU now {torch.cuda.memory_allocated() / n:.2f} B/param"
+        )
         del sync, buf
 
 

@@ -29,8 +29,7 @@ LINK = {"link_mbps": 20.0, "link_latency_ms": 50.0}
 
 def run(seed: int, loops: int, **overrides) -> tuple[list[dict], dict]:
     out = tempfile.mkdtemp()
-    cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "seed": seed, "diloco_loops": loops,
-                                                   **overrides})
+    cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "seed": seed, "diloco_loops": loops, **overrides})
     result = DilocoFSDPTrainer(cfg).train()
     return result.rounds, load_file(os.path.join(result.final_path, "model.safetensors"))
 
@@ -45,8 +44,10 @@ def main() -> int:
     up = sum(r["bytes_up"] for r in base)
     loss = base[-1]["eval_loss"]
     figures = {}
-    for name, overrides in {"int8": {"pseudo_grad_compression": "int8"},
-                            "int4": {"pseudo_grad_compression": "int4", "error_feedback": True}}.items():
+    for name, overrides in {
+        "int8": {"pseudo_grad_compression": "int8"},
+        "int4": {"pseudo_grad_compression": "int4", "error_feedback": True},
+    }.items():
         rounds, _ = run(args.seed, loops, **overrides)
         figures[f"{name}_bytes_up_ratio"] = sum(r["bytes_up"] for r in rounds) / up
         figures[f"{name}{'_ef' if name == 'int4' else ''}_eval_loss_ratio"] = rounds[-1]["eval_loss"] / loss
@@ -57,10 +58,16 @@ def main() -> int:
     figures["fragments4_eval_loss_ratio"] = frag[-1]["eval_loss"] / loss
     over, _ = run(args.seed, loops, sync_fragments=4, overlap_communication=True)
     figures["fragments4_overlap_eval_loss_ratio"] = over[-1]["eval_loss"] / loss
-    for name, overrides in {"fp32": {}, "int8": {"pseudo_grad_compression": "int8"},
-                            "fragments4_overlap": {"sync_fragments": 4, "overlap_communication": True},
-                            "int8_fragments4_overlap": {"pseudo_grad_compression": "int8", "sync_fragments": 4,
-                                                        "overlap_communication": True}}.items():
+    for name, overrides in {
+        "fp32": {},
+        "int8": {"pseudo_grad_compression": "int8"},
+        "fragments4_overlap": {"sync_fragments": 4, "overlap_communication": True},
+        "int8_fragments4_overlap": {
+            "pseudo_grad_compression": "int8",
+            "sync_fragments": 4,
+            "overlap_communication": True,
+        },
+    }.items():
         rounds, _ = run(args.seed, min(loops, 4), **LINK, **overrides)
         later = rounds[1:]  # round 0 also loads the initial weights
         figures[f"link_sync_seconds_{name}"] = sum(r["sync_seconds"] for r in later) / len(later)

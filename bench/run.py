@@ -58,11 +58,24 @@ from diloco_ray.model import loading as modeling  # noqa: E402
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 DEFAULT_H = TrainerConfig.__dataclass_fields__["max_steps"].default
 # ~25M parameters: 8 Llama layers of width 512 (the character vocabulary adds little).
-MODEL_25M = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
-             "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}
-GOALS = {"inner_overhead": (">=", 0.95), "vs_hf_trainer": (">=", 1.0), "sync_vs_memcpy": ("<=", 3.0),
-         "comm_reduction_vs_ddp": (">=", 100.0), "loss_vs_ddp": ("<=", 1.02),
-         "recovery_seconds": ("report", None), "scaling_efficiency": ("report", None)}
+MODEL_25M = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+GOALS = {
+    "inner_overhead": (">=", 0.95),
+    "vs_hf_trainer": (">=", 1.0),
+    "sync_vs_memcpy": ("<=", 3.0),
+    "comm_reduction_vs_ddp": (">=", 100.0),
+    "loss_vs_ddp": ("<=", 1.02),
+    "recovery_seconds": ("report", None),
+    "scaling_efficiency": ("report", None),
+}
 
 
 def config(**overrides) -> TrainerConfig:
@@ -103,8 +116,11 @@ class Bench:
         t0 = time.perf_counter()
         rounds = train(cfg, **kwargs)
         self.runs[label] = rounds
-        print(f"# {label}: {len(rounds)} rounds, eval {rounds[-1]['eval_loss']:.4f}, "
-              f"{time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+        print(
+            f"# {label}: {len(rounds)} rounds, eval {rounds[-1]['eval_loss']:.4f}, {time.perf_counter() - t0:.0f}s",
+            file=sys.stderr,
+            flush=True,
+        )
         return rounds
 
     # ---- the figures -------------------------------------------------------------------
@@ -113,42 +129,70 @@ class Bench:
         ours = tokens_per_s(one)
         steps = 10 * config().max_steps  # timed in chunks of one round's steps, median taken
         plain = baselines.plain_loop(config(num_replicas=1), steps)
-        self.figure("inner_overhead", ours / plain["tokens_per_s"],
-                    f"{ours:.0f} tokens/s (1 replica x 1 rank, Ray) vs {plain['tokens_per_s']:.0f} (plain loop)")
+        self.figure(
+            "inner_overhead",
+            ours / plain["tokens_per_s"],
+            f"{ours:.0f} tokens/s (1 replica x 1 rank, Ray) vs {plain['tokens_per_s']:.0f} (plain loop)",
+        )
         hf = baselines.hf_trainer(config(num_replicas=1), steps, tempfile.mkdtemp(prefix="bench-hf-"))
-        self.figure("vs_hf_trainer", ours / hf["tokens_per_s"],
-                    f"{ours:.0f} tokens/s vs {hf['tokens_per_s']:.0f} (transformers.Trainer)")
+        self.figure(
+            "vs_hf_trainer",
+            ours / hf["tokens_per_s"],
+            f"{ours:.0f} tokens/s vs {hf['tokens_per_s']:.0f} (transformers.Trainer)",
+        )
 
     def loss_and_scaling(self) -> None:
         four = self.run("DiLoCo, 4 replicas", config(num_replicas=4))
         base = config()
-        dp = self.run("data parallel (4x batch)", config(num_replicas=1, batch_size=4 * base.batch_size,
-                                                           outer_lr=1.0, outer_momentum=0.0))
-        self.figure("loss_vs_ddp", four[-1]["eval_loss"] / dp[-1]["eval_loss"],
-                    f"eval loss {four[-1]['eval_loss']:.4f} (DiLoCo, 4 replicas) vs {dp[-1]['eval_loss']:.4f} "
-                    f"(synchronous data parallel), {sum(r['tokens'] for r in four)} tokens each")
+        dp = self.run(
+            "data parallel (4x batch)",
+            config(num_replicas=1, batch_size=4 * base.batch_size, outer_lr=1.0, outer_momentum=0.0),
+        )
+        self.figure(
+            "loss_vs_ddp",
+            four[-1]["eval_loss"] / dp[-1]["eval_loss"],
+            f"eval loss {four[-1]['eval_loss']:.4f} (DiLoCo, 4 replicas) vs {dp[-1]['eval_loss']:.4f} "
+            f"(synchronous data parallel), {sum(r['tokens'] for r in four)} tokens each",
+        )
         one = tokens_per_s(self.runs["DiLoCo, 1 replica"])
-        self.figure("scaling_efficiency", tokens_per_s(four) / (4 * one),
-                    f"{tokens_per_s(four):.0f} tokens/s (4 replicas) vs 4 x {one:.0f} (1 replica); "
-                    f"{os.cpu_count()} cores for 4 single-threaded ranks")
+        self.figure(
+            "scaling_efficiency",
+            tokens_per_s(four) / (4 * one),
+            f"{tokens_per_s(four):.0f} tokens/s (4 replicas) vs 4 x {one:.0f} (1 replica); "
+            f"{os.cpu_count()} cores for 4 single-threaded ranks",
+        )
 
     def communication(self) -> None:
         loops = 2 if self.quick else 10
-        rounds = self.run("DiLoCo, 2 replicas, int8" if not self.quick else "int8 (2 rounds)",
-                          config(pseudo_grad_compression="int8", diloco_loops=loops))
+        rounds = self.run(
+            "DiLoCo, 2 replicas, int8" if not self.quick else "int8 (2 rounds)",
+            config(pseudo_grad_compression="int8", diloco_loops=loops),
+        )
         cfg = config()
         params = trained_params(cfg)
         moved = rounds[-1]["bytes_up"] + rounds[-1]["bytes_down"]
         replicas = rounds[-1]["replicas"]
         ddp = replicas * DEFAULT_H * 2 * params * 4
-        self.figure("comm_reduction_vs_ddp", ddp / moved,
-                    f"{replicas} replicas x H={DEFAULT_H} x 2 x {params} params x 4 B (ring all-reduce) vs "
-                    f"{moved} B per round (int8 up, fp32 down); at tiny.yaml's H={cfg.max_steps}: "
-                    f"{replicas * cfg.max_steps * 8 * params / moved:.0f}x")
+        self.figure(
+            "comm_reduction_vs_ddp",
+            ddp / moved,
+            f"{replicas} replicas x H={DEFAULT_H} x 2 x {params} params x 4 B (ring all-reduce) vs "
+            f"{moved} B per round (int8 up, fp32 down); at tiny.yaml's H={cfg.max_steps}: "
+            f"{replicas * cfg.max_steps * 8 * params / moved:.0f}x",
+        )
 
     def sync(self) -> None:
-        cfg = config(model_config=MODEL_25M, num_replicas=4, max_steps=1, batch_size=1, seq_len=16,
-                     diloco_loops=10, eval_batches=0, warmup_steps=0, cpus_per_rank=1)
+        cfg = config(
+            model_config=MODEL_25M,
+            num_replicas=4,
+            max_steps=1,
+            batch_size=1,
+            seq_len=16,
+            diloco_loops=10,
+            eval_batches=0,
+            warmup_steps=0,
+            cpus_per_rank=1,
+        )
         rounds = train(cfg)
         # Round 0's download is the seed load, not a broadcast, and the first few rounds
         # pay first-touch allocations (object store, allocators) in every process: a
@@ -157,24 +201,32 @@ class Bench:
         seconds = statistics.median(r["sync_seconds"] for r in later)
         moved = statistics.median(r["bytes_up"] + r["bytes_down"] for r in later)
         speed = baselines.memcpy_bytes_per_s()
-        self.figure("sync_vs_memcpy", seconds / (moved / speed),
-                    f"{seconds:.3f} s per sync ({trained_params(cfg) / 1e6:.1f}M params, 4 replicas, "
-                    f"{moved / 1e6:.0f} MB up+down) vs {moved / speed:.3f} s at memcpy {speed / 1e9:.1f} GB/s")
+        self.figure(
+            "sync_vs_memcpy",
+            seconds / (moved / speed),
+            f"{seconds:.3f} s per sync ({trained_params(cfg) / 1e6:.1f}M params, 4 replicas, "
+            f"{moved / 1e6:.0f} MB up+down) vs {moved / speed:.3f} s at memcpy {speed / 1e9:.1f} GB/s",
+        )
 
     def recovery(self) -> None:
         out = elastic.recovery()
-        self.figure("recovery_seconds", out["recovery_seconds"],
-                    f"replica process killed at round 2; replacement start {out['replacement_start_seconds']:.1f}s "
-                    "of it (actor, imports, data, model)")
+        self.figure(
+            "recovery_seconds",
+            out["recovery_seconds"],
+            f"replica process killed at round 2; replacement start {out['replacement_start_seconds']:.1f}s "
+            "of it (actor, imports, data, model)",
+        )
 
     def convergence(self) -> None:
         """The rest of the convergence table (full runs only)."""
         self.run("DiLoCo, 2 replicas", config())
         self.run("DiLoCo, 8 replicas", config(num_replicas=8, cpus_per_rank=0.5))
-        self.run("DiLoCo, 2 replicas, int4 + error feedback",
-                 config(pseudo_grad_compression="int4", error_feedback=True))
-        self.run("DiLoCo, 2 replicas, one dropped at round 2", config(diloco_loops=10),
-                 worker_cls=elastic.DiesInRoundTwo)
+        self.run(
+            "DiLoCo, 2 replicas, int4 + error feedback", config(pseudo_grad_compression="int4", error_feedback=True)
+        )
+        self.run(
+            "DiLoCo, 2 replicas, one dropped at round 2", config(diloco_loops=10), worker_cls=elastic.DiesInRoundTwo
+        )
 
 
 NOTES = """## Notes
@@ -231,28 +283,42 @@ NOTES = """## Notes
 def machine() -> str:
     import torch
 
-    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU; "
-            f"Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}")
+    return (
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, no GPU; "
+        f"Python {platform.python_version()}, torch {torch.__version__}, ray {ray.__version__}"
+    )
 
 
 def write_report(bench: Bench, seconds: float, path: str, plot_path: str) -> None:
-    lines = ["# Benchmarks", "",
-             f"`python bench/run.py{' --quick' if bench.quick else ''}` on {machine()}; {seconds / 60:.1f} min.",
-             "Each figure is a ratio of two measurements taken in the same run (see `bench/run.py`).", "",
-             "| figure | value | goal | what was compared |", "|---|---|---|---|"]
+    lines = [
+        "# Benchmarks",
+        "",
+        f"`python bench/run.py{' --quick' if bench.quick else ''}` on {machine()}; {seconds / 60:.1f} min.",
+        "Each figure is a ratio of two measurements taken in the same run (see `bench/run.py`).",
+        "",
+        "| figure | value | goal | what was compared |",
+        "|---|---|---|---|",
+    ]
     for name, value in bench.figures.items():
         op, goal = GOALS[name]
         shown = "report" if goal is None else f"{op} {goal:g}"
         lines.append(f"| `{name}` | {value:.3g} | {shown} | {bench.notes[name]} |")
-    lines += ["", "## Convergence on the default task (`configs/tiny.yaml`)", "",
-              "Same tokens per replica per round; eval loss after each round's outer step.", "",
-              "| run | rounds | final eval loss | best eval loss | tokens | wall s (no eval) |",
-              "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "## Convergence on the default task (`configs/tiny.yaml`)",
+        "",
+        "Same tokens per replica per round; eval loss after each round's outer step.",
+        "",
+        "| run | rounds | final eval loss | best eval loss | tokens | wall s (no eval) |",
+        "|---|---|---|---|---|---|",
+    ]
     for label, rounds in bench.runs.items():
         evals = [r["eval_loss"] for r in rounds if r["eval_loss"] is not None]
-        lines.append(f"| {label} | {len(rounds)} | {evals[-1]:.4f} | {min(evals):.4f} | "
-                     f"{sum(r['tokens'] for r in rounds)} | "
-                     f"{sum(r['round_seconds'] - r['eval_seconds'] for r in rounds):.1f} |")
+        lines.append(
+            f"| {label} | {len(rounds)} | {evals[-1]:.4f} | {min(evals):.4f} | "
+            f"{sum(r['tokens'] for r in rounds)} | "
+            f"{sum(r['round_seconds'] - r['eval_seconds'] for r in rounds):.1f} |"
+        )
     lines += ["", f"![eval loss per round]({os.path.relpath(plot_path, os.path.dirname(path))})", ""]
     scale = os.path.join(HERE, "scale.md")  # written by bench/scale.py, a separate run
     if os.path.exists(scale):

@@ -48,15 +48,22 @@ from diloco_ray import DilocoFSDPTrainer, TrainerConfig  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 TINY = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4}
-SIZES = {"12M": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 4},
-         "41M": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 8},
-         "113M": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 12},
-         "350M": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
-                  "num_attention_heads": 16}}
-LAYOUTS = {"2x1": {"num_replicas": 2, "ranks_per_replica": 1},
-           "1x2": {"num_replicas": 1, "ranks_per_replica": 2},
-           "2x1,2srv,int8": {"num_replicas": 2, "ranks_per_replica": 1, "num_param_servers": 2,
-                             "pseudo_grad_compression": "int8"}}
+SIZES = {
+    "12M": {"hidden_size": 256, "intermediate_size": 1024, "num_hidden_layers": 12, "num_attention_heads": 4},
+    "41M": {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 12, "num_attention_heads": 8},
+    "113M": {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 12},
+    "350M": {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24, "num_attention_heads": 16},
+}
+LAYOUTS = {
+    "2x1": {"num_replicas": 2, "ranks_per_replica": 1},
+    "1x2": {"num_replicas": 1, "ranks_per_replica": 2},
+    "2x1,2srv,int8": {
+        "num_replicas": 2,
+        "ranks_per_replica": 1,
+        "num_param_servers": 2,
+        "pseudo_grad_compression": "int8",
+    },
+}
 KINDS = {"RankWorker": "rank", "ParameterServer": "server"}
 
 
@@ -114,12 +121,27 @@ class Watcher(threading.Thread):
 
 def run_once(arch: dict, layout: dict, out: str) -> dict:
     """One training run under the watcher: peaks per (phase, kind) and the timings."""
-    cfg = TrainerConfig(model_config={"model_type": "llama", "num_key_value_heads": arch["num_attention_heads"],
-                                      "tie_word_embeddings": False, **arch},
-                        dataset_name="builtin:arithmetic", seq_len=64, batch_size=4, max_steps=2, diloco_loops=2,
-                        warmup_steps=0, eval_batches=0, cpus_per_rank=1, server_cpus=1, output_dir=out,
-                        gradient_checkpointing=True,
-                        overwrite_output_dir=True, **layout)
+    cfg = TrainerConfig(
+        model_config={
+            "model_type": "llama",
+            "num_key_value_heads": arch["num_attention_heads"],
+            "tie_word_embeddings": False,
+            **arch,
+        },
+        dataset_name="builtin:arithmetic",
+        seq_len=64,
+        batch_size=4,
+        max_steps=2,
+        diloco_loops=2,
+        warmup_steps=0,
+        eval_batches=0,
+        cpus_per_rank=1,
+        server_cpus=1,
+        output_dir=out,
+        gradient_checkpointing=True,
+        overwrite_output_dir=True,
+        **layout,
+    )
     _wait_for_exit()
     trainer = DilocoFSDPTrainer(cfg)
     watcher = Watcher()
@@ -143,10 +165,14 @@ def run_once(arch: dict, layout: dict, out: str) -> dict:
         trainer.shutdown()
     rounds = [r for r in trainer.records]
     params = sum(_numel(s) for s in trainer.shapes.values())
-    return {"params": params, "peaks": {f"{p}/{k}": v for (p, k), v in watcher.peaks.items()},
-            "setup_s": setup_s, "save_s": save_s,
-            "round_s": sum(r["round_seconds"] for r in rounds) / len(rounds),
-            "sync_s": sum(r["sync_seconds"] for r in rounds) / len(rounds)}
+    return {
+        "params": params,
+        "peaks": {f"{p}/{k}": v for (p, k), v in watcher.peaks.items()},
+        "setup_s": setup_s,
+        "save_s": save_s,
+        "round_s": sum(r["round_seconds"] for r in rounds) / len(rounds),
+        "sync_s": sum(r["sync_seconds"] for r in rounds) / len(rounds),
+    }
 
 
 def _wait_for_exit(timeout: float = 60.0) -> None:
@@ -155,8 +181,11 @@ def _wait_for_exit(timeout: float = 60.0) -> None:
     own (a 2x1 rank's training peak read as a 1x2 rank's load peak)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        alive = [p for p in psutil.process_iter(["cmdline"])
-                 if any((p.info["cmdline"] or [""])[0].startswith(f"ray::{c}") for c in KINDS)]
+        alive = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if any((p.info["cmdline"] or [""])[0].startswith(f"ray::{c}") for c in KINDS)
+        ]
         if not alive:
             return
         time.sleep(0.2)
@@ -177,23 +206,43 @@ def figures(size: str, name: str, layout: dict, run: dict, base: dict) -> list[t
     for phase in ("load", "train"):
         peak, over = run["peaks"][f"{phase}/rank"], base["peaks"][f"{phase}/rank"]
         floor = 20 * p / ranks + over
-        rows.append((f"rank_peak_{phase}[{size},{name}]",
-                     f"{peak / 1e9:.2f} GB = {(peak - over) / (p / ranks):.1f} B/param of its share above "
-                     f"{over / 1e9:.2f} GB overhead; floor {floor / 1e9:.2f} GB; ratio {peak / floor:.2f} goal <= 1.25",
-                     peak <= 1.25 * floor))
+        rows.append(
+            (
+                f"rank_peak_{phase}[{size},{name}]",
+                f"{peak / 1e9:.2f} GB = {(peak - over) / (p / ranks):.1f} B/param of its share above "
+                f"{over / 1e9:.2f} GB overhead; floor {floor / 1e9:.2f} GB; ratio {peak / floor:.2f} goal <= 1.25",
+                peak <= 1.25 * floor,
+            )
+        )
     peak = max(run["peaks"][f"{ph}/server"] for ph in ("train", "save"))
     over = max(base["peaks"][f"{ph}/server"] for ph in ("train", "save"))
     per = (peak - over) / (p / servers)
-    rows.append((f"server_peak[{size},{name}]", f"{peak / 1e9:.2f} GB = {per:.2f} B/param of its slice above "
-                 f"{over / 1e9:.2f} GB overhead; goal <= 12", per <= 12))
+    rows.append(
+        (
+            f"server_peak[{size},{name}]",
+            f"{peak / 1e9:.2f} GB = {per:.2f} B/param of its slice above {over / 1e9:.2f} GB overhead; goal <= 12",
+            per <= 12,
+        )
+    )
     driver = max(v for k, v in run["peaks"].items() if k.endswith("/driver"))
     grew = driver - max(v for k, v in base["peaks"].items() if k.endswith("/driver"))
-    rows.append((f"driver_no_full_model[{size},{name}]", f"{grew / 1e9:.2f} GB above the tiny run = "
-                 f"{grew / p:.1f} B/param; goal < 4 (a full fp32 model)", grew < 4 * p))
+    rows.append(
+        (
+            f"driver_no_full_model[{size},{name}]",
+            f"{grew / 1e9:.2f} GB above the tiny run = {grew / p:.1f} B/param; goal < 4 (a full fp32 model)",
+            grew < 4 * p,
+        )
+    )
     store = max(v for k, v in run["peaks"].items() if k.endswith("/object store"))
-    rows.append((f"times[{size},{name}]", f"set-up {run['setup_s']:.1f} s, round {run['round_s']:.1f} s, "
-                 f"sync {run['sync_s']:.2f} s = {run['sync_s'] / p * 1e9:.1f} ns/param, save {run['save_s']:.1f} s; "
-                 f"object store peak {store / 1e9:.2f} GB", True))
+    rows.append(
+        (
+            f"times[{size},{name}]",
+            f"set-up {run['setup_s']:.1f} s, round {run['round_s']:.1f} s, "
+            f"sync {run['sync_s']:.2f} s = {run['sync_s'] / p * 1e9:.1f} ns/param, save {run['save_s']:.1f} s; "
+            f"object store peak {store / 1e9:.2f} GB",
+            True,
+        )
+    )
     return rows
 
 
@@ -207,16 +256,22 @@ def extrapolate(results: dict) -> list[str]:
         server_slice = p / layout.get("num_param_servers", 1)
         server = (run["peaks"]["train/server"] - base["peaks"]["train/server"]) / server_slice
         for total, ranks, servers in ((8e9, 8, 4), (70e9, 8, 8)):
-            lines.append(f"extrapolated[{total / 1e9:.0f}B, {ranks} ranks/replica, {servers} servers, from {size} "
-                         f"{name}]: rank {rank * total / ranks / 1e9:.1f} GB ({rank:.1f} B/param of its share), "
-                         f"server {server * total / servers / 1e9:.1f} GB ({server:.1f} B/param of its slice)")
+            lines.append(
+                f"extrapolated[{total / 1e9:.0f}B, {ranks} ranks/replica, {servers} servers, from {size} "
+                f"{name}]: rank {rank * total / ranks / 1e9:.1f} GB ({rank:.1f} B/param of its share), "
+                f"server {server * total / servers / 1e9:.1f} GB ({server:.1f} B/param of its slice)"
+            )
     return lines
 
 
 def write_markdown(rows: list[tuple], extrapolation: list[str], summary: str, path: str) -> None:
     """The figures as the markdown section BENCHMARKS.md includes (bench/run.py)."""
-    lines = [f"`python bench/scale.py --quick` on {platform.machine()}, {os.cpu_count()} cores: {summary}.", "",
-             "| figure | measured | within goal |", "|---|---|---|"]
+    lines = [
+        f"`python bench/scale.py --quick` on {platform.machine()}, {os.cpu_count()} cores: {summary}.",
+        "",
+        "| figure | measured | within goal |",
+        "|---|---|---|",
+    ]
     lines += [f"| `{label}` | {text} | {'yes' if ok else 'NO'} |" for label, text, ok in rows]
     lines += [""] + [f"- {line}" for line in extrapolation]
     with open(path, "w") as f:
@@ -248,8 +303,9 @@ def main() -> int:
     with open(os.path.join(HERE, "scale.json"), "w") as f:
         json.dump({s: {n: run for n, (_, run, _) in r.items()} for s, r in results.items()}, f, indent=1)
     missed = [r[0] for r in rows if not r[2]]
-    summary = (f"{len(rows) - len(missed)}/{len(rows)} figures within goal in {time.perf_counter() - started:.0f} s"
-               + (f"; missed: {', '.join(missed)}" if missed else ""))
+    summary = f"{len(rows) - len(missed)}/{len(rows)} figures within goal in {time.perf_counter() - started:.0f} s" + (
+        f"; missed: {', '.join(missed)}" if missed else ""
+    )
     write_markdown(rows, extrapolation, summary, os.path.join(HERE, "scale.md"))
     print(f"scale: {summary}")
     return 1 if missed else 0

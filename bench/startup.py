@@ -46,6 +46,7 @@ def rank_split(config_path: str) -> dict[str, float]:
                 return original(*args, **kwargs)
             finally:
                 split[label] = split.get(label, 0.0) + time.perf_counter() - t
+
         setattr(module, name, wrapper)
 
     timed(tokenization, "load_tokenizer", "tokenizer")
@@ -67,8 +68,9 @@ def driver_split(config_path: str) -> dict[str, float]:
     t = time.perf_counter()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
     ray_s = time.perf_counter() - t
-    cfg = TrainerConfig.from_yaml(config_path, overrides={"output_dir": tempfile.mkdtemp(),
-                                                          "overwrite_output_dir": True})
+    cfg = TrainerConfig.from_yaml(
+        config_path, overrides={"output_dir": tempfile.mkdtemp(), "overwrite_output_dir": True}
+    )
     trainer = DilocoFSDPTrainer(cfg)
     t = time.perf_counter()
     trainer.setup()

@@ -1,8 +1,8 @@
 """diloco-ray: DiLoCo training of Hugging Face causal LMs on a Ray cluster.
 
-    from diloco_ray import TrainerConfig, DilocoFSDPTrainer
-    config = TrainerConfig.from_yaml("configs/tiny.yaml", overrides={"output_dir": "out"})
-    result = DilocoFSDPTrainer(config).train()
+from diloco_ray import TrainerConfig, DilocoFSDPTrainer
+config = TrainerConfig.from_yaml("configs/tiny.yaml", overrides={"output_dir": "out"})
+result = DilocoFSDPTrainer(config).train()
 """
 
 from diloco_ray.config.schema import TrainerConfig

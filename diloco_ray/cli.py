@@ -28,16 +28,28 @@ def _fields_epilog() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="diloco-ray", description="DiLoCo training on a Ray cluster. "
-        "`diloco-ray train --help` lists every config field with its default and meaning.")
+        prog="diloco-ray",
+        description="DiLoCo training on a Ray cluster. "
+        "`diloco-ray train --help` lists every config field with its default and meaning.",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="run a DiLoCo job", epilog=_fields_epilog(),
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    train = sub.add_parser(
+        "train", help="run a DiLoCo job", epilog=_fields_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     train.add_argument("config", help="YAML config file (e.g. configs/tiny.yaml)")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override a field; VALUE is YAML (e.g. lr=3e-4, target_modules=[q_proj,v_proj])")
-    train.add_argument("--print-config", action="store_true",
-                       help="print the resolved config (file, --set, defaults) as YAML and exit without training")
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field; VALUE is YAML (e.g. lr=3e-4, target_modules=[q_proj,v_proj])",
+    )
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved config (file, --set, defaults) as YAML and exit without training",
+    )
     report = sub.add_parser("report", help="plot and summarise a run's metrics.jsonl")
     report.add_argument("output_dir", help="a run's output_dir")
     scale = sub.add_parser("scale", help="ask a running job to change its replica count at the next round")
@@ -64,8 +76,11 @@ def _train(args) -> int:
         result = trainer.train()
     except KeyboardInterrupt as e:
         name = trainer.stopped_by or getattr(e, "signal_name", "SIGINT")
-        saved = (f"checkpoint {trainer.stop_checkpoint} written; resume with --set resume_from={config.output_dir}"
-                 if trainer.stop_checkpoint else "no checkpoint written (set checkpoint_steps to keep one)")
+        saved = (
+            f"checkpoint {trainer.stop_checkpoint} written; resume with --set resume_from={config.output_dir}"
+            if trainer.stop_checkpoint
+            else "no checkpoint written (set checkpoint_steps to keep one)"
+        )
         print(f"\ndiloco-ray: stopped by {name} at round {trainer.round_index}; {saved}", file=sys.stderr)
         return 128 + getattr(signal, name, signal.SIGINT).value
     finally:

@@ -14,16 +14,37 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 from diloco_ray.config.schema import TrainerConfig
 
-TINY_MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 2, "num_key_value_heads": 2, "tie_word_embeddings": False}
+TINY_MODEL = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
 
 
 def tiny_config(output_dir, **overrides) -> TrainerConfig:
     """A job small enough to run a few rounds in seconds on one CPU core per rank."""
-    fields = dict(model_config=TINY_MODEL, tokenizer_name="builtin:char", dataset_name="builtin:arithmetic",
-                  dataset_kwargs={"num_samples": 2000, "digits": 2}, seq_len=32, batch_size=4, max_steps=4,
-                  diloco_loops=3, lr=3e-3, warmup_steps=2, num_replicas=2, eval_batches=2,
-                  cpus_per_rank=0.5, server_cpus=0.25, output_dir=str(output_dir), seed=0)
+    fields = dict(
+        model_config=TINY_MODEL,
+        tokenizer_name="builtin:char",
+        dataset_name="builtin:arithmetic",
+        dataset_kwargs={"num_samples": 2000, "digits": 2},
+        seq_len=32,
+        batch_size=4,
+        max_steps=4,
+        diloco_loops=3,
+        lr=3e-3,
+        warmup_steps=2,
+        num_replicas=2,
+        eval_batches=2,
+        cpus_per_rank=0.5,
+        server_cpus=0.25,
+        output_dir=str(output_dir),
+        seed=0,
+    )
     fields.update(overrides)
     return TrainerConfig(**fields)
 
@@ -45,8 +66,15 @@ def first_round(worker, plan, round_index=0):
     from diloco_ray.algo import compression
     from diloco_ray.runtime.messages import SyncPeriod
 
-    job = SyncPeriod(round=round_index, fragment=0, plan=plan, attempt=round_index,
-                     messages=worker.sync.seed(worker._local_rows()), full=True, version=0)
+    job = SyncPeriod(
+        round=round_index,
+        fragment=0,
+        plan=plan,
+        attempt=round_index,
+        messages=worker.sync.seed(worker._local_rows()),
+        full=True,
+        version=0,
+    )
     *buffers, stats = worker.run_round(job)
     grads = {}
     for buf in buffers:
@@ -80,7 +108,6 @@ def max_abs_diff(a_dir, b_dir) -> float:
 def applied_positions(rounds) -> list:
     """Every stream position the applied replicas trained on, over all round records."""
     return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]
-
 
 
 def reset_peak_rss() -> int:

@@ -34,9 +34,18 @@ from typing import Iterator
 
 import pytest
 
-_ENV = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-        "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_PROFILE",
-        "AWS_EC2_METADATA_DISABLED")
+_ENV = (
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_DEFAULT_REGION",
+    "AWS_REGION",
+    "AWS_PROFILE",
+    "AWS_EC2_METADATA_DISABLED",
+)
 
 
 class S3Server:
@@ -87,11 +96,21 @@ def moto_s3(bucket: str = "diloco-test") -> Iterator[S3Server]:
             os.environ.pop(k, None)
         # pyarrow's AWS SDK reads AWS_ENDPOINT_URL itself (AWS_ENDPOINT_URL_S3 would win,
         # hence popped above); no IMDS lookups for credentials or region.
-        os.environ.update(AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="testing",
-                          AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
-                          AWS_REGION="us-east-1", AWS_EC2_METADATA_DISABLED="true")
-        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
-                              aws_access_key_id="testing", aws_secret_access_key="testing")
+        os.environ.update(
+            AWS_ENDPOINT_URL=endpoint,
+            AWS_ACCESS_KEY_ID="testing",
+            AWS_SECRET_ACCESS_KEY="testing",
+            AWS_DEFAULT_REGION="us-east-1",
+            AWS_REGION="us-east-1",
+            AWS_EC2_METADATA_DISABLED="true",
+        )
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="testing",
+            aws_secret_access_key="testing",
+        )
         client.create_bucket(Bucket=bucket)
         yield S3Server(endpoint, bucket, client)
     finally:

@@ -70,8 +70,7 @@ def codec_nbytes(numel: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
     """
     _check_codec(codec)
     scales = 4 * -(-numel // block) if codec in _QMAX else 0
-    payload = {"none": 4 * numel, "fp16": 2 * numel, "bf16": 2 * numel,
-               "int8": numel, "int4": -(-numel // 2)}[codec]
+    payload = {"none": 4 * numel, "fp16": 2 * numel, "bf16": 2 * numel, "int8": numel, "int4": -(-numel // 2)}[codec]
     return payload + scales
 
 
@@ -129,18 +128,18 @@ def _encode_into(flat: torch.Tensor, codec: str, block: int, scales: np.ndarray,
     blocks_per_chunk = max(2, (_CHUNK // block) // 2 * 2) if codec in _QMAX else None
     step = blocks_per_chunk * block if blocks_per_chunk else _CHUNK
     for lo in range(0, flat.numel(), step):
-        part = flat[lo:lo + step]
+        part = flat[lo : lo + step]
         s, p = _encode(part, codec, block)
         if codec in _QMAX:
             first = lo // block
-            scales[4 * first:4 * first + s.nbytes] = s
+            scales[4 * first : 4 * first + s.nbytes] = s
         start = lo // 2 if codec == "int4" else lo * _VALUE_BYTES[codec]
-        payload[start:start + p.nbytes] = p
+        payload[start : start + p.nbytes] = p
 
 
 def _view(data: np.ndarray, offset: int, length: int, le_dtype: str) -> torch.Tensor:
     """Zero-copy torch view of a section (copied only if misaligned or foreign-endian)."""
-    array = data[offset:offset + length].view(np.dtype(le_dtype))
+    array = data[offset : offset + length].view(np.dtype(le_dtype))
     if not array.dtype.isnative or not array.flags.aligned:
         array = array.astype(array.dtype.newbyteorder("="))
     with warnings.catch_warnings():
@@ -165,11 +164,11 @@ def _decode_range(data: np.ndarray, entry: list, codec: str, block: int, lo: int
         raw = _view(data, payload_off, payload_len, "<i2")[lo:hi]
         return raw.view(torch.float16 if codec == "fp16" else torch.bfloat16).float()
     n = hi - lo
-    scale = _view(data, scales_off, scales_len, "<f4")[lo // block:-(-hi // block)]
+    scale = _view(data, scales_off, scales_len, "<f4")[lo // block : -(-hi // block)]
     raw = _view(data, payload_off, payload_len, "|u1")
     out = torch.empty(scale.numel() * block)
     if codec == "int4":
-        raw = raw[lo // 2:-(-hi // 2)]
+        raw = raw[lo // 2 : -(-hi // 2)]
         pairs = torch.stack([raw & 0x0F, raw >> 4], dim=1).view(-1)[:n]
         out[:n] = pairs.to(torch.int16) - 8
     else:
@@ -179,8 +178,9 @@ def _decode_range(data: np.ndarray, entry: list, codec: str, block: int, lo: int
     return out[:n]
 
 
-def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] = None,
-         block: int = DEFAULT_BLOCK) -> np.ndarray:
+def pack(
+    tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] = None, block: int = DEFAULT_BLOCK
+) -> np.ndarray:
     """Encode every tensor with ``codec`` into one contiguous ``np.uint8`` buffer.
 
     Args:
@@ -194,16 +194,21 @@ def pack(tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] =
         The buffer (see the module docstring); ``len`` is exactly the bytes that travel.
     """
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    buf, _ = pack_filled(shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
-                         codec, meta, block)
+    buf, _ = pack_filled(
+        shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)), codec, meta, block
+    )
     return buf
 
 
-def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.Tensor], object], codec: str,
-                meta: Optional[dict] = None, block: int = DEFAULT_BLOCK,
-                residual: Optional[Mapping[str, torch.Tensor]] = None,
-                allocate: Optional[Callable[[int], np.ndarray]] = None
-                ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
+def pack_filled(
+    shapes: Mapping[str, Sequence[int]],
+    fill: Callable[[str, torch.Tensor], object],
+    codec: str,
+    meta: Optional[dict] = None,
+    block: int = DEFAULT_BLOCK,
+    residual: Optional[Mapping[str, torch.Tensor]] = None,
+    allocate: Optional[Callable[[int], np.ndarray]] = None,
+) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """:func:`pack` whose values are written by ``fill``, with the buffer the only
     full-size allocation: the layout follows from the shapes alone, so the buffer is
     allocated first and ``fill(name, out)`` writes each tensor's fp32 values into ``out``
@@ -238,8 +243,11 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
         payload_off = _align(offset + scales_len)
         entries.append([name, list(shape), offset, scales_len, payload_off, payload_len])
         offset = _align(payload_off + payload_len)
-    header = json.dumps({"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries},
-                        separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    header = json.dumps(
+        {"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries},
+        separators=(",", ":"),
+        ensure_ascii=False,
+    ).encode("utf-8")
     start = _align(_PREFIX + len(header))
     end = max((e[4] + e[5] for e in entries), default=0)
     if allocate is None:
@@ -250,7 +258,7 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
         written = sorted((e[2], e[3]) for e in entries) + sorted((e[4], e[5]) for e in entries)
         _zero_gaps(buf[start:], written)
     buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
-    buf[_PREFIX:_PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
+    buf[_PREFIX : _PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
     body = buf[start:]
     # One scratch tensor, reused: allocating one per tensor costs more, as freed blocks
     # are not always handed back to the OS.
@@ -259,18 +267,23 @@ def pack_filled(shapes: Mapping[str, Sequence[int]], fill: Callable[[str, torch.
         if codec == "none":  # straight into the message
             fill(name, _writable_view(body, payload_off, payload_len).view(tuple(shape)))
             continue
-        flat = scratch[:math.prod(shape)]
+        flat = scratch[: math.prod(shape)]
         fill(name, flat.view(tuple(shape)))
         feedback = residual.get(name) if residual is not None else None
         if feedback is not None:
             flat.add_(feedback.reshape(-1))
-        _encode_into(flat, codec, block, body[scales_off:scales_off + scales_len],
-                     body[payload_off:payload_off + payload_len])
+        _encode_into(
+            flat,
+            codec,
+            block,
+            body[scales_off : scales_off + scales_len],
+            body[payload_off : payload_off + payload_len],
+        )
         if feedback is not None:  # what the codec dropped, decoded a chunk at a time
             entry = [name, shape, scales_off, scales_len, payload_off, payload_len]
             finite = True
             for lo, values in Encoded(body, entry, codec, block).chunks():
-                dropped = flat[lo:lo + values.numel()].sub_(values)
+                dropped = flat[lo : lo + values.numel()].sub_(values)
                 finite = finite and bool(torch.isfinite(dropped).all())
             feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
     return buf, residual if codec != "none" else None
@@ -288,7 +301,7 @@ def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
 
 def _writable_view(data: np.ndarray, offset: int, length: int) -> torch.Tensor:
     """An fp32 tensor over a section of a buffer being written (native little-endian)."""
-    return torch.from_numpy(data[offset:offset + length].view("<f4"))
+    return torch.from_numpy(data[offset : offset + length].view("<f4"))
 
 
 def _as_array(buf) -> np.ndarray:
@@ -314,7 +327,7 @@ def _parse_header(buf) -> tuple[np.ndarray, dict, int]:
     if _PREFIX + length > len(data):
         raise ValueError(f"truncated pack() buffer: header needs {_PREFIX + length} bytes, have {len(data)}")
     try:
-        header = json.loads(data[_PREFIX:_PREFIX + length].tobytes().decode("utf-8"))
+        header = json.loads(data[_PREFIX : _PREFIX + length].tobytes().decode("utf-8"))
         _check_codec(header["codec"])
         if not isinstance(header["meta"], dict) or not isinstance(header["tensors"], list):
             raise ValueError("bad field types")
@@ -389,9 +402,13 @@ def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
     return out, header["meta"]
 
 
-def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional[dict[str, torch.Tensor]],
-             meta: Optional[dict] = None, block: int = DEFAULT_BLOCK
-             ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
+def compress(
+    tensors: Mapping[str, torch.Tensor],
+    codec: str,
+    residual: Optional[dict[str, torch.Tensor]],
+    meta: Optional[dict] = None,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """Pack with error feedback: what the codec drops this round is sent in the next one.
 
     Args:
@@ -410,16 +427,22 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional
     residual = residual or {}
     for name, tensor in tensors.items():
         if name in residual and residual[name].shape != tensor.shape:
-            raise ValueError(f"residual {name!r} has shape {tuple(residual[name].shape)}, "
-                             f"tensor has {tuple(tensor.shape)}")
+            raise ValueError(
+                f"residual {name!r} has shape {tuple(residual[name].shape)}, tensor has {tuple(tensor.shape)}"
+            )
     if codec == "none":  # lossless: no residual to build
         new = None
     else:
-        new = {name: residual[name].detach().to(torch.float32, copy=True) if name in residual
-               else torch.zeros(tuple(t.shape)) for name, t in tensors.items()}
+        new = {
+            name: residual[name].detach().to(torch.float32, copy=True)
+            if name in residual
+            else torch.zeros(tuple(t.shape))
+            for name, t in tensors.items()
+        }
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    return pack_filled(shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
-                       codec, meta, block, new)
+    return pack_filled(
+        shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)), codec, meta, block, new
+    )
 
 
 # ---- row pieces of named parameters -------------------------------------------------------
@@ -427,9 +450,16 @@ def compress(tensors: Mapping[str, torch.Tensor], codec: str, residual: Optional
 # its position, not its (often long) name: the header stays small even for many small
 # tensors, e.g. LoRA adapters.
 
-def pack_pieces(pieces: Mapping[str, torch.Tensor], starts: Mapping[str, int], names: Sequence[str],
-                codec: str, meta: Optional[dict] = None, residual: Optional[dict[str, torch.Tensor]] = None,
-                block: int = DEFAULT_BLOCK) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
+
+def pack_pieces(
+    pieces: Mapping[str, torch.Tensor],
+    starts: Mapping[str, int],
+    names: Sequence[str],
+    codec: str,
+    meta: Optional[dict] = None,
+    residual: Optional[dict[str, torch.Tensor]] = None,
+    block: int = DEFAULT_BLOCK,
+) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """:func:`compress` of parameter row pieces: ``(buffer, new residual by name)``.
 
     Args:
@@ -447,11 +477,17 @@ def pack_pieces(pieces: Mapping[str, torch.Tensor], starts: Mapping[str, int], n
     return buf, by_name
 
 
-def pack_pieces_filled(shapes: Mapping[str, Sequence[int]], starts: Mapping[str, int], names: Sequence[str],
-                       fill: Callable[[str, torch.Tensor], object], codec: str, meta: Optional[dict] = None,
-                       residual: Optional[Mapping[str, torch.Tensor]] = None,
-                       block: int = DEFAULT_BLOCK, allocate: Optional[Callable[[int], np.ndarray]] = None
-                       ) -> np.ndarray:
+def pack_pieces_filled(
+    shapes: Mapping[str, Sequence[int]],
+    starts: Mapping[str, int],
+    names: Sequence[str],
+    fill: Callable[[str, torch.Tensor], object],
+    codec: str,
+    meta: Optional[dict] = None,
+    residual: Optional[Mapping[str, torch.Tensor]] = None,
+    block: int = DEFAULT_BLOCK,
+    allocate: Optional[Callable[[int], np.ndarray]] = None,
+) -> np.ndarray:
     """:func:`pack_filled` of parameter row pieces (the message :func:`unpack_pieces` reads).
 
     Args:
@@ -467,8 +503,7 @@ def pack_pieces_filled(shapes: Mapping[str, Sequence[int]], starts: Mapping[str,
     keyed = {str(index[n]): tuple(s) for n, s in shapes.items()}
     res = {str(index[n]): r for n, r in residual.items() if n in shapes} if residual is not None else None
     full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in shapes]}
-    buf, _ = pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res,
-                         allocate)
+    buf, _ = pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res, allocate)
     return buf
 
 

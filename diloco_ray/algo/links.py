@@ -73,8 +73,11 @@ def arrival(meta: dict) -> Optional[float]:
     return meta["sent_at"] + link.seconds(meta["link_bytes"])
 
 
-def wait_for(arrivals: Sequence[Optional[float]], clock: Callable[[], float] = time.time,
-             sleep: Callable[[float], None] = time.sleep) -> float:
+def wait_for(
+    arrivals: Sequence[Optional[float]],
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
     """Sleep until the latest of ``arrivals`` (Nones ignored); returns the seconds slept."""
     due = [a for a in arrivals if a is not None]
     if not due:

@@ -58,8 +58,11 @@ def build_outer_optimizer(params: list[torch.Tensor], config: Any) -> torch.opti
             kwargs["nesterov"] = True
     # The fused kernel updates in place: the per-parameter optimizer's Nesterov term is a
     # full-size temporary (the server's peak would hold it), and it is 2.5x faster on CPU.
-    if "fused" in signature and not {"fused", "foreach"} & set(extra) and all(
-            p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params):
+    if (
+        "fused" in signature
+        and not {"fused", "foreach"} & set(extra)
+        and all(p.dtype == torch.float32 and p.device.type in ("cpu", "cuda") for p in params)
+    ):
         kwargs["fused"] = True
     try:
         return cls(params, **kwargs)

@@ -189,9 +189,7 @@ class OuterOptimizer:
         if clip is not None and not (math.isfinite(clip) and clip > 0):
             raise ValueError(f"outer_grad_clip must be None or a positive float, got {clip!r}")
         if config.outer_lr_schedule not in _SCHEDULES:
-            raise ValueError(
-                f"unknown outer_lr_schedule {config.outer_lr_schedule!r}; expected one of {_SCHEDULES}"
-            )
+            raise ValueError(f"unknown outer_lr_schedule {config.outer_lr_schedule!r}; expected one of {_SCHEDULES}")
         self._clip = clip
         self._schedule = config.outer_lr_schedule
         self._loops = int(config.diloco_loops)

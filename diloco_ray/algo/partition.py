@@ -58,8 +58,9 @@ def whole(shapes: Mapping[str, Sequence[int]]) -> Rows:
     return {name: (0, num_rows(shape)) for name, shape in shapes.items() if num_rows(shape) > 0}
 
 
-def cut(shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int,
-        weights: Sequence[float] | None = None) -> list[Rows]:
+def cut(
+    shapes: Mapping[str, Sequence[int]], order: Sequence[str], parts: int, weights: Sequence[float] | None = None
+) -> list[Rows]:
     """Cut the parameters, laid end to end, into ``parts`` contiguous pieces of about equal size
     (or of sizes in proportion to ``weights``).
 
@@ -333,7 +334,7 @@ def take(tensor, interval: tuple[int, int], offset: int = 0):
         ValueError: the interval is not inside the tensor's rows.
     """
     local = _local(tensor, interval, offset)
-    return tensor if local is None else tensor[local[0]:local[1]]
+    return tensor if local is None else tensor[local[0] : local[1]]
 
 
 def put(dst, interval: tuple[int, int], src, offset: int = 0) -> None:

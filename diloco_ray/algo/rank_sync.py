@@ -49,9 +49,19 @@ class RankSync:
         anchor_on_host: keep the anchor in (pinned, when a GPU is there) host memory.
     """
 
-    def __init__(self, shapes: Mapping[str, Sequence[int]], world_size: int, rank: int, servers: int = 1,
-                 fragments: int = 1, codec: str = "none", error_feedback: bool = False, alpha: float = 0.5,
-                 block: int = compression.DEFAULT_BLOCK, anchor_on_host: bool = False):
+    def __init__(
+        self,
+        shapes: Mapping[str, Sequence[int]],
+        world_size: int,
+        rank: int,
+        servers: int = 1,
+        fragments: int = 1,
+        codec: str = "none",
+        error_feedback: bool = False,
+        alpha: float = 0.5,
+        block: int = compression.DEFAULT_BLOCK,
+        anchor_on_host: bool = False,
+    ):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.names = list(self.shapes)
         self.world_size, self.rank = world_size, rank
@@ -62,8 +72,10 @@ class RankSync:
         self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
         mine = partition.rank_rows(self.shapes, world_size, rank)
         owned = partition.server_shards(self.shapes, servers)
-        self.sends = [[partition.intersect(mine, frag, own) for own in owned]
-                      for frag in partition.fragments(self.shapes, fragments)]
+        self.sends = [
+            [partition.intersect(mine, frag, own) for own in owned]
+            for frag in partition.fragments(self.shapes, fragments)
+        ]
         self.anchor: dict[str, torch.Tensor] = {}
         self.residual: dict[str, torch.Tensor] = {}
         self.versions = [-1] * servers
@@ -132,14 +144,16 @@ class RankSync:
 
     # ---- what goes up ------------------------------------------------------------------
     @torch.no_grad()
-    def outgoing(self, fragment: int, local: Mapping[str, torch.Tensor],
-                 link: links.Link | None = None) -> list[np.ndarray]:
+    def outgoing(
+        self, fragment: int, local: Mapping[str, torch.Tensor], link: links.Link | None = None
+    ) -> list[np.ndarray]:
         """This rank's pseudo-gradient ``anchor - local`` of ``fragment``, one packed
         buffer per server, through the codec (with error feedback when enabled)."""
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
-        link_bytes = self.world_size * sum(compression.codec_nbytes(partition.numel(rows, self.shapes), self.codec,
-                                                                    self.block) for rows in plan)
+        link_bytes = self.world_size * sum(
+            compression.codec_nbytes(partition.numel(rows, self.shapes), self.codec, self.block) for rows in plan
+        )
         stamp = links.stamp(link, link_bytes)
         out = []
         for rows in plan:
@@ -158,9 +172,18 @@ class RankSync:
                 else:  # rows on a GPU: one tensor's difference there, then to the host
                     into.view(anchor.shape).copy_(anchor - local_rows.float())
 
-            out.append(compression.pack_pieces_filled(
-                {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
-                {n: iv[0] for n, iv in rows.items()}, self.names, fill, self.codec, stamp, residual, self.block))
+            out.append(
+                compression.pack_pieces_filled(
+                    {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
+                    {n: iv[0] for n, iv in rows.items()},
+                    self.names,
+                    fill,
+                    self.codec,
+                    stamp,
+                    residual,
+                    self.block,
+                )
+            )
         return out
 
     def _residual_rows(self, rows: partition.Rows) -> dict[str, torch.Tensor]:
@@ -181,8 +204,9 @@ class RankSync:
         for rows in partition.server_shards(self.shapes, len(self.versions)):
             send = partition.intersect(rows, mine)
             pieces = {n: partition.take(local[n].detach().float(), iv, self.held[n][0]) for n, iv in send.items()}
-            buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in send.items()}, self.names, "none",
-                                             {"version": 0})
+            buf, _ = compression.pack_pieces(
+                pieces, {n: iv[0] for n, iv in send.items()}, self.names, "none", {"version": 0}
+            )
             out.append(buf)
         return out
 

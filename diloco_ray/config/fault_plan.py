@@ -33,9 +33,7 @@ from typing import Optional
 
 from diloco_ray.errors import ConfigError
 
-KINDS = {"replica": ("kill", "freeze", "slow", "nan", "drop_link"),
-         "server": ("kill",),
-         "driver": ("kill", "term")}
+KINDS = {"replica": ("kill", "freeze", "slow", "nan", "drop_link"), "server": ("kill",), "driver": ("kill", "term")}
 
 
 @dataclass(frozen=True)
@@ -76,8 +74,10 @@ def parse(plan: Optional[list]) -> list[Fault]:
     if plan is None:
         return []
     if not isinstance(plan, list):
-        raise ConfigError(f"fault_plan: {plan!r} is not allowed; expected a list of mappings such as "
-                          "{kind: kill, replica: 0, round: 1, step: 2}")
+        raise ConfigError(
+            f"fault_plan: {plan!r} is not allowed; expected a list of mappings such as "
+            "{kind: kill, replica: 0, round: 1, step: 2}"
+        )
     known = {f.name for f in fields(Fault)}
     out = []
     for i, entry in enumerate(plan):
@@ -92,8 +92,9 @@ def parse(plan: Optional[list]) -> list[Fault]:
             raise ConfigError(f"{where}.target: {target!r} is not allowed; expected replica, server or driver")
         kind = entry.get("kind")
         if kind not in KINDS[target]:
-            raise ConfigError(f"{where}.kind: {kind!r} is not allowed for target {target}; "
-                              f"expected one of {', '.join(KINDS[target])}")
+            raise ConfigError(
+                f"{where}.kind: {kind!r} is not allowed for target {target}; expected one of {', '.join(KINDS[target])}"
+            )
         if "round" not in entry:
             raise ConfigError(f"{where}.round: missing; give the 0-based round the fault fires in")
         for name in _INT_FIELDS:
@@ -114,12 +115,20 @@ def for_rank(plan: list[Fault], replica_id: int, rank: int) -> list[Fault]:
     return [f for f in plan if f.target == "replica" and f.replica == replica_id and f.rank == rank]
 
 
-def due(plan: list[Fault], round_index: int, step: Optional[int] = None, fired: frozenset = frozenset(),
-        target: str = "replica") -> list[Fault]:
+def due(
+    plan: list[Fault],
+    round_index: int,
+    step: Optional[int] = None,
+    fired: frozenset = frozenset(),
+    target: str = "replica",
+) -> list[Fault]:
     """The faults of ``target`` that fire now: at ``round_index`` (and, for replica faults,
     at inner step ``step``), and not fired before."""
-    return [f for f in plan if f.target == target and f.round == round_index and f.key not in fired
-            and (step is None or f.step == step)]
+    return [
+        f
+        for f in plan
+        if f.target == target and f.round == round_index and f.key not in fired and (step is None or f.step == step)
+    ]
 
 
 class RankFaults:
@@ -132,8 +141,8 @@ class RankFaults:
     def __init__(self, plan: list[Fault]):
         self.plan = plan
         self.fired: set = set()
-        self.extra_seconds = 0.0   # slow: added to each remaining step of the round
-        self.drop_link = False     # drop_link: the pseudo-gradient of this period never leaves
+        self.extra_seconds = 0.0  # slow: added to each remaining step of the round
+        self.drop_link = False  # drop_link: the pseudo-gradient of this period never leaves
 
     def start_period(self) -> None:
         """A new sync period: slowness and a dropped link last one period."""

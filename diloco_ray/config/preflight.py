@@ -42,14 +42,24 @@ def check_paths(cfg: TrainerConfig) -> None:
         raise DataError(f"json_file_path: '{cfg.json_file_path}' does not exist or is not a file")
     for field in ("model_name", "tokenizer_name", "dataset_name"):
         value = getattr(cfg, field)
-        if value and not value.startswith("builtin:") and _looks_local(value) \
-                and not os.path.exists(os.path.expanduser(value)):
-            raise DataError(f"{field}: '{value}' looks like a local path but does not exist; "
-                            "give an existing folder or a hub id such as 'HuggingFaceTB/SmolLM2-135M'")
+        if (
+            value
+            and not value.startswith("builtin:")
+            and _looks_local(value)
+            and not os.path.exists(os.path.expanduser(value))
+        ):
+            raise DataError(
+                f"{field}: '{value}' looks like a local path but does not exist; "
+                "give an existing folder or a hub id such as 'HuggingFaceTB/SmolLM2-135M'"
+            )
     files = (cfg.dataset_kwargs or {}).get("data_files")
     for path in [files] if isinstance(files, str) else (files if isinstance(files, list) else []):
-        if isinstance(path, str) and "://" not in path and not any(c in path for c in "*?[") \
-                and not os.path.exists(path):
+        if (
+            isinstance(path, str)
+            and "://" not in path
+            and not any(c in path for c in "*?[")
+            and not os.path.exists(path)
+        ):
             raise DataError(f"dataset_kwargs.data_files: '{path}' does not exist")
 
 
@@ -76,8 +86,10 @@ def check_local_folder(field: str, path: str) -> None:
     limit, the whole path within PATH_MAX, and its nearest existing parent writable."""
     full = os.path.realpath(os.path.expanduser(path))
     if any(full == root or full.startswith(root + os.sep) for root in PSEUDO_FILESYSTEMS):
-        raise ConfigError(f"{field}: '{path}' is on a kernel pseudo-filesystem ({full}); "
-                          "give a folder on a real disk or shared storage")
+        raise ConfigError(
+            f"{field}: '{path}' is on a kernel pseudo-filesystem ({full}); "
+            "give a folder on a real disk or shared storage"
+        )
     parent = full
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -88,11 +100,14 @@ def check_local_folder(field: str, path: str) -> None:
         name_max, path_max = 255, 4096
     long = next((n for n in full.split(os.sep) if len(n.encode()) > name_max), None)
     if long is not None:
-        raise ConfigError(f"{field}: '{path}' has a name of {len(long.encode())} bytes ('{long[:20]}...'); "
-                          f"this filesystem allows at most {name_max}")
+        raise ConfigError(
+            f"{field}: '{path}' has a name of {len(long.encode())} bytes ('{long[:20]}...'); "
+            f"this filesystem allows at most {name_max}"
+        )
     if len(full.encode()) >= path_max:
-        raise ConfigError(f"{field}: '{path}' is {len(full.encode())} bytes long; this system allows paths "
-                          f"shorter than {path_max}")
+        raise ConfigError(
+            f"{field}: '{path}' is {len(full.encode())} bytes long; this system allows paths shorter than {path_max}"
+        )
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{field}: '{path}' cannot be created: '{parent}' is not a writable folder")
 
@@ -131,12 +146,16 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
         text = open(metrics, encoding="utf-8", errors="replace").read() if os.path.isfile(metrics) else None
     why = holds_run(listing, text)
     if why and resuming:
-        raise ConfigError(f"resume_from: '{cfg.resume_from}' is another run's checkpoint, and output_dir "
-                          f"'{cfg.output_dir}' already holds a run ({why}); resume into a new output_dir, "
-                          "or set overwrite_output_dir: true to replace that run")
+        raise ConfigError(
+            f"resume_from: '{cfg.resume_from}' is another run's checkpoint, and output_dir "
+            f"'{cfg.output_dir}' already holds a run ({why}); resume into a new output_dir, "
+            "or set overwrite_output_dir: true to replace that run"
+        )
     if why:
-        raise ConfigError(f"output_dir: '{cfg.output_dir}' already holds a run ({why}); choose a new "
-                          "output_dir, set resume_from to continue it, or set overwrite_output_dir: true")
+        raise ConfigError(
+            f"output_dir: '{cfg.output_dir}' already holds a run ({why}); choose a new "
+            "output_dir, set resume_from to continue it, or set overwrite_output_dir: true"
+        )
 
 
 def check(cfg: TrainerConfig, resuming: bool) -> None:
@@ -154,9 +173,11 @@ def check(cfg: TrainerConfig, resuming: bool) -> None:
         if cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
             # In-flight snapshots are small files written many times a round by every
             # rank; they stay on shared local storage.
-            raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight "
-                              "snapshots, which need a local (or shared) output_dir, not a bucket; "
-                              "use a multiple of max_steps")
+            raise ConfigError(
+                f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight "
+                "snapshots, which need a local (or shared) output_dir, not a bucket; "
+                "use a multiple of max_steps"
+            )
         mirror.check_writable()
     else:
         check_local_folder("output_dir", cfg.output_dir)

@@ -45,6 +45,8 @@ class TrainerConfig:
     ``diloco_loops`` the number of outer rounds); see each field's description.
     """
 
+    # One field per line: the table below is the generated docs (README, --help).
+    # fmt: off
     # --- model -----------------------------------------------------------------------
     model_name: Optional[str] = _f(None, "Hugging Face hub id or local folder of a causal LM (from_pretrained); replaces model_config")
     model_config: Optional[dict] = _f(None, "architecture of a fresh model, used when model_name is null, e.g. {model_type: llama, hidden_size: 64}")
@@ -150,6 +152,7 @@ class TrainerConfig:
     wandb_entity: Optional[str] = _f(None, "W&B entity (team or user; default: yours); needs log_with: wandb")
     wandb_run_name: Optional[str] = _f(None, "W&B run name (default: output_dir's last component); needs log_with: wandb")
     wandb_tags: list = _f([], "W&B run tags; needs log_with: wandb")
+    # fmt: on
 
     # ------------------------------------------------------------------------------------
     def __post_init__(self) -> None:
@@ -272,6 +275,7 @@ def _closest(name: str) -> str:
 # Validation
 # ---------------------------------------------------------------------------------------
 
+
 def _describe(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -280,8 +284,14 @@ def _describe(tp: Any) -> str:
         return " or ".join(_describe(a) for a in typing.get_args(tp))
     if tp is type(None):
         return "null"
-    return {bool: "true/false", int: "an integer", float: "a number", str: "a string",
-            dict: "a mapping", list: "a list"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
 
 
 def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
@@ -334,8 +344,12 @@ def validate(cfg: TrainerConfig) -> None:
             raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             m = f.metadata
-            for rule, op, word in (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"),
-                                   ("le", float.__le__, "<="), ("lt", float.__lt__, "<")):
+            for rule, op, word in (
+                ("ge", float.__ge__, ">="),
+                ("gt", float.__gt__, ">"),
+                ("le", float.__le__, "<="),
+                ("lt", float.__lt__, "<"),
+            ):
                 if rule in m and not op(float(value), float(m[rule])):
                     raise ConfigError(f"{name}: {value!r} is not allowed; must be {word} {m[rule]}")
     _validate_cross_field(cfg)
@@ -367,17 +381,19 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
     if "wandb" not in (cfg.log_with or []):
         for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_tags"):
             if getattr(cfg, name):
-                raise ConfigError(f"{name}: set, but log_with does not include wandb; add log_with: wandb "
-                                  "or remove it")
+                raise ConfigError(f"{name}: set, but log_with does not include wandb; add log_with: wandb or remove it")
     if cfg.log_dir is not None and "tensorboard" not in (cfg.log_with or []):
-        raise ConfigError("log_dir: set, but log_with does not include tensorboard; add log_with: tensorboard "
-                          "or remove it")
+        raise ConfigError(
+            "log_dir: set, but log_with does not include tensorboard; add log_with: tensorboard or remove it"
+        )
     if not all(isinstance(t, str) for t in cfg.wandb_tags):
         raise ConfigError(f"wandb_tags: {cfg.wandb_tags!r} is not allowed; expected a list of strings")
     if cfg.target_modules is not None and not all(isinstance(m, str) for m in cfg.target_modules):
         raise ConfigError(f"target_modules: {cfg.target_modules!r} is not allowed; expected a list of module names")
     if (cfg.prompt_template is None) != (cfg.completion_template is None):
-        raise ConfigError("completion_template: prompt_template and completion_template go together; set both or neither")
+        raise ConfigError(
+            "completion_template: prompt_template and completion_template go together; set both or neither"
+        )
     if (cfg.prompt_func is None) != (cfg.completion_func is None):
         raise ConfigError("completion_func: prompt_func and completion_func go together; set both or neither")
     if cfg.prompt_func is not None and cfg.prompt_template is not None:
@@ -394,48 +410,65 @@ def _check_resources(field: str, value) -> None:
     non-empty list of such mappings."""
     mappings = value if isinstance(value, list) else [value]
     ok = bool(mappings) and all(
-        isinstance(m, dict) and all(isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool)
-                                    and v >= 0 for k, v in m.items()) for m in mappings)
+        isinstance(m, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for k, v in m.items()
+        )
+        for m in mappings
+    )
     if not ok:
-        raise ConfigError(f"{field}: {value!r} is not allowed; expected a mapping of Ray resource name to a "
-                          "non-negative amount (e.g. {region-us: 1}) or a non-empty list of them")
+        raise ConfigError(
+            f"{field}: {value!r} is not allowed; expected a mapping of Ray resource name to a "
+            "non-negative amount (e.g. {region-us: 1}) or a non-empty list of them"
+        )
 
 
 def _validate_sync(cfg: TrainerConfig) -> None:
     """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
     if cfg.sync_fragments > cfg.max_steps:
-        raise ConfigError(f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
-                          "each fragment needs at least one inner step of its own")
+        raise ConfigError(
+            f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
+            "each fragment needs at least one inner step of its own"
+        )
     if cfg.overlap_communication and cfg.sync_fragments == 1:
         # Overlap merges a fragment's new weights one sync period late; with one fragment
         # that merge would land just before the same fragment's next pseudo-gradient is
         # taken, scaling every update by fragment_alpha (to nothing at alpha 0).
-        raise ConfigError("overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
-                          "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false")
+        raise ConfigError(
+            "overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
+            "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false"
+        )
     from diloco_ray.config import fault_plan as faults
 
     faults.parse(cfg.fault_plan)
     streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
     if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
-        raise ConfigError(f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
-                          "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps")
+        raise ConfigError(
+            f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
+            "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps"
+        )
     resources = cfg.server_resources
     if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
-        raise ConfigError(f"server_resources: a list needs one mapping per server actor "
-                          f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}")
+        raise ConfigError(
+            f"server_resources: a list needs one mapping per server actor "
+            f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}"
+        )
     for name in ("server_resources", "replica_resources"):
         _check_resources(name, getattr(cfg, name))
     if cfg.link_mbps is not None:
         rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
         if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
-            raise ConfigError(f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
-                              "or a list of them (one per replica slot)")
+            raise ConfigError(
+                f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
+                "or a list of them (one per replica slot)"
+            )
         if isinstance(cfg.link_mbps, list):
             cfg.link_mbps = [float(r) for r in rates]
             if len(rates) < cfg.replica_bounds[1]:
-                raise ConfigError(f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
-                                  "replicas may run; list one per replica slot")
+                raise ConfigError(
+                    f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
+                    "replicas may run; list one per replica slot"
+                )
         else:
             cfg.link_mbps = float(cfg.link_mbps)
-
-

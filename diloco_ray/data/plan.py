@@ -114,9 +114,15 @@ def _subtract(ranges: list[Range], taken: list[Range]) -> list[Range]:
         pieces = [(start, start + count)]
         for t_start, t_count in taken:
             t_end = t_start + t_count
-            pieces = [piece for a, b in pieces
-                      for piece in ([(a, b)] if t_end <= a or t_start >= b else
-                                    [p for p in ((a, min(b, t_start)), (max(a, t_end), b)) if p[1] > p[0]])]
+            pieces = [
+                piece
+                for a, b in pieces
+                for piece in (
+                    [(a, b)]
+                    if t_end <= a or t_start >= b
+                    else [p for p in ((a, min(b, t_start)), (max(a, t_end), b)) if p[1] > p[0]]
+                )
+            ]
         out.extend((a, b - a) for a, b in pieces)
     return _normalise(out)
 
@@ -134,13 +140,14 @@ def group_by_length(indices: np.ndarray, lengths: np.ndarray, window: int) -> np
     from a window then pad little. The set of indices does not change."""
     out = indices.copy()
     for start in range(0, len(out), window):
-        chunk = out[start:start + window]
-        out[start:start + window] = chunk[np.argsort(-lengths[chunk], kind="stable")]
+        chunk = out[start : start + window]
+        out[start : start + window] = chunk[np.argsort(-lengths[chunk], kind="stable")]
     return out
 
 
-def rank_batches(plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int,
-                 lengths: np.ndarray | None = None) -> list[list[np.ndarray]]:
+def rank_batches(
+    plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int, lengths: np.ndarray | None = None
+) -> list[list[np.ndarray]]:
     """The micro-batches one rank trains on in one round: ``[step][micro] -> sample indices``.
 
     With ``group_by_length`` (and ``lengths``) the plan is first reordered by
@@ -168,7 +175,7 @@ def split_for_rank(indices: np.ndarray, config: TrainerConfig, rank: int) -> lis
         micro = []
         for m in range(accum):
             offset = ((t * accum + m) * ranks + rank) * bs
-            micro.append(indices[offset:offset + bs])
+            micro.append(indices[offset : offset + bs])
         steps.append(micro)
     return steps
 
@@ -180,8 +187,9 @@ def plan_positions(plan: list[Range]) -> np.ndarray:
     return np.concatenate([np.arange(s, s + c) for s, c in plan])
 
 
-def eval_batches_for_rank(num_eval_blocks: int, eval_batches: int, batch_size: int,
-                          rank: int, ranks: int) -> list[np.ndarray]:
+def eval_batches_for_rank(
+    num_eval_blocks: int, eval_batches: int, batch_size: int, rank: int, ranks: int
+) -> list[np.ndarray]:
     """The eval batches rank ``rank`` scores: a fixed prefix of the eval split, so every
     round's eval loss is measured on the same sequences."""
     out = []

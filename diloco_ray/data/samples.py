@@ -82,10 +82,15 @@ def pack_texts(dataset, tokenizer, text_field: str, seq_len: int):
         ids = tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]
         flat = [t for doc in ids for t in (*doc, eos)]
         n = len(flat) // seq_len * seq_len
-        return {"input_ids": [flat[i:i + seq_len] for i in range(0, n, seq_len)]}
+        return {"input_ids": [flat[i : i + seq_len] for i in range(0, n, seq_len)]}
 
-    return dataset.map(tokenize_and_pack, batched=True, batch_size=1000,
-                       remove_columns=dataset.column_names, **_desc(dataset, "tokenise+pack"))
+    return dataset.map(
+        tokenize_and_pack,
+        batched=True,
+        batch_size=1000,
+        remove_columns=dataset.column_names,
+        **_desc(dataset, "tokenise+pack"),
+    )
 
 
 def load_function(spec: str, field: str) -> Callable:
@@ -102,8 +107,9 @@ def load_function(spec: str, field: str) -> Callable:
     return fn
 
 
-def row_formatter(config: TrainerConfig, columns: list[str],
-                  source: str) -> Optional[Callable[[dict], tuple[str, str]]]:
+def row_formatter(
+    config: TrainerConfig, columns: list[str], source: str
+) -> Optional[Callable[[dict], tuple[str, str]]]:
     """``row -> (prompt, completion)`` from the templates or functions, or None for plain
     text. A template naming a missing column is a DataError listing the columns."""
     if config.prompt_func or config.completion_func:
@@ -117,13 +123,16 @@ def row_formatter(config: TrainerConfig, columns: list[str],
         try:
             return template.format(**row)
         except KeyError as e:
-            raise DataError(f"{field}: '{template}' names column {e} which {source} does not have; "
-                            f"columns: {columns}") from None
+            raise DataError(
+                f"{field}: '{template}' names column {e} which {source} does not have; columns: {columns}"
+            ) from None
         except (IndexError, ValueError) as e:
             raise ConfigError(f"{field}: '{template}' is not a usable format string ({e})") from None
 
-    return lambda row: (fill("prompt_template", config.prompt_template, row),
-                        fill("completion_template", config.completion_template, row))
+    return lambda row: (
+        fill("prompt_template", config.prompt_template, row),
+        fill("completion_template", config.completion_template, row),
+    )
 
 
 def tokenize_pairs(dataset, tokenizer, formatter: Callable, seq_len: int):
@@ -145,8 +154,13 @@ def tokenize_pairs(dataset, tokenizer, formatter: Callable, seq_len: int):
                 out["labels"].append(labels)
         return out
 
-    return dataset.map(encode, batched=True, batch_size=1000, remove_columns=dataset.column_names,
-                       **_desc(dataset, "tokenise prompt+completion"))
+    return dataset.map(
+        encode,
+        batched=True,
+        batch_size=1000,
+        remove_columns=dataset.column_names,
+        **_desc(dataset, "tokenise prompt+completion"),
+    )
 
 
 def _desc(dataset, text: str) -> dict:
@@ -273,6 +287,8 @@ def load_token_data(config: TrainerConfig, tokenizer) -> TokenData:
         tokenize, packed = _tokenizer_for(config, tokenizer, raw.column_names, sources.string_columns(raw), source)
         out.append(_to_samples(tokenize(raw), config.seq_len, tokenizer.pad_token_id, packed))
     if len(out[0]) == 0:
-        raise DataError(f"seq_len: {name} yields no training sample (fewer than seq_len={config.seq_len} "
-                        "tokens of text, or prompts that fill seq_len); lower seq_len or use more data")
+        raise DataError(
+            f"seq_len: {name} yields no training sample (fewer than seq_len={config.seq_len} "
+            "tokens of text, or prompts that fill seq_len); lower seq_len or use more data"
+        )
     return TokenData(*out)

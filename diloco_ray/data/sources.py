@@ -30,7 +30,7 @@ def arithmetic_rows(num_samples: int = 20000, digits: int = 1, seed: int = 0) ->
     digit a 2-layer model gets most sums right within a couple of minutes on a CPU.
     """
     rng = random.Random(seed)
-    hi = 10 ** digits - 1
+    hi = 10**digits - 1
     rows = []
     for _ in range(num_samples):
         a, b = rng.randint(0, hi), rng.randint(0, hi)
@@ -49,8 +49,9 @@ def _builtin_splits(config: TrainerConfig):
 
     gen = BUILTIN_DATASETS.get(config.dataset_name)
     if gen is None:
-        raise ConfigError(f"dataset_name: unknown builtin '{config.dataset_name}'; "
-                          f"allowed: {', '.join(BUILTIN_DATASETS)}")
+        raise ConfigError(
+            f"dataset_name: unknown builtin '{config.dataset_name}'; allowed: {', '.join(BUILTIN_DATASETS)}"
+        )
     kwargs = dict(config.dataset_kwargs)
     try:
         train = gen(seed=config.seed, **kwargs)
@@ -77,20 +78,30 @@ def load_raw_splits(config: TrainerConfig):
         if not os.path.isfile(path):
             raise DataError(f"json_file_path: '{path}' does not exist or is not a file")
         if config.eval_split is not None:
-            raise ConfigError("eval_split: a json_file_path has a single split; leave eval_split unset "
-                              "to hold out split_ratio of it")
-        full = _guarded("json_file_path", path, lambda: datasets.load_dataset(
-            "json", data_files=path, split="train", **config.dataset_kwargs))
+            raise ConfigError(
+                "eval_split: a json_file_path has a single split; leave eval_split unset to hold out split_ratio of it"
+            )
+        full = _guarded(
+            "json_file_path",
+            path,
+            lambda: datasets.load_dataset("json", data_files=path, split="train", **config.dataset_kwargs),
+        )
         return _hold_out(full, config, "json_file_path", path)
 
     name = config.dataset_name
-    if os.path.isdir(name) and os.path.exists(os.path.join(name, "dataset_dict.json")) or \
-            os.path.exists(os.path.join(name, "state.json")):
+    if (
+        os.path.isdir(name)
+        and os.path.exists(os.path.join(name, "dataset_dict.json"))
+        or os.path.exists(os.path.join(name, "state.json"))
+    ):
         return _from_disk(name, config)
 
     def load(split):
-        return _guarded("dataset_name", name, lambda: datasets.load_dataset(
-            name, config.subset, split=split, **config.dataset_kwargs))
+        return _guarded(
+            "dataset_name",
+            name,
+            lambda: datasets.load_dataset(name, config.subset, split=split, **config.dataset_kwargs),
+        )
 
     train = load(config.dataset_split)
     if config.eval_split is not None:
@@ -114,12 +125,16 @@ def load_stream(config: TrainerConfig):
             raise DataError(f"json_file_path: '{source}' does not exist or is not a file")
 
         def load(split):
-            return datasets.load_dataset("json", data_files=source, split="train", streaming=True,
-                                         **config.dataset_kwargs)
+            return datasets.load_dataset(
+                "json", data_files=source, split="train", streaming=True, **config.dataset_kwargs
+            )
     else:
         field, source = "dataset_name", config.dataset_name
-        if source.startswith("builtin:") or os.path.exists(os.path.join(source, "state.json")) or \
-                os.path.exists(os.path.join(source, "dataset_dict.json")):
+        if (
+            source.startswith("builtin:")
+            or os.path.exists(os.path.join(source, "state.json"))
+            or os.path.exists(os.path.join(source, "dataset_dict.json"))
+        ):
             raise ConfigError(f"streaming: '{source}' is already in memory or on disk; set streaming: false")
 
         def load(split):
@@ -143,13 +158,13 @@ def _from_disk(path: str, config: TrainerConfig):
     loaded = _guarded("dataset_name", path, lambda: datasets.load_from_disk(path))
     if isinstance(loaded, datasets.DatasetDict):
         if config.dataset_split not in loaded:
-            raise DataError(f"dataset_split: '{config.dataset_split}' is not a split of '{path}'; "
-                            f"splits: {list(loaded)}")
+            raise DataError(
+                f"dataset_split: '{config.dataset_split}' is not a split of '{path}'; splits: {list(loaded)}"
+            )
         train = loaded[config.dataset_split]
         if config.eval_split is not None:
             if config.eval_split not in loaded:
-                raise DataError(f"eval_split: '{config.eval_split}' is not a split of '{path}'; "
-                                f"splits: {list(loaded)}")
+                raise DataError(f"eval_split: '{config.eval_split}' is not a split of '{path}'; splits: {list(loaded)}")
             return train, loaded[config.eval_split]
         return _hold_out(train, config, "dataset_name", path)
     return _hold_out(loaded, config, "dataset_name", path)
@@ -157,8 +172,9 @@ def _from_disk(path: str, config: TrainerConfig):
 
 def _hold_out(full, config: TrainerConfig, field: str, source: str):
     if len(full) < 2:
-        raise DataError(f"{field}: '{source}' has {len(full)} rows; at least 2 are needed "
-                        "(one to train on, one to evaluate)")
+        raise DataError(
+            f"{field}: '{source}' has {len(full)} rows; at least 2 are needed (one to train on, one to evaluate)"
+        )
     parts = full.train_test_split(test_size=config.split_ratio, seed=config.seed)
     return parts["train"], parts["test"]
 
@@ -174,8 +190,9 @@ def _guarded(field: str, source: str, load: Callable):
         raise DataError(f"{field}: cannot load '{source}': {first_line(e)[:300]}") from None
 
 
-def resolve_text_field(columns: list[str], text_field: str | None, source: str,
-                       string_columns: list[str] | None = None) -> str:
+def resolve_text_field(
+    columns: list[str], text_field: str | None, source: str, string_columns: list[str] | None = None
+) -> str:
     """The column holding the text: ``text_field`` if given, else 'text', else the only
     string column. Errors list the columns so the user can pick one.
 
@@ -194,8 +211,7 @@ def resolve_text_field(columns: list[str], text_field: str | None, source: str,
     strings = columns if string_columns is None else string_columns
     if len(strings) == 1:
         return strings[0]
-    raise DataError(f"text_field: not set and {source} has no 'text' column; "
-                    f"set text_field to one of {columns}")
+    raise DataError(f"text_field: not set and {source} has no 'text' column; set text_field to one of {columns}")
 
 
 # ---------------------------------------------------------------------------------------
@@ -203,10 +219,10 @@ def resolve_text_field(columns: list[str], text_field: str | None, source: str,
 # ---------------------------------------------------------------------------------------
 
 
-
 def string_columns(dataset) -> list[str]:
     """The columns of ``dataset`` that hold strings."""
-    return [name for name, feature in dataset.features.items()
-            if getattr(feature, "dtype", None) in ("string", "large_string")]
-
-
+    return [
+        name
+        for name, feature in dataset.features.items()
+        if getattr(feature, "dtype", None) in ("string", "large_string")
+    ]

@@ -29,8 +29,7 @@ def char_tokenizer():
     # BPE with no merges splits text into single characters; Fuse joins them back.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>",
-                                   pad_token="<pad>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
 def load_tokenizer(config: TrainerConfig):
@@ -45,12 +44,15 @@ def load_tokenizer(config: TrainerConfig):
             tok = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:
             field = "tokenizer_name" if config.tokenizer_name else "model_name"
-            raise ConfigError(f"{field}: cannot load a tokenizer from '{name}' "
-                              f"(not a local folder, and not reachable on the hub): {first_line(e)}") from None
+            raise ConfigError(
+                f"{field}: cannot load a tokenizer from '{name}' "
+                f"(not a local folder, and not reachable on the hub): {first_line(e)}"
+            ) from None
     if tok.pad_token is None:
         # Causal LMs often ship without one; padding positions are masked out of the loss.
         tok.pad_token = tok.eos_token if tok.eos_token is not None else tok.unk_token
     if tok.eos_token is None:
-        raise ConfigError(f"tokenizer_name: the tokenizer from '{name}' has no eos token, "
-                          "which packing needs to separate documents")
+        raise ConfigError(
+            f"tokenizer_name: the tokenizer from '{name}' has no eos token, which packing needs to separate documents"
+        )
     return tok

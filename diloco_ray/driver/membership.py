@@ -42,11 +42,12 @@ def decide(target: int, active: list[int], starting: list[int]) -> Decision:
     Starting replicas count towards the target, so a slow start is not requested twice.
     """
     if len(active) >= target:
-        return Decision(stop=sorted(active, reverse=True)[:len(active) - target],
-                        cancel=sorted(starting, reverse=True))
+        return Decision(
+            stop=sorted(active, reverse=True)[: len(active) - target], cancel=sorted(starting, reverse=True)
+        )
     missing = target - len(active)
     if len(starting) > missing:
-        return Decision(cancel=sorted(starting, reverse=True)[:len(starting) - missing])
+        return Decision(cancel=sorted(starting, reverse=True)[: len(starting) - missing])
     return Decision(start=missing - len(starting))
 
 
@@ -65,19 +66,33 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
 
     ranks = config.ranks_per_replica
     for rid in range(config.num_replicas):
-        add({"CPU": config.cpus_per_rank, **({"GPU": 1} if device == "cuda" else {}),
-             **resources_for_replica(config.replica_resources, rid)}, ranks)
-    servers = config.server_resources if isinstance(config.server_resources, list) \
+        add(
+            {
+                "CPU": config.cpus_per_rank,
+                **({"GPU": 1} if device == "cuda" else {}),
+                **resources_for_replica(config.replica_resources, rid),
+            },
+            ranks,
+        )
+    servers = (
+        config.server_resources
+        if isinstance(config.server_resources, list)
         else [config.server_resources] * config.num_param_servers
+    )
     for extra in servers:
         add({"CPU": config.server_cpus, **extra})
-    short = {name: (amount, available.get(name, 0.0)) for name, amount in need.items()
-             if amount > available.get(name, 0.0) + 1e-9}
+    short = {
+        name: (amount, available.get(name, 0.0))
+        for name, amount in need.items()
+        if amount > available.get(name, 0.0) + 1e-9
+    }
     if not short:
         return None
     what = ", ".join(f"{name} {want:g} (the cluster has {have:g})" for name, (want, have) in sorted(short.items()))
-    return (f"{config.num_replicas} replicas of {ranks} rank(s) and {config.num_param_servers} server(s) need {what}; "
-            "lower num_replicas or cpus_per_rank, or give the cluster more (ray start --num-cpus ...)")
+    return (
+        f"{config.num_replicas} replicas of {ranks} rank(s) and {config.num_param_servers} server(s) need {what}; "
+        "lower num_replicas or cpus_per_rank, or give the cluster more (ray start --num-cpus ...)"
+    )
 
 
 class Membership:
@@ -95,9 +110,16 @@ class Membership:
             :func:`~diloco_ray.runtime.replica.start_token_data`).
     """
 
-    def __init__(self, config: TrainerConfig, device: str, worker_cls: type,
-                 on_event: Callable[[MembershipEvent], None], round_of: Callable[[], int],
-                 on_admit: Optional[Callable[[Replica, int], None]] = None, token_data: Optional[list] = None):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        device: str,
+        worker_cls: type,
+        on_event: Callable[[MembershipEvent], None],
+        round_of: Callable[[], int],
+        on_admit: Optional[Callable[[Replica, int], None]] = None,
+        token_data: Optional[list] = None,
+    ):
         self.config, self.device, self.worker_cls = config, device, worker_cls
         self.token_data = token_data
         self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
@@ -156,20 +178,29 @@ class Membership:
             if rep in self.starting:
                 self.starting.remove(rep)
             rep.stop()
-            self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id,
-                                          reason=first_line(e)[:200]))
+            self.on_event(
+                MembershipEvent("failed_start", self.round_of(), replica_id=rep.id, reason=first_line(e)[:200])
+            )
             return
         self.active.append(rep)
-        self.on_event(MembershipEvent("join", self.round_of(), replica_id=rep.id, replicas=len(self.active),
-                                      start_seconds=time.time() - rep.requested_at))
+        self.on_event(
+            MembershipEvent(
+                "join",
+                self.round_of(),
+                replica_id=rep.id,
+                replicas=len(self.active),
+                start_seconds=time.time() - rep.requested_at,
+            )
+        )
 
     def remove(self, rep: Replica, reason: str) -> None:
         """Stop ``rep`` and forget it (its placement group is released)."""
         rep.stop()
         if rep in self.active:
             self.active.remove(rep)
-        self.on_event(MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason,
-                                      replicas=len(self.active)))
+        self.on_event(
+            MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason, replicas=len(self.active))
+        )
 
     def stop_all(self) -> None:
         for rep in self.active + self.starting:

@@ -71,14 +71,18 @@ def connect(config: TrainerConfig) -> bool:
     mode, address = decide(env, recorded, recorded is not None and answers(recorded))
     if mode == "join":
         if not env:
-            log.info("joining the running local Ray cluster at %s (set RAY_ADDRESS=local to start a private one)",
-                     address)
+            log.info(
+                "joining the running local Ray cluster at %s (set RAY_ADDRESS=local to start a private one)", address
+            )
         ray.init(address=address)
         return False
     # Logical CPUs, not cores: rank actors reserve cpus_per_rank each, and a laptop with
     # fewer cores than ranks should still run the job (just slower).
-    need = config.server_cpus * config.num_param_servers + \
-        config.replica_bounds[1] * config.ranks_per_replica * config.cpus_per_rank
-    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False,
-             log_to_driver=True)
+    need = (
+        config.server_cpus * config.num_param_servers
+        + config.replica_bounds[1] * config.ranks_per_replica * config.cpus_per_rank
+    )
+    ray.init(
+        address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, log_to_driver=True
+    )
     return True

@@ -71,6 +71,8 @@ class RoundOutcome:
     action: Literal["proceed", "run_again", "recover_server"]
     record: Optional[dict] = None
     why: str = ""
+
+
 STEP_POLL_S = 1.0  # how often the driver collects step events while a round runs
 
 
@@ -110,8 +112,14 @@ class DilocoFSDPTrainer:
             it. Installed once Ray is connected, since ``ray.init`` sets its own handler.
     """
 
-    def __init__(self, config: TrainerConfig, callbacks: Optional[list] = None,
-                 worker_cls: type = RankWorker, server_cls: type = ParameterServer, stop_on_sigterm: bool = False):
+    def __init__(
+        self,
+        config: TrainerConfig,
+        callbacks: Optional[list] = None,
+        worker_cls: type = RankWorker,
+        server_cls: type = ParameterServer,
+        stop_on_sigterm: bool = False,
+    ):
         self.config = config
         self.stop_on_sigterm = stop_on_sigterm
         self._previous_sigterm = None
@@ -121,7 +129,7 @@ class DilocoFSDPTrainer:
         self._lock = threading.Lock()
         self._started_ray = False
         self._scale_mtime = 0.0
-        self.round_index = 0       # mirrors the server's round index between rounds
+        self.round_index = 0  # mirrors the server's round index between rounds
         self.records: list[dict] = []
         self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
@@ -135,16 +143,16 @@ class DilocoFSDPTrainer:
         self._messages: list = []
         self._messages_full = True
         self._version = 0
-        self._reset = False        # replicas must reload everything (the servers were restored)
-        self._restart = False      # the next launch re-runs a round: replicas restart from the global weights
+        self._reset = False  # replicas must reload everything (the servers were restored)
+        self._restart = False  # the next launch re-runs a round: replicas restart from the global weights
         self._reset_inner: set[int] = set()  # replica ids whose inner state is poisoned (NaN/Inf rejected)
-        self._attempt = 0          # launches so far: keys aborts, so a re-run is not stopped by an old abort
-        self._wasted_steps = 0     # replica inner steps run this round whose work reached no applied update
+        self._attempt = 0  # launches so far: keys aborts, so a re-run is not stopped by an old abort
+        self._wasted_steps = 0  # replica inner steps run this round whose work reached no applied update
         self._faults = faults.parse(config.fault_plan)
-        self._fired: set = set()   # driver-side faults already carried out
-        self._beats: dict = {}     # the ranks' latest beats, as the board last reported them
+        self._fired: set = set()  # driver-side faults already carried out
+        self._beats: dict = {}  # the ranks' latest beats, as the board last reported them
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
-        self.board = None          # the StepBoard actor ranks report inner steps to
+        self.board = None  # the StepBoard actor ranks report inner steps to
         self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop
         self.stopped_by: Optional[str] = None  # the signal that stopped it (SIGTERM), when one did
@@ -214,35 +222,58 @@ class DilocoFSDPTrainer:
         self._catch_sigterm()
         self.device = self._resolve_device()
         cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
-        run_name = os.path.basename(os.path.abspath(cfg.output_dir) if not self.run_dir.remote
-                                    else cfg.output_dir.rstrip("/")) or "diloco"
-        self.metrics = MetricsLogger(self.run_dir.local, cfg.log_with, cfg.log_dir, cfg.to_dict(),
-                                     wandb_settings={"project": cfg.wandb_project, "entity": cfg.wandb_entity,
-                                                     "name": cfg.wandb_run_name or run_name, "tags": cfg.wandb_tags})
+        run_name = (
+            os.path.basename(os.path.abspath(cfg.output_dir) if not self.run_dir.remote else cfg.output_dir.rstrip("/"))
+            or "diloco"
+        )
+        self.metrics = MetricsLogger(
+            self.run_dir.local,
+            cfg.log_with,
+            cfg.log_dir,
+            cfg.to_dict(),
+            wandb_settings={
+                "project": cfg.wandb_project,
+                "entity": cfg.wandb_entity,
+                "name": cfg.wandb_run_name or run_name,
+                "tags": cfg.wandb_tags,
+            },
+        )
         self.board = self._new_board()
         self.ray_metrics = RoundMetrics(run_name)
         token_data = start_token_data(cfg)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
         self._inner_state_from = resume[0] if resume else None
-        self.members = Membership(cfg, self.device, self.worker_cls, self._log, lambda: self.round_index,
-                                  on_admit=self._restore_inner,
-                                  token_data=token_data)
+        self.members = Membership(
+            cfg,
+            self.device,
+            self.worker_cls,
+            self._log,
+            lambda: self.round_index,
+            on_admit=self._restore_inner,
+            token_data=token_data,
+        )
         shortfall = capacity_shortfall(cfg, self.device, ray.cluster_resources())
         if shortfall:
             # An autoscaler may still add nodes, so this warns rather than fails; without
             # one, the wait below ends at placement_timeout_s with the replicas that fit.
-            self._warn(f"{shortfall}. Waiting up to placement_timeout_s={cfg.placement_timeout_s:g}s for room, "
-                       f"then going on with the replicas that fit (at least min_replicas={cfg.min_replicas}).")
+            self._warn(
+                f"{shortfall}. Waiting up to placement_timeout_s={cfg.placement_timeout_s:g}s for room, "
+                f"then going on with the replicas that fit (at least min_replicas={cfg.min_replicas})."
+            )
         self.members.reconcile(cfg.num_replicas, wait_s=cfg.placement_timeout_s)
         if cfg.min_replicas <= len(self.replicas) < cfg.num_replicas:
-            self._warn(f"starting with {len(self.replicas)} of num_replicas={cfg.num_replicas} replicas; "
-                       "the others join at a round boundary when they are placed")
+            self._warn(
+                f"starting with {len(self.replicas)} of num_replicas={cfg.num_replicas} replicas; "
+                "the others join at a round boundary when they are placed"
+            )
         if len(self.replicas) < cfg.min_replicas:
             totals = {k: v for k, v in ray.cluster_resources().items() if "_group_" not in k}
-            raise RuntimeError(f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas were placed "
-                               f"and set up within placement_timeout_s={cfg.placement_timeout_s:g}s "
-                               f"(cluster resources: {totals})")
+            raise RuntimeError(
+                f"only {len(self.replicas)} of min_replicas={cfg.min_replicas} replicas were placed "
+                f"and set up within placement_timeout_s={cfg.placement_timeout_s:g}s "
+                f"(cluster resources: {totals})"
+            )
         self._inner_state_from = None
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
@@ -331,8 +362,9 @@ class DilocoFSDPTrainer:
                 self._recover_server()
             self._restart = True
             self._reconcile()
-        raise RuntimeError(f"round {self.round_index}: not applied in {MAX_ROUND_RETRIES + 1} attempts "
-                           f"(the last: {outcome.why})")
+        raise RuntimeError(
+            f"round {self.round_index}: not applied in {MAX_ROUND_RETRIES + 1} attempts (the last: {outcome.why})"
+        )
 
     def _attempt_round(self) -> RoundOutcome:
         """One round: ``sync_fragments`` sync periods, each ending with one fragment's
@@ -353,8 +385,10 @@ class DilocoFSDPTrainer:
         held = (self._messages, self._messages_full)  # what replicas hold, if this sync commits nothing
         for fragment in range(cfg.sync_fragments):
             self._attempt += 1
-            launched = {rep.id: Launch(rep, *rep.run_round(self._job(rep, slots[rep.id], fragment, plans[rep.id])))
-                        for rep in active}
+            launched = {
+                rep.id: Launch(rep, *rep.run_round(self._job(rep, slots[rep.id], fragment, plans[rep.id])))
+                for rep in active
+            }
             # Resume steps, a reload, a re-run's restart and a reset apply to the first period only.
             self._resume_steps, self._reset, self._restart = {}, False, False
             self._reset_inner -= set(launched)
@@ -371,8 +405,10 @@ class DilocoFSDPTrainer:
                 return RoundOutcome("run_again", why=f"{len(reported)} < min_replicas={cfg.min_replicas} reported")
             # Each replica counts by the tokens that carried loss (see diloco_ray.algo.loss).
             weight = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
-            contributions = [[Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported]
-                             for s in range(len(self.server))]
+            contributions = [
+                [Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported]
+                for s in range(len(self.server))
+            ]
             refs = self.server.sync(fragment, contributions, plans)
             periods.append({"reported": reported, "refs": refs})
             self._messages, self._messages_full = refs.weights, False
@@ -386,8 +422,9 @@ class DilocoFSDPTrainer:
         for info, period in zip(applied, periods):
             # A replica rejected for NaN/Inf starts its next period with a fresh inner state.
             self._reset_inner |= {rid for rid, why in info.rejected.items() if why.startswith(NON_FINITE)}
-            self._wasted_steps += sum(stats[0].inner_steps for rid, stats in period["reported"].items()
-                                      if rid not in info.accepted)
+            self._wasted_steps += sum(
+                stats[0].inner_steps for rid, stats in period["reported"].items() if rid not in info.accepted
+            )
         if cfg.sync_fragments == 1:
             if not applied[0].applied:
                 self._messages, self._messages_full = held  # no new version: replicas keep what they hold
@@ -402,11 +439,13 @@ class DilocoFSDPTrainer:
         eval_seconds = time.perf_counter() - t_eval
         record = round_record(self.config, applied, [p["reported"] for p in periods], late_ids, failed_ids)
         record["wasted_steps"] = self._wasted_steps
-        record.update(eval_loss=eval_loss,
-                      eval_ppl=math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
-                      round_seconds=time.perf_counter() - t_start,
-                      sync_seconds=max(0.0, (t_applied - t_start) - record["compute_seconds"]),
-                      eval_seconds=eval_seconds)
+        record.update(
+            eval_loss=eval_loss,
+            eval_ppl=math.exp(min(eval_loss, 50.0)) if eval_loss is not None else None,
+            round_seconds=time.perf_counter() - t_start,
+            sync_seconds=max(0.0, (t_applied - t_start) - record["compute_seconds"]),
+            eval_seconds=eval_seconds,
+        )
         self.records.append(record)
         self._log(record)
         self.ray_metrics.record(record)
@@ -419,12 +458,22 @@ class DilocoFSDPTrainer:
     def _job(self, rep: Replica, slot: int, fragment: int, plan: list) -> SyncPeriod:
         """What every rank of ``rep`` gets for one sync period (see RankWorker.run_round)."""
         cfg = self.config
-        return SyncPeriod(round=self.round_index, fragment=fragment, plan=plan, attempt=self._attempt,
-                          messages=self._messages, full=self._messages_full, version=self._version,
-                          servers=self.server.actors, reset=self._reset, restart=self._restart,
-                          reset_inner=rep.id in self._reset_inner, board=self.board,
-                          link=links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
-                          snapshots=self._snapshot_plan(slot) if fragment == 0 else None)
+        return SyncPeriod(
+            round=self.round_index,
+            fragment=fragment,
+            plan=plan,
+            attempt=self._attempt,
+            messages=self._messages,
+            full=self._messages_full,
+            version=self._version,
+            servers=self.server.actors,
+            reset=self._reset,
+            restart=self._restart,
+            reset_inner=rep.id in self._reset_inner,
+            board=self.board,
+            link=links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
+            snapshots=self._snapshot_plan(slot) if fragment == 0 else None,
+        )
 
     def _snapshot_plan(self, slot: int) -> Optional[SnapshotPlan]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
@@ -432,8 +481,12 @@ class DilocoFSDPTrainer:
         every = self.config.checkpoint_steps
         if every is None or every >= self.config.max_steps:
             return None
-        return SnapshotPlan(folder=snapshot.round_dir(self.inflight_root, self.round_index), slot=slot,
-                            every=every, resume_step=self._resume_steps.get(slot))
+        return SnapshotPlan(
+            folder=snapshot.round_dir(self.inflight_root, self.round_index),
+            slot=slot,
+            every=every,
+            resume_step=self._resume_steps.get(slot),
+        )
 
     def _gather(self, launched: dict[int, Launch], timeout_s: Optional[float]) -> RoundPoll:
         """Collect every replica's stats as they arrive, until the deadline.
@@ -499,8 +552,7 @@ class DilocoFSDPTrainer:
         for rid in launched:
             stats = results[rid]
             if rid in failed or rid in late or any(s.aborted for s in stats):
-                beat = max((b[1] for (r, _), b in self._beats.items() if r == rid and b[0] == self._attempt),
-                           default=0)
+                beat = max((b[1] for (r, _), b in self._beats.items() if r == rid and b[0] == self._attempt), default=0)
                 self._wasted_steps += max([s.inner_steps for s in stats] + [beat])
                 continue
             reported[rid] = sorted(stats, key=lambda s: s.rank)
@@ -589,8 +641,9 @@ class DilocoFSDPTrainer:
     def _inject_driver_faults(self) -> None:
         """Carry out the fault plan's server and driver faults due in this round (after
         the replicas have started it, so they hit a round in flight)."""
-        for fault in faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="server") + \
-                faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="driver"):
+        for fault in faults.due(
+            self._faults, self.round_index, fired=frozenset(self._fired), target="server"
+        ) + faults.due(self._faults, self.round_index, fired=frozenset(self._fired), target="driver"):
             self._fired.add(fault.key)
             self._log(FaultEvent(fault.target, fault.kind, self.round_index))
             if fault.target == "server":
@@ -609,9 +662,11 @@ class DilocoFSDPTrainer:
             # Too few to run a round at all: wait for starting replicas, up to the limit.
             self.members.admit_ready(self.config.placement_timeout_s)
             if len(self.replicas) < self.config.min_replicas:
-                raise RuntimeError(f"{len(self.replicas)} replicas are running and no more could be placed within "
-                                   f"placement_timeout_s={self.config.placement_timeout_s:g}s; "
-                                   f"min_replicas={self.config.min_replicas}")
+                raise RuntimeError(
+                    f"{len(self.replicas)} replicas are running and no more could be placed within "
+                    f"placement_timeout_s={self.config.placement_timeout_s:g}s; "
+                    f"min_replicas={self.config.min_replicas}"
+                )
 
     def _read_scale_request(self) -> None:
         """Apply a target written by ``diloco-ray scale OUTPUT_DIR N`` (another process)."""
@@ -654,13 +709,20 @@ class DilocoFSDPTrainer:
         for slot, rep in enumerate(members):
             refs += rep.save_inner_state(where, slot)
         try:
-            files = {k: v for hashes in ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
-                     for k, v in (hashes or {}).items()}
+            files = {
+                k: v
+                for hashes in ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
+                for k, v in (hashes or {}).items()
+            }
         except (RayActorError, ray.exceptions.GetTimeoutError) as e:
             self._log(CheckpointEvent("failed", round=self.round_index, reason=first_line(e)[:200]))
             return None
-        meta = {"replica_ids": [r.id for r in members], "ranks_per_replica": cfg.ranks_per_replica,
-                "seed": cfg.seed, "max_steps": cfg.max_steps}
+        meta = {
+            "replica_ids": [r.id for r in members],
+            "ranks_per_replica": cfg.ranks_per_replica,
+            "seed": cfg.seed,
+            "max_steps": cfg.max_steps,
+        }
         path = self.run_dir.commit_checkpoint(where, self.round_index, meta, files)
         self._last_checkpoint_round = self.round_index
         snapshot.clear_before(self.inflight_root, self.round_index)
@@ -690,8 +752,9 @@ class DilocoFSDPTrainer:
                 return None  # the server committed a round the driver has not recorded
             if self._last_checkpoint_round == self.round_index:
                 return self.run_dir.latest_valid()[0]
-            ray.get([r.rewind_round.remote(self.round_index) for rep in self.replicas for r in rep.ranks],
-                    timeout=left())
+            ray.get(
+                [r.rewind_round.remote(self.round_index) for rep in self.replicas for r in rep.ranks], timeout=left()
+            )
             return self.save_checkpoint(timeout_s=left())
         except (RayActorError, ray.exceptions.GetTimeoutError, KeyboardInterrupt) as e:
             self._warn(f"no checkpoint on stop ({type(e).__name__}): the run resumes from its last one")
@@ -701,8 +764,10 @@ class DilocoFSDPTrainer:
         """The server died: start a new one from the latest good checkpoint."""
         path, skipped = self.run_dir.latest_valid()
         if path is None:
-            raise RuntimeError("the parameter server died and there is no checkpoint to recreate it from; "
-                               "set checkpoint_steps to make a run survive that")
+            raise RuntimeError(
+                "the parameter server died and there is no checkpoint to recreate it from; "
+                "set checkpoint_steps to make a run survive that"
+            )
         self._log(ServerEvent("restart", self.round_index, from_path=path))
         self.server.kill()
         self.server = ServerGroup(self.config, self.server_cls)
@@ -739,8 +804,14 @@ class DilocoFSDPTrainer:
                 adapter = {n: torch.from_numpy(self.server.tensor(n, s)) for n, s in self.shapes.items()}
                 final_save.save_adapter(folder, model, tokenizer, adapter)
             else:
-                final_save.save_model(folder, model, tokenizer, self.shapes,
-                                      lambda n: self.server.tensor(n, self.shapes[n]), int(cfg.final_shard_mb * 2**20))
+                final_save.save_model(
+                    folder,
+                    model,
+                    tokenizer,
+                    self.shapes,
+                    lambda n: self.server.tensor(n, self.shapes[n]),
+                    int(cfg.final_shard_mb * 2**20),
+                )
 
         modeling.write_atomically(staging.scratch(path), write)
         staging.publish_tree(path)

@@ -19,8 +19,14 @@ from diloco_ray.errors import ConfigError, first_line
 from diloco_ray.model import meta_init as model_init
 
 
-def build_model(config: TrainerConfig, tokenizer, device: str | torch.device = "cpu",
-                shard: Callable[[nn.Module], None] | None = None, world_size: int = 1, rank: int = 0) -> nn.Module:
+def build_model(
+    config: TrainerConfig,
+    tokenizer,
+    device: str | torch.device = "cpu",
+    shard: Callable[[nn.Module], None] | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+) -> nn.Module:
     """The causal LM in fp32, identically initialised on every rank that calls this.
 
     ``model_name`` loads pretrained weights (hub id or folder); ``model_config`` builds a
@@ -80,8 +86,9 @@ def _factory(config: TrainerConfig, tokenizer, download: bool = True) -> tuple[C
         try:
             hf_config = AutoConfig.from_pretrained(config.model_name)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"model_name: cannot load a causal LM from '{config.model_name}': "
-                              f"{first_line(e)}") from None
+            raise ConfigError(
+                f"model_name: cannot load a causal LM from '{config.model_name}': {first_line(e)}"
+            ) from None
         return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), folder
     arch = dict(config.model_config)
     model_type = arch.pop("model_type")
@@ -122,13 +129,22 @@ def _adapt(model: nn.Module, config: TrainerConfig) -> nn.Module:
     from peft import IA3Config, LoraConfig, get_peft_model
 
     if config.peft_type == "LORA":
-        peft_config = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                                 target_modules=config.target_modules, bias=config.peft_bias, task_type="CAUSAL_LM")
+        peft_config = LoraConfig(
+            r=config.lora_r,
+            lora_alpha=config.lora_alpha,
+            lora_dropout=config.lora_dropout,
+            target_modules=config.target_modules,
+            bias=config.peft_bias,
+            task_type="CAUSAL_LM",
+        )
     else:
         # IA3 scales feed-forward inputs, other modules' outputs; name them when targets are given.
         ff = [m for m in (config.target_modules or []) if m in _FEEDFORWARD_NAMES]
-        peft_config = IA3Config(target_modules=config.target_modules,
-                                feedforward_modules=ff if config.target_modules else None, task_type="CAUSAL_LM")
+        peft_config = IA3Config(
+            target_modules=config.target_modules,
+            feedforward_modules=ff if config.target_modules else None,
+            task_type="CAUSAL_LM",
+        )
     try:
         # On a meta model the adapter's values are set later (model_init.fill).
         return get_peft_model(model, peft_config)

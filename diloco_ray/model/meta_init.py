@@ -69,17 +69,18 @@ class CheckpointRows:
 
     @staticmethod
     def available(folder: str) -> bool:
-        return any(os.path.isfile(os.path.join(folder, n))
-                   for n in ("model.safetensors", "model.safetensors.index.json"))
+        return any(
+            os.path.isfile(os.path.join(folder, n)) for n in ("model.safetensors", "model.safetensors.index.json")
+        )
 
     def key_for(self, name: str) -> str | None:
         """The checkpoint key of model parameter ``name`` (None: not in the checkpoint)."""
         if name.startswith(_PEFT_PREFIX):
-            name = name[len(_PEFT_PREFIX):].replace(_BASE_LAYER, "")
+            name = name[len(_PEFT_PREFIX) :].replace(_BASE_LAYER, "")
         candidates = [name]
         if self.prefix:
             dotted = f"{self.prefix}."
-            candidates.append(name[len(dotted):] if name.startswith(dotted) else dotted + name)
+            candidates.append(name[len(dotted) :] if name.startswith(dotted) else dotted + name)
         return next((c for c in candidates if c in self.files), None)
 
     def rows(self, key: str, rows: slice | None) -> torch.Tensor:
@@ -133,8 +134,10 @@ def _owning_modules(template: nn.Module) -> Iterator[tuple[str, nn.Module, list[
             taken.update(id(m) for m in parts)
             yield name, module, parts
             continue
-        owns_tensors = next(module.parameters(recurse=False), None) is not None \
+        owns_tensors = (
+            next(module.parameters(recurse=False), None) is not None
             or next(module.buffers(recurse=False), None) is not None
+        )
         if owns_tensors:
             yield name, module, [module]
 
@@ -179,8 +182,14 @@ def _hf_model(root: nn.Module):
 
 
 @torch.no_grad()
-def fill(live: nn.Module, template: nn.Module, seed: int, reader: CheckpointRows | None = None,
-         world_size: int = 1, rank: int = 0) -> dict[str, str]:
+def fill(
+    live: nn.Module,
+    template: nn.Module,
+    seed: int,
+    reader: CheckpointRows | None = None,
+    world_size: int = 1,
+    rank: int = 0,
+) -> dict[str, str]:
     """Write every parameter's and buffer's values into ``live``'s local storage.
 
     Args:
@@ -200,9 +209,14 @@ def fill(live: nn.Module, template: nn.Module, seed: int, reader: CheckpointRows
     buffers = dict(live.named_buffers())
     source: dict[str, str] = {}
     for name, module, parts in _owning_modules(template):
+
         def owned():  # looked up afresh: materialising replaces the tensors
-            return [(f"{name}.{n}" if name else n, t) for part in parts for n, t in _named_tensors(module, part)
-                    if (f"{name}.{n}" if name else n) in params or (f"{name}.{n}" if name else n) in buffers]
+            return [
+                (f"{name}.{n}" if name else n, t)
+                for part in parts
+                for n, t in _named_tensors(module, part)
+                if (f"{name}.{n}" if name else n) in params or (f"{name}.{n}" if name else n) in buffers
+            ]
 
         wanted = owned()
         if not wanted:
@@ -221,8 +235,10 @@ def fill(live: nn.Module, template: nn.Module, seed: int, reader: CheckpointRows
             else:
                 value = tensor.data if rows is None else tensor.data[rows]
                 if value.is_floating_point() and bool(torch.isnan(value).any()):
-                    raise ValueError(f"model_config: the model's initialiser leaves '{full_name}' unset, so it "
-                                     "cannot be built shard by shard; load it from a checkpoint (model_name)")
+                    raise ValueError(
+                        f"model_config: the model's initialiser leaves '{full_name}' unset, so it "
+                        "cannot be built shard by shard; load it from a checkpoint (model_name)"
+                    )
                 source[full_name] = "init"
             local.copy_(value.reshape(local.shape))
         for part in parts:  # back to shapes only: the host copy is freed
@@ -250,6 +266,5 @@ def checkpoint_folder(model_name: str) -> str | None:
 
             folder = snapshot_download(model_name, allow_patterns=["*.json", "*.safetensors"])
         except Exception as e:  # offline, unknown id: the same error as from_pretrained's
-            raise ConfigError(f"model_name: cannot load a causal LM from '{model_name}': "
-                              f"{first_line(e)}") from None
+            raise ConfigError(f"model_name: cannot load a causal LM from '{model_name}': {first_line(e)}") from None
     return folder if CheckpointRows.available(folder) else None

@@ -55,8 +55,14 @@ class MetricsLogger:
             (unset ones take W&B's defaults; project ``diloco-ray``, name the folder's).
     """
 
-    def __init__(self, output_dir: str, log_with: Optional[list] = None, log_dir: Optional[str] = None,
-                 run_config: Optional[dict] = None, wandb_settings: Optional[dict] = None):
+    def __init__(
+        self,
+        output_dir: str,
+        log_with: Optional[list] = None,
+        log_dir: Optional[str] = None,
+        run_config: Optional[dict] = None,
+        wandb_settings: Optional[dict] = None,
+    ):
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._file = open(self.path, "a", buffering=1)
         self._tb = None
@@ -72,9 +78,11 @@ class MetricsLogger:
 
             settings = {k: v for k, v in (wandb_settings or {}).items() if v}
             os.makedirs(self.log_dir, exist_ok=True)
-            self._wandb = wandb.init(dir=self.log_dir, config=run_config or {},
-                                     **{"project": "diloco-ray",
-                                        "name": os.path.basename(os.path.abspath(output_dir)), **settings})
+            self._wandb = wandb.init(
+                dir=self.log_dir,
+                config=run_config or {},
+                **{"project": "diloco-ray", "name": os.path.basename(os.path.abspath(output_dir)), **settings},
+            )
             # Round figures and inner-step figures advance on different axes.
             self._wandb.define_metric("round")
             self._wandb.define_metric("round/*", step_metric="round")
@@ -101,8 +109,9 @@ class MetricsLogger:
             self._wandb.log({"round": step, **{f"round/{k}": v for k, v in scalars.items()}})
 
     def _log_step(self, record: dict) -> None:
-        scalars = {f"inner/replica{record['replica']}/{k}": record[k] for k in ("loss", "lr")
-                   if _is_number(record.get(k))}
+        scalars = {
+            f"inner/replica{record['replica']}/{k}": record[k] for k in ("loss", "lr") if _is_number(record.get(k))
+        }
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(k, v, record["global_step"])

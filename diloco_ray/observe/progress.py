@@ -43,9 +43,15 @@ class Progress:
         clock: monotonic seconds (tests inject a fake one).
     """
 
-    def __init__(self, total_rounds: int, steps_per_round: int, stream: Optional[TextIO] = None,
-                 interactive: Optional[bool] = None, min_interval_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        total_rounds: int,
+        steps_per_round: int,
+        stream: Optional[TextIO] = None,
+        interactive: Optional[bool] = None,
+        min_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.total_rounds = int(total_rounds)
         self.steps_per_round = int(steps_per_round)
         self.stream = stream if stream is not None else sys.stderr
@@ -62,13 +68,13 @@ class Progress:
         # thread ends a round: one lock keeps the per-round state and the output whole.
         self._lock = threading.Lock()
         self._closed = False
-        self._done = 0             # rounds finished (for the rounds bar)
+        self._done = 0  # rounds finished (for the rounds bar)
         self._round: Optional[int] = None
-        self._expected = 0         # replicas begin_round was told about
+        self._expected = 0  # replicas begin_round was told about
         self._round_start = clock()
         self._latest: dict[int, tuple[int, float, int]] = {}  # replica id -> (step, loss, tokens)
-        self._last_line = -math.inf      # plain mode: when the last step line went out
-        self._last_refresh = -math.inf   # interactive mode: when the steps bar was last drawn
+        self._last_line = -math.inf  # plain mode: when the last step line went out
+        self._last_refresh = -math.inf  # interactive mode: when the steps bar was last drawn
         self._rounds_bar = None
         self._steps_bar = None
 
@@ -139,8 +145,7 @@ class Progress:
                 bar = self._get_rounds_bar()
                 bar.n = self._done
                 ev = record.get("eval_loss")
-                bar.set_postfix({"eval_loss": _fmt_loss(ev), "replicas": record.get("replicas", "-")},
-                                refresh=False)
+                bar.set_postfix({"eval_loss": _fmt_loss(ev), "replicas": record.get("replicas", "-")}, refresh=False)
                 # The round line also goes above the bars, so a terminal keeps the
                 # history a bar alone would overwrite.
                 self._rounds_bar.write(line, file=self.stream)
@@ -190,30 +195,38 @@ class Progress:
         loss = sum(losses) / len(losses) if losses else math.nan
         elapsed = now - self._round_start
         tokens = sum(t for _, _, t in latest)
-        return {"round": self._round, "step": step, "loss": loss, "replicas": len(latest),
-                "expected": self._expected,
-                "tokens_per_s": tokens / elapsed if elapsed > 0 else None}
+        return {
+            "round": self._round,
+            "step": step,
+            "loss": loss,
+            "replicas": len(latest),
+            "expected": self._expected,
+            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+        }
 
     def round_line(self, record: dict) -> str:
         """The one line per round, in the format users already read."""
         index = record.get("round")
         shown = index + 1 if isinstance(index, int) else "?"
         train = record.get("train_loss")
-        return (f"round {shown}/{self.total_rounds}  replicas {record.get('replicas', '-')}  "
-                f"train_loss {_fmt_loss(train)}  eval_loss {_fmt_loss(record.get('eval_loss'))}  "
-                f"tokens {record.get('tokens', '-')}  {_fmt_float(record.get('round_seconds'), '.1f')}s "
-                f"(sync {_fmt_float(record.get('sync_seconds'), '.2f')}s)")
+        return (
+            f"round {shown}/{self.total_rounds}  replicas {record.get('replicas', '-')}  "
+            f"train_loss {_fmt_loss(train)}  eval_loss {_fmt_loss(record.get('eval_loss'))}  "
+            f"tokens {record.get('tokens', '-')}  {_fmt_float(record.get('round_seconds'), '.1f')}s "
+            f"(sync {_fmt_float(record.get('sync_seconds'), '.2f')}s)"
+        )
 
     def _step_line(self, s: dict) -> str:
-        return (f"  round {s['round'] + 1} step {s['step']}/{self.steps_per_round}  loss {_fmt_loss(s['loss'])}  "
-                f"replicas {s['replicas']}  tokens/s {_fmt_float(s['tokens_per_s'], '.0f')}")
+        return (
+            f"  round {s['round'] + 1} step {s['step']}/{self.steps_per_round}  loss {_fmt_loss(s['loss'])}  "
+            f"replicas {s['replicas']}  tokens/s {_fmt_float(s['tokens_per_s'], '.0f')}"
+        )
 
     def _step_postfix(self, s: Optional[dict] = None) -> dict:
         if s is None:
             return {"loss": "-", "replicas": f"0/{self._expected}", "tokens/s": "-"}
         replicas = f"{s['replicas']}/{s['expected']}" if s["expected"] else str(s["replicas"])
-        return {"loss": _fmt_loss(s["loss"]), "replicas": replicas,
-                "tokens/s": _fmt_float(s["tokens_per_s"], ".0f")}
+        return {"loss": _fmt_loss(s["loss"]), "replicas": replicas, "tokens/s": _fmt_float(s["tokens_per_s"], ".0f")}
 
     # ------------------------------------------------------------------ plumbing
 
@@ -232,8 +245,16 @@ class Progress:
         if self._rounds_bar is None:
             from tqdm import tqdm
 
-            self._rounds_bar = tqdm(total=self.total_rounds, initial=self._done, desc="rounds", unit="round",
-                                    file=self.stream, position=0, leave=True, dynamic_ncols=True)
+            self._rounds_bar = tqdm(
+                total=self.total_rounds,
+                initial=self._done,
+                desc="rounds",
+                unit="round",
+                file=self.stream,
+                position=0,
+                leave=True,
+                dynamic_ncols=True,
+            )
         return self._rounds_bar
 
     def _get_steps_bar(self):
@@ -243,8 +264,15 @@ class Progress:
             self._get_rounds_bar()  # the rounds bar sits on top
             # leave=False: the steps bar is the current round's, gone when the run ends.
             desc = "round -" if self._round is None else f"round {self._round + 1}"
-            self._steps_bar = tqdm(total=self.steps_per_round, desc=desc, unit="step", file=self.stream,
-                                   position=1, leave=False, dynamic_ncols=True)
+            self._steps_bar = tqdm(
+                total=self.steps_per_round,
+                desc=desc,
+                unit="step",
+                file=self.stream,
+                position=1,
+                leave=False,
+                dynamic_ncols=True,
+            )
         return self._steps_bar
 
 

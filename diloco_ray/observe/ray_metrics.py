@@ -39,9 +39,22 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 # Round-record keys exported as gauges: the latest round's figure.
-GAUGE_KEYS = ("round", "replicas", "inner_steps", "train_loss", "eval_loss", "eval_ppl", "outer_lr",
-              "pseudo_grad_norm", "peak_bytes_up", "peak_bytes_down", "round_seconds", "sync_seconds",
-              "compute_seconds", "eval_seconds")
+GAUGE_KEYS = (
+    "round",
+    "replicas",
+    "inner_steps",
+    "train_loss",
+    "eval_loss",
+    "eval_ppl",
+    "outer_lr",
+    "pseudo_grad_norm",
+    "peak_bytes_up",
+    "peak_bytes_down",
+    "round_seconds",
+    "sync_seconds",
+    "compute_seconds",
+    "eval_seconds",
+)
 
 # Cumulative figures exported as counters, with how to get each round's increment
 # (a round's own bytes or tokens are Prometheus' increase() over the round).
@@ -50,8 +63,10 @@ COUNTERS = {
     "bytes_up": ("bytes the replicas sent to the servers", lambda r: r.get("bytes_up")),
     "bytes_down": ("bytes the replicas read from the servers", lambda r: r.get("bytes_down")),
     "rounds": ("outer rounds completed", lambda r: 1),
-    "dropped_replicas": ("replicas dropped from a round (late, failed, rejected)",
-                         lambda r: len(r.get("dropped") or ())),
+    "dropped_replicas": (
+        "replicas dropped from a round (late, failed, rejected)",
+        lambda r: len(r.get("dropped") or ()),
+    ),
 }
 
 # Seconds between refreshes of the gauges when Ray's report interval cannot be read.
@@ -86,13 +101,17 @@ class RoundMetrics:
         try:
             from ray.util.metrics import Counter, Gauge
 
-            self._gauges = {key: Gauge(f"diloco_{key}", f"DiLoCo round record: {key}", tag_keys=("run",))
-                            for key in GAUGE_KEYS}
-            self._counters = {key: Counter(f"diloco_{key}", f"DiLoCo: {desc}", tag_keys=("run",))
-                              for key, (desc, _) in COUNTERS.items()}
-            self._inner = {key: Gauge(f"diloco_inner_{key}", f"DiLoCo inner {key}, per replica",
-                                      tag_keys=("run", "replica"))
-                           for key in ("loss", "lr")}
+            self._gauges = {
+                key: Gauge(f"diloco_{key}", f"DiLoCo round record: {key}", tag_keys=("run",)) for key in GAUGE_KEYS
+            }
+            self._counters = {
+                key: Counter(f"diloco_{key}", f"DiLoCo: {desc}", tag_keys=("run",))
+                for key, (desc, _) in COUNTERS.items()
+            }
+            self._inner = {
+                key: Gauge(f"diloco_inner_{key}", f"DiLoCo inner {key}, per replica", tag_keys=("run", "replica"))
+                for key in ("loss", "lr")
+            }
         except Exception as e:  # metrics are a view on training, never a reason to stop it
             logger.warning("Ray metrics export disabled: %r", e)
             return

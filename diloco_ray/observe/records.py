@@ -27,16 +27,18 @@ def round_record(cfg: TrainerConfig, applied: list, reported: list[dict], late: 
     fragments, rejected = [], {}
     for info, stats in zip(applied, reported):
         rejected.update({str(k): v for k, v in info.rejected.items()})
-        fragments.append({
-            "fragment": info.fragment,
-            "step": sync_period(info.fragment, cfg.max_steps, cfg.sync_fragments)[1],
-            "replicas": len(info.accepted),
-            "bytes_up": sum(s.bytes_up for ranks in stats.values() for s in ranks),
-            # a replica's ranks read the same messages (once per node): count one rank
-            "bytes_down": sum(max(s.bytes_down for s in ranks) for ranks in stats.values()),
-            "pseudo_grad_norm": info.pseudo_grad_norm,
-            "seconds": info.seconds,
-        })
+        fragments.append(
+            {
+                "fragment": info.fragment,
+                "step": sync_period(info.fragment, cfg.max_steps, cfg.sync_fragments)[1],
+                "replicas": len(info.accepted),
+                "bytes_up": sum(s.bytes_up for ranks in stats.values() for s in ranks),
+                # a replica's ranks read the same messages (once per node): count one rank
+                "bytes_down": sum(max(s.bytes_down for s in ranks) for ranks in stats.values()),
+                "pseudo_grad_norm": info.pseudo_grad_norm,
+                "seconds": info.seconds,
+            }
+        )
     accepted = [rid for rid in last.accepted if rid in last.data_ranges]
     per_replica = {}
     for period in reported:
@@ -44,8 +46,9 @@ def round_record(cfg: TrainerConfig, applied: list, reported: list[dict], late: 
             per_replica.setdefault(rid, []).append(ranks)
     ok = [s for rid in accepted for ranks in per_replica[rid] for s in ranks]
     steps = sum(s.inner_steps for s in ok)
-    compute = max((sum(max(s.compute_seconds for s in ranks) for ranks in per_replica[rid]) for rid in accepted),
-                  default=0.0)
+    compute = max(
+        (sum(max(s.compute_seconds for s in ranks) for ranks in per_replica[rid]) for rid in accepted), default=0.0
+    )
     norms = [f["pseudo_grad_norm"] for f in fragments if f["pseudo_grad_norm"] is not None]
     first = reported[0]
     return {
@@ -62,8 +65,9 @@ def round_record(cfg: TrainerConfig, applied: list, reported: list[dict], late: 
         "outer_lr": last.outer_lr,
         "pseudo_grad_norm": math.sqrt(sum(n * n for n in norms)) if norms else None,
         "data_ranges": {str(k): v for k, v in last.data_ranges.items()},
-        "resumed_steps": {str(rid): first[rid][0].resumed_step for rid in accepted
-                          if rid in first and first[rid][0].resumed_step},
+        "resumed_steps": {
+            str(rid): first[rid][0].resumed_step for rid in accepted if rid in first and first[rid][0].resumed_step
+        },
         "bytes_up": sum(f["bytes_up"] for f in fragments),
         "bytes_down": sum(f["bytes_down"] for f in fragments),
         "peak_bytes_up": max(f["bytes_up"] for f in fragments),

@@ -40,25 +40,32 @@ def planned_rounds(output_dir: str) -> int | None:
 
 def summary_table(rounds: list[dict], planned: int | None = None) -> str:
     """One row per round: loss, replicas, dropped, tokens, MB moved, seconds."""
+
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    header = f"{'round':>5} {'train_loss':>10} {'eval_loss':>9} {'replicas':>8} {'dropped':>7} " \
-             f"{'tokens':>9} {'MB_up':>8} {'MB_down':>8} {'seconds':>7} {'sync_s':>6}"
+    header = (
+        f"{'round':>5} {'train_loss':>10} {'eval_loss':>9} {'replicas':>8} {'dropped':>7} "
+        f"{'tokens':>9} {'MB_up':>8} {'MB_down':>8} {'seconds':>7} {'sync_s':>6}"
+    )
     rows = [header]
     for r in rounds:
-        rows.append(f"{r['round']:>5} {fmt(r['train_loss'], '.4f'):>10} {fmt(r['eval_loss'], '.4f'):>9} "
-                    f"{r['replicas']:>8} {len(r['dropped']):>7} {r['tokens']:>9} "
-                    f"{r['bytes_up'] / 1e6:>8.2f} {r['bytes_down'] / 1e6:>8.2f} "
-                    f"{r['round_seconds']:>7.1f} {r['sync_seconds']:>6.2f}")
+        rows.append(
+            f"{r['round']:>5} {fmt(r['train_loss'], '.4f'):>10} {fmt(r['eval_loss'], '.4f'):>9} "
+            f"{r['replicas']:>8} {len(r['dropped']):>7} {r['tokens']:>9} "
+            f"{r['bytes_up'] / 1e6:>8.2f} {r['bytes_down'] / 1e6:>8.2f} "
+            f"{r['round_seconds']:>7.1f} {r['sync_seconds']:>6.2f}"
+        )
     total_up = sum(r["bytes_up"] for r in rounds) / 1e6
     total_tokens = sum(r["tokens"] for r in rounds)
     total_down = sum(r["bytes_down"] for r in rounds) / 1e6
     sync = sum(r["sync_seconds"] for r in rounds)
     wall = sum(r["round_seconds"] for r in rounds)
     of = f" of {planned}" if planned else ""
-    rows.append(f"{len(rounds)}{of} rounds, {total_tokens} tokens, {total_up:.2f} MB up / {total_down:.2f} MB down, "
-                f"sync {sync:.1f}s of {wall:.1f}s ({100 * sync / wall if wall else 0:.0f}%)")
+    rows.append(
+        f"{len(rounds)}{of} rounds, {total_tokens} tokens, {total_up:.2f} MB up / {total_down:.2f} MB down, "
+        f"sync {sync:.1f}s of {wall:.1f}s ({100 * sync / wall if wall else 0:.0f}%)"
+    )
     if planned and rounds[-1]["round"] + 1 < planned:
         rows.append(f"in progress (or stopped): last round {rounds[-1]['round']}, {planned} planned")
     return "\n".join(rows)

@@ -135,8 +135,10 @@ def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, Tensor], Any]
         if isinstance(obj, Mapping):
             for k in obj:
                 if not isinstance(k, (str, int)):
-                    raise TypeError(f"cannot checkpoint {where}: dict key {k!r} is a {type(k).__name__}, "
-                                    "only str and int keys are supported")
+                    raise TypeError(
+                        f"cannot checkpoint {where}: dict key {k!r} is a {type(k).__name__}, "
+                        "only str and int keys are supported"
+                    )
             if all(isinstance(k, str) for k in obj):
                 return {_DICT: {k: walk(v, path + [k]) for k, v in obj.items()}}
             return {_ITEMS: [[k, walk(v, path + [str(k)])] for k, v in obj.items()]}
@@ -167,7 +169,7 @@ def unflatten_state(tensors: Mapping[str, Tensor], skeleton: Any) -> Any:
             return [walk(v) for v in node]
         if not (isinstance(node, dict) and len(node) == 1):
             raise DataError(f"malformed checkpoint skeleton: unexpected {type(node).__name__} {_short(node)}")
-        (tag, body), = node.items()
+        ((tag, body),) = node.items()
         if tag == _TENSOR and isinstance(body, str):
             if body not in tensors:
                 raise DataError(f"checkpoint skeleton refers to tensor {body!r}, missing from the tensor file")
@@ -207,8 +209,9 @@ def save_tensors(path: str, tensors: Mapping[str, Tensor]) -> None:
     """
     from safetensors.torch import save_file
 
-    copies = {str(k): t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
-              for k, t in tensors.items()}
+    copies = {
+        str(k): t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format) for k, t in tensors.items()
+    }
     # Write beside the target then rename, so a reader never sees half a file.
     tmp = _sibling_tmp(path)
     try:
@@ -274,8 +277,9 @@ def load_state(folder: str, name: str) -> Any:
     json_path = os.path.join(folder, f"{name}.json")
     doc = _read_json(json_path, what="checkpoint state")
     if not (isinstance(doc, dict) and doc.get("format") == FORMAT and "skeleton" in doc):
-        raise DataError(f"checkpoint state {json_path!r} has an unsupported format "
-                        f"(expected format {FORMAT} with a skeleton)")
+        raise DataError(
+            f"checkpoint state {json_path!r} has an unsupported format (expected format {FORMAT} with a skeleton)"
+        )
     tensors = load_tensors(os.path.join(folder, f"{name}.safetensors"))
     try:
         return unflatten_state(tensors, doc["skeleton"])
@@ -394,8 +398,11 @@ def commit(tmp: str, root: str, round: int, meta: dict) -> str:
 def manifest_text(round: int, meta: dict, files: Mapping[str, str]) -> str:
     """The ``manifest.json`` of a checkpoint of ``round``: ``meta`` and the SHA-256 of
     every file (relative path with ``/`` -> hex digest)."""
-    return json.dumps({"format": FORMAT, "round": round, "meta": meta, "files": dict(sorted(files.items()))},
-                      allow_nan=False, indent=1)
+    return json.dumps(
+        {"format": FORMAT, "round": round, "meta": meta, "files": dict(sorted(files.items()))},
+        allow_nan=False,
+        indent=1,
+    )
 
 
 def read_manifest(path: str) -> dict:
@@ -472,8 +479,9 @@ def verify(path: str) -> str | None:
 
 def _files_under(path: str) -> list[str]:
     """Every file below ``path``, as manifest paths (``/``-separated, relative)."""
-    return [os.path.relpath(os.path.join(d, f), path).replace(os.sep, "/")
-            for d, _, names in os.walk(path) for f in names]
+    return [
+        os.path.relpath(os.path.join(d, f), path).replace(os.sep, "/") for d, _, names in os.walk(path) for f in names
+    ]
 
 
 def list_checkpoints(root: str) -> list[str]:
@@ -584,8 +592,10 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
     if not os.path.exists(resume_from):
         raise ConfigError(f"resume_from: {resume_from!r} does not exist")
     if not os.path.isdir(resume_from):
-        raise ConfigError(f"resume_from: {resume_from!r} is not a folder (expected a checkpoint "
-                          "folder, a checkpoints folder or a run's output_dir)")
+        raise ConfigError(
+            f"resume_from: {resume_from!r} is not a folder (expected a checkpoint "
+            "folder, a checkpoints folder or a run's output_dir)"
+        )
     path = os.path.abspath(resume_from)
     skipped: list[tuple[str, str]] = []
 
@@ -608,18 +618,18 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
         if found is not None:
             return found, skipped
         where = f" or in an older checkpoint beside it in {root!r}" if mine is not None else ""
-        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint{where} "
-                          f"({_reasons(skipped)})")
+        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint{where} ({_reasons(skipped)})")
 
     root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     if not list_checkpoints(root):
-        raise ConfigError(f"resume_from: {resume_from!r} holds no checkpoints (no round-XXXXXXXX folders "
-                          f"in {root!r}; expected a checkpoint folder, a checkpoints folder or a run's "
-                          "output_dir)")
+        raise ConfigError(
+            f"resume_from: {resume_from!r} holds no checkpoints (no round-XXXXXXXX folders "
+            f"in {root!r}; expected a checkpoint folder, a checkpoints folder or a run's "
+            "output_dir)"
+        )
     found, skipped = latest_valid(root)
     if found is None:
-        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint in {root!r} "
-                          f"({_reasons(skipped)})")
+        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint in {root!r} ({_reasons(skipped)})")
     return found, skipped
 
 

@@ -78,20 +78,26 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
     mine = round_of(resume_from)
     if mine is not None or storage.Mirror(resume_from).exists(MANIFEST):
         parent = resume_from.rsplit("/", 1)[0]
-        candidates = [resume_from] + [u for u in reversed(list_checkpoints(parent))
-                                      if mine is not None and round_of(u) < mine]
+        candidates = [resume_from] + [
+            u for u in reversed(list_checkpoints(parent)) if mine is not None and round_of(u) < mine
+        ]
     else:
         nested = _join(resume_from, "checkpoints")
         root = nested if list_checkpoints(nested) else resume_from
         candidates = list(reversed(list_checkpoints(root)))
         if not candidates:
-            raise ConfigError(f"resume_from: {resume_from!r} holds no checkpoints (no round-XXXXXXXX folders; "
-                              "expected a checkpoint folder, a checkpoints folder or a run's output_dir)")
+            raise ConfigError(
+                f"resume_from: {resume_from!r} holds no checkpoints (no round-XXXXXXXX folders; "
+                "expected a checkpoint folder, a checkpoints folder or a run's output_dir)"
+            )
     found, skipped = checkpoint.first_valid(candidates, verify)
     if found is not None:
         return found, skipped
-    raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint ("
-                      + "; ".join(f"{u.rsplit('/', 1)[-1]}: {r}" for u, r in skipped) + ")")
+    raise ConfigError(
+        f"resume_from: {resume_from!r} holds no valid checkpoint ("
+        + "; ".join(f"{u.rsplit('/', 1)[-1]}: {r}" for u, r in skipped)
+        + ")"
+    )
 
 
 def begin(root: str, round: int) -> str:

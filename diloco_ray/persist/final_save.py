@@ -79,8 +79,9 @@ def write_shard(path: str, names: Sequence[str], shapes: Mapping[str, Sequence[i
     return offset
 
 
-def write_sharded(folder: str, shapes: Mapping[str, Sequence[int]], fetch: Fetch,
-                  max_shard_bytes: int = 2 << 30) -> list[str]:
+def write_sharded(
+    folder: str, shapes: Mapping[str, Sequence[int]], fetch: Fetch, max_shard_bytes: int = 2 << 30
+) -> list[str]:
     """Write every tensor of ``shapes`` (keyed as the checkpoint names them) into
     ``folder`` as Hugging Face sharded safetensors plus the index; returns the files."""
     groups = plan_shards(shapes, max_shard_bytes)
@@ -101,15 +102,21 @@ def assemble_rows(name: str, shape: Sequence[int], slices: list[tuple[int, np.nd
     out = np.empty(tuple(shape), dtype=np.float32)
     covered = 0
     for start, rows in slices:
-        out[start:start + rows.shape[0]] = rows
+        out[start : start + rows.shape[0]] = rows
         covered += rows.shape[0]
     if covered != shape[0]:
         raise ValueError(f"servers hold {covered} of the {shape[0]} rows of '{name}'")
     return out
 
 
-def save_model(folder: str, model_meta: torch.nn.Module, tokenizer, shapes: Mapping[str, Sequence[int]],
-               fetch: Fetch, max_shard_bytes: int = 2 << 30) -> None:
+def save_model(
+    folder: str,
+    model_meta: torch.nn.Module,
+    tokenizer,
+    shapes: Mapping[str, Sequence[int]],
+    fetch: Fetch,
+    max_shard_bytes: int = 2 << 30,
+) -> None:
     """A full (non-PEFT) model: its config, sharded weights and tokenizer into ``folder``.
 
     Args:

@@ -24,8 +24,16 @@ SCALE_REQUEST_FILE = "scale_request.json"
 LOCK_FILE = ".diloco-ray.lock"
 # What a run writes into output_dir: overwrite_output_dir removes exactly these (never the
 # whole folder, which may hold the user's own files).
-RUN_OUTPUTS = ("checkpoints", "final", "final_merged", "logs", "metrics.jsonl", "config.yaml",
-               SCALE_REQUEST_FILE, "report.png")
+RUN_OUTPUTS = (
+    "checkpoints",
+    "final",
+    "final_merged",
+    "logs",
+    "metrics.jsonl",
+    "config.yaml",
+    SCALE_REQUEST_FILE,
+    "report.png",
+)
 DRIVER_FILES = ("config.yaml", "metrics.jsonl")
 
 
@@ -65,8 +73,10 @@ class RunFolder:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise ConfigError(f"output_dir: '{self.config.output_dir}' is in use by another diloco-ray run "
-                              f"({holder}); wait for it to end, or choose another output_dir") from None
+            raise ConfigError(
+                f"output_dir: '{self.config.output_dir}' is in use by another diloco-ray run "
+                f"({holder}); wait for it to end, or choose another output_dir"
+            ) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -127,8 +137,9 @@ class RunFolder:
         """Upload the driver's files and logs to the bucket (no-op for a local folder)."""
         if not self.mirror:
             return
-        self.mirror.upload_files([os.path.join(self.local, f) for f in DRIVER_FILES
-                                  if os.path.exists(os.path.join(self.local, f))])
+        self.mirror.upload_files(
+            [os.path.join(self.local, f) for f in DRIVER_FILES if os.path.exists(os.path.join(self.local, f))]
+        )
         logs = self.config.log_dir or os.path.join(self.local, "logs")
         if os.path.isdir(logs) and os.path.abspath(logs).startswith(os.path.abspath(self.local) + os.sep):
             self.mirror.upload(logs)
@@ -190,8 +201,10 @@ def request_scale(output_dir: str, target: int) -> str:
     machine when the run is in a bucket) to scale to ``target`` replicas at its next
     round boundary. Returns where the request was written."""
     if isinstance(target, bool) or not isinstance(target, int) or target < 1:
-        raise ConfigError(f"replicas: {target!r} is not allowed; give a whole number >= 1 "
-                          "(the driver clamps it to [min_replicas, max_replicas])")
+        raise ConfigError(
+            f"replicas: {target!r} is not allowed; give a whole number >= 1 "
+            "(the driver clamps it to [min_replicas, max_replicas])"
+        )
     doc = json.dumps({"target": int(target), "time": time.time()}).encode()
     mirror = storage.for_output_dir(output_dir)
     if mirror:

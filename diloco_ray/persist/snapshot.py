@@ -77,8 +77,9 @@ def intact(folder: str, slot: int, rank: int, step: int) -> bool:
     try:
         with open(os.path.join(folder, f"{name}.done")) as f:
             want = json.load(f)["sha256"]
-        return checkpoint.sha256_file(os.path.join(folder, f"{name}.safetensors")) == want \
-            and os.path.exists(os.path.join(folder, f"{name}.json"))
+        return checkpoint.sha256_file(os.path.join(folder, f"{name}.safetensors")) == want and os.path.exists(
+            os.path.join(folder, f"{name}.json")
+        )
     except (OSError, ValueError, KeyError):
         return False
 

@@ -36,8 +36,7 @@ from diloco_ray.errors import ConfigError
 if TYPE_CHECKING:  # pyarrow is imported lazily: local-only runs never pay for it
     import pyarrow.fs
 
-__all__ = ["REMOTE_SCHEMES", "is_remote", "check_uri", "filesystem", "staging_root", "Mirror",
-           "for_output_dir"]
+__all__ = ["REMOTE_SCHEMES", "is_remote", "check_uri", "filesystem", "staging_root", "Mirror", "for_output_dir"]
 
 REMOTE_SCHEMES = ("s3", "gs")
 # pyarrow also accepts "gcs://" for Google Cloud Storage; we read it as "gs://".
@@ -47,8 +46,15 @@ _ALLOWED = "a local folder, s3://bucket/path or gs://bucket/path"
 # The query options pyarrow 26's FileSystem.from_uri accepts per scheme (anything else it
 # rejects with "Unexpected query parameter"); checked here so the error names the field.
 _QUERY_OPTIONS = {
-    "s3": ("region", "scheme", "endpoint_override", "allow_bucket_creation", "allow_bucket_deletion",
-           "tls_ca_file_path", "tls_verify_certificates"),
+    "s3": (
+        "region",
+        "scheme",
+        "endpoint_override",
+        "allow_bucket_creation",
+        "allow_bucket_deletion",
+        "tls_ca_file_path",
+        "tls_verify_certificates",
+    ),
     "gs": ("scheme", "endpoint_override", "retry_limit_seconds", "project_id"),
 }
 # Bucket names on S3 and GCS are letters, digits, dots, dashes (GCS: underscores too).
@@ -114,39 +120,51 @@ def check_uri(field: str, uri: str) -> None:
         return
     scheme = uri.split("://", 1)[0].lower()
     if scheme == "file":
-        raise ConfigError(f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED} "
-                          "(write a local folder as a plain path, without file://)")
+        raise ConfigError(
+            f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED} "
+            "(write a local folder as a plain path, without file://)"
+        )
     if not is_remote(uri):
         raise ConfigError(f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED}")
     if any(c.isspace() or ord(c) < 32 for c in uri):
         # pyarrow's URI parser refuses them; spaces in object names must be %20-encoded.
-        raise ConfigError(f"{field}: {redact(uri)!r} contains whitespace or control characters; "
-                          f"expected {_ALLOWED} (encode a space as %20)")
+        raise ConfigError(
+            f"{field}: {redact(uri)!r} contains whitespace or control characters; "
+            f"expected {_ALLOWED} (encode a space as %20)"
+        )
     parts = urlsplit(uri)
     canonical = _ALIASES.get(scheme, scheme)
     if not parts.netloc:
         raise ConfigError(f"{field}: {redact(uri)!r} has no bucket; expected {canonical}://bucket/path")
     if "@" in parts.netloc:
         # pyarrow would take "key:secret@bucket", but the URI is logged and saved in config.yaml.
-        raise ConfigError(f"{field}: {redact(uri)!r} holds credentials; put them in the environment "
-                          f"(e.g. AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS), not in the URI")
+        raise ConfigError(
+            f"{field}: {redact(uri)!r} holds credentials; put them in the environment "
+            f"(e.g. AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS), not in the URI"
+        )
     if not _BUCKET.match(parts.netloc):
-        raise ConfigError(f"{field}: {redact(uri)!r} has an invalid bucket name {parts.netloc!r}; expected "
-                          f"{canonical}://bucket/path with letters, digits, '.', '-' or '_' in the "
-                          "bucket name (set a custom endpoint with AWS_ENDPOINT_URL, not a port)")
+        raise ConfigError(
+            f"{field}: {redact(uri)!r} has an invalid bucket name {parts.netloc!r}; expected "
+            f"{canonical}://bucket/path with letters, digits, '.', '-' or '_' in the "
+            "bucket name (set a custom endpoint with AWS_ENDPOINT_URL, not a port)"
+        )
     if parts.fragment or uri.endswith("#"):
-        raise ConfigError(f"{field}: {redact(uri)!r} has a '#' fragment, which is not allowed; "
-                          f"expected {canonical}://bucket/path")
+        raise ConfigError(
+            f"{field}: {redact(uri)!r} has a '#' fragment, which is not allowed; expected {canonical}://bucket/path"
+        )
     inner = parts.path[1:].rstrip("/")  # a trailing slash is fine, "bucket//p" is not
     segments = inner.split("/") if inner else []
     if any(s in ("", ".", "..") for s in (unquote(s) for s in segments)):
-        raise ConfigError(f"{field}: {redact(uri)!r} has an empty, '.' or '..' path segment; "
-                          f"expected {canonical}://bucket/path")
+        raise ConfigError(
+            f"{field}: {redact(uri)!r} has an empty, '.' or '..' path segment; expected {canonical}://bucket/path"
+        )
     allowed = _QUERY_OPTIONS[canonical]
     for key, _ in parse_qsl(parts.query, keep_blank_values=True):
         if key not in allowed:
-            raise ConfigError(f"{field}: {redact(uri)!r} has query option {key!r}, which is not allowed; "
-                              f"{canonical}:// URIs take only {', '.join(allowed)}")
+            raise ConfigError(
+                f"{field}: {redact(uri)!r} has query option {key!r}, which is not allowed; "
+                f"{canonical}:// URIs take only {', '.join(allowed)}"
+            )
 
 
 class _Parts:
@@ -155,8 +173,9 @@ class _Parts:
     def __init__(self, uri: str, field: str):
         check_uri(field, uri)
         if not is_remote(uri):
-            raise ConfigError(f"{field}: {redact(uri)!r} is not a remote URI; expected s3://bucket/path "
-                              "or gs://bucket/path")
+            raise ConfigError(
+                f"{field}: {redact(uri)!r} is not a remote URI; expected s3://bucket/path or gs://bucket/path"
+            )
         parts = urlsplit(uri)
         scheme = uri.split("://", 1)[0].lower()
         self.scheme = _ALIASES.get(scheme, scheme)
@@ -164,8 +183,11 @@ class _Parts:
         self.prefix = parts.path.strip("/")  # still %-encoded, as in the URI
         self.query = parts.query
         # One spelling per remote folder: lower-case scheme, gcs -> gs, no trailing slash.
-        self.uri = f"{self.scheme}://{self.bucket}" + (f"/{self.prefix}" if self.prefix else "") + (
-            f"?{self.query}" if self.query else "")
+        self.uri = (
+            f"{self.scheme}://{self.bucket}"
+            + (f"/{self.prefix}" if self.prefix else "")
+            + (f"?{self.query}" if self.query else "")
+        )
         # The path inside the filesystem, as pyarrow's from_uri gives it (%-decoded).
         self.path = unquote(f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket)
 
@@ -316,7 +338,7 @@ class Mirror:
             if plain == base:
                 return ""
             if plain.startswith(base + "/"):
-                return unquote(plain[len(base) + 1:]).strip("/")
+                return unquote(plain[len(base) + 1 :]).strip("/")
             raise ValueError(f"{p!r} is not under {self.uri!r}")
         full = os.path.normpath(p if os.path.isabs(p) else os.path.join(self.local, p))
         rel = os.path.relpath(full, self.local)
@@ -457,10 +479,11 @@ class Mirror:
             except FileNotFoundError:  # deleted between the two requests
                 return False
             return True
-        files = [i for i in self.fs.get_file_info(pafs.FileSelector(remote, recursive=True))
-                 if i.type == pafs.FileType.File]
+        files = [
+            i for i in self.fs.get_file_info(pafs.FileSelector(remote, recursive=True)) if i.type == pafs.FileType.File
+        ]
         for item in sorted(files, key=lambda i: i.path):
-            rel = item.path[len(remote):].strip("/")
+            rel = item.path[len(remote) :].strip("/")
             local = os.path.normpath(os.path.join(target, *rel.split("/")))
             if _outside(os.path.relpath(local, target)):  # a key with ".." in it
                 raise ValueError(f"remote object {item.path!r} maps outside {target!r}")
@@ -514,7 +537,7 @@ class Mirror:
 
         remote = self._remote_path(path)
         infos = self.fs.get_file_info(pafs.FileSelector(remote, allow_not_found=True, recursive=False))
-        return sorted({i.path[len(remote):].strip("/") for i in infos} - {""})
+        return sorted({i.path[len(remote) :].strip("/") for i in infos} - {""})
 
     def delete(self, path: str) -> None:
         """Delete the remote counterpart of ``path``: a file, or a folder recursively.
@@ -607,8 +630,10 @@ class Mirror:
 
     def _bucket_message(self, exc: BaseException) -> str:
         reason = " ".join(str(exc).split()) or type(exc).__name__
-        return (f"output_dir: bucket {self._parts.bucket!r} does not exist or is not reachable at "
-                f"{self._parts.endpoint_text()}: {reason}")
+        return (
+            f"output_dir: bucket {self._parts.bucket!r} does not exist or is not reachable at "
+            f"{self._parts.endpoint_text()}: {reason}"
+        )
 
     @contextlib.contextmanager
     def _bucket_errors(self) -> Iterator[None]:

@@ -68,12 +68,12 @@ class RoundStats:
 
     rank: int
     inner_steps: int
-    tokens: int           # tokens trained on (attention mask), for throughput
-    loss_sum: float       # sum over steps of each step's per-token mean loss (this rank's share)
+    tokens: int  # tokens trained on (attention mask), for throughput
+    loss_sum: float  # sum over steps of each step's per-token mean loss (this rank's share)
     compute_seconds: float  # the inner steps alone
-    load_seconds: float   # waiting for and applying the server's weights
-    bytes_up: int         # pseudo-gradient bytes this rank sent (payload + scales + headers)
-    bytes_down: int = 0   # weight bytes this rank received
+    load_seconds: float  # waiting for and applying the server's weights
+    bytes_up: int  # pseudo-gradient bytes this rank sent (payload + scales + headers)
+    bytes_down: int = 0  # weight bytes this rank received
     aborted: bool = False  # stopped early by abort(): nothing to apply
     restarted: bool = False  # a re-run round: started again from the global weights (and the round-start state)
     loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
@@ -118,8 +118,9 @@ class RankWorker:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def setup(self, master_addr: str | None = None, master_port: int | None = None,
-              token_data: list | None = None) -> dict[str, tuple]:
+    def setup(
+        self, master_addr: str | None = None, master_port: int | None = None, token_data: list | None = None
+    ) -> dict[str, tuple]:
         """Join the replica's process group, build and shard the model, build the inner
         optimizer, take in the data. Returns name -> full shape of the trained parameters.
 
@@ -140,12 +141,14 @@ class RankWorker:
             # holding on to their pages (see diloco_ray.runtime.host_memory).
             host_memory.fix_mmap_threshold(host_memory.FSDP_RANK_THRESHOLD)
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}",
-                                    rank=self.rank, world_size=self.world_size)
+            dist.init_process_group(
+                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
+            )
         self.tokenizer = tokenization.load_tokenizer(cfg)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
-        model = modeling.build_model(cfg, self.tokenizer, self.device, self._shard if self.world_size > 1 else None,
-                                     self.world_size, self.rank)
+        model = modeling.build_model(
+            cfg, self.tokenizer, self.device, self._shard if self.world_size > 1 else None, self.world_size, self.rank
+        )
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
         if cfg.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
@@ -154,9 +157,18 @@ class RankWorker:
         self.params = modeling.trained_parameters(getattr(model, "_orig_mod", model))
         self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
-        self.sync = RankSync(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments,
-                             cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block,
-                             cfg.anchor_on_host)
+        self.sync = RankSync(
+            self.shapes,
+            self.world_size,
+            self.rank,
+            cfg.num_param_servers,
+            cfg.sync_fragments,
+            cfg.pseudo_grad_compression,
+            cfg.error_feedback,
+            cfg.fragment_alpha,
+            cfg.compression_block,
+            cfg.anchor_on_host,
+        )
         self.tokens = self._token_data(token_data)
         self._batches: tuple | None = None
         return self.shapes
@@ -180,8 +192,11 @@ class RankWorker:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # bf16 compute with fp32 gradient reduction; fp16 goes through autocast + scaler.
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if self.config.mixed_precision == "bf16" else MixedPrecisionPolicy()
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if self.config.mixed_precision == "bf16"
+            else MixedPrecisionPolicy()
+        )
         for layer in modeling.decoder_layers(model):
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
@@ -273,10 +288,20 @@ class RankWorker:
             self._wait_for_abort(attempt)  # the message never leaves; the driver gives up on it
             aborted = True
         buffers = [] if aborted else self._outgoing(fragment, job.link)
-        stats = RoundStats(rank=self.rank, inner_steps=(t - first) if aborted else last - first, tokens=tokens,
-                           loss_sum=float(loss_sum), compute_seconds=t2 - t1, load_seconds=(t1 - t0) + (t3 - t2),
-                           bytes_up=sum(b.nbytes for b in buffers), bytes_down=received, aborted=aborted,
-                           resumed_step=resumed, restarted=restarted, loss_tokens=counted)
+        stats = RoundStats(
+            rank=self.rank,
+            inner_steps=(t - first) if aborted else last - first,
+            tokens=tokens,
+            loss_sum=float(loss_sum),
+            compute_seconds=t2 - t1,
+            load_seconds=(t1 - t0) + (t3 - t2),
+            bytes_up=sum(b.nbytes for b in buffers),
+            bytes_down=received,
+            aborted=aborted,
+            resumed_step=resumed,
+            restarted=restarted,
+            loss_tokens=counted,
+        )
         if aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
         return (*buffers, stats)
@@ -290,11 +315,19 @@ class RankWorker:
             return logged
         total = float(loss_sum)
         since = max(1, step - logged[0])
-        board.report.remote(StepEvent(round=job.round, replica=self.replica_id, step=step,
-                                      global_step=job.round * self.config.max_steps + step,
-                                      loss=(total - logged[1]) / since, lr=self.optimizer.param_groups[0]["lr"],
-                                      # rank 0's count for the whole replica: its ranks see equal batches
-                                      tokens=tokens * self.world_size, time=time.time()))
+        board.report.remote(
+            StepEvent(
+                round=job.round,
+                replica=self.replica_id,
+                step=step,
+                global_step=job.round * self.config.max_steps + step,
+                loss=(total - logged[1]) / since,
+                lr=self.optimizer.param_groups[0]["lr"],
+                # rank 0's count for the whole replica: its ranks see equal batches
+                tokens=tokens * self.world_size,
+                time=time.time(),
+            )
+        )
         return step, total
 
     def _outgoing(self, fragment: int, link) -> list[np.ndarray]:
@@ -356,8 +389,12 @@ class RankWorker:
             for t, m, idx in items:
                 yield t, m, source.batch(idx, dynamic)
             return
-        loader = torch.utils.data.DataLoader(_BatchList(source, [idx for *_, idx in items], dynamic),
-                                             batch_size=None, shuffle=False, num_workers=self.config.num_workers)
+        loader = torch.utils.data.DataLoader(
+            _BatchList(source, [idx for *_, idx in items], dynamic),
+            batch_size=None,
+            shuffle=False,
+            num_workers=self.config.num_workers,
+        )
         for (t, m, _), batch in zip(items, loader):
             yield t, m, batch
 
@@ -381,12 +418,18 @@ class RankWorker:
         dist.all_reduce(total)
         return int(total.item())
 
-    def _save_snapshot(self, snapshots: SnapshotPlan, plan: list, step: int, loss_sum: torch.Tensor,
-                       tokens: tuple[int, int]) -> None:
+    def _save_snapshot(
+        self, snapshots: SnapshotPlan, plan: list, step: int, loss_sum: torch.Tensor, tokens: tuple[int, int]
+    ) -> None:
         """``tokens``: (tokens, loss tokens) trained on so far this round."""
-        state = {**self._optimizer_and_rng(), "rows": {n: _local(p).detach().cpu() for n, p in self.params},
-                 "plan": [list(r) for r in plan], "loss_sum": float(loss_sum), "tokens": tokens[0],
-                 "loss_tokens": tokens[1]}
+        state = {
+            **self._optimizer_and_rng(),
+            "rows": {n: _local(p).detach().cpu() for n, p in self.params},
+            "plan": [list(r) for r in plan],
+            "loss_sum": float(loss_sum),
+            "tokens": tokens[0],
+            "loss_tokens": tokens[1],
+        }
         snapshot.save(snapshots.folder, snapshots.slot, self.rank, step, state)
 
     @torch.no_grad()
@@ -581,13 +624,16 @@ class RankWorker:
     def describe(self) -> dict:
         """What this rank actually built (for tests and debugging)."""
         module = getattr(self.model, "_orig_mod", self.model)
-        return {"compiled": module is not self.model,
-                "attn_implementation": getattr(module.config, "_attn_implementation", None),
-                "gradient_checkpointing": bool(getattr(module, "is_activation_checkpointing",
-                                                       getattr(module, "is_gradient_checkpointing", False))),
-                "trained": {n: tuple(p.shape) for n, p in self.params},
-                "frozen": sum(p.numel() for p in module.parameters() if not p.requires_grad),
-                "train_samples": len(self.tokens.train)}
+        return {
+            "compiled": module is not self.model,
+            "attn_implementation": getattr(module.config, "_attn_implementation", None),
+            "gradient_checkpointing": bool(
+                getattr(module, "is_activation_checkpointing", getattr(module, "is_gradient_checkpointing", False))
+            ),
+            "trained": {n: tuple(p.shape) for n, p in self.params},
+            "frozen": sum(p.numel() for p in module.parameters() if not p.requires_grad),
+            "train_samples": len(self.tokens.train),
+        }
 
     # ---- inner state: what a checkpoint keeps of a replica -------------------------------
     def save_inner_state(self, folder: str, slot: int) -> dict:
@@ -596,8 +642,11 @@ class RankWorker:
         ``folder`` may be a bucket URI; returns :func:`staging.publish`'s hashes."""
         from diloco_ray.persist import checkpoint, staging
 
-        state = {**self._optimizer_and_rng(), "world_size": self.world_size,
-                 "sync": self.sync.state_dict(with_anchor=self.streamed)}
+        state = {
+            **self._optimizer_and_rng(),
+            "world_size": self.world_size,
+            "sync": self.sync.state_dict(with_anchor=self.streamed),
+        }
         if self.streamed:  # local weights differ from the global ones between rounds
             state["rows"] = {n: t.detach().cpu().clone() for n, t in self._local_rows().items()}
         sub = os.path.join(staging.scratch(folder), "replicas")
@@ -629,9 +678,11 @@ class RankWorker:
     def _optimizer_and_rng(self) -> dict:
         """The inner optimizer state (local shards) and RNG state: what must carry over
         for training to go on exactly as if never interrupted."""
-        return {"optimizer": _to_local_tree(self.optimizer.state_dict()),
-                "rng_cpu": torch.get_rng_state(),
-                "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None}
+        return {
+            "optimizer": _to_local_tree(self.optimizer.state_dict()),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+        }
 
     def _restore_optimizer_and_rng(self, state: dict) -> None:
         self.optimizer.load_state_dict(_like_params(state["optimizer"], [p for _, p in self.params]))
@@ -688,5 +739,6 @@ def _like_params(optim_state: dict, params: list) -> dict:
             k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
             if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape)
             else v
-            for k, v in entries.items()}
+            for k, v in entries.items()
+        }
     return {**optim_state, "state": state}

@@ -36,6 +36,7 @@ def start_token_data(config: TrainerConfig) -> list | None:
     task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
     return [task.remote(config.to_dict())]
 
+
 def resources_for_replica(resources, replica_id: int) -> dict:
     """The custom resources (``replica_resources``) each rank bundle of replica
     ``replica_id`` asks for: the mapping, or entry ``id mod len`` of a list."""
@@ -56,8 +57,14 @@ class Replica:
             (None: each rank tokenises).
     """
 
-    def __init__(self, replica_id: int, config: TrainerConfig, device: str, worker_cls: type = RankWorker,
-                 token_data: list | None = None):
+    def __init__(
+        self,
+        replica_id: int,
+        config: TrainerConfig,
+        device: str,
+        worker_cls: type = RankWorker,
+        token_data: list | None = None,
+    ):
         self.id = replica_id
         self.config = config
         self.world_size = config.ranks_per_replica
@@ -70,8 +77,9 @@ class Replica:
         self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
         self.setup_refs: list | None = None  # set once set-up has been started
         self.requested_at = 0.0
-        self.pg = placement_group([dict(bundle)] * self.world_size, strategy="STRICT_PACK",
-                                  name=f"diloco-replica-{replica_id}")
+        self.pg = placement_group(
+            [dict(bundle)] * self.world_size, strategy="STRICT_PACK", name=f"diloco-replica-{replica_id}"
+        )
         # "control" lets abort() reach a rank while run_round() is busy; every other call
         # stays in the default group and runs in order.
         remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)

@@ -79,7 +79,7 @@ def _remove_orphans() -> None:
     for name in os.listdir(root):
         if not name.startswith(_PREFIX):
             continue
-        pid = name[len(_PREFIX):].split("-", 1)[0]
+        pid = name[len(_PREFIX) :].split("-", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 

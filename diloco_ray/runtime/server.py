@@ -64,10 +64,10 @@ class Contribution:
 class Prepared:
     """A server's verdict on one sync's contributions (small; goes server -> server)."""
 
-    order: list[int]                 # replica ids in contribution order
+    order: list[int]  # replica ids in contribution order
     weights: dict[int, float]
-    reasons: dict[int, str]          # replica id -> why rejected here
-    arrived: float                   # wall-clock time the last piece arrived
+    reasons: dict[int, str]  # replica id -> why rejected here
+    arrived: float  # wall-clock time the last piece arrived
 
 
 @dataclass
@@ -108,15 +108,15 @@ class AppliedRound:
     """What a commit reports (small; goes to the driver)."""
 
     applied: bool
-    round: int                    # the round this sync belongs to
+    round: int  # the round this sync belongs to
     fragment: int
     outer_lr: float
     pseudo_grad_norm: float | None
-    accepted: list[int] = field(default_factory=list)   # replica ids
+    accepted: list[int] = field(default_factory=list)  # replica ids
     rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
     data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
-    round_done: bool = False      # this sync completed its round
-    seconds: float = 0.0          # from the first piece received to the step taken
+    round_done: bool = False  # this sync completed its round
+    seconds: float = 0.0  # from the first piece received to the step taken
 
 
 class ParameterServer:
@@ -137,14 +137,14 @@ class ParameterServer:
         self.optimizer: OuterOptimizer | None = None
         self.shapes: dict[str, tuple] = {}
         self.cursor = data.DataCursor()
-        self.fragment = 0              # next fragment to sync within the round
-        self.version = 0               # syncs committed: the version replicas hold
+        self.fragment = 0  # next fragment to sync within the round
+        self.version = 0  # syncs committed: the version replicas hold
         self.held: dict[str, torch.Tensor] = {}  # what replicas hold, with weights_compression
         self._round_accepted: set[int] | None = None
         self._pending: PendingSync | None = None
         self._sum_space = torch.empty(0)  # where a sync's sum is built (see _zeroed_sum)
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
-        self._message_version = 0      # the version last_message carries
+        self._message_version = 0  # the version last_message carries
         self._import_optimizer_machinery()
 
     def _import_optimizer_machinery(self) -> None:
@@ -170,8 +170,11 @@ class ParameterServer:
         # tensor's rows: each owned tensor is held as one piece per fragment it meets.
         self.pieces: dict[tuple[str, int], str] = {}  # (name, fragment) -> optimizer key
         self.piece_rows: dict[str, tuple[str, tuple[int, int]]] = {}  # key -> (name, rows)
-        spans = sorted((self.position[n], iv[0], f, n, iv) for f in range(len(self.fragments))
-                       for n, iv in partition.intersect(self.owned, self.fragments[f]).items())
+        spans = sorted(
+            (self.position[n], iv[0], f, n, iv)
+            for f in range(len(self.fragments))
+            for n, iv in partition.intersect(self.owned, self.fragments[f]).items()
+        )
         for _, _, f, name, iv in spans:
             key = name if iv == self.owned[name] else f"{name}@{iv[0]}"
             self.pieces[(name, f)] = key
@@ -186,8 +189,10 @@ class ParameterServer:
 
     def _split(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Owned rows by name -> optimizer pieces by key (copies)."""
-        return {key: partition.take(full[name], iv, self.owned[name][0]).clone()
-                for key, (name, iv) in self.piece_rows.items()}
+        return {
+            key: partition.take(full[name], iv, self.owned[name][0]).clone()
+            for key, (name, iv) in self.piece_rows.items()
+        }
 
     def _rows(self, pieces: dict[str, torch.Tensor], name: str, iv: tuple[int, int]) -> torch.Tensor:
         """Rows ``iv`` of ``name`` from optimizer pieces (a view when one piece holds them)."""
@@ -213,8 +218,10 @@ class ParameterServer:
                 if name not in target or partition.intersect({name: span}, target) != {name: span}:
                     raise ValueError(f"rank {r} sent rows {span} of '{name}' outside this sync's slice")
                 if tuple(piece.shape[1:]) != self.shapes[name][1:]:
-                    raise ValueError(f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
-                                     f"want (*, {', '.join(map(str, self.shapes[name][1:]))})")
+                    raise ValueError(
+                        f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
+                        f"want (*, {', '.join(map(str, self.shapes[name][1:]))})"
+                    )
                 found.append((name, span, piece))
                 covered[name] += span[1] - span[0]
         for name, (a, b) in target.items():
@@ -253,7 +260,7 @@ class ParameterServer:
                 # (NaN/Inf, or finite values large enough to overflow) is each value checked.
                 if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
                     raise ValueError(f"{NON_FINITE} in '{name}'")
-                flat[lo:lo + values.numel()].add_(values, alpha=weight)
+                flat[lo : lo + values.numel()].add_(values, alpha=weight)
         return arrived
 
     # ---- state ---------------------------------------------------------------------------
@@ -288,8 +295,9 @@ class ParameterServer:
             return self.full_weights()
         if self.config.weights_compression == "none":
             fragment = (self.fragment - 1) % self.config.sync_fragments
-            return self._pack(self.optimizer.params, self._target(fragment), "none",
-                              {"version": self.version, "fragment": fragment})
+            return self._pack(
+                self.optimizer.params, self._target(fragment), "none", {"version": self.version, "fragment": fragment}
+            )
         return self.last_message
 
     def plan(self, slots: int) -> list[list[tuple[int, int]]]:
@@ -336,8 +344,9 @@ class ParameterServer:
         params = self.optimizer.params
         delta = {n: self._rows(params, n, iv) - self._rows(self.held, n, iv) for n, iv in target.items()}
         meta = {"delta": True, "fragment": fragment, "version": self.version, "sent_at": time.time()}
-        buf, _ = compression.pack_pieces(delta, {n: iv[0] for n, iv in target.items()}, self.names, codec, meta,
-                                         block=self.config.compression_block)
+        buf, _ = compression.pack_pieces(
+            delta, {n: iv[0] for n, iv in target.items()}, self.names, codec, meta, block=self.config.compression_block
+        )
         decoded, _ = compression.unpack_pieces(buf, self.names)
         for n, iv in target.items():
             self._rows(self.held, n, iv).add_(decoded[n][1])
@@ -351,9 +360,15 @@ class ParameterServer:
         starts = {n: iv[0] for n, iv in target.items()}
         if codec == "none":
             return compression.pack_pieces_filled(
-                {n: self._piece_shape(n, iv) for n, iv in target.items()}, starts, self.names,
-                lambda n, out: out.copy_(self._rows(tensors, n, target[n])), "none", meta,
-                block=self.config.compression_block, allocate=self._message_space)
+                {n: self._piece_shape(n, iv) for n, iv in target.items()},
+                starts,
+                self.names,
+                lambda n, out: out.copy_(self._rows(tensors, n, target[n])),
+                "none",
+                meta,
+                block=self.config.compression_block,
+                allocate=self._message_space,
+            )
         pieces = {n: self._rows(tensors, n, iv) for n, iv in target.items()}
         buf, _ = compression.pack_pieces(pieces, starts, self.names, codec, meta, block=self.config.compression_block)
         return buf
@@ -399,9 +414,12 @@ class ParameterServer:
             valid.append(c.replica_id)
         links.wait_for(arrivals)  # a simulated slow uplink delivers the pieces only now
         self._pending = PendingSync(fragment, contributions, valid, started, acc=acc)
-        return Prepared(order=[c.replica_id for c in contributions],
-                        weights={c.replica_id: float(c.weight) for c in contributions},
-                        reasons=reasons, arrived=time.time())
+        return Prepared(
+            order=[c.replica_id for c in contributions],
+            weights={c.replica_id: float(c.weight) for c in contributions},
+            reasons=reasons,
+            arrived=time.time(),
+        )
 
     def _sum(self, contributions: list[Contribution], ids: set[int], target: partition.Rows) -> dict:
         """The weighted sum of the contributions of replicas ``ids`` (checked before)."""
@@ -425,7 +443,7 @@ class ParameterServer:
         out, offset = {}, 0
         for name, shape in shapes.items():
             size = math.prod(shape)
-            out[name] = self._sum_space[offset:offset + size].view(shape).zero_()
+            out[name] = self._sum_space[offset : offset + size].view(shape).zero_()
             offset += size
         return out
 
@@ -446,8 +464,7 @@ class ParameterServer:
         target = self._target(pending.fragment)
         mean = pending.mean
         sumsq = [(self.position[n], target[n][0], _sum_of_squares(g)) for n, g in mean.items()]
-        return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons,
-                       started=pending.started)
+        return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons, started=pending.started)
 
     def commit(self, plans: dict, *reduced: Reduced) -> AppliedRound:
         """Take the outer step for this sync with the norm over every server's slice, and
@@ -473,8 +490,14 @@ class ParameterServer:
             opt.apply(mean, lr, clip_coefficient(norm, opt.max_norm), in_place=True)  # consumes mean
         elif not streaming:
             # Plain DiLoCo: nothing usable arrived, so the round is run again.
-            return AppliedRound(applied=False, round=round_index, fragment=0, outer_lr=lr, pseudo_grad_norm=None,
-                                rejected=reduced[0].reasons)
+            return AppliedRound(
+                applied=False,
+                round=round_index,
+                fragment=0,
+                outer_lr=lr,
+                pseudo_grad_norm=None,
+                rejected=reduced[0].reasons,
+            )
         self.version += 1
         # A replica's round of data counts as trained once any of its fragments was
         # applied: its work reached the global weights, and handing the data out again
@@ -493,9 +516,18 @@ class ParameterServer:
             self.fragment, self._round_accepted = 0, None
         else:
             self.fragment += 1
-        return AppliedRound(applied=bool(accepted), round=round_index, fragment=fragment, outer_lr=lr,
-                            pseudo_grad_norm=norm, accepted=list(accepted), rejected=reduced[0].reasons,
-                            data_ranges=consumed, round_done=done, seconds=time.time() - reduced[0].started)
+        return AppliedRound(
+            applied=bool(accepted),
+            round=round_index,
+            fragment=fragment,
+            outer_lr=lr,
+            pseudo_grad_norm=norm,
+            accepted=list(accepted),
+            rejected=reduced[0].reasons,
+            data_ranges=consumed,
+            round_done=done,
+            seconds=time.time() - reduced[0].started,
+        )
 
     # ---- checkpoints: each server writes and reads its own state ------------------------
     def _names(self) -> tuple[str, str, str]:
@@ -516,15 +548,31 @@ class ParameterServer:
         sd = self.optimizer.state_dict()
         whole = {n: self._rows(sd["params"], n, iv).contiguous() for n, iv in self.owned.items()}
         checkpoint.save_tensors(os.path.join(folder, weights_file), whole)
-        outer_files = checkpoint.save_state(folder, outer_name, {"optimizer": sd["optimizer"], "round": sd["round"],
-                                                   "names": sd["names"], "held": self.held,
-                                                   "last_message": torch.from_numpy(np.array(self.last_message))})
+        outer_files = checkpoint.save_state(
+            folder,
+            outer_name,
+            {
+                "optimizer": sd["optimizer"],
+                "round": sd["round"],
+                "names": sd["names"],
+                "held": self.held,
+                "last_message": torch.from_numpy(np.array(self.last_message)),
+            },
+        )
         with open(os.path.join(folder, meta_file), "w") as f:
-            json.dump({"round": sd["round"], "fragment": self.fragment, "version": self.version,
-                       "round_accepted": None if self._round_accepted is None else sorted(self._round_accepted),
-                       "cursor": self.cursor.to_dict(), "count": self.count,
-                       "sync_fragments": self.config.sync_fragments,
-                       "shapes": {n: list(s) for n, s in self.shapes.items()}}, f)
+            json.dump(
+                {
+                    "round": sd["round"],
+                    "fragment": self.fragment,
+                    "version": self.version,
+                    "round_accepted": None if self._round_accepted is None else sorted(self._round_accepted),
+                    "cursor": self.cursor.to_dict(),
+                    "count": self.count,
+                    "sync_fragments": self.config.sync_fragments,
+                    "shapes": {n: list(s) for n, s in self.shapes.items()},
+                },
+                f,
+            )
         return staging.publish(where, [weights_file, *outer_files, meta_file])
 
     def load(self, where: str) -> None:
@@ -532,17 +580,20 @@ class ParameterServer:
         from diloco_ray.persist import checkpoint, staging
 
         weights_file, outer_name, meta_file = self._names()
-        folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors",
-                                          f"{outer_name}.json"])
+        folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
         if not os.path.isfile(os.path.join(folder, meta_file)):
-            raise ConfigError(f"resume_from: checkpoint {folder} was not written with num_param_servers="
-                              f"{self.count} (no {meta_file}); resume with the server count it was saved with")
+            raise ConfigError(
+                f"resume_from: checkpoint {folder} was not written with num_param_servers="
+                f"{self.count} (no {meta_file}); resume with the server count it was saved with"
+            )
         with open(os.path.join(folder, meta_file)) as f:
             meta = json.load(f)
         saved_fragments = meta.get("sync_fragments", 1)
         if saved_fragments != self.config.sync_fragments:
-            raise ConfigError(f"sync_fragments: {self.config.sync_fragments}, but checkpoint {folder} was written "
-                              f"with {saved_fragments}; resume with the value it was saved with")
+            raise ConfigError(
+                f"sync_fragments: {self.config.sync_fragments}, but checkpoint {folder} was written "
+                f"with {saved_fragments}; resume with the value it was saved with"
+            )
         self._layout(meta["shapes"])
         loaded = checkpoint.load_tensors(os.path.join(folder, weights_file))
         params = self._split(loaded)
@@ -571,7 +622,7 @@ def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 16) -> float:
     scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float64)
     total = 0.0
     for part in flat.split(chunk):
-        wide = scratch[:part.numel()].copy_(part)
+        wide = scratch[: part.numel()].copy_(part)
         total += float(torch.dot(wide, wide))
     return total
 

@@ -48,9 +48,12 @@ class ServerGroup:
         resources = config.server_resources
         per_server = resources if isinstance(resources, list) else [resources] * count
         remote_cls = ray.remote(server_cls)
-        self.actors = [remote_cls.options(num_cpus=config.server_cpus, resources=per_server[s] or None,
-                                          name=None).remote(config.to_dict(), s)
-                       for s in range(count)]
+        self.actors = [
+            remote_cls.options(num_cpus=config.server_cpus, resources=per_server[s] or None, name=None).remote(
+                config.to_dict(), s
+            )
+            for s in range(count)
+        ]
 
     def __len__(self) -> int:
         return len(self.actors)

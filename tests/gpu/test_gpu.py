@@ -14,8 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 def ray_gpu():
     import ray
 
-    ray.init(address="local", num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-             log_to_driver=False)
+    ray.init(
+        address="local", num_cpus=8, num_gpus=torch.cuda.device_count(), include_dashboard=False, log_to_driver=False
+    )
     yield ray
     ray.shutdown()
 
@@ -28,8 +29,16 @@ def _train(cfg):
 
 def test_one_gpu_per_replica_bf16(ray_gpu, tmp_path):
     n = min(2, torch.cuda.device_count())
-    cfg = tiny_config(tmp_path / "run", device="cuda", num_replicas=n, min_replicas=1,
-                      mixed_precision="bf16", diloco_loops=3, max_steps=8, cpus_per_rank=1)
+    cfg = tiny_config(
+        tmp_path / "run",
+        device="cuda",
+        num_replicas=n,
+        min_replicas=1,
+        mixed_precision="bf16",
+        diloco_loops=3,
+        max_steps=8,
+        cpus_per_rank=1,
+    )
     result = _train(cfg)
     assert [r["replicas"] for r in result.rounds] == [n] * 3
     losses = [r["eval_loss"] for r in result.rounds]
@@ -38,16 +47,35 @@ def test_one_gpu_per_replica_bf16(ray_gpu, tmp_path):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP over NCCL needs 2 GPUs")
 def test_fsdp_over_nccl_two_ranks(ray_gpu, tmp_path):
-    cfg = tiny_config(tmp_path / "run", device="cuda", num_replicas=1, min_replicas=1,
-                      ranks_per_replica=2, diloco_loops=2, max_steps=8, grad_accum=2, cpus_per_rank=1)
+    cfg = tiny_config(
+        tmp_path / "run",
+        device="cuda",
+        num_replicas=1,
+        min_replicas=1,
+        ranks_per_replica=2,
+        diloco_loops=2,
+        max_steps=8,
+        grad_accum=2,
+        cpus_per_rank=1,
+    )
     result = _train(cfg)
     assert [r["replicas"] for r in result.rounds] == [1, 1]
     assert result.rounds[-1]["eval_loss"] < result.rounds[0]["eval_loss"] * 1.05
 
 
 def test_gradient_checkpointing_and_compile_bf16_on_gpu(ray_gpu, tmp_path):
-    cfg = tiny_config(tmp_path / "run", device="cuda", num_replicas=1, min_replicas=1, mixed_precision="bf16",
-                      gradient_checkpointing=True, torch_compile=True, diloco_loops=2, max_steps=8, cpus_per_rank=1)
+    cfg = tiny_config(
+        tmp_path / "run",
+        device="cuda",
+        num_replicas=1,
+        min_replicas=1,
+        mixed_precision="bf16",
+        gradient_checkpointing=True,
+        torch_compile=True,
+        diloco_loops=2,
+        max_steps=8,
+        cpus_per_rank=1,
+    )
     result = _train(cfg)
     losses = [r["eval_loss"] for r in result.rounds]
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
@@ -56,9 +84,20 @@ def test_gradient_checkpointing_and_compile_bf16_on_gpu(ray_gpu, tmp_path):
 def _rank(tmp_path, **fields):
     from diloco_ray.runtime.rank import RankWorker
 
-    cfg = tiny_config(tmp_path / "run", device="cuda", model_config={
-        "model_type": "llama", "hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}, **fields)
+    cfg = tiny_config(
+        tmp_path / "run",
+        device="cuda",
+        model_config={
+            "model_type": "llama",
+            "hidden_size": 512,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 8,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 8,
+            "tie_word_embeddings": False,
+        },
+        **fields,
+    )
     worker = RankWorker(cfg.to_dict(), 0, 0, 1, device="cuda")
     return worker
 

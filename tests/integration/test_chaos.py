@@ -23,9 +23,19 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 # round (so a lost server can be restored), four short rounds; int8 both ways with error
 # feedback, so a re-run must also restore residuals and leave the server's copy of what
 # replicas hold alone.
-EXACT = dict(diloco_loops=4, max_steps=4, num_replicas=2, min_replicas=2, checkpoint_steps=4, eval_batches=1,
-             round_timeout_s=5.0, pseudo_grad_compression="int8", error_feedback=True, weights_compression="int8",
-             compression_block=64)
+EXACT = dict(
+    diloco_loops=4,
+    max_steps=4,
+    num_replicas=2,
+    min_replicas=2,
+    checkpoint_steps=4,
+    eval_batches=1,
+    round_timeout_s=5.0,
+    pseudo_grad_compression="int8",
+    error_feedback=True,
+    weights_compression="int8",
+    compression_block=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +92,21 @@ def test_poison_then_a_dropped_link_then_a_freeze(ray_local, tmp_path):
     * round 3: replica 1 is frozen (SIGSTOP) mid-round: it cannot answer its abort, so it
       is dropped as unresponsive after abort_grace_s and a new replica takes its place.
     """
-    plan = [{"kind": "nan", "replica": 1, "round": 1, "step": 2},
-            {"kind": "drop_link", "replica": 0, "round": 2},
-            {"kind": "freeze", "replica": 1, "round": 3, "step": 1}]
-    cfg = tiny_config(tmp_path / "run", diloco_loops=5, max_steps=4, eval_batches=1, round_timeout_s=4.0,
-                      abort_grace_s=2.0, join_timeout_s=60.0, fault_plan=plan)
+    plan = [
+        {"kind": "nan", "replica": 1, "round": 1, "step": 2},
+        {"kind": "drop_link", "replica": 0, "round": 2},
+        {"kind": "freeze", "replica": 1, "round": 3, "step": 1},
+    ]
+    cfg = tiny_config(
+        tmp_path / "run",
+        diloco_loops=5,
+        max_steps=4,
+        eval_batches=1,
+        round_timeout_s=4.0,
+        abort_grace_s=2.0,
+        join_timeout_s=60.0,
+        fault_plan=plan,
+    )
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     assert [sorted(r["rejected"]) for r in rounds] == [[], ["1"], [], [], []]
     assert sorted(rounds[1]["replica_ids"]) == [0]
@@ -101,8 +121,14 @@ def test_poison_then_a_dropped_link_then_a_freeze(ray_local, tmp_path):
 def test_frozen_replica_without_a_deadline_is_dropped_once_it_stalls(ray_local, tmp_path):
     """No round_timeout_s: the stall detector (no step beat for stall_timeout_s) keeps a
     frozen rank from hanging the run."""
-    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, eval_batches=0, stall_timeout_s=4.0,
-                      fault_plan=[{"kind": "freeze", "replica": 0, "round": 1, "step": 2}])
+    cfg = tiny_config(
+        tmp_path / "run",
+        diloco_loops=3,
+        max_steps=4,
+        eval_batches=0,
+        stall_timeout_s=4.0,
+        fault_plan=[{"kind": "freeze", "replica": 0, "round": 1, "step": 2}],
+    )
     result = DilocoFSDPTrainer(cfg).train()
     assert result.rounds[1]["replica_ids"] == [1] and leaves(cfg.output_dir) == {0: "unresponsive"}
     assert once_each(result.rounds)
@@ -112,8 +138,15 @@ def test_streaming_replica_killed_after_its_first_fragment(ray_local, tmp_path):
     """sync_fragments=2: replica 1 dies in round 1 after fragment 0 applied its update.
     The rule: its round of data counts as trained (handing it out again would train it
     into fragment 0 twice); a replacement joins."""
-    cfg = tiny_config(tmp_path / "run", diloco_loops=3, max_steps=4, sync_fragments=2, eval_batches=0,
-                      join_timeout_s=60.0, fault_plan=[{"kind": "kill", "replica": 1, "round": 1, "step": 3}])
+    cfg = tiny_config(
+        tmp_path / "run",
+        diloco_loops=3,
+        max_steps=4,
+        sync_fragments=2,
+        eval_batches=0,
+        join_timeout_s=60.0,
+        fault_plan=[{"kind": "kill", "replica": 1, "round": 1, "step": 3}],
+    )
     result = DilocoFSDPTrainer(cfg).train()
     round1 = result.rounds[1]
     assert round1["fragments"][0]["replicas"] == 2 and round1["fragments"][1]["replicas"] == 1

@@ -16,8 +16,9 @@ QUICK = ["--set", "diloco_loops=2", "--set", "max_steps=4", "--set", "eval_batch
 def run_cli(*args, timeout=300):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "diloco_ray", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-m", "diloco_ray", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
 
 
 def test_ten_bad_inputs_each_exit_2_with_one_line_naming_the_field_before_ray(tmp_path, capsys):
@@ -109,8 +110,13 @@ def test_tiny_default_end_to_end_then_refuses_to_overwrite(tmp_path):
     r = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "round 2/2" in r.stdout
-    for name in ("config.yaml", "metrics.jsonl", "final/config.json", "final/model.safetensors",
-                 "final/tokenizer.json"):
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "final/config.json",
+        "final/model.safetensors",
+        "final/tokenizer.json",
+    ):
         assert (out / name).exists(), name
     before = _snapshot(out)
 
@@ -128,8 +134,19 @@ def test_tiny_default_end_to_end_then_refuses_to_overwrite(tmp_path):
 def test_missing_text_field_in_data_is_exit_2(tmp_path):
     data = tmp_path / "rows.jsonl"
     data.write_text('{"question": "1+1", "answer": "2"}\n' * 50)
-    r = run_cli("train", TINY, "--set", f"output_dir={tmp_path}/out", "--set", "dataset_name=null",
-                "--set", f"json_file_path={data}", "--set", "text_field=nope", *QUICK)
+    r = run_cli(
+        "train",
+        TINY,
+        "--set",
+        f"output_dir={tmp_path}/out",
+        "--set",
+        "dataset_name=null",
+        "--set",
+        f"json_file_path={data}",
+        "--set",
+        "text_field=nope",
+        *QUICK,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert "nope" in r.stderr and "question" in r.stderr
@@ -151,10 +168,32 @@ def test_a_stale_local_cluster_file_starts_a_private_ray(tmp_path):
         f.write("127.0.0.1:1\n")  # nothing listens there
     env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
     env.pop("RAY_ADDRESS", None)
-    run = subprocess.run([sys.executable, "-m", "diloco_ray", "train", TINY, "--set", f"output_dir={tmp_path / 'run'}",
-                          "--set", "diloco_loops=1", "--set", "max_steps=2", "--set", "eval_batches=0",
-                          "--set", "model_config.hidden_size=32", "--set", "model_config.intermediate_size=64"],
-                         env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco_ray",
+            "train",
+            TINY,
+            "--set",
+            f"output_dir={tmp_path / 'run'}",
+            "--set",
+            "diloco_loops=1",
+            "--set",
+            "max_steps=2",
+            "--set",
+            "eval_batches=0",
+            "--set",
+            "model_config.hidden_size=32",
+            "--set",
+            "model_config.intermediate_size=64",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "joining" not in run.stderr
     assert os.path.isdir(os.path.join(tmp_path, "run", "final"))

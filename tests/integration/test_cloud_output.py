@@ -52,7 +52,8 @@ COMMON = dict(diloco_loops=4, max_steps=3, checkpoint_steps=3, eval_batches=1, s
 
 
 def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted_run(
-        s3_bucket, staging, ray_local, tmp_path, monkeypatch):
+    s3_bucket, staging, ray_local, tmp_path, monkeypatch
+):
     # The driver stages elsewhere than the actors (whose processes kept the fixture's
     # root), as on a cluster where they run on other machines: whatever an actor needs
     # from the bucket it must fetch itself.
@@ -71,9 +72,16 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
     assert rounds == ["round-00000001", "round-00000002"]
     for r in rounds:
         prefix = f"runs/tiny/checkpoints/{r}/"
-        assert {prefix + f for f in ("manifest.json", "global.safetensors", "server.json",
-                                     "replicas/slot-0-rank-0.safetensors", "replicas/slot-1-rank-0.json")} \
-            <= set(keys)
+        assert {
+            prefix + f
+            for f in (
+                "manifest.json",
+                "global.safetensors",
+                "server.json",
+                "replicas/slot-0-rank-0.safetensors",
+                "replicas/slot-1-rank-0.json",
+            )
+        } <= set(keys)
     assert "runs/tiny/metrics.jsonl" in keys and "runs/tiny/config.yaml" in keys
     assert not any(k.startswith("runs/tiny/final/") for k in keys)
 
@@ -81,8 +89,9 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
     before = {k: s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=k)["ETag"] for k in keys}
     with pytest.raises(ConfigError, match="output_dir.*already holds a run"):
         DilocoFSDPTrainer(tiny_config(uri, **COMMON)).train()
-    assert {k: s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=k)["ETag"]
-            for k in s3_bucket.keys("runs/tiny/")} == before
+    assert {
+        k: s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=k)["ETag"] for k in s3_bucket.keys("runs/tiny/")
+    } == before
 
     # Resume on a "fresh machine": nothing left in the staging area.
     for root in (staging, driver_staging):
@@ -103,8 +112,9 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
     metrics = storage.Mirror(uri, local=str(tmp_path / "m"))
     assert metrics.download(os.path.join(metrics.local, "metrics.jsonl"))
     text = (tmp_path / "m" / "metrics.jsonl").read_text()
-    assert [int(line.split('"round": ')[1].split(",")[0]) for line in text.splitlines()
-            if '"event": "round"' in line] == [0, 1, 2, 3]  # round 2 rerun once, contiguous
+    assert [
+        int(line.split('"round": ')[1].split(",")[0]) for line in text.splitlines() if '"event": "round"' in line
+    ] == [0, 1, 2, 3]  # round 2 rerun once, contiguous
 
     from diloco_ray.observe.report import write_report
 
@@ -126,5 +136,4 @@ def test_in_flight_snapshots_need_a_local_output_dir(s3_bucket):
     with pytest.raises(ConfigError, match="checkpoint_steps"):
         from diloco_ray.config import preflight
 
-        preflight.check(TrainerConfig(**{**tiny_config("s3://b/run").to_dict(), "checkpoint_steps": 2}),
-                        resuming=False)
+        preflight.check(TrainerConfig(**{**tiny_config("s3://b/run").to_dict(), "checkpoint_steps": 2}), resuming=False)

@@ -32,8 +32,13 @@ def subprocess_env():
 
 def run_until_killed(script, cfg, *args):
     """Run ``script`` (which SIGKILLs its own driver) in a fresh process; check it died so."""
-    run = subprocess.run([sys.executable, "-c", script, json.dumps(cfg.to_dict()), *args],
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cfg.to_dict()), *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
 
 
@@ -41,9 +46,24 @@ def resume_cli(cfg):
     """``diloco-ray train OUTPUT_DIR/config.yaml --set resume_from=OUTPUT_DIR``, as a user
     would (without the fault plan that stopped it)."""
     out = cfg.output_dir
-    resumed = subprocess.run([sys.executable, "-m", "diloco_ray", "train", os.path.join(out, "config.yaml"),
-                              "--set", f"resume_from={out}", "--set", "fault_plan=null"],
-                             env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco_ray",
+            "train",
+            os.path.join(out, "config.yaml"),
+            "--set",
+            f"resume_from={out}",
+            "--set",
+            "fault_plan=null",
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     return resumed
 
@@ -145,8 +165,13 @@ def test_scale_request_from_another_process(ray_local, tmp_path):
     class AskFromOutside:
         def on_round_end(self, trainer, record):
             if record["round"] == 0:  # a separate process, as a user at a terminal would
-                r = subprocess.run([sys.executable, "-m", "diloco_ray", "scale", trainer.config.output_dir, "3"],
-                                   capture_output=True, text=True, cwd=ROOT, env=subprocess_env())
+                r = subprocess.run(
+                    [sys.executable, "-m", "diloco_ray", "scale", trainer.config.output_dir, "3"],
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                    env=subprocess_env(),
+                )
                 assert r.returncode == 0, r.stderr
 
     cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, join_timeout_s=120)
@@ -155,8 +180,12 @@ def test_scale_request_from_another_process(ray_local, tmp_path):
     scale_events = [e for e in read_events(cfg.output_dir, "membership") if e["action"] == "scale"]
     assert [e["target"] for e in scale_events] == [3]
 
-    missing = subprocess.run([sys.executable, "-m", "diloco_ray", "scale", str(tmp_path / "nothing"), "2"],
-                             capture_output=True, text=True, cwd=ROOT)
+    missing = subprocess.run(
+        [sys.executable, "-m", "diloco_ray", "scale", str(tmp_path / "nothing"), "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert missing.returncode == 2 and "holds no run" in missing.stderr
 
 

@@ -33,15 +33,18 @@ def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
     loaded = dict(AutoModelForCausalLM.from_pretrained(two.final_path).named_parameters())
     assert all(torch.equal(loaded[n], t) for n, t in w2.items())
     assert all(r["pseudo_grad_norm"] > 0.05 for r in one.rounds)
-    assert [r["pseudo_grad_norm"] for r in one.rounds] == pytest.approx([r["pseudo_grad_norm"] for r in two.rounds],
-                                                                        rel=1e-9)
+    assert [r["pseudo_grad_norm"] for r in one.rounds] == pytest.approx(
+        [r["pseudo_grad_norm"] for r in two.rounds], rel=1e-9
+    )
     for name, t in w1.items():
         torch.testing.assert_close(w2[name], t, rtol=0, atol=1e-6)
 
 
 def test_codecs_shrink_what_travels_and_still_learn(ray_local, tmp_path):
-    runs = {codec: train(tmp_path, codec, pseudo_grad_compression=codec, error_feedback=True, diloco_loops=3)[0]
-            for codec in ("none", "int8", "int4")}
+    runs = {
+        codec: train(tmp_path, codec, pseudo_grad_compression=codec, error_feedback=True, diloco_loops=3)[0]
+        for codec in ("none", "int8", "int4")
+    }
     up = {c: sum(r["bytes_up"] for r in res.rounds) for c, res in runs.items()}
     assert up["int8"] <= 0.27 * up["none"] and up["int4"] <= 0.15 * up["none"]
     for res in runs.values():

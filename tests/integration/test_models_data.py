@@ -30,9 +30,19 @@ def llama_folder(tmp_path_factory):
     folder = tmp_path_factory.mktemp("tiny-llama")
     tok = char_tokenizer()
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                 num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128,
-                                 pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)).save_pretrained(folder)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=128,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).save_pretrained(folder)
     tok.save_pretrained(folder)
     return str(folder)
 
@@ -49,11 +59,24 @@ def sums_jsonl(tmp_path_factory):
 
 
 def peft_config(tmp_path, llama_folder, sums_jsonl, **kw):
-    fields = dict(model_config=None, model_name=llama_folder, tokenizer_name=None, dataset_name=None,
-                  dataset_kwargs={}, json_file_path=sums_jsonl, prompt_template="{question} = ",
-                  completion_template="{answer}",
-                  use_peft=True, lora_r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], seq_len=24,
-                  batch_size=8, max_steps=15, lr=3e-3)
+    fields = dict(
+        model_config=None,
+        model_name=llama_folder,
+        tokenizer_name=None,
+        dataset_name=None,
+        dataset_kwargs={},
+        json_file_path=sums_jsonl,
+        prompt_template="{question} = ",
+        completion_template="{answer}",
+        use_peft=True,
+        lora_r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+        seq_len=24,
+        batch_size=8,
+        max_steps=15,
+        lr=3e-3,
+    )
     fields.update(kw)
     return tiny_config(tmp_path / "run", **fields)
 
@@ -63,8 +86,12 @@ def adapter_numel(folder):
     for fn in os.listdir(folder):
         if fn.endswith(".safetensors"):
             with safe_open(os.path.join(folder, fn), "pt") as f:
-                n += sum(f.get_slice(k).get_shape().numel() if hasattr(f.get_slice(k).get_shape(), "numel")
-                         else int(torch.tensor(f.get_slice(k).get_shape()).prod()) for k in f.keys())
+                n += sum(
+                    f.get_slice(k).get_shape().numel()
+                    if hasattr(f.get_slice(k).get_shape(), "numel")
+                    else int(torch.tensor(f.get_slice(k).get_shape()).prod())
+                    for k in f.keys()
+                )
     return n
 
 
@@ -88,9 +115,16 @@ def test_lora_sends_only_the_adapter_and_learns(ray_local, tmp_path, llama_folde
 
 
 def test_ia3_adapter(ray_local, tmp_path, llama_folder, sums_jsonl):
-    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, peft_type="IA3",
-                      target_modules=["k_proj", "v_proj", "down_proj"],
-                      num_replicas=1, diloco_loops=2, max_steps=5)
+    cfg = peft_config(
+        tmp_path,
+        llama_folder,
+        sums_jsonl,
+        peft_type="IA3",
+        target_modules=["k_proj", "v_proj", "down_proj"],
+        num_replicas=1,
+        diloco_loops=2,
+        max_steps=5,
+    )
     result = DilocoFSDPTrainer(cfg).train()
     config = json.load(open(os.path.join(result.final_path, "adapter_config.json")))
     assert config["peft_type"] == "IA3"
@@ -100,8 +134,16 @@ def test_ia3_adapter(ray_local, tmp_path, llama_folder, sums_jsonl):
 
 
 def test_fsdp_over_a_lora_model(ray_local, tmp_path, llama_folder, sums_jsonl):
-    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, num_replicas=1, ranks_per_replica=2, diloco_loops=2,
-                      max_steps=6, grad_accum=2)
+    cfg = peft_config(
+        tmp_path,
+        llama_folder,
+        sums_jsonl,
+        num_replicas=1,
+        ranks_per_replica=2,
+        diloco_loops=2,
+        max_steps=6,
+        grad_accum=2,
+    )
     result = DilocoFSDPTrainer(cfg).train()
     n = adapter_numel(result.final_path)
     # the two ranks' rows add up to the adapter, in one message each
@@ -118,9 +160,19 @@ def test_early_stopping(ray_local, tmp_path):
 
 
 def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl):
-    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, attn_implementation="eager", gradient_checkpointing=True,
-                      torch_compile=True, dynamic_batch=True, group_by_length=True, num_workers=1, use_peft=False,
-                      max_steps=2)
+    cfg = peft_config(
+        tmp_path,
+        llama_folder,
+        sums_jsonl,
+        attn_implementation="eager",
+        gradient_checkpointing=True,
+        torch_compile=True,
+        dynamic_batch=True,
+        group_by_length=True,
+        num_workers=1,
+        use_peft=False,
+        max_steps=2,
+    )
     worker = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)
     worker.setup()
     facts = worker.describe()
@@ -137,14 +189,26 @@ def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl
 
 
 def test_streaming_run(ray_local, tmp_path, llama_folder, sums_jsonl):
-    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, use_peft=False, streaming=True, shuffle_buffer=64,
-                      streaming_eval_rows=64, diloco_loops=3, max_steps=6, group_by_length=True, dynamic_batch=True)
+    cfg = peft_config(
+        tmp_path,
+        llama_folder,
+        sums_jsonl,
+        use_peft=False,
+        streaming=True,
+        shuffle_buffer=64,
+        streaming_eval_rows=64,
+        diloco_loops=3,
+        max_steps=6,
+        group_by_length=True,
+        dynamic_batch=True,
+    )
     result = DilocoFSDPTrainer(cfg).train()
     rounds = result.rounds
     assert [r["replicas"] for r in rounds] == [2, 2, 2]
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
-    positions = sorted(p for r in rounds for plan in r["data_ranges"].values()
-                       for s, c in plan for p in range(s, s + c))
+    positions = sorted(
+        p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)
+    )
     assert positions == list(range(2 * 3 * cfg.sequences_per_replica_round))
 
 
@@ -154,8 +218,15 @@ def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl,
     from diloco_ray.data import samples, tokenization
     from diloco_ray.runtime.replica import start_token_data
 
-    cfg = tiny_config(tmp_path / "run", dataset_name=None, dataset_kwargs={}, json_file_path=sums_jsonl,
-                      prompt_template="{question} = ", completion_template="{answer}", seq_len=24)
+    cfg = tiny_config(
+        tmp_path / "run",
+        dataset_name=None,
+        dataset_kwargs={},
+        json_file_path=sums_jsonl,
+        prompt_template="{question} = ",
+        completion_template="{answer}",
+        seq_len=24,
+    )
     expected = samples.load_token_data(cfg, tokenization.load_tokenizer(cfg))
     shared = start_token_data(cfg)
     monkeypatch.setattr(samples, "load_token_data", lambda *a: pytest.fail("the rank tokenised the data itself"))
@@ -173,8 +244,15 @@ def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl,
 def test_a_data_error_in_the_tokenising_task_reaches_the_user(ray_local, tmp_path, sums_jsonl):
     from diloco_ray.errors import DataError, unwrap
 
-    cfg = tiny_config(tmp_path / "run", dataset_name=None, dataset_kwargs={}, json_file_path=sums_jsonl,
-                      prompt_template="{questoin} = ", completion_template="{answer}", seq_len=24)
+    cfg = tiny_config(
+        tmp_path / "run",
+        dataset_name=None,
+        dataset_kwargs={},
+        json_file_path=sums_jsonl,
+        prompt_template="{questoin} = ",
+        completion_template="{answer}",
+        seq_len=24,
+    )
     with pytest.raises(Exception) as info:
         DilocoFSDPTrainer(cfg).train()
     error = unwrap(info.value)

@@ -44,16 +44,27 @@ def test_node_lost_mid_round(two_nodes, tmp_path):
     class LoseNode:
         def on_round_end(self, trainer, record):
             if record["round"] == 0:
+
                 def lose():
                     time.sleep(1.0)  # round 1 is under way
                     cluster.remove_node(worker, allow_graceful=False)
+
                 threading.Thread(target=lose, daemon=True).start()
             if record["round"] == 1:
                 cluster.add_node(num_cpus=1)  # room for a replacement (main thread only)
 
-    cfg = tiny_config(tmp_path / "run", diloco_loops=4, max_steps=4, cpus_per_rank=1, server_cpus=0.5,
-                      server_resources={"head": 1},
-                      min_replicas=1, join_timeout_s=180, placement_timeout_s=180, eval_batches=1)
+    cfg = tiny_config(
+        tmp_path / "run",
+        diloco_loops=4,
+        max_steps=4,
+        cpus_per_rank=1,
+        server_cpus=0.5,
+        server_resources={"head": 1},
+        min_replicas=1,
+        join_timeout_s=180,
+        placement_timeout_s=180,
+        eval_batches=1,
+    )
     result = DilocoFSDPTrainer(cfg, callbacks=[LoseNode()], worker_cls=SlowRoundOne).train()
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]

@@ -48,14 +48,36 @@ def local_head():
     temp = tempfile.mkdtemp(prefix="rjs", dir="/tmp")
     # RAY_TMPDIR/ray is where `ray start` notes the head's address, for a driver on this
     # machine to find (ray_current_cluster).
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "RAY_TMPDIR": temp}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(16),
+        "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
+        "RAY_TMPDIR": temp,
+    }
     env.pop("RAY_ADDRESS", None)
     dashboard = free_port()
-    cmd = [os.path.join(BIN, "ray"), "start", "--head", "--port", str(free_port()), "--block",
-           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
-           "--dashboard-agent-listen-port", str(free_port()), "--num-cpus", "4", "--disable-usage-stats",
-           "--temp-dir", os.path.join(temp, "ray")]
+    cmd = [
+        os.path.join(BIN, "ray"),
+        "start",
+        "--head",
+        "--port",
+        str(free_port()),
+        "--block",
+        "--include-dashboard",
+        "true",
+        "--dashboard-host",
+        "127.0.0.1",
+        "--dashboard-port",
+        str(dashboard),
+        "--dashboard-agent-listen-port",
+        str(free_port()),
+        "--num-cpus",
+        "4",
+        "--disable-usage-stats",
+        "--temp-dir",
+        os.path.join(temp, "ray"),
+    ]
     with open(os.path.join(temp, "head.log"), "w") as log:
         head = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{dashboard}"
@@ -78,17 +100,41 @@ def test_ray_job_submit_runs_the_default_on_a_local_head(local_head, tmp_path):
 
     # Token authentication is on: a CLI that does not send the token is turned away.
     no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_TOKEN"}
-    refused = subprocess.run([ray, "job", "list", "--address", address], capture_output=True, text=True,
-                             env={**no_token, "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path)},
-                             timeout=120)
+    refused = subprocess.run(
+        [ray, "job", "list", "--address", address],
+        capture_output=True,
+        text=True,
+        env={**no_token, "RAY_AUTH_MODE": "disabled", "HOME": str(tmp_path)},
+        timeout=120,
+    )
     assert refused.returncode != 0 and "Authentication" in refused.stdout + refused.stderr
 
     out = tmp_path / "run"
     t0 = time.monotonic()
-    job = subprocess.run([ray, "job", "submit", "--address", address, "--working-dir", ".", "--",
-                          "diloco-ray", "train", "configs/tiny.yaml", "--set", f"output_dir={out}",
-                          "--set", "diloco_loops=2"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=420)
+    job = subprocess.run(
+        [
+            ray,
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--working-dir",
+            ".",
+            "--",
+            "diloco-ray",
+            "train",
+            "configs/tiny.yaml",
+            "--set",
+            f"output_dir={out}",
+            "--set",
+            "diloco_loops=2",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=420,
+    )
     log = job.stdout + job.stderr
     assert job.returncode == 0, log[-3000:]
     assert "succeeded" in log and "round 2/2" in log
@@ -103,12 +149,26 @@ def test_train_joins_a_running_local_head_and_says_so(local_head, tmp_path):
     """`ray start --head` runs on this machine and RAY_ADDRESS is not set: `diloco-ray
     train` joins that cluster (one line on stderr) instead of failing on num_cpus."""
     _, env = local_head
-    run = subprocess.run([os.path.join(BIN, "diloco-ray"), "train", os.path.join(ROOT, "configs", "tiny.yaml"),
-                          "--set", f"output_dir={tmp_path / 'run'}", "--set", "diloco_loops=1", "--set", "max_steps=2",
-                          "--set", "eval_batches=0"],
-                         env={**env, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}, capture_output=True, text=True,
-                         timeout=300, cwd=ROOT)
+    run = subprocess.run(
+        [
+            os.path.join(BIN, "diloco-ray"),
+            "train",
+            os.path.join(ROOT, "configs", "tiny.yaml"),
+            "--set",
+            f"output_dir={tmp_path / 'run'}",
+            "--set",
+            "diloco_loops=1",
+            "--set",
+            "max_steps=2",
+            "--set",
+            "eval_batches=0",
+        ],
+        env={**env, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert "joining the running local Ray cluster at" in run.stderr
     assert os.path.isdir(tmp_path / "run" / "final")
-

@@ -71,11 +71,29 @@ def wait_for(port, run, check, timeout=POLL_S):
 
 
 def round_record(index, **overrides):
-    rec = {"event": "round", "round": index, "replicas": 2, "replica_ids": [0, 1], "dropped": [], "late": [],
-           "inner_steps": 4, "tokens": 7680, "train_loss": 2.75, "eval_loss": 2.5, "eval_ppl": math.exp(2.5),
-           "outer_lr": 0.7, "pseudo_grad_norm": 0.5, "bytes_up": 1000, "bytes_down": 4000,
-           "peak_bytes_up": 1000, "peak_bytes_down": 4000, "round_seconds": 3.0, "sync_seconds": 0.25,
-           "compute_seconds": 2.5, "eval_seconds": 0.2}
+    rec = {
+        "event": "round",
+        "round": index,
+        "replicas": 2,
+        "replica_ids": [0, 1],
+        "dropped": [],
+        "late": [],
+        "inner_steps": 4,
+        "tokens": 7680,
+        "train_loss": 2.75,
+        "eval_loss": 2.5,
+        "eval_ppl": math.exp(2.5),
+        "outer_lr": 0.7,
+        "pseudo_grad_norm": 0.5,
+        "bytes_up": 1000,
+        "bytes_down": 4000,
+        "peak_bytes_up": 1000,
+        "peak_bytes_down": 4000,
+        "round_seconds": 3.0,
+        "sync_seconds": 0.25,
+        "compute_seconds": 2.5,
+        "eval_seconds": 0.2,
+    }
     rec.update(overrides)
     return rec
 
@@ -90,8 +108,20 @@ def test_round_figures_reach_prometheus_from_the_driver(metrics_port):
         metrics.record(round_record(0))
         # Round 1: replica 1 dropped; no eval; a NaN train loss and no pseudo-gradient norm
         # leave those gauges at their last finite values.
-        metrics.record(round_record(1, replicas=1, replica_ids=[0], dropped=[1], tokens=3840, train_loss=math.nan,
-                                    eval_loss=None, eval_ppl=None, pseudo_grad_norm=None, round_seconds=4.0))
+        metrics.record(
+            round_record(
+                1,
+                replicas=1,
+                replica_ids=[0],
+                dropped=[1],
+                tokens=3840,
+                train_loss=math.nan,
+                eval_loss=None,
+                eval_ppl=None,
+                pseudo_grad_norm=None,
+                round_seconds=4.0,
+            )
+        )
         want = {
             ("ray_diloco_round", None): 1.0,
             ("ray_diloco_replicas", None): 1.0,
@@ -108,8 +138,7 @@ def test_round_figures_reach_prometheus_from_the_driver(metrics_port):
             ("ray_diloco_inner_loss", "0"): 1.5,
             ("ray_diloco_inner_lr", "0"): 1e-3,
         }
-        series = wait_for(metrics_port, run,
-                          lambda s: all(s.get(k) == pytest.approx(v) for k, v in want.items()))
+        series = wait_for(metrics_port, run, lambda s: all(s.get(k) == pytest.approx(v) for k, v in want.items()))
         assert ("ray_diloco_inner_loss", "1") not in series
 
         # Several gauge lifetimes later the gauges are still there (refreshed), except the
@@ -129,13 +158,30 @@ def test_round_figures_reach_prometheus_from_the_driver(metrics_port):
 def test_nothing_exported_for_non_numbers_and_bad_values(metrics_port):
     run = "test-bad-values"
     with RoundMetrics(run) as metrics:
-        metrics.record({"round": 0, "replicas": 1, "eval_loss": "n/a", "train_loss": math.inf, "tokens": 0,
-                        "bytes_up": -5, "dropped": None, "round_seconds": True})
+        metrics.record(
+            {
+                "round": 0,
+                "replicas": 1,
+                "eval_loss": "n/a",
+                "train_loss": math.inf,
+                "tokens": 0,
+                "bytes_up": -5,
+                "dropped": None,
+                "round_seconds": True,
+            }
+        )
         metrics.step(3, None, 0.5)
-        series = wait_for(metrics_port, run, lambda s: ("ray_diloco_inner_lr", "3") in s
-                          and ("ray_diloco_rounds_total", None) in s)
+        series = wait_for(
+            metrics_port, run, lambda s: ("ray_diloco_inner_lr", "3") in s and ("ray_diloco_rounds_total", None) in s
+        )
         assert series[("ray_diloco_round", None)] == 0.0 and series[("ray_diloco_inner_lr", "3")] == 0.5
-        for name in ("eval_loss", "train_loss", "tokens_total", "bytes_up_total", "dropped_replicas_total",
-                     "round_seconds"):
+        for name in (
+            "eval_loss",
+            "train_loss",
+            "tokens_total",
+            "bytes_up_total",
+            "dropped_replicas_total",
+            "round_seconds",
+        ):
             assert (f"ray_diloco_{name}", None) not in series, name
         assert ("ray_diloco_inner_loss", "3") not in series

@@ -24,15 +24,38 @@ from diloco_ray.data import tokenization
 from diloco_ray.model import loading as modeling
 
 # ~34M parameters: large enough that half of it stands out of the noise of a process.
-BIG = {"model_type": "llama", "hidden_size": 512, "intermediate_size": 2048, "num_hidden_layers": 8,
-       "num_attention_heads": 8, "num_key_value_heads": 8, "tie_word_embeddings": False}
-SMALL = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "tie_word_embeddings": True}
+BIG = {
+    "model_type": "llama",
+    "hidden_size": 512,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "tie_word_embeddings": False,
+}
+SMALL = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": True,
+}
 
 
 def config(**fields) -> TrainerConfig:
-    base = dict(dataset_name="builtin:arithmetic", seq_len=32, batch_size=2, max_steps=1, diloco_loops=1,
-                ranks_per_replica=2, eval_batches=0, output_dir="unused", seed=5)
+    base = dict(
+        dataset_name="builtin:arithmetic",
+        seq_len=32,
+        batch_size=2,
+        max_steps=1,
+        diloco_loops=1,
+        ranks_per_replica=2,
+        eval_batches=0,
+        output_dir="unused",
+        seed=5,
+    )
     return TrainerConfig(**{**base, **fields})
 
 
@@ -71,8 +94,11 @@ def built(tmp_path_factory):
     tok.save_pretrained(folder)
     # The first build pays for imports and data (a rank's fixed overhead), so the second
     # one's growth is the model's alone.
-    jobs = [{"model_config": SMALL}, {"model_config": BIG},
-            {"model_name": folder, "use_peft": True, "target_modules": ["q_proj", "v_proj"]}]
+    jobs = [
+        {"model_config": SMALL},
+        {"model_config": BIG},
+        {"model_name": folder, "use_peft": True, "target_modules": ["q_proj", "v_proj"]},
+    ]
     out = str(tmp_path_factory.mktemp("ranks"))
     mp.start_processes(_rank, args=(_free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
@@ -110,5 +136,6 @@ def test_checkpoint_rows_keep_the_checkpoint_values(built, tmp_path):
     base = whole[2].get_base_model()
     for name, p in reference.named_parameters():
         peft_name = name.replace("q_proj.weight", "q_proj.base_layer.weight").replace(
-            "v_proj.weight", "v_proj.base_layer.weight")
+            "v_proj.weight", "v_proj.base_layer.weight"
+        )
         assert torch.equal(dict(base.named_parameters())[peft_name], p), name

@@ -42,19 +42,31 @@ def test_sigterm_checkpoints_the_last_round_and_resumes_exactly(ray_local, tmp_p
     DilocoFSDPTrainer(reference).train()
 
     # Slow round 3 down so SIGTERM lands in the middle of it.
-    cfg = tiny_config(tmp_path / "stopped", **COMMON,
-                      fault_plan=[{"kind": "slow", "replica": 0, "round": 3, "step": 1, "seconds": 3.0}])
+    cfg = tiny_config(
+        tmp_path / "stopped",
+        **COMMON,
+        fault_plan=[{"kind": "slow", "replica": 0, "round": 3, "step": 1, "seconds": 3.0}],
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "RAY_TMPDIR": "/tmp"}
     env.pop("RAY_ADDRESS", None)
     cfg.to_yaml(str(tmp_path / "stopped.yaml"))
     before = sessions()
-    proc = subprocess.Popen([sys.executable, "-m", "diloco_ray", "train", str(tmp_path / "stopped.yaml")],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "diloco_ray", "train", str(tmp_path / "stopped.yaml")],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl")
     deadline = time.time() + 240
     while time.time() < deadline:
-        if os.path.exists(metrics) and any(json.loads(line).get("event") == "round" and json.loads(line)["round"] == 2
-                                           for line in open(metrics) if line.strip()):
+        if os.path.exists(metrics) and any(
+            json.loads(line).get("event") == "round" and json.loads(line)["round"] == 2
+            for line in open(metrics)
+            if line.strip()
+        ):
             break
         time.sleep(0.2)
     time.sleep(1.5)  # into round 2's slow steps
@@ -73,8 +85,9 @@ def test_sigterm_checkpoints_the_last_round_and_resumes_exactly(ray_local, tmp_p
     assert processes_naming(started.pop()) == []
 
     # Resumed in this process, on the module's Ray (test_faults resumes through the CLI).
-    saved = TrainerConfig.from_yaml(os.path.join(cfg.output_dir, "config.yaml"),
-                                    overrides={"resume_from": cfg.output_dir, "fault_plan": None})
+    saved = TrainerConfig.from_yaml(
+        os.path.join(cfg.output_dir, "config.yaml"), overrides={"resume_from": cfg.output_dir, "fault_plan": None}
+    )
     DilocoFSDPTrainer(saved).train()
     assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2, 3, 4]
     assert max_abs_diff(cfg.output_dir, reference.output_dir) <= 1e-5

@@ -24,18 +24,32 @@ pytestmark = pytest.mark.integration
 # The fakes below live in this test module, which Ray workers cannot import by name.
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-CONTRACT_KEYS = ["round", "replicas", "replica_ids", "dropped", "inner_steps", "tokens", "train_loss",
-                 "eval_loss", "outer_lr", "pseudo_grad_norm", "bytes_up", "bytes_down",
-                 "round_seconds", "sync_seconds"]
+CONTRACT_KEYS = [
+    "round",
+    "replicas",
+    "replica_ids",
+    "dropped",
+    "inner_steps",
+    "tokens",
+    "train_loss",
+    "eval_loss",
+    "outer_lr",
+    "pseudo_grad_norm",
+    "bytes_up",
+    "bytes_down",
+    "round_seconds",
+    "sync_seconds",
+]
 
 
 class RecordingServer(ParameterServer):
     """Keeps every rank's pieces it was sent, so the test can redo the outer step itself."""
 
     def prepare(self, fragment, contributions):
-        self.recorded = [(c.replica_id, c.weight,
-                          [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
-                         for c in contributions]
+        self.recorded = [
+            (c.replica_id, c.weight, [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
+            for c in contributions
+        ]
         return super().prepare(fragment, contributions)
 
     def get_recorded(self):
@@ -85,7 +99,7 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
             for name, value in before.items():
                 rows = [pieces[name] for pieces in rank_pieces]
                 want = [c.shape[0] for c in torch.chunk(torch.from_numpy(value), 2, dim=0)]
-                assert [r.shape[0] for _, r in rows][:len(want)] == want
+                assert [r.shape[0] for _, r in rows][: len(want)] == want
                 assert [start for start, _ in rows] == [0, want[0]]  # rank r sent rows chunk r
                 full[name] = torch.cat([r for _, r in rows])
             pseudo_grads.append(full)
@@ -117,8 +131,16 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     from diloco_ray.model import loading as modeling
     from diloco_ray.runtime.rank import inner_lr_at, sync_period
 
-    cfg = tiny_config(tmp_path / "run", num_replicas=1, outer_lr=1.0, outer_momentum=0.0,
-                      diloco_loops=3, max_steps=4, eval_batches=0, **sync)
+    cfg = tiny_config(
+        tmp_path / "run",
+        num_replicas=1,
+        outer_lr=1.0,
+        outer_momentum=0.0,
+        diloco_loops=3,
+        max_steps=4,
+        eval_batches=0,
+        **sync,
+    )
     result = DilocoFSDPTrainer(cfg).train()
     assert [r["round"] for r in result.rounds] == [0, 1, 2]
     got = load_file(os.path.join(result.final_path, "model.safetensors"))
@@ -150,8 +172,9 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
                     synced[k] = {n: p.detach().clone() for n, p in named}
     for k, rows in enumerate(fragments):
         for name, interval in rows.items():
-            torch.testing.assert_close(partition.take(got[name], interval), partition.take(synced[k][name], interval),
-                                       rtol=0, atol=1e-5)
+            torch.testing.assert_close(
+                partition.take(got[name], interval), partition.take(synced[k][name], interval), rtol=0, atol=1e-5
+            )
     shapes = {n: tuple(t.shape) for n, t in got.items()}
     assert sum(partition.numel(rows, shapes) for rows in fragments) == sum(t.numel() for t in got.values())
 
@@ -160,8 +183,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
 def test_replica_dies_mid_round(ray_local, tmp_path, ranks):
     # With 2 ranks, the survivor of the dead rank's replica is blocked in a collective:
     # the driver must not wait for it (no round_timeout_s is set).
-    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120,
-                      ranks_per_replica=ranks)
+    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120, ranks_per_replica=ranks)
     result = DilocoFSDPTrainer(cfg, worker_cls=CrashingWorker).train()
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2]
@@ -188,8 +210,9 @@ def test_scale_from_a_callback(ray_local, tmp_path):
         def on_round_end(self, trainer, record):
             trainer.scale({0: 3, 1: 1}.get(record["round"], 1))
 
-    cfg = tiny_config(tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, log_with="tensorboard",
-                      join_timeout_s=120)
+    cfg = tiny_config(
+        tmp_path / "run", max_replicas=3, diloco_loops=3, eval_batches=0, log_with="tensorboard", join_timeout_s=120
+    )
     result = DilocoFSDPTrainer(cfg, callbacks=[Scaler()]).train()
     assert [r["replicas"] for r in result.rounds] == [2, 3, 1]
     assert glob.glob(os.path.join(cfg.output_dir, "logs", "events.out.tfevents.*"))
@@ -222,13 +245,21 @@ def test_step_events_reach_metrics_trackers_and_callbacks(ray_local, tmp_path):
             self.calls.append(("done",))
 
     hooks = Hooks()
-    cfg = tiny_config(tmp_path / "run", diloco_loops=2, max_steps=4, logging_steps=2,
-                      log_with=["tensorboard", "wandb"], wandb_project="diloco-test", wandb_tags=["ci"])
+    cfg = tiny_config(
+        tmp_path / "run",
+        diloco_loops=2,
+        max_steps=4,
+        logging_steps=2,
+        log_with=["tensorboard", "wandb"],
+        wandb_project="diloco-test",
+        wandb_tags=["ci"],
+    )
     DilocoFSDPTrainer(cfg, callbacks=[hooks]).train()
 
     steps = read_events(cfg.output_dir, "step")
-    assert sorted((e["round"], e["replica"], e["step"]) for e in steps) == \
-        [(r, rep, s) for r in (0, 1) for rep in (0, 1) for s in (2, 4)]
+    assert sorted((e["round"], e["replica"], e["step"]) for e in steps) == [
+        (r, rep, s) for r in (0, 1) for rep in (0, 1) for s in (2, 4)
+    ]
     for e in steps:
         assert e["global_step"] == e["round"] * 4 + e["step"] and math.isfinite(e["loss"]) and e["lr"] > 0
         assert e["tokens"] > 0
@@ -258,8 +289,9 @@ def test_bf16_autocast_on_cpu(ray_local, tmp_path):
 
 def test_fsdp_bf16_mixed_precision_policy(ray_local, tmp_path):
     """Two ranks with FSDP2's MixedPrecisionPolicy (bf16 params, fp32 reduction) over gloo."""
-    cfg = tiny_config(tmp_path / "run", num_replicas=1, ranks_per_replica=2, mixed_precision="bf16",
-                      diloco_loops=2, max_steps=6)
+    cfg = tiny_config(
+        tmp_path / "run", num_replicas=1, ranks_per_replica=2, mixed_precision="bf16", diloco_loops=2, max_steps=6
+    )
     result = DilocoFSDPTrainer(cfg).train()
     losses = [r["eval_loss"] for r in result.rounds]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]

@@ -27,12 +27,15 @@ def test_scale_to_fewer_than_one_replica_is_refused(tmp_path, capsys, target):
     assert not (tmp_path / "scale_request.json").exists()
 
 
-@pytest.mark.parametrize("argv", [
-    ["train", TINY, "--set", f"output_dir=s3://AKIAEXAMPLE:{SECRET}@bucket/run"],
-    ["train", TINY, "--set", f"resume_from=s3://AKIAEXAMPLE:{SECRET}@bucket/run/checkpoints"],
-    ["scale", f"s3://AKIAEXAMPLE:{SECRET}@bucket/run", "3"],
-    ["report", f"gs://user:{SECRET}@bucket/run"],
-])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", TINY, "--set", f"output_dir=s3://AKIAEXAMPLE:{SECRET}@bucket/run"],
+        ["train", TINY, "--set", f"resume_from=s3://AKIAEXAMPLE:{SECRET}@bucket/run/checkpoints"],
+        ["scale", f"s3://AKIAEXAMPLE:{SECRET}@bucket/run", "3"],
+        ["report", f"gs://user:{SECRET}@bucket/run"],
+    ],
+)
 def test_credentials_in_a_uri_are_refused_and_never_echoed(capsys, argv):
     code, out, err = run_cli(capsys, *argv)
     assert code == 2 and err.count("\n") == 1 and "credentials" in err
@@ -45,13 +48,16 @@ def test_redact_hides_only_the_userinfo():
     assert storage.redact("outputs/run") == "outputs/run"
 
 
-@pytest.mark.parametrize("output_dir, says", [
-    ("/proc/self/diloco", "pseudo-filesystem"),
-    ("/sys/diloco-run", "pseudo-filesystem"),
-    ("{tmp}/" + "x" * 300, "at most 255"),
-    ("{tmp}/" + "/".join(["y" * 200] * 25), "shorter than"),
-    ("{tmp}/file/run", "not a writable folder"),
-])
+@pytest.mark.parametrize(
+    "output_dir, says",
+    [
+        ("/proc/self/diloco", "pseudo-filesystem"),
+        ("/sys/diloco-run", "pseudo-filesystem"),
+        ("{tmp}/" + "x" * 300, "at most 255"),
+        ("{tmp}/" + "/".join(["y" * 200] * 25), "shorter than"),
+        ("{tmp}/file/run", "not a writable folder"),
+    ],
+)
 def test_output_dir_that_cannot_be_made_is_bad_input(tmp_path, capsys, output_dir, says):
     (tmp_path / "file").write_text("not a folder")
     before = sorted(os.listdir(tmp_path))
@@ -70,12 +76,22 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
     from diloco_ray.persist.run_folder import LOCK_FILE, RunFolder
 
     out = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from diloco_ray.config import TrainerConfig\n"
-        "from diloco_ray.persist.run_folder import RunFolder\n"
-        f"held = RunFolder(TrainerConfig.from_yaml({TINY!r}, overrides={{'output_dir': {str(out)!r}}})); held.lock()\n"
-        "print('locked', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONPATH": ROOT})
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time; from diloco_ray.config import TrainerConfig\n"
+                "from diloco_ray.persist.run_folder import RunFolder\n"
+                f"config = TrainerConfig.from_yaml({TINY!r}, overrides={{'output_dir': {str(out)!r}}})\n"
+                "held = RunFolder(config); held.lock()\n"
+                "print('locked', flush=True); time.sleep(60)"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         code, _, err = run_cli(capsys, "train", TINY, "--set", f"output_dir={out}")
@@ -109,8 +125,9 @@ def a_checkpoint(root, round_index=3):
 
 
 def snapshot_of(folder) -> dict:
-    return {os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns
-            for d, _, names in os.walk(folder) for f in names}
+    return {
+        os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, names in os.walk(folder) for f in names
+    }
 
 
 def test_resume_from_another_runs_checkpoint_into_a_finished_run_is_refused(tmp_path, capsys):
@@ -142,8 +159,9 @@ def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
     assert sorted(os.listdir(out)) == ["notes.txt"]
     # Resuming the run itself with overwrite_output_dir set keeps what it resumes from.
     a_checkpoint(out / "checkpoints")
-    cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out), "overwrite_output_dir": True,
-                                                   "resume_from": str(out)})
+    cfg = TrainerConfig.from_yaml(
+        TINY, overrides={"output_dir": str(out), "overwrite_output_dir": True, "resume_from": str(out)}
+    )
     RunFolder(cfg).prepare(resuming=True)
     assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is not None
 

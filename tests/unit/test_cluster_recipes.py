@@ -88,6 +88,7 @@ def _check_remote_output_dir(cfg: TrainerConfig) -> None:
 # Cluster launcher configs (ray up)
 # ---------------------------------------------------------------------------------------
 
+
 def _launcher(name: str) -> dict:
     """The config as `ray up` sees it before it calls the cloud: merged with the
     provider's defaults and validated against ray-schema.json."""
@@ -106,7 +107,7 @@ def _submit(name: str) -> tuple[dict, TrainerConfig]:
     commands = [line for line in _logical_lines(_read(name), comments=True) if SUBMIT.match(line)]
     assert len(commands) == 1, f"{name} should show one `ray job submit` command"
     words = shlex.split(commands[0])
-    words = words[words.index("ray") + 3:]  # after the env assignments and `ray job submit`
+    words = words[words.index("ray") + 3 :]  # after the env assignments and `ray job submit`
     params = submit.make_context("submit", words).params
     return params, _train_config(list(params["entrypoint"]))
 
@@ -195,68 +196,168 @@ def test_launcher_installs_torch_then_this_project(name):
 # ---------------------------------------------------------------------------------------
 
 _STR_MAP = {"type": "object", "additionalProperties": {"type": "string"}}
-_ENV = {"type": "array", "items": {
-    "type": "object", "required": ["name"], "additionalProperties": False,
-    "properties": {"name": {"type": "string"}, "value": {"type": "string"}, "valueFrom": {
-        "type": "object", "additionalProperties": False, "minProperties": 1, "maxProperties": 1,
-        "properties": {"secretKeyRef": {"type": "object", "required": ["name", "key"], "additionalProperties": False,
-                                        "properties": {"name": {"type": "string"}, "key": {"type": "string"},
-                                                       "optional": {"type": "boolean"}}},
-                       "configMapKeyRef": {"type": "object"}, "fieldRef": {"type": "object"},
-                       "resourceFieldRef": {"type": "object"}}}},
-    "not": {"required": ["value", "valueFrom"]}}}
+_ENV = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "required": ["name"],
+        "additionalProperties": False,
+        "properties": {
+            "name": {"type": "string"},
+            "value": {"type": "string"},
+            "valueFrom": {
+                "type": "object",
+                "additionalProperties": False,
+                "minProperties": 1,
+                "maxProperties": 1,
+                "properties": {
+                    "secretKeyRef": {
+                        "type": "object",
+                        "required": ["name", "key"],
+                        "additionalProperties": False,
+                        "properties": {
+                            "name": {"type": "string"},
+                            "key": {"type": "string"},
+                            "optional": {"type": "boolean"},
+                        },
+                    },
+                    "configMapKeyRef": {"type": "object"},
+                    "fieldRef": {"type": "object"},
+                    "resourceFieldRef": {"type": "object"},
+                },
+            },
+        },
+        "not": {"required": ["value", "valueFrom"]},
+    },
+}
 _QUANTITIES = {"type": "object", "additionalProperties": {"type": ["string", "integer"]}}
-_POD_TEMPLATE = {"type": "object", "required": ["spec"], "properties": {"spec": {
-    "type": "object", "required": ["containers"], "properties": {"containers": {
-        "type": "array", "minItems": 1, "items": {
-            "type": "object", "required": ["name", "image"], "properties": {
-                "name": {"type": "string"}, "image": {"type": "string"}, "env": _ENV,
-                "resources": {"type": "object", "additionalProperties": False,
-                              "properties": {"limits": _QUANTITIES, "requests": _QUANTITIES}}}}}}}}}
+_POD_TEMPLATE = {
+    "type": "object",
+    "required": ["spec"],
+    "properties": {
+        "spec": {
+            "type": "object",
+            "required": ["containers"],
+            "properties": {
+                "containers": {
+                    "type": "array",
+                    "minItems": 1,
+                    "items": {
+                        "type": "object",
+                        "required": ["name", "image"],
+                        "properties": {
+                            "name": {"type": "string"},
+                            "image": {"type": "string"},
+                            "env": _ENV,
+                            "resources": {
+                                "type": "object",
+                                "additionalProperties": False,
+                                "properties": {"limits": _QUANTITIES, "requests": _QUANTITIES},
+                            },
+                        },
+                    },
+                }
+            },
+        }
+    },
+}
 _COUNT = {"type": "integer", "minimum": 0}
 # The fields of ray.io/v1 RayJob and the RayClusterSpec inside it (KubeRay v1.5-v1.6),
 # closed, so a misspelt field fails here instead of being dropped by the API server.
 RAYJOB_SCHEMA = {
-    "type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
+    "type": "object",
+    "required": ["apiVersion", "kind", "metadata", "spec"],
     "properties": {
         "apiVersion": {"const": "ray.io/v1"},
         "kind": {"const": "RayJob"},
-        "metadata": {"type": "object", "required": ["name"],
-                     "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}}},
+        "metadata": {
+            "type": "object",
+            "required": ["name"],
+            "properties": {"name": {"type": "string", "pattern": "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"}},
+        },
         "spec": {
-            "type": "object", "required": ["entrypoint", "rayClusterSpec"], "additionalProperties": False,
+            "type": "object",
+            "required": ["entrypoint", "rayClusterSpec"],
+            "additionalProperties": False,
             "properties": {
-                "activeDeadlineSeconds": {"type": "integer", "minimum": 1}, "backoffLimit": _COUNT,
+                "activeDeadlineSeconds": {"type": "integer", "minimum": 1},
+                "backoffLimit": _COUNT,
                 "rayClusterSpec": {
-                    "type": "object", "required": ["headGroupSpec"], "additionalProperties": False,
+                    "type": "object",
+                    "required": ["headGroupSpec"],
+                    "additionalProperties": False,
                     "properties": {
-                        "authOptions": {"type": "object", "additionalProperties": False, "properties": {
-                            "mode": {"enum": ["disabled", "token"]}, "secretName": {"type": "string"},
-                            "enableK8sTokenAuth": {"type": "boolean"}}},
-                        "headGroupSpec": {"type": "object", "required": ["rayStartParams", "template"],
-                                          "additionalProperties": False, "properties": {
-                                              "rayStartParams": _STR_MAP, "template": _POD_TEMPLATE,
-                                              "headService": {"type": "object"}, "enableIngress": {"type": "boolean"},
-                                              "serviceType": {"type": "string"}}},
-                        "workerGroupSpecs": {"type": "array", "items": {
-                            "type": "object", "required": ["groupName", "rayStartParams", "template"],
-                            "additionalProperties": False, "properties": {
-                                "groupName": {"type": "string"}, "replicas": _COUNT, "minReplicas": _COUNT,
-                                "maxReplicas": _COUNT, "idleTimeoutSeconds": _COUNT, "numOfHosts": _COUNT,
-                                "rayStartParams": _STR_MAP, "template": _POD_TEMPLATE, "suspend": {"type": "boolean"},
-                                "scaleStrategy": {"type": "object"}}}},
-                        "rayVersion": {"type": "string"}, "enableInTreeAutoscaling": {"type": "boolean"},
-                        "autoscalerOptions": {"type": "object"}, "headServiceAnnotations": _STR_MAP,
-                        "gcsFaultToleranceOptions": {"type": "object"}, "suspend": {"type": "boolean"},
-                        "managedBy": {"type": "string"}, "upgradeStrategy": {"type": "object"}}},
-                "submitterPodTemplate": {"type": "object"}, "metadata": _STR_MAP, "clusterSelector": _STR_MAP,
-                "submitterConfig": {"type": "object"}, "managedBy": {"type": "string"},
-                "deletionStrategy": {"type": "object"}, "entrypoint": {"type": "string"},
-                "runtimeEnvYAML": {"type": "string"}, "jobId": {"type": "string"},
+                        "authOptions": {
+                            "type": "object",
+                            "additionalProperties": False,
+                            "properties": {
+                                "mode": {"enum": ["disabled", "token"]},
+                                "secretName": {"type": "string"},
+                                "enableK8sTokenAuth": {"type": "boolean"},
+                            },
+                        },
+                        "headGroupSpec": {
+                            "type": "object",
+                            "required": ["rayStartParams", "template"],
+                            "additionalProperties": False,
+                            "properties": {
+                                "rayStartParams": _STR_MAP,
+                                "template": _POD_TEMPLATE,
+                                "headService": {"type": "object"},
+                                "enableIngress": {"type": "boolean"},
+                                "serviceType": {"type": "string"},
+                            },
+                        },
+                        "workerGroupSpecs": {
+                            "type": "array",
+                            "items": {
+                                "type": "object",
+                                "required": ["groupName", "rayStartParams", "template"],
+                                "additionalProperties": False,
+                                "properties": {
+                                    "groupName": {"type": "string"},
+                                    "replicas": _COUNT,
+                                    "minReplicas": _COUNT,
+                                    "maxReplicas": _COUNT,
+                                    "idleTimeoutSeconds": _COUNT,
+                                    "numOfHosts": _COUNT,
+                                    "rayStartParams": _STR_MAP,
+                                    "template": _POD_TEMPLATE,
+                                    "suspend": {"type": "boolean"},
+                                    "scaleStrategy": {"type": "object"},
+                                },
+                            },
+                        },
+                        "rayVersion": {"type": "string"},
+                        "enableInTreeAutoscaling": {"type": "boolean"},
+                        "autoscalerOptions": {"type": "object"},
+                        "headServiceAnnotations": _STR_MAP,
+                        "gcsFaultToleranceOptions": {"type": "object"},
+                        "suspend": {"type": "boolean"},
+                        "managedBy": {"type": "string"},
+                        "upgradeStrategy": {"type": "object"},
+                    },
+                },
+                "submitterPodTemplate": {"type": "object"},
+                "metadata": _STR_MAP,
+                "clusterSelector": _STR_MAP,
+                "submitterConfig": {"type": "object"},
+                "managedBy": {"type": "string"},
+                "deletionStrategy": {"type": "object"},
+                "entrypoint": {"type": "string"},
+                "runtimeEnvYAML": {"type": "string"},
+                "jobId": {"type": "string"},
                 "submissionMode": {"enum": ["K8sJobMode", "HTTPMode", "InteractiveMode", "SidecarMode"]},
-                "entrypointResources": {"type": "string"}, "entrypointNumCpus": {"type": "number"},
-                "entrypointNumGpus": {"type": "number"}, "ttlSecondsAfterFinished": _COUNT,
-                "shutdownAfterJobFinishes": {"type": "boolean"}, "suspend": {"type": "boolean"}}}}}
+                "entrypointResources": {"type": "string"},
+                "entrypointNumCpus": {"type": "number"},
+                "entrypointNumGpus": {"type": "number"},
+                "ttlSecondsAfterFinished": _COUNT,
+                "shutdownAfterJobFinishes": {"type": "boolean"},
+                "suspend": {"type": "boolean"},
+            },
+        },
+    },
+}
 
 
 def _rayjob() -> dict:
@@ -341,6 +442,7 @@ def test_rayjob_takes_secrets_from_a_kubernetes_secret():
 # Cross-region placement: cluster/cross_region.yaml on cluster/local_regions.sh's nodes
 # ---------------------------------------------------------------------------------------
 
+
 def _lib_opts() -> str:
     """The options the local scripts pass to every `ray start` (RAY_LOCAL_OPTS)."""
     match = re.search(r"RAY_LOCAL_OPTS=\((.*?)\)", _read("local_ray_lib.sh"), re.S)
@@ -358,12 +460,13 @@ def _ray_starts(script: str) -> list[dict]:
             continue
         assert '"${RAY_LOCAL_OPTS[@]}"' in line, "every node needs the cluster's own temp dir (see ray_local_stop)"
         line = line.replace('"${RAY_LOCAL_OPTS[@]}"', _lib_opts())
-        line = re.sub(r"\$\(\([^)]*\)\)", "1", line)                  # $((agent + 1))
-        line = re.sub(r"\$\{?\w+(:-[^}]*)?\}?", "1", line)               # $port, ${X:-default}
+        line = re.sub(r"\$\(\([^)]*\)\)", "1", line)  # $((agent + 1))
+        line = re.sub(r"\$\{?\w+(:-[^}]*)?\}?", "1", line)  # $port, ${X:-default}
         words = [w for w in shlex.split(line) if not w.startswith(">")][2:]
         params = start.make_context("start", words).params
-        nodes.append({"head": params["head"], "CPU": float(params["num_cpus"]),
-                      **json.loads(params["resources"] or "{}")})
+        nodes.append(
+            {"head": params["head"], "CPU": float(params["num_cpus"]), **json.loads(params["resources"] or "{}")}
+        )
     return nodes
 
 
@@ -375,14 +478,17 @@ def _demands(cfg: TrainerConfig) -> list[list[dict]]:
     """What the job places: the server actor (one bundle) and, per replica, its
     STRICT_PACK group of ranks_per_replica bundles (all on one node)."""
     server = [{"CPU": cfg.server_cpus, **cfg.server_resources}]
-    replicas = [[{"CPU": cfg.cpus_per_rank, **resources_for_replica(cfg.replica_resources, i)}]
-                * cfg.ranks_per_replica for i in range(cfg.num_replicas)]
+    replicas = [
+        [{"CPU": cfg.cpus_per_rank, **resources_for_replica(cfg.replica_resources, i)}] * cfg.ranks_per_replica
+        for i in range(cfg.num_replicas)
+    ]
     return [server] + replicas
 
 
 def _fits_every_way(nodes: list[dict], demands: list[list[dict]]) -> bool:
     """True when every demand can be placed whatever order Ray places them in and
     whichever feasible node it picks for each: no choice strands a later one."""
+
     def place(free, left):
         if not left:
             return True
@@ -398,7 +504,7 @@ def _fits_every_way(nodes: list[dict], demands: list[list[dict]]) -> bool:
                 after = [dict(a) for a in free]
                 for k, v in need.items():
                     after[n][k] -= v
-                if not place(after, left[:i] + left[i + 1:]):
+                if not place(after, left[:i] + left[i + 1 :]):
                     return False
         return True
 
@@ -422,8 +528,9 @@ def test_local_regions_script_provides_every_region_the_job_asks_for():
     nodes = _ray_starts(script)
     assert sum(n["head"] for n in nodes) == 1
     offered = {k for n in nodes for k in n if k not in ("head", "CPU")}
-    asked = set(cfg.server_resources).union(*(resources_for_replica(cfg.replica_resources, i)
-                                              for i in range(cfg.replica_bounds[1])))
+    asked = set(cfg.server_resources).union(
+        *(resources_for_replica(cfg.replica_resources, i) for i in range(cfg.replica_bounds[1]))
+    )
     assert asked <= offered, f"no node offers {asked - offered}"
     # The server's region is the head's, where `ray job submit` runs the driver.
     head = next(n for n in nodes if n["head"])
@@ -449,6 +556,7 @@ def test_fit_check_catches_a_region_without_room():
 # The local scripts
 # ---------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_is_valid_bash(script):
     subprocess.run(["bash", "-n", os.path.join(CLUSTER, script)], check=True)
@@ -467,7 +575,7 @@ def test_local_script_uses_token_auth_and_stops_only_its_cluster(script):
     submit = [line for line in _logical_lines(text) if SUBMIT.match(line)]
     assert len(submit) == 1 and "--working-dir ." in submit[0]
     words = shlex.split(submit[0])
-    assert words[words.index("--") + 1:][:5] == ["python", "-m", "diloco_ray", "train", "$config"]
+    assert words[words.index("--") + 1 :][:5] == ["python", "-m", "diloco_ray", "train", "$config"]
     assert os.path.isfile(os.path.join(ROOT, _default_config(script)))
 
 
@@ -482,8 +590,9 @@ def test_local_script_ports_avoid_rays_defaults(script):
 
 
 def test_local_scripts_do_not_share_ports():
-    ports = [dict(re.findall(r"\$\{(RAY_\w+PORT):-(\d+)\}", _read(s)))
-             for s in ("local_multinode.sh", "local_regions.sh")]
+    ports = [
+        dict(re.findall(r"\$\{(RAY_\w+PORT):-(\d+)\}", _read(s))) for s in ("local_multinode.sh", "local_regions.sh")
+    ]
     agents = [int(p["RAY_AGENT_PORT"]) for p in ports]
     used = [set(p.values()) - {p["RAY_AGENT_PORT"]} for p in ports]
     assert not used[0] & used[1]

@@ -14,7 +14,8 @@ def test_notices_and_warnings_are_one_line_each(capsys):
     logs.log.debug("not shown")
     assert capsys.readouterr().err.splitlines() == [
         "diloco-ray: joining the running local Ray cluster at 10.0.0.1:6379",
-        "diloco-ray: warning: starting with 1 of num_replicas=2 replicas"]
+        "diloco-ray: warning: starting with 1 of num_replicas=2 replicas",
+    ]
 
 
 def test_lines_follow_sys_stderr_when_it_is_replaced(capsys):

@@ -13,7 +13,7 @@ from diloco_ray.algo import compression as cz
 from diloco_ray.algo.compression import CODECS, DEFAULT_BLOCK, codec_nbytes, compress, pack, packed_meta, unpack
 
 SHAPES = [(1,), (7,), (2047,), (2049,), (4097,), (33, 65), (3, 5, 7), (), (0,), (3, 0)]
-EPS32 = 2.0 ** -24
+EPS32 = 2.0**-24
 
 
 def random_tensors(seed=0, shapes=SHAPES):
@@ -26,7 +26,7 @@ def layout(buf):
     raw = bytes(buf)
     assert raw[:4] == cz.MAGIC
     (length,) = struct.unpack("<I", raw[4:8])
-    header = json.loads(raw[8:8 + length].decode("utf-8"))
+    header = json.loads(raw[8 : 8 + length].decode("utf-8"))
     return header, -(-(8 + length) // 8) * 8
 
 
@@ -76,13 +76,13 @@ def test_integer_codecs_error_within_half_a_step_per_block(codec, qmax, block):
         assert far < 5.0 / qmax
 
 
-@pytest.mark.parametrize("codec,rel", [("fp16", 2.0 ** -11), ("bf16", 2.0 ** -8)])
+@pytest.mark.parametrize("codec,rel", [("fp16", 2.0**-11), ("bf16", 2.0**-8)])
 def test_half_codecs_relative_error(codec, rel):
     tensors = random_tensors(seed=2)
     decoded, _ = unpack(pack(tensors, codec))
     for name, x in tensors.items():
         x64, y64 = x.double(), decoded[name].double()
-        normal = x64.abs() >= 2.0 ** -14  # fp16's smallest normal; bf16's is far smaller
+        normal = x64.abs() >= 2.0**-14  # fp16's smallest normal; bf16's is far smaller
         assert ((x64 - y64).abs()[normal] <= rel * x64.abs()[normal]).all(), name
 
 

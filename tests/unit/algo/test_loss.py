@@ -10,8 +10,16 @@ from diloco_ray.algo.loss import IGNORE_INDEX, items_per_rank, loss_tokens
 
 def tiny_llama():
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                        num_attention_heads=2, num_key_value_heads=2))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+        )
+    )
 
 
 def micro_batches():
@@ -34,8 +42,11 @@ def big_batch_grads():
     batches = micro_batches()
     logits = [model(input_ids=b["input_ids"]).logits[:, :-1] for b in batches]
     labels = [b["labels"][:, 1:] for b in batches]
-    loss = torch.nn.functional.cross_entropy(torch.cat([x.reshape(-1, 50) for x in logits]),
-                                             torch.cat([y.reshape(-1) for y in labels]), ignore_index=IGNORE_INDEX)
+    loss = torch.nn.functional.cross_entropy(
+        torch.cat([x.reshape(-1, 50) for x in logits]),
+        torch.cat([y.reshape(-1) for y in labels]),
+        ignore_index=IGNORE_INDEX,
+    )
     loss.backward()
     return grads(model)
 
@@ -98,13 +109,23 @@ def test_the_inner_loop_gives_grad_accum_the_gradient_of_one_batch(tmp_path):
 
     rng = random.Random(0)
     rows = tmp_path / "rows.jsonl"
-    rows.write_text("".join(json.dumps({"q": "q" * rng.randint(1, 12), "a": "a" * rng.randint(1, 12)}) + "\n"
-                            for _ in range(64)))
+    rows.write_text(
+        "".join(json.dumps({"q": "q" * rng.randint(1, 12), "a": "a" * rng.randint(1, 12)}) + "\n" for _ in range(64))
+    )
 
     def pseudo_gradient(batch_size, grad_accum):
-        cfg = tiny_config(tmp_path / f"b{batch_size}", batch_size=batch_size, grad_accum=grad_accum, max_steps=2,
-                          dataset_name=None, dataset_kwargs={}, json_file_path=str(rows), prompt_template="{q}=",
-                          completion_template="{a}", max_grad_norm=None)
+        cfg = tiny_config(
+            tmp_path / f"b{batch_size}",
+            batch_size=batch_size,
+            grad_accum=grad_accum,
+            max_steps=2,
+            dataset_name=None,
+            dataset_kwargs={},
+            json_file_path=str(rows),
+            prompt_template="{q}=",
+            completion_template="{a}",
+            max_grad_norm=None,
+        )
         w = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)
         w.setup()
         grads, stats = first_round(w, [(0, 8)])

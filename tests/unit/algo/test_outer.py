@@ -67,9 +67,7 @@ def test_global_norm_over_all_tensors():
 def test_find_invalid_reasons():
     ref = {"w": torch.zeros(2), "layer.weight": torch.zeros(1)}
     assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(3.0)}, ref) is None
-    assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(math.nan)}, ref) == (
-        "non-finite values in 'layer.weight'"
-    )
+    assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(math.nan)}, ref) == ("non-finite values in 'layer.weight'")
     assert find_invalid({"w": t(1.0, 2.0, 3.0), "layer.weight": t(3.0)}, ref) == (
         "shape mismatch for 'w': got (3,), want (2,)"
     )
@@ -128,9 +126,7 @@ def test_returned_params_are_plain_fp32_leaves():
 
 
 def test_clip_uses_norm_over_all_params():
-    opt = OuterOptimizer(
-        {"a": t(0.0), "b": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=1.0)
-    )
+    opt = OuterOptimizer({"a": t(0.0), "b": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=1.0))
     opt.step([{"a": t(3.0), "b": t(4.0)}], [1.0])
     # total norm sqrt(9 + 16) = 5; coef = 1 / (5 + 1e-6); params = -coef * [3, 4]
     coef = 1.0 / (5.0 + 1e-6)
@@ -140,9 +136,7 @@ def test_clip_uses_norm_over_all_params():
 
 
 def test_clip_no_scaling_under_limit():
-    opt = OuterOptimizer(
-        {"a": t(0.0), "b": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=10.0)
-    )
+    opt = OuterOptimizer({"a": t(0.0), "b": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=10.0))
     opt.step([{"a": t(3.0), "b": t(4.0)}], [1.0])
     close(opt.params["a"], [-3.0])
     close(opt.params["b"], [-4.0])
@@ -373,8 +367,10 @@ def test_load_state_dict_by_name_when_param_order_differs():
         assert torch.equal(reordered.params[name], uninterrupted.params[name])
 
 
-@pytest.mark.parametrize("outer", [dict(outer_opt="SGD", outer_momentum=0.9),
-                                   dict(outer_opt="Adam", outer_opt_kwargs={"betas": [0.9, 0.95]})])
+@pytest.mark.parametrize(
+    "outer",
+    [dict(outer_opt="SGD", outer_momentum=0.9), dict(outer_opt="Adam", outer_opt_kwargs={"betas": [0.9, 0.95]})],
+)
 def test_in_place_one_parameter_at_a_time_equals_one_step(outer):
     """The server's way (apply(in_place=True): the sum scaled in place, each parameter
     stepped alone and its gradient dropped) gives the same weights as one step of all."""

@@ -15,17 +15,19 @@ def llama_shapes(layers: int) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (100, 128)}
     for i in range(layers):
         pre = f"model.layers.{i}"
-        shapes.update({
-            f"{pre}.self_attn.q_proj.weight": (128, 128),
-            f"{pre}.self_attn.k_proj.weight": (128, 128),
-            f"{pre}.self_attn.v_proj.weight": (128, 128),
-            f"{pre}.self_attn.o_proj.weight": (128, 128),
-            f"{pre}.mlp.gate_proj.weight": (256, 128),
-            f"{pre}.mlp.up_proj.weight": (256, 128),
-            f"{pre}.mlp.down_proj.weight": (128, 256),
-            f"{pre}.input_layernorm.weight": (128,),
-            f"{pre}.post_attention_layernorm.weight": (128,),
-        })
+        shapes.update(
+            {
+                f"{pre}.self_attn.q_proj.weight": (128, 128),
+                f"{pre}.self_attn.k_proj.weight": (128, 128),
+                f"{pre}.self_attn.v_proj.weight": (128, 128),
+                f"{pre}.self_attn.o_proj.weight": (128, 128),
+                f"{pre}.mlp.gate_proj.weight": (256, 128),
+                f"{pre}.mlp.up_proj.weight": (256, 128),
+                f"{pre}.mlp.down_proj.weight": (128, 256),
+                f"{pre}.input_layernorm.weight": (128,),
+                f"{pre}.post_attention_layernorm.weight": (128,),
+            }
+        )
     shapes["model.norm.weight"] = (128,)
     shapes["lm_head.weight"] = (100, 128)
     return shapes
@@ -145,8 +147,16 @@ def test_layer_index():
     assert P.layer_index("base_model.model.model.layers.3.self_attn.q_proj.lora_A.default.weight") == 3
     assert P.layer_index("encoder.blocks.7.ff.weight") == 7
     assert P.layer_index("net.block.0.layer.5.w") == 0  # first match wins
-    for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                 "transformer.wte.weight", "transformer.ln_f.weight", "h.x.weight", "layers", "model.3.weight"):
+    for name in (
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "transformer.wte.weight",
+        "transformer.ln_f.weight",
+        "h.x.weight",
+        "layers",
+        "model.3.weight",
+    ):
         assert P.layer_index(name) is None, name
 
 
@@ -177,11 +187,19 @@ def big_vocab_llama(vocab=32000, d=512, ffn=1376, layers=8, tied=False) -> dict:
     shapes = {"model.embed_tokens.weight": (vocab, d)}
     for i in range(layers):
         pre = f"model.layers.{i}"
-        shapes.update({f"{pre}.self_attn.q_proj.weight": (d, d), f"{pre}.self_attn.k_proj.weight": (d, d),
-                       f"{pre}.self_attn.v_proj.weight": (d, d), f"{pre}.self_attn.o_proj.weight": (d, d),
-                       f"{pre}.mlp.gate_proj.weight": (ffn, d), f"{pre}.mlp.up_proj.weight": (ffn, d),
-                       f"{pre}.mlp.down_proj.weight": (d, ffn), f"{pre}.input_layernorm.weight": (d,),
-                       f"{pre}.post_attention_layernorm.weight": (d,)})
+        shapes.update(
+            {
+                f"{pre}.self_attn.q_proj.weight": (d, d),
+                f"{pre}.self_attn.k_proj.weight": (d, d),
+                f"{pre}.self_attn.v_proj.weight": (d, d),
+                f"{pre}.self_attn.o_proj.weight": (d, d),
+                f"{pre}.mlp.gate_proj.weight": (ffn, d),
+                f"{pre}.mlp.up_proj.weight": (ffn, d),
+                f"{pre}.mlp.down_proj.weight": (d, ffn),
+                f"{pre}.input_layernorm.weight": (d,),
+                f"{pre}.post_attention_layernorm.weight": (d,),
+            }
+        )
     shapes["model.norm.weight"] = (d,)
     if not tied:
         shapes["lm_head.weight"] = (vocab, d)
@@ -251,10 +269,12 @@ def test_intersect():
 @pytest.mark.parametrize("servers, frags, ws", [(1, 1, 1), (2, 4, 2), (3, 2, 4), (4, 4, 3), (5, 3, 2)])
 def test_triple_intersection_tiles_model(key, servers, frags, ws):
     shapes = ALL[key]
-    pieces = [P.intersect(rank, frag, shard)
-              for shard in P.server_shards(shapes, servers)
-              for frag in P.fragments(shapes, frags)
-              for rank in (P.rank_rows(shapes, ws, r) for r in range(ws))]
+    pieces = [
+        P.intersect(rank, frag, shard)
+        for shard in P.server_shards(shapes, servers)
+        for frag in P.fragments(shapes, frags)
+        for rank in (P.rank_rows(shapes, ws, r) for r in range(ws))
+    ]
     assert_tiles(pieces, shapes)
     assert sum(P.numel(p, shapes) for p in pieces) == P.numel(P.whole(shapes), shapes)
 

@@ -137,7 +137,7 @@ def test_plan_looks_at_every_server():
     sync.versions = [3, 2]
     assert sync.plan(2, True) == "skip"
     assert sync.plan(3, True) == "apply"  # server 1 is one behind
-    assert sync.plan(4, True) == "full"   # server 1 would skip one
+    assert sync.plan(4, True) == "full"  # server 1 would skip one
     sync.versions = [3, 3]
     assert sync.plan(3, True) == "skip"
     assert sync.plan(4, True) == "apply"
@@ -237,8 +237,14 @@ def test_outgoing_tiles_the_pseudo_gradient(world_size, servers, fragments):
                     hi = lo + (piece.shape[0] if piece.dim() else 1)
                     # Only this rank's rows, of this fragment, owned by this server.
                     assert partition.intersect({n: (lo, hi)}, frags[f], shards[s]) == {n: (lo, hi)}
-                    mine = (0, 1) if not shapes[n] else (shard_rows(shapes[n][0], world_size, rank).start,
-                                                         shard_rows(shapes[n][0], world_size, rank).stop)
+                    mine = (
+                        (0, 1)
+                        if not shapes[n]
+                        else (
+                            shard_rows(shapes[n][0], world_size, rank).start,
+                            shard_rows(shapes[n][0], world_size, rank).stop,
+                        )
+                    )
                     assert mine[0] <= lo and hi <= mine[1]
                     assert torch.equal(piece, partition.take(expect[n], (lo, hi)))
                     seen[n][lo:hi] += 1
@@ -403,6 +409,7 @@ def measure_outgoing_memory() -> None:
 
     results = []
     for codec, feedback in MEMORY_CASES:
+
         def ready(shapes):
             sync = RankSync(shapes, world_size=1, rank=0, codec=codec, error_feedback=feedback)
             local = {n: torch.randn(s) for n, s in shapes.items()}
@@ -434,8 +441,13 @@ def outgoing_memory() -> list[dict]:
     here = os.path.dirname(os.path.abspath(__file__))
     tests = os.path.dirname(os.path.dirname(here))  # conftest lives there
     path = os.pathsep.join([here, tests, os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run([sys.executable, "-c", "import test_rank_sync; test_rank_sync.measure_outgoing_memory()"],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": path})
+    done = subprocess.run(
+        [sys.executable, "-c", "import test_rank_sync; test_rank_sync.measure_outgoing_memory()"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": path},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

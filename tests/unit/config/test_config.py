@@ -36,6 +36,7 @@ def write_yaml(path: Path, values) -> str:
 
 # --- YAML files shipped with the package --------------------------------------------------
 
+
 def test_configs_folder_is_not_empty():
     assert CONFIGS, "configs/*.yaml should hold at least the tiny default"
 
@@ -69,6 +70,7 @@ def test_tiny_yaml_values():
 
 # --- construction and defaults ------------------------------------------------------------
 
+
 def test_direct_construction_and_defaults():
     cfg = TrainerConfig(**BASE)
     assert cfg.outer_opt == "SGD"
@@ -101,8 +103,10 @@ def test_config_error_is_user_input_and_value_error():
 
 # --- unknown fields -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("bad, good", [("outer_lrr", "outer_lr"), ("num_replica", "num_replicas"),
-                                       ("batchsize", "batch_size")])
+
+@pytest.mark.parametrize(
+    "bad, good", [("outer_lrr", "outer_lr"), ("num_replica", "num_replicas"), ("batchsize", "batch_size")]
+)
 def test_unknown_field_from_dict_names_closest(bad, good):
     with pytest.raises(ConfigError) as ei:
         TrainerConfig.from_dict({**BASE, bad: 1}, source="my.yaml")
@@ -151,36 +155,40 @@ def test_from_dict_rejects_non_mapping():
 
 # --- types and ranges ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("field, value, allowed", [
-    ("batch_size", "x", "integer"),
-    ("batch_size", 2.5, "integer"),
-    ("batch_size", True, "integer"),
-    ("use_peft", 3, "true/false"),
-    ("use_peft", "yes", "true/false"),
-    ("lr", True, "number"),
-    ("lr", "fast", "number"),
-    ("lr", [1], "number"),
-    ("mixed_precision", "fp8", "'bf16'"),
-    ("device", "tpu", "'cuda'"),
-    ("outer_lr_schedule", "step", "'cosine'"),
-    ("model_config", "llama", "mapping"),
-    ("dataset_kwargs", None, "mapping"),
-    ("max_grad_norm", "big", "null"),
-    # out of range
-    ("batch_size", 0, ">= 1"),
-    ("grad_accum", -1, ">= 1"),
-    ("seq_len", 4, ">= 8"),
-    ("outer_momentum", 1.0, "< 1"),
-    ("outer_momentum", -0.1, ">= 0"),
-    ("split_ratio", 0.9, "<= 0.5"),
-    ("split_ratio", 0.0, "> 0"),
-    ("lr", 0.0, "> 0"),
-    ("lr", -1e-3, "> 0"),
-    ("min_lr_ratio", 1.5, "<= 1"),
-    ("lora_dropout", 1.0, "< 1"),
-    ("max_grad_norm", 0.0, "> 0"),
-    ("seed", -1, ">= 0"),
-])
+
+@pytest.mark.parametrize(
+    "field, value, allowed",
+    [
+        ("batch_size", "x", "integer"),
+        ("batch_size", 2.5, "integer"),
+        ("batch_size", True, "integer"),
+        ("use_peft", 3, "true/false"),
+        ("use_peft", "yes", "true/false"),
+        ("lr", True, "number"),
+        ("lr", "fast", "number"),
+        ("lr", [1], "number"),
+        ("mixed_precision", "fp8", "'bf16'"),
+        ("device", "tpu", "'cuda'"),
+        ("outer_lr_schedule", "step", "'cosine'"),
+        ("model_config", "llama", "mapping"),
+        ("dataset_kwargs", None, "mapping"),
+        ("max_grad_norm", "big", "null"),
+        # out of range
+        ("batch_size", 0, ">= 1"),
+        ("grad_accum", -1, ">= 1"),
+        ("seq_len", 4, ">= 8"),
+        ("outer_momentum", 1.0, "< 1"),
+        ("outer_momentum", -0.1, ">= 0"),
+        ("split_ratio", 0.9, "<= 0.5"),
+        ("split_ratio", 0.0, "> 0"),
+        ("lr", 0.0, "> 0"),
+        ("lr", -1e-3, "> 0"),
+        ("min_lr_ratio", 1.5, "<= 1"),
+        ("lora_dropout", 1.0, "< 1"),
+        ("max_grad_norm", 0.0, "> 0"),
+        ("seed", -1, ">= 0"),
+    ],
+)
 def test_bad_value_names_field_value_and_what_is_allowed(field, value, allowed):
     with pytest.raises(ConfigError) as ei:
         make(**{field: value})
@@ -190,9 +198,18 @@ def test_bad_value_names_field_value_and_what_is_allowed(field, value, allowed):
     assert allowed in msg, msg
 
 
-@pytest.mark.parametrize("field, value", [("batch_size", 1), ("seq_len", 8), ("split_ratio", 0.5),
-                                          ("outer_momentum", 0.0), ("min_lr_ratio", 1.0),
-                                          ("max_grad_norm", None), ("eval_batches", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("batch_size", 1),
+        ("seq_len", 8),
+        ("split_ratio", 0.5),
+        ("outer_momentum", 0.0),
+        ("min_lr_ratio", 1.0),
+        ("max_grad_norm", None),
+        ("eval_batches", 0),
+    ],
+)
 def test_boundary_values_accepted(field, value):
     assert getattr(make(**{field: value}), field) == value
 
@@ -207,18 +224,22 @@ def test_coercions():
 
 # --- cross-field rules --------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs, field", [
-    (dict(model_config=None), "model_name"),
-    (dict(model_config={"hidden_size": 32}), "model_config"),
-    (dict(dataset_name=None), "dataset_name"),
-    (dict(num_replicas=3, max_replicas=2), "num_replicas"),
-    (dict(num_replicas=1, min_replicas=2), "num_replicas"),
-    (dict(prompt_template="{question}"), "completion_template"),
-    (dict(completion_template="{answer}"), "completion_template"),
-    (dict(log_with="mlflow"), "log_with"),
-    (dict(log_with=["tensorboard", "comet"]), "log_with"),
-    (dict(target_modules=["q_proj", 3]), "target_modules"),
-])
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(model_config=None), "model_name"),
+        (dict(model_config={"hidden_size": 32}), "model_config"),
+        (dict(dataset_name=None), "dataset_name"),
+        (dict(num_replicas=3, max_replicas=2), "num_replicas"),
+        (dict(num_replicas=1, min_replicas=2), "num_replicas"),
+        (dict(prompt_template="{question}"), "completion_template"),
+        (dict(completion_template="{answer}"), "completion_template"),
+        (dict(log_with="mlflow"), "log_with"),
+        (dict(log_with=["tensorboard", "comet"]), "log_with"),
+        (dict(target_modules=["q_proj", 3]), "target_modules"),
+    ],
+)
 def test_cross_field_rules_name_the_field(kwargs, field):
     with pytest.raises(ConfigError) as ei:
         make(**kwargs)
@@ -268,27 +289,31 @@ def test_cross_field_accepted_variants():
 
 # --- low-bandwidth sync settings ------------------------------------------------------------
 
-@pytest.mark.parametrize("overrides, field", [
-    (dict(max_steps=10, sync_fragments=11), "sync_fragments"),
-    (dict(max_steps=10, sync_fragments=2, checkpoint_steps=5), "checkpoint_steps"),
-    (dict(max_steps=10, sync_fragments=2, overlap_communication=True, checkpoint_steps=5), "checkpoint_steps"),
-    # one fragment merged one period late would scale every update by fragment_alpha
-    (dict(max_steps=10, overlap_communication=True), "overlap_communication"),
-    (dict(fault_plan={"kind": "kill"}), "fault_plan"),
-    (dict(fault_plan=[{"kind": "explode", "round": 1}]), "fault_plan[0].kind"),
-    (dict(fault_plan=[{"kind": "kill", "target": "server", "round": 1}, {"kind": "kill"}]), "fault_plan[1].round"),
-    (dict(fault_plan=[{"kind": "slow", "round": 1}]), "fault_plan[0].seconds"),
-    (dict(fault_plan=[{"kind": "kill", "round": -1}]), "fault_plan[0].round"),
-    (dict(fault_plan=[{"kind": "kill", "round": 0, "when": 3}]), "fault_plan[0].when"),
-    (dict(num_param_servers=2, server_resources=[{"a": 1}]), "server_resources"),
-    (dict(link_mbps=0), "link_mbps"),
-    (dict(link_mbps=[10.0, -1.0]), "link_mbps"),
-    (dict(num_replicas=3, link_mbps=[10.0, 20.0]), "link_mbps"),
-    (dict(pseudo_grad_compression="int3"), "pseudo_grad_compression"),
-    (dict(weights_compression="zip"), "weights_compression"),
-    (dict(fragment_alpha=1.5), "fragment_alpha"),
-    (dict(compression_block=4), "compression_block"),
-])
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(max_steps=10, sync_fragments=11), "sync_fragments"),
+        (dict(max_steps=10, sync_fragments=2, checkpoint_steps=5), "checkpoint_steps"),
+        (dict(max_steps=10, sync_fragments=2, overlap_communication=True, checkpoint_steps=5), "checkpoint_steps"),
+        # one fragment merged one period late would scale every update by fragment_alpha
+        (dict(max_steps=10, overlap_communication=True), "overlap_communication"),
+        (dict(fault_plan={"kind": "kill"}), "fault_plan"),
+        (dict(fault_plan=[{"kind": "explode", "round": 1}]), "fault_plan[0].kind"),
+        (dict(fault_plan=[{"kind": "kill", "target": "server", "round": 1}, {"kind": "kill"}]), "fault_plan[1].round"),
+        (dict(fault_plan=[{"kind": "slow", "round": 1}]), "fault_plan[0].seconds"),
+        (dict(fault_plan=[{"kind": "kill", "round": -1}]), "fault_plan[0].round"),
+        (dict(fault_plan=[{"kind": "kill", "round": 0, "when": 3}]), "fault_plan[0].when"),
+        (dict(num_param_servers=2, server_resources=[{"a": 1}]), "server_resources"),
+        (dict(link_mbps=0), "link_mbps"),
+        (dict(link_mbps=[10.0, -1.0]), "link_mbps"),
+        (dict(num_replicas=3, link_mbps=[10.0, 20.0]), "link_mbps"),
+        (dict(pseudo_grad_compression="int3"), "pseudo_grad_compression"),
+        (dict(weights_compression="zip"), "weights_compression"),
+        (dict(fragment_alpha=1.5), "fragment_alpha"),
+        (dict(compression_block=4), "compression_block"),
+    ],
+)
 def test_sync_settings_rejected_naming_field(overrides, field):
     with pytest.raises(ConfigError) as ei:
         make(**overrides)
@@ -296,9 +321,18 @@ def test_sync_settings_rejected_naming_field(overrides, field):
 
 
 def test_sync_settings_accepted():
-    cfg = make(max_steps=12, sync_fragments=4, overlap_communication=True, checkpoint_steps=24,
-               num_param_servers=2, server_resources=[{"a": 1}, {"b": 1}], link_mbps=[10, 20],
-               pseudo_grad_compression="int4", error_feedback=True, weights_compression="int8")
+    cfg = make(
+        max_steps=12,
+        sync_fragments=4,
+        overlap_communication=True,
+        checkpoint_steps=24,
+        num_param_servers=2,
+        server_resources=[{"a": 1}, {"b": 1}],
+        link_mbps=[10, 20],
+        pseudo_grad_compression="int4",
+        error_feedback=True,
+        weights_compression="int8",
+    )
     assert cfg.link_mbps == [10.0, 20.0]
     assert make(link_mbps=5).link_mbps == 5.0
     assert make(error_feedback=True).error_feedback  # no effect with none, but allowed
@@ -306,10 +340,20 @@ def test_sync_settings_accepted():
 
 # --- parse_set and overrides --------------------------------------------------------------
 
+
 def test_parse_set_yaml_values():
-    out = parse_set(["lr=3e-4", "batch_size=4", "target_modules=[q_proj,v_proj]",
-                     "dataset_kwargs={num_samples: 10, digits: 1}", "use_peft=false",
-                     "model_name=org/name", "eval_split=", " output_dir = out/x"])
+    out = parse_set(
+        [
+            "lr=3e-4",
+            "batch_size=4",
+            "target_modules=[q_proj,v_proj]",
+            "dataset_kwargs={num_samples: 10, digits: 1}",
+            "use_peft=false",
+            "model_name=org/name",
+            "eval_split=",
+            " output_dir = out/x",
+        ]
+    )
     assert out["batch_size"] == 4
     assert out["target_modules"] == ["q_proj", "v_proj"]
     assert out["dataset_kwargs"] == {"num_samples": 10, "digits": 1}
@@ -347,8 +391,9 @@ def test_dotted_override_reaches_into_dict(tmp_path):
 
 def test_dotted_override_creates_dict(tmp_path):
     path = write_yaml(tmp_path / "c.yaml", BASE)
-    cfg = TrainerConfig.from_yaml(path, overrides=parse_set(["outer_opt_kwargs.nesterov=false",
-                                                             "model_config.hidden_size=64"]))
+    cfg = TrainerConfig.from_yaml(
+        path, overrides=parse_set(["outer_opt_kwargs.nesterov=false", "model_config.hidden_size=64"])
+    )
     assert cfg.outer_opt_kwargs == {"nesterov": False}
     assert cfg.model_config == {"model_type": "llama", "hidden_size": 64}
 
@@ -374,6 +419,7 @@ def test_override_validation_error_names_field(tmp_path):
 
 
 # --- YAML files ---------------------------------------------------------------------------
+
 
 def test_from_yaml_missing_file(tmp_path):
     path = str(tmp_path / "nope.yaml")
@@ -411,7 +457,7 @@ def test_yaml_float_strings_become_floats(tmp_path):
         "model_config: {model_type: llama}\n"
         "tokenizer_name: builtin:char\n"
         "dataset_name: builtin:arithmetic\n"
-        "lr: 3e-4\n"           # PyYAML reads this as the string '3e-4'
+        "lr: 3e-4\n"  # PyYAML reads this as the string '3e-4'
         "outer_lr: 1e0\n"
         "min_lr_ratio: 0\n"
     )
@@ -423,9 +469,18 @@ def test_yaml_float_strings_become_floats(tmp_path):
 
 
 def test_to_yaml_from_yaml_round_trip(tmp_path):
-    cfg = make(lr=3e-4, log_with="tensorboard", target_modules=["q_proj"], outer_opt_kwargs={"nesterov": False},
-               dataset_kwargs={"num_samples": 10}, max_replicas=4, eval_split="test", mixed_precision="bf16",
-               round_timeout_s=12.5, seed=3)
+    cfg = make(
+        lr=3e-4,
+        log_with="tensorboard",
+        target_modules=["q_proj"],
+        outer_opt_kwargs={"nesterov": False},
+        dataset_kwargs={"num_samples": 10},
+        max_replicas=4,
+        eval_split="test",
+        mixed_precision="bf16",
+        round_timeout_s=12.5,
+        seed=3,
+    )
     path = tmp_path / "out" / "config.yaml"
     path.parent.mkdir()
     cfg.to_yaml(str(path))
@@ -451,6 +506,7 @@ def test_to_dict_has_every_field():
 
 
 # --- help ---------------------------------------------------------------------------------
+
 
 def test_field_help_covers_every_field():
     rows = field_help()

@@ -5,11 +5,13 @@ import pytest
 from diloco_ray.config import fault_plan as faults
 from diloco_ray.errors import ConfigError
 
-PLAN = [{"kind": "slow", "replica": 1, "round": 2, "step": 1, "seconds": 0.01},
-        {"kind": "nan", "replica": 1, "rank": 1, "round": 2, "step": 3},
-        {"kind": "drop_link", "replica": 0, "round": 1},
-        {"kind": "kill", "target": "server", "round": 4, "index": 1},
-        {"kind": "term", "target": "driver", "round": 5}]
+PLAN = [
+    {"kind": "slow", "replica": 1, "round": 2, "step": 1, "seconds": 0.01},
+    {"kind": "nan", "replica": 1, "rank": 1, "round": 2, "step": 3},
+    {"kind": "drop_link", "replica": 0, "round": 1},
+    {"kind": "kill", "target": "server", "round": 4, "index": 1},
+    {"kind": "term", "target": "driver", "round": 5},
+]
 
 
 def test_parse_keeps_every_field_and_defaults_the_rest():
@@ -20,13 +22,16 @@ def test_parse_keeps_every_field_and_defaults_the_rest():
     assert faults.parse(None) == []
 
 
-@pytest.mark.parametrize("entry, field", [
-    ({"kind": "freeze", "target": "server", "round": 1}, "fault_plan[0].kind"),
-    ({"kind": "kill", "target": "moon", "round": 1}, "fault_plan[0].target"),
-    ({"kind": "kill", "round": 1, "step": 1.5}, "fault_plan[0].step"),
-    ({"kind": "kill", "round": True}, "fault_plan[0].round"),
-    ({"kind": "slow", "round": 1, "seconds": -1}, "fault_plan[0].seconds"),
-])
+@pytest.mark.parametrize(
+    "entry, field",
+    [
+        ({"kind": "freeze", "target": "server", "round": 1}, "fault_plan[0].kind"),
+        ({"kind": "kill", "target": "moon", "round": 1}, "fault_plan[0].target"),
+        ({"kind": "kill", "round": 1, "step": 1.5}, "fault_plan[0].step"),
+        ({"kind": "kill", "round": True}, "fault_plan[0].round"),
+        ({"kind": "slow", "round": 1, "seconds": -1}, "fault_plan[0].seconds"),
+    ],
+)
 def test_bad_entries_name_the_field(entry, field):
     with pytest.raises(ConfigError, match=rf"^{__import__('re').escape(field)}:"):
         faults.parse([entry])
@@ -45,14 +50,14 @@ def test_for_rank_and_due_select_by_place_and_time():
 def test_rank_faults_fire_once_and_last_one_period():
     rank1 = faults.RankFaults(faults.for_rank(faults.parse(PLAN), 1, 1))
     assert rank1.at_step(2, 2) is False
-    assert rank1.at_step(2, 3) is True          # the poisoned step
+    assert rank1.at_step(2, 3) is True  # the poisoned step
     rank1.start_period()
-    assert rank1.at_step(2, 3) is False         # a re-run of the round does not fire it again
+    assert rank1.at_step(2, 3) is False  # a re-run of the round does not fire it again
     slow = faults.RankFaults(faults.for_rank(faults.parse(PLAN), 1, 0))
     slow.at_step(2, 1)
     assert slow.extra_seconds == 0.01
     slow.at_step(2, 2)
-    assert slow.extra_seconds == 0.01           # each remaining step of the period is slower
+    assert slow.extra_seconds == 0.01  # each remaining step of the period is slower
     slow.start_period()
     assert slow.extra_seconds == 0.0
     link = faults.RankFaults(faults.for_rank(faults.parse(PLAN), 0, 0))

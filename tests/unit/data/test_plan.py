@@ -14,8 +14,14 @@ from diloco_ray.data import plan as data
 from diloco_ray.data import samples, sources
 from diloco_ray.errors import ConfigError, DataError
 
-MODEL = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-         "num_attention_heads": 2, "num_key_value_heads": 2}
+MODEL = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 def make(**kw) -> TrainerConfig:
@@ -43,14 +49,15 @@ def tok():
 
 # --- the endless stream -------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("n", [1, 2, 7, 50])
 def test_stream_epochs_are_permutations(n):
     idx = data.stream_indices(0, 3 * n, n, seed=5)
     assert idx.dtype == np.int64 and idx.shape == (3 * n,)
     for e in range(3):
-        assert sorted(idx[e * n:(e + 1) * n].tolist()) == list(range(n))
+        assert sorted(idx[e * n : (e + 1) * n].tolist()) == list(range(n))
     if n >= 7:
-        assert not np.array_equal(idx[:n], idx[n:2 * n])
+        assert not np.array_equal(idx[:n], idx[n : 2 * n])
         assert not np.array_equal(idx[:n], np.arange(n))  # shuffled, not the identity
 
 
@@ -67,10 +74,11 @@ def test_stream_range_equals_concatenated_pieces(start, count):
     n = 40
     whole = data.stream_indices(0, 200, n, seed=3)
     got = data.stream_indices(start, count, n, seed=3)
-    assert np.array_equal(got, whole[start:start + count])
+    assert np.array_equal(got, whole[start : start + count])
     cut = start + count // 3
-    pieces = np.concatenate([data.stream_indices(start, cut - start, n, 3),
-                             data.stream_indices(cut, start + count - cut, n, 3)])
+    pieces = np.concatenate(
+        [data.stream_indices(start, cut - start, n, 3), data.stream_indices(cut, start + count - cut, n, 3)]
+    )
     assert np.array_equal(got, pieces)
 
 
@@ -115,7 +123,7 @@ def test_any_history_of_drops_uses_every_position_exactly_once():
                 used.extend(positions_of(plan))
         cursor = data.commit_round(cursor, plans, applied)
     returned = positions_of(cursor.returned)
-    assert len(used) == len(set(used))                       # never repeated
+    assert len(used) == len(set(used))  # never repeated
     assert sorted(used + returned) == list(range(cursor.frontier))  # never skipped
 
 
@@ -125,6 +133,7 @@ def test_cursor_dict_round_trip():
 
 
 # --- what each rank reads -----------------------------------------------------------------
+
 
 def test_rank_batches_two_ranks_cover_the_round_exactly():
     cfg = make(ranks_per_replica=2, grad_accum=2, batch_size=3, max_steps=2, seed=9)
@@ -144,7 +153,7 @@ def test_rank_batches_two_ranks_cover_the_round_exactly():
         for t, step in enumerate(batches):
             for m, mb in enumerate(step):
                 off = ((t * 2 + m) * 2 + r) * 3
-                assert np.array_equal(mb, expected[off:off + 3])
+                assert np.array_equal(mb, expected[off : off + 3])
                 positions.extend(range(off, off + 3))
     assert sorted(positions) == list(range(24))
     assert sorted(taken.tolist()) == sorted(expected.tolist())
@@ -153,8 +162,9 @@ def test_rank_batches_two_ranks_cover_the_round_exactly():
 def test_rank_batches_two_ranks_no_duplicate_blocks_within_an_epoch():
     cfg = make(ranks_per_replica=2, grad_accum=2, batch_size=3, max_steps=2, seed=0)
     num_blocks = 100
-    taken = np.concatenate([mb for r in range(2) for step in data.rank_batches([(0, 24)], cfg, r, num_blocks)
-                            for mb in step])
+    taken = np.concatenate(
+        [mb for r in range(2) for step in data.rank_batches([(0, 24)], cfg, r, num_blocks) for mb in step]
+    )
     assert len(np.unique(taken)) == 24
     assert set(taken.tolist()) == set(data.stream_indices(0, 24, num_blocks, 0).tolist())
 
@@ -177,6 +187,7 @@ def test_rank_batches_one_rank_reads_in_order():
 
 
 # --- eval ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_eval_batches_disjoint_union_is_prefix(ranks):
@@ -203,6 +214,7 @@ def test_eval_batches_with_few_eval_blocks():
 
 
 # --- text field ---------------------------------------------------------------------------
+
 
 def test_resolve_text_field_explicit():
     assert sources.resolve_text_field(["body", "id"], "body", "'f'") == "body"
@@ -232,6 +244,7 @@ def test_resolve_text_field_ambiguous():
 
 # --- packing ------------------------------------------------------------------------------
 
+
 def test_pack_texts_boundaries(tok):
     import datasets
 
@@ -249,7 +262,7 @@ def test_pack_texts_boundaries(tok):
         stream.append(eos)
     assert len(rows) == len(stream) // seq_len
     flat = [t for r in rows for t in r]
-    assert flat == stream[:len(flat)]
+    assert flat == stream[: len(flat)]
     # Spot-check the start by hand: '1','2','+','3','5','=','4','7' then eos, 'a', eos.
     assert tok.decode(rows[0]) == "12+35=47"
     assert rows[1][:3] == [eos, tok.convert_tokens_to_ids("a"), eos]
@@ -263,6 +276,7 @@ def test_pack_texts_too_little_text(tok):
 
 
 # --- loading from files -------------------------------------------------------------------
+
 
 def write_jsonl(path, n=40, field="body"):
     rows = [{field: f"document {i}: " + "lorem ipsum " * (i % 4 + 1), "id": i} for i in range(n)]
@@ -379,10 +393,12 @@ def test_load_token_blocks_too_short_for_seq_len(tmp_path, tok):
 def save_dataset_dict(folder):
     import datasets
 
-    dd = datasets.DatasetDict({
-        "train": datasets.Dataset.from_dict({"text": [f"train row {i} " * 3 for i in range(30)]}),
-        "test": datasets.Dataset.from_dict({"text": [f"test row {i} " * 3 for i in range(10)]}),
-    })
+    dd = datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": [f"train row {i} " * 3 for i in range(30)]}),
+            "test": datasets.Dataset.from_dict({"text": [f"test row {i} " * 3 for i in range(10)]}),
+        }
+    )
     dd.save_to_disk(str(folder))
 
 
@@ -412,6 +428,7 @@ def test_load_from_disk_hold_out_and_missing_split(tmp_path):
 
 
 # --- builtin ------------------------------------------------------------------------------
+
 
 def test_arithmetic_rows_are_correct_sums():
     rows = sources.arithmetic_rows(num_samples=200, digits=2, seed=3)

@@ -13,8 +13,14 @@ from diloco_ray.data import samples, sources
 from diloco_ray.data.tokenization import char_tokenizer
 from diloco_ray.errors import ConfigError, DataError
 
-TINY = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
-        "num_attention_heads": 2, "num_key_value_heads": 2}
+TINY = {
+    "model_type": "llama",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -41,8 +47,9 @@ def make(**kw):
 
 
 def test_completion_only_labels_token_by_token(tmp_path, tok):
-    cfg = make(json_file_path=qa_file(tmp_path / "qa.jsonl"), prompt_template="{question}=",
-               completion_template="{answer}")
+    cfg = make(
+        json_file_path=qa_file(tmp_path / "qa.jsonl"), prompt_template="{question}=", completion_template="{answer}"
+    )
     train = samples.load_token_data(cfg, tok).train
     rows = {json.loads(line)["question"]: json.loads(line)["answer"] for line in open(cfg.json_file_path)}
     for i in range(len(train)):
@@ -50,7 +57,7 @@ def test_completion_only_labels_token_by_token(tmp_path, tok):
         ids, labels = train.input_ids[i], train.labels[i]
         text = tok.decode(ids[:n], skip_special_tokens=False)
         question = text.split("=")[0]
-        prompt_len = len(question) + 1                       # char tokenizer: one token a character
+        prompt_len = len(question) + 1  # char tokenizer: one token a character
         answer = rows[question]
         assert text == f"{question}={answer}<eos>"
         assert (labels[:prompt_len] == samples.IGNORE).all()  # no loss on the prompt
@@ -71,8 +78,9 @@ def test_batch_masks_and_dynamic_width(tok):
 
 
 def test_template_naming_a_missing_column(tmp_path, tok):
-    cfg = make(json_file_path=qa_file(tmp_path / "qa.jsonl"), prompt_template="{questoin}=",
-               completion_template="{answer}")
+    cfg = make(
+        json_file_path=qa_file(tmp_path / "qa.jsonl"), prompt_template="{questoin}=", completion_template="{answer}"
+    )
     with pytest.raises(DataError) as ei:
         samples.load_token_data(cfg, tok)
     msg = str(ei.value)
@@ -81,13 +89,18 @@ def test_template_naming_a_missing_column(tmp_path, tok):
 
 def test_prompt_and_completion_functions(tmp_path, tok, monkeypatch):
     mod = tmp_path / "my_prompts.py"
-    mod.write_text("def prompt(row):\n    return 'Q:' + row['question'] + ' A:'\n"
-                   "def completion(row):\n    return row['answer']\n")
+    mod.write_text(
+        "def prompt(row):\n    return 'Q:' + row['question'] + ' A:'\ndef completion(row):\n    return row['answer']\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = make(json_file_path=qa_file(tmp_path / "qa.jsonl"), prompt_func="my_prompts:prompt",
-               completion_func="my_prompts:completion", seq_len=24)
+    cfg = make(
+        json_file_path=qa_file(tmp_path / "qa.jsonl"),
+        prompt_func="my_prompts:prompt",
+        completion_func="my_prompts:completion",
+        seq_len=24,
+    )
     train = samples.load_token_data(cfg, tok).train
-    text = tok.decode(train.input_ids[0][:train.lengths[0]], skip_special_tokens=False)
+    text = tok.decode(train.input_ids[0][: train.lengths[0]], skip_special_tokens=False)
     assert text.startswith("Q:") and " A:" in text and text.endswith("<eos>")
     first_label = int(np.argmax(train.labels[0] != samples.IGNORE))
     assert tok.decode(train.input_ids[0][:first_label]).endswith(" A:")
@@ -120,7 +133,7 @@ def test_local_files_by_format(tmp_path, tok, fmt):
     import datasets
 
     rows = [{"text": f"document number {i} " * 3} for i in range(30)]
-    path = str(tmp_path / f"d.{ 'txt' if fmt == 'text' else fmt}")
+    path = str(tmp_path / f"d.{'txt' if fmt == 'text' else fmt}")
     ds = datasets.Dataset.from_list(rows)
     if fmt == "csv":
         ds.to_csv(path, index=False)
@@ -153,21 +166,28 @@ def stream_reader(tmp_path, tok, **kw):
     with open(path, "w") as f:
         for i in range(40):
             f.write(json.dumps({"question": f"{i}+1", "answer": str(i + 1)}) + "\n")
-    cfg = make(json_file_path=str(path), streaming=True, streaming_eval_rows=10, shuffle_buffer=8,
-               prompt_template="{question}=", completion_template="{answer}", **kw)
+    cfg = make(
+        json_file_path=str(path),
+        streaming=True,
+        streaming_eval_rows=10,
+        shuffle_buffer=8,
+        prompt_template="{question}=",
+        completion_template="{answer}",
+        **kw,
+    )
     return samples.open_stream(cfg, tok)
 
 
 def decoded(tok, s):
-    return [tok.decode(s.input_ids[i][:s.lengths[i]], skip_special_tokens=True) for i in range(len(s))]
+    return [tok.decode(s.input_ids[i][: s.lengths[i]], skip_special_tokens=True) for i in range(len(s))]
 
 
 def test_stream_reader_positions(tmp_path, tok):
     reader, evals = stream_reader(tmp_path, tok)
-    assert decoded(tok, evals)[:2] == ["0+1=1", "1+1=2"]               # the first rows are held out...
+    assert decoded(tok, evals)[:2] == ["0+1=1", "1+1=2"]  # the first rows are held out...
     first_epoch = decoded(tok, reader.read(np.arange(30)))
     assert sorted(first_epoch) == sorted(f"{i}+1={i + 1}" for i in range(10, 40))  # ...and never trained on
-    assert first_epoch != sorted(first_epoch)                           # shuffled
+    assert first_epoch != sorted(first_epoch)  # shuffled
     fresh, _ = stream_reader(tmp_path, tok)
     assert decoded(tok, fresh.read(np.arange(5))) + decoded(tok, fresh.read(np.arange(5, 30))) == first_epoch
     assert decoded(tok, fresh.read(np.array([7, 3]))) == [first_epoch[7], first_epoch[3]]  # behind: starts over
@@ -183,8 +203,12 @@ def test_streaming_a_builtin_is_an_error(tok):
 def test_split_slices_reach_load_dataset(tmp_path, tok):
     path = tmp_path / "rows.csv"
     path.write_text("text\n" + "\n".join(f"row number {i}" for i in range(50)) + "\n")
-    cfg = make(dataset_name="csv", dataset_kwargs={"data_files": str(path)}, dataset_split="train[:20]",
-               eval_split="train[40:]")
+    cfg = make(
+        dataset_name="csv",
+        dataset_kwargs={"data_files": str(path)},
+        dataset_split="train[:20]",
+        eval_split="train[40:]",
+    )
     train, evals = sources.load_raw_splits(cfg)
     assert [r["text"] for r in train] == [f"row number {i}" for i in range(20)]
     assert [r["text"] for r in evals] == [f"row number {i}" for i in range(40, 50)]

@@ -23,8 +23,9 @@ def test_capacity_adds_ranks_servers_gpus_and_custom_resources(tmp_path):
     short = capacity_shortfall(cfg, "cpu", {"CPU": 4.0})
     assert "CPU 4.5 (the cluster has 4)" in short and "num_replicas" in short
     assert "GPU 4 (the cluster has 2)" in capacity_shortfall(cfg, "cuda", {"CPU": 8, "GPU": 2})
-    regions = tiny_config(tmp_path, num_replicas=3, replica_resources=[{"us": 1}, {"eu": 1}],
-                          server_resources={"us": 0.5})
+    regions = tiny_config(
+        tmp_path, num_replicas=3, replica_resources=[{"us": 1}, {"eu": 1}], server_resources={"us": 0.5}
+    )
     # Replicas 0 and 2 in us (one rank each), replica 1 in eu, the server in us.
     assert capacity_shortfall(regions, "cpu", {"CPU": 8, "us": 2.5, "eu": 1}) is None
     assert "us 2.5 (the cluster has 2)" in capacity_shortfall(regions, "cpu", {"CPU": 8, "us": 2, "eu": 1})

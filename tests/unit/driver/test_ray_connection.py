@@ -8,15 +8,18 @@ import pytest
 from diloco_ray.driver.ray_connection import answers, decide
 
 
-@pytest.mark.parametrize("env, recorded, alive, want", [
-    ("10.0.0.1:6379", None, False, ("join", "10.0.0.1:6379")),        # ray job submit
-    ("auto", "127.0.0.1:6379", True, ("join", "auto")),
-    (None, None, False, ("start", None)),                             # a clean machine
-    (None, "127.0.0.1:6379", True, ("join", "127.0.0.1:6379")),       # a local head runs
-    (None, "127.0.0.1:6379", False, ("start", None)),                 # its head was killed
-    ("", "127.0.0.1:6379", False, ("start", None)),
-    ("local", "127.0.0.1:6379", True, ("start", None)),               # asked for a private one
-])
+@pytest.mark.parametrize(
+    "env, recorded, alive, want",
+    [
+        ("10.0.0.1:6379", None, False, ("join", "10.0.0.1:6379")),  # ray job submit
+        ("auto", "127.0.0.1:6379", True, ("join", "auto")),
+        (None, None, False, ("start", None)),  # a clean machine
+        (None, "127.0.0.1:6379", True, ("join", "127.0.0.1:6379")),  # a local head runs
+        (None, "127.0.0.1:6379", False, ("start", None)),  # its head was killed
+        ("", "127.0.0.1:6379", False, ("start", None)),
+        ("local", "127.0.0.1:6379", True, ("start", None)),  # asked for a private one
+    ],
+)
 def test_decide(env, recorded, alive, want):
     assert decide(env, recorded, alive) == want
 

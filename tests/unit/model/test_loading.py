@@ -14,8 +14,7 @@ from diloco_ray.data.tokenization import char_tokenizer, load_tokenizer
 from diloco_ray.errors import ConfigError
 from diloco_ray.model.loading import build_model, decoder_layers, save_hf, trained_parameters
 
-ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-            num_key_value_heads=2)
+ARCH = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2)
 MODEL = {"model_type": "llama", **ARCH}
 
 
@@ -33,8 +32,15 @@ def tiny_llama(tie: bool = False, seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=100, max_position_embeddings=32, tie_word_embeddings=tie,
-                      pad_token_id=0, eos_token_id=1, bos_token_id=None, **ARCH)
+    cfg = LlamaConfig(
+        vocab_size=100,
+        max_position_embeddings=32,
+        tie_word_embeddings=tie,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+        **ARCH,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -43,6 +49,7 @@ def state_equal(a: dict, b: dict) -> bool:
 
 
 # --- the builtin character tokenizer ------------------------------------------------------
+
 
 def test_char_tokenizer_round_trip(tok):
     s = "12+35=47\n"
@@ -82,6 +89,7 @@ def test_load_tokenizer_builtin(tok):
 
 
 # --- building from model_config -----------------------------------------------------------
+
 
 def test_build_model_from_config(tok):
     model = build_model(make(seed=3), tok)
@@ -128,6 +136,7 @@ def test_build_model_bad_architecture(tok):
 
 # --- loading from a folder (the from_pretrained path) -------------------------------------
 
+
 @pytest.fixture
 def saved_model(tmp_path, tok):
     folder = tmp_path / "tiny-llama"
@@ -158,8 +167,7 @@ def test_load_tokenizer_defaults_to_builtin_char_for_model_config(tok):
 
 def test_model_name_wins_over_model_config(saved_model, tok):
     folder, weights = saved_model
-    cfg = TrainerConfig(model_name=folder, model_config={**MODEL, "hidden_size": 64},
-                        dataset_name="builtin:arithmetic")
+    cfg = TrainerConfig(model_name=folder, model_config={**MODEL, "hidden_size": 64}, dataset_name="builtin:arithmetic")
     assert state_equal(build_model(cfg, tok).state_dict(), weights)
 
 
@@ -169,8 +177,10 @@ def test_tokenizer_name_overrides_model_name(saved_model):
     assert load_tokenizer(cfg).eos_token_id == 1
 
 
-offline = pytest.mark.skipif(os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"),
-                             reason="needs HF_HUB_OFFLINE=1 so a missing model is not looked up on the hub")
+offline = pytest.mark.skipif(
+    os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes", "on"),
+    reason="needs HF_HUB_OFFLINE=1 so a missing model is not looked up on the hub",
+)
 
 
 @offline
@@ -197,6 +207,7 @@ def test_missing_tokenizer_names_tokenizer_name(tmp_path, saved_model):
 
 
 # --- trained parameters -------------------------------------------------------------------
+
 
 def test_trained_parameters_skips_frozen():
     model = tiny_llama()
@@ -225,6 +236,7 @@ def test_trained_parameters_tied_embeddings_once():
 
 
 # --- export -------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("tie", [False, True])
 def test_save_hf_writes_loadable_folder(tmp_path, tok, tie):

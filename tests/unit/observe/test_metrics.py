@@ -16,14 +16,29 @@ def test_jsonl_tensorboard_and_wandb_offline(tmp_path, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     monkeypatch.setenv("WANDB_MODE", "offline")
-    logger = MetricsLogger(str(tmp_path), ["tensorboard", "wandb"], None, {"seed": 1},
-                           wandb_settings={"project": "proj-x", "name": "run-y", "tags": ["a", "b"], "entity": None})
+    logger = MetricsLogger(
+        str(tmp_path),
+        ["tensorboard", "wandb"],
+        None,
+        {"seed": 1},
+        wandb_settings={"project": "proj-x", "name": "run-y", "tags": ["a", "b"], "entity": None},
+    )
     run = logger._wandb
     assert (run.project, run.name, tuple(run.tags)) == ("proj-x", "run-y", ("a", "b"))
     logger.log({"event": "membership", "action": "join", "replica_id": 0})
     for r in range(3):
-        logger.log({"event": "step", "round": r, "replica": 1, "step": 4, "global_step": 4 * r + 4,
-                    "loss": 2.0 - r, "lr": 1e-3, "tokens": 100})
+        logger.log(
+            {
+                "event": "step",
+                "round": r,
+                "replica": 1,
+                "step": 4,
+                "global_step": 4 * r + 4,
+                "loss": 2.0 - r,
+                "lr": 1e-3,
+                "tokens": 100,
+            }
+        )
         logger.log(round_record(r))
     logger.close()
     logger.close()  # closing twice is harmless

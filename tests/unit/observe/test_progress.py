@@ -23,10 +23,25 @@ class FakeClock:
 
 
 def record(round_index=2, **overrides):
-    rec = {"event": "round", "round": round_index, "replicas": 2, "replica_ids": [0, 1], "dropped": [],
-           "inner_steps": 30, "tokens": 7680, "train_loss": 1.23451, "eval_loss": 1.1, "outer_lr": 0.7,
-           "pseudo_grad_norm": 0.5, "bytes_up": 10, "bytes_down": 20, "round_seconds": 12.34,
-           "sync_seconds": 0.41, "compute_seconds": 11.0, "eval_seconds": 0.5}
+    rec = {
+        "event": "round",
+        "round": round_index,
+        "replicas": 2,
+        "replica_ids": [0, 1],
+        "dropped": [],
+        "inner_steps": 30,
+        "tokens": 7680,
+        "train_loss": 1.23451,
+        "eval_loss": 1.1,
+        "outer_lr": 0.7,
+        "pseudo_grad_norm": 0.5,
+        "bytes_up": 10,
+        "bytes_down": 20,
+        "round_seconds": 12.34,
+        "sync_seconds": 0.41,
+        "compute_seconds": 11.0,
+        "eval_seconds": 0.5,
+    }
     rec.update(overrides)
     return rec
 
@@ -44,8 +59,7 @@ def lines(stream):
 def test_round_line_format_is_the_one_users_read():
     progress, stream = plain()
     progress.end_round(record())
-    progress.end_round(record(round_index=3, eval_loss=None, replicas=1, tokens=0, round_seconds=0.0,
-                              sync_seconds=0.0))
+    progress.end_round(record(round_index=3, eval_loss=None, replicas=1, tokens=0, round_seconds=0.0, sync_seconds=0.0))
     assert lines(stream) == [
         "round 3/10  replicas 2  train_loss 1.2345  eval_loss 1.1000  tokens 7680  12.3s (sync 0.41s)",
         "round 4/10  replicas 1  train_loss 1.2345  eval_loss -  tokens 0  0.0s (sync 0.00s)",
@@ -57,27 +71,29 @@ def test_step_lines_are_throttled_for_the_whole_job():
     progress, stream = plain(clock)
     progress.begin_round(2, replicas=2)
     clock.advance(1.0)
-    progress.step(0, 1, 2.0, 1e-3, 100)      # first event: printed at once
+    progress.step(0, 1, 2.0, 1e-3, 100)  # first event: printed at once
     clock.advance(1.0)
-    progress.step(1, 1, 2.0, 1e-3, 100)      # 1 s later: held back, even from another replica
+    progress.step(1, 1, 2.0, 1e-3, 100)  # 1 s later: held back, even from another replica
     clock.advance(3.9)
-    progress.step(0, 2, 2.0, 1e-3, 200)      # 4.9 s after the last line: still held back
+    progress.step(0, 2, 2.0, 1e-3, 200)  # 4.9 s after the last line: still held back
     clock.advance(0.1)
-    progress.step(1, 3, 2.0, 1e-3, 300)      # 5 s: printed
+    progress.step(1, 3, 2.0, 1e-3, 300)  # 5 s: printed
     step_lines = [line for line in lines(stream) if line.startswith("  round")]
-    assert step_lines == ["  round 3 step 1/30  loss 2.0000  replicas 1  tokens/s 100",
-                          "  round 3 step 2/30  loss 2.0000  replicas 2  tokens/s 83"]
+    assert step_lines == [
+        "  round 3 step 1/30  loss 2.0000  replicas 1  tokens/s 100",
+        "  round 3 step 2/30  loss 2.0000  replicas 2  tokens/s 83",
+    ]
 
 
 def test_tokens_per_second_sums_replicas_since_begin_round():
     clock = FakeClock()
     progress, stream = plain(clock, min_interval_s=0.0)
-    clock.advance(50.0)                      # time before the round does not count
+    clock.advance(50.0)  # time before the round does not count
     progress.begin_round(0, replicas=3)
     clock.advance(4.0)
     progress.step(0, 10, 1.0, 1e-3, 4000)
     progress.step(1, 12, 3.0, 1e-3, 6000)
-    progress.step(0, 20, 2.0, 1e-3, 8000)    # replica 0's latest replaces its earlier report
+    progress.step(0, 20, 2.0, 1e-3, 8000)  # replica 0's latest replaces its earlier report
     summary = progress.summary()
     assert summary["tokens_per_s"] == pytest.approx((8000 + 6000) / 4.0)
     assert lines(stream)[-1] == "  round 1 step 12/30  loss 2.5000  replicas 2  tokens/s 3500"
@@ -85,7 +101,7 @@ def test_tokens_per_second_sums_replicas_since_begin_round():
 
 def test_step_is_the_slowest_reporting_replica_and_loss_the_mean_of_latest():
     progress, _ = plain()
-    progress.begin_round(5, replicas=3)       # replica 2 never reports
+    progress.begin_round(5, replicas=3)  # replica 2 never reports
     progress.step(0, 7, 1.0, 1e-3, 10)
     progress.step(1, 4, 2.0, 1e-3, 10)
     progress.step(0, 9, 1.5, 1e-3, 10)
@@ -128,7 +144,7 @@ def test_nan_losses_zero_seconds_and_a_resume_do_not_crash():
     progress, stream = plain(min_interval_s=0.0)
     progress.start(4)
     progress.end_round(record(round_index=4, train_loss=math.nan, eval_loss=math.inf))  # no begin_round
-    progress.step(0, 1, math.nan, 1e-3, 100)   # no begin_round either; no time has passed
+    progress.step(0, 1, math.nan, 1e-3, 100)  # no begin_round either; no time has passed
     progress.step(1, 1, None, None, math.nan)  # a report without figures counts as NaN, 0 tokens
     summary = progress.summary()
     assert summary["round"] == 5 and summary["tokens_per_s"] is None and math.isnan(summary["loss"])
@@ -137,7 +153,7 @@ def test_nan_losses_zero_seconds_and_a_resume_do_not_crash():
     assert math.isnan(progress.summary()["loss"])  # replica 1's missing loss is not a 0
     progress.close()
     progress.close()
-    progress.step(0, 2, 1.0, 1e-3, 100)        # after close: ignored, not an error
+    progress.step(0, 2, 1.0, 1e-3, 100)  # after close: ignored, not an error
     assert lines(stream) == [
         "round 5/10  replicas 2  train_loss nan  eval_loss inf  tokens 7680  12.3s (sync 0.41s)",
         "  round 6 step 1/30  loss nan  replicas 1  tokens/s -",
@@ -185,7 +201,7 @@ def test_interactive_redraws_are_throttled():
     progress.begin_round(0, replicas=1)
     clock.advance(1.0)
     progress.step(0, 7, 1.0, 1e-3, 100)
-    progress.step(0, 8, 1.0, 1e-3, 100)      # same instant: not redrawn
+    progress.step(0, 8, 1.0, 1e-3, 100)  # same instant: not redrawn
     assert "7/30" in stream.getvalue() and "8/30" not in stream.getvalue()
     clock.advance(0.2)
     progress.step(0, 9, 1.0, 1e-3, 100)

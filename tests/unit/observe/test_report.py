@@ -9,21 +9,44 @@ from diloco_ray.observe.report import load_rounds, summary_table, write_report
 
 
 def record(r, **extra):
-    return {"event": "round", "round": r, "train_loss": 2.0 - r / 10, "eval_loss": None if r == 1 else 1.5 - r / 10,
-            "replicas": 2, "dropped": [], "tokens": 100, "bytes_up": 2_000_000, "bytes_down": 1_000_000,
-            "round_seconds": 2.0, "sync_seconds": 0.5, "compute_seconds": 1.2, "eval_seconds": 0.3, **extra}
+    return {
+        "event": "round",
+        "round": r,
+        "train_loss": 2.0 - r / 10,
+        "eval_loss": None if r == 1 else 1.5 - r / 10,
+        "replicas": 2,
+        "dropped": [],
+        "tokens": 100,
+        "bytes_up": 2_000_000,
+        "bytes_down": 1_000_000,
+        "round_seconds": 2.0,
+        "sync_seconds": 0.5,
+        "compute_seconds": 1.2,
+        "eval_seconds": 0.3,
+        **extra,
+    }
 
 
 def write_run(folder, lines, loops=5):
     (folder / "config.yaml").write_text(f"diloco_loops: {loops}\n")
-    (folder / "metrics.jsonl").write_text("".join(line if isinstance(line, str) else json.dumps(line) + "\n"
-                                                  for line in lines))
+    (folder / "metrics.jsonl").write_text(
+        "".join(line if isinstance(line, str) else json.dumps(line) + "\n" for line in lines)
+    )
 
 
 def test_a_resumed_run_counts_a_rerun_round_once_and_an_unfinished_one_says_so(tmp_path):
     # Rounds 0-2, a crash, a resume from the checkpoint after round 1 reruns round 2.
-    write_run(tmp_path, [record(0), record(1), record(2, train_loss=9.0), {"event": "checkpoint"},
-                         record(2), '{"event": "round", "rou'])
+    write_run(
+        tmp_path,
+        [
+            record(0),
+            record(1),
+            record(2, train_loss=9.0),
+            {"event": "checkpoint"},
+            record(2),
+            '{"event": "round", "rou',
+        ],
+    )
     rounds = load_rounds(str(tmp_path))
     assert [r["round"] for r in rounds] == [0, 1, 2] and rounds[2]["train_loss"] == pytest.approx(1.8)
     table = write_report(str(tmp_path))

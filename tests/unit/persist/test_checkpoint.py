@@ -52,8 +52,15 @@ def disk_round_trip(tmp_path, state, name="s"):
 
 
 def outer_cfg(**overrides):
-    base = dict(outer_lr=0.7, outer_momentum=0.9, outer_opt="SGD", outer_opt_kwargs={},
-                outer_lr_schedule=None, outer_grad_clip=None, diloco_loops=4)
+    base = dict(
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        outer_opt="SGD",
+        outer_opt_kwargs={},
+        outer_lr_schedule=None,
+        outer_grad_clip=None,
+        diloco_loops=4,
+    )
     base.update(overrides)
     return types.SimpleNamespace(**base)
 
@@ -143,8 +150,13 @@ def test_outer_optimizer_state_survives_disk_and_resumes_bit_identically(tmp_pat
 
 
 def test_int_keys_tuples_scalars_and_none_survive_json():
-    state = {0: {"x": 1, "y": 2.5, "z": True, "n": None, "s": "hi"}, "0": [1, (2, 3), []],
-             "t": (), 7: {-1: "neg"}, "nested": [(0.5, {1: (True,)})]}
+    state = {
+        0: {"x": 1, "y": 2.5, "z": True, "n": None, "s": "hi"},
+        "0": [1, (2, 3), []],
+        "t": (),
+        7: {-1: "neg"},
+        "nested": [(0.5, {1: (True,)})],
+    }
     out = json_round_trip(state)
     assert_same(state, out)
     assert 0 in out and "0" in out and type(out[7]) is dict and -1 in out[7]
@@ -168,8 +180,13 @@ def test_dict_keys_that_look_like_tags_are_plain_keys():
 
 
 def test_zero_dim_and_bf16_tensors(tmp_path):
-    state = {"step": torch.tensor(2.0), "i": torch.tensor(5, dtype=torch.int64),
-             "bf": torch.randn(2, 3).to(torch.bfloat16), "empty": torch.zeros(0, 4), "root": torch.tensor(True)}
+    state = {
+        "step": torch.tensor(2.0),
+        "i": torch.tensor(5, dtype=torch.int64),
+        "bf": torch.randn(2, 3).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+        "root": torch.tensor(True),
+    }
     out = disk_round_trip(tmp_path, state)
     assert_same(state, out)
     assert out["step"].shape == torch.Size([]) and out["i"].dtype == torch.int64

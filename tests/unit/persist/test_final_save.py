@@ -16,13 +16,20 @@ from diloco_ray.data import tokenization
 from diloco_ray.model import loading as modeling
 from diloco_ray.persist import final_save
 
-ARCH = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2}
+ARCH = {
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 
 
 def config(tmp_path, **fields) -> TrainerConfig:
-    return TrainerConfig(**{"model_config": ARCH, "dataset_name": "builtin:arithmetic",
-                            "output_dir": str(tmp_path / "run"), **fields})
+    return TrainerConfig(
+        **{"model_config": ARCH, "dataset_name": "builtin:arithmetic", "output_dir": str(tmp_path / "run"), **fields}
+    )
 
 
 def servers_of(weights: dict, count: int):
@@ -34,9 +41,13 @@ def servers_of(weights: dict, count: int):
 
     def fetch(name):
         calls.append(name)
-        slices = [(rows[name][0], weights[name][rows[name][0]:rows[name][1]] if shapes[name] else weights[name])
-                  for rows in owned if name in rows]
+        slices = [
+            (rows[name][0], weights[name][rows[name][0] : rows[name][1]] if shapes[name] else weights[name])
+            for rows in owned
+            if name in rows
+        ]
         return final_save.assemble_rows(name, shapes[name], slices)
+
     return shapes, fetch, calls
 
 

@@ -24,13 +24,13 @@ def test_common_step_needs_every_rank_and_intact_files(tmp_path):
     folder = str(tmp_path / "r")
     for rank in (0, 1):
         snapshot.save(folder, 0, rank, 2, state(2))
-    snapshot.save(folder, 0, 0, 4, state(4))      # rank 1 never reached step 4
+    snapshot.save(folder, 0, 0, 4, state(4))  # rank 1 never reached step 4
     assert snapshot.common_step(folder, slot=0, ranks=2) == 2
     snapshot.save(folder, 0, 1, 4, state(4))
     assert snapshot.common_step(folder, slot=0, ranks=2) == 4
     with open(os.path.join(folder, "slot-0-rank-1-step-4.safetensors"), "r+b") as f:
         f.seek(-4, os.SEEK_END)
-        f.write(b"\xff\xff\xff\xff")            # torn or corrupted
+        f.write(b"\xff\xff\xff\xff")  # torn or corrupted
     assert not snapshot.intact(folder, 0, 1, 4)
     assert snapshot.common_step(folder, slot=0, ranks=2) == 2
     assert snapshot.common_step(folder, slot=5, ranks=2) is None

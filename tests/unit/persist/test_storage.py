@@ -43,42 +43,66 @@ def tree(root):
 # ----------------------------------------------------------------------------- URIs (offline)
 
 
-@pytest.mark.parametrize("path,expected", [
-    ("s3://b/p", True), ("gs://b/p", True), ("gcs://b", True), ("S3://b/p", True),
-    ("outputs/run", False), ("/abs/run", False), (None, False), ("", False),
-    ("ftp://b/p", False), ("file:///tmp/x", False), ("s3:b/p", False),
-])
+@pytest.mark.parametrize(
+    "path,expected",
+    [
+        ("s3://b/p", True),
+        ("gs://b/p", True),
+        ("gcs://b", True),
+        ("S3://b/p", True),
+        ("outputs/run", False),
+        ("/abs/run", False),
+        (None, False),
+        ("", False),
+        ("ftp://b/p", False),
+        ("file:///tmp/x", False),
+        ("s3:b/p", False),
+    ],
+)
 def test_is_remote(path, expected):
     assert storage.is_remote(path) is expected
 
 
-@pytest.mark.parametrize("uri", [
-    "outputs/run", "/abs/run", "s3://bucket", "s3://bucket/", "s3://my.bucket-1/a/b/c",
-    "gs://bucket/a", "gcs://bucket/a", "s3://b/a%20b", "s3://b/p?region=eu-west-1&scheme=http",
-    "gs://b/p?project_id=x&retry_limit_seconds=5",
-])
+@pytest.mark.parametrize(
+    "uri",
+    [
+        "outputs/run",
+        "/abs/run",
+        "s3://bucket",
+        "s3://bucket/",
+        "s3://my.bucket-1/a/b/c",
+        "gs://bucket/a",
+        "gcs://bucket/a",
+        "s3://b/a%20b",
+        "s3://b/p?region=eu-west-1&scheme=http",
+        "gs://b/p?project_id=x&retry_limit_seconds=5",
+    ],
+)
 def test_check_uri_accepts(uri):
     storage.check_uri("my_field", uri)
 
 
-@pytest.mark.parametrize("uri,words", [
-    ("ftp://x", ["not allowed", "s3://bucket/path", "gs://bucket/path"]),
-    ("http://host/p", ["not allowed"]),
-    ("hdfs://namenode/p", ["not allowed"]),
-    ("file:///tmp/run", ["not allowed", "plain path"]),
-    ("s3://", ["no bucket"]),
-    ("s3:///path", ["no bucket"]),
-    ("gs://", ["no bucket"]),
-    ("s3:bucket/p", ["not a valid URI", "s3://bucket/path"]),
-    ("s3://key:secret@bucket/p", ["credentials"]),
-    ("s3://bucket:9000/p", ["invalid bucket name"]),
-    ("s3://bucket/p#x", ["fragment"]),
-    ("s3://bucket//p", ["path segment"]),
-    ("s3://bucket/a/../b", ["path segment"]),
-    ("s3://bucket/a b", ["whitespace"]),
-    ("s3://bucket/p?foo=1", ["'foo'", "region"]),
-    ("gs://bucket/p?region=x", ["'region'", "project_id"]),
-])
+@pytest.mark.parametrize(
+    "uri,words",
+    [
+        ("ftp://x", ["not allowed", "s3://bucket/path", "gs://bucket/path"]),
+        ("http://host/p", ["not allowed"]),
+        ("hdfs://namenode/p", ["not allowed"]),
+        ("file:///tmp/run", ["not allowed", "plain path"]),
+        ("s3://", ["no bucket"]),
+        ("s3:///path", ["no bucket"]),
+        ("gs://", ["no bucket"]),
+        ("s3:bucket/p", ["not a valid URI", "s3://bucket/path"]),
+        ("s3://key:secret@bucket/p", ["credentials"]),
+        ("s3://bucket:9000/p", ["invalid bucket name"]),
+        ("s3://bucket/p#x", ["fragment"]),
+        ("s3://bucket//p", ["path segment"]),
+        ("s3://bucket/a/../b", ["path segment"]),
+        ("s3://bucket/a b", ["whitespace"]),
+        ("s3://bucket/p?foo=1", ["'foo'", "region"]),
+        ("gs://bucket/p?region=x", ["'region'", "project_id"]),
+    ],
+)
 def test_check_uri_rejects_naming_the_field(uri, words):
     with pytest.raises(ConfigError) as info:
         storage.check_uri("my_field", uri)
@@ -92,8 +116,13 @@ def test_check_uri_rejects_naming_the_field(uri, words):
 @pytest.mark.parametrize("scheme,options", sorted(storage._QUERY_OPTIONS.items()))
 def test_allowed_query_options_are_exactly_pyarrows(scheme, options):
     """The allow-list matches what pyarrow's from_uri takes (offline: s3 gets a region)."""
-    values = {"scheme": "http", "allow_bucket_creation": "false", "allow_bucket_deletion": "false",
-              "tls_verify_certificates": "true", "retry_limit_seconds": "5"}
+    values = {
+        "scheme": "http",
+        "allow_bucket_creation": "false",
+        "allow_bucket_deletion": "false",
+        "tls_verify_certificates": "true",
+        "retry_limit_seconds": "5",
+    }
     base = f"{scheme}://b/p?region=us-east-1" if scheme == "s3" else f"{scheme}://b/p?scheme=https"
     for key in options:
         pafs.FileSystem.from_uri(f"{base}&{key}={values.get(key, 'x')}")
@@ -101,8 +130,9 @@ def test_allowed_query_options_are_exactly_pyarrows(scheme, options):
         pafs.FileSystem.from_uri(f"{base}&not_an_option=1")
 
 
-@pytest.mark.parametrize("uri", ["gs://b/a%20b/c/", "gcs://b", "s3://b/p/q/?region=us-east-1",
-                                 "s3://b/x%2Fy?region=us-east-1"])
+@pytest.mark.parametrize(
+    "uri", ["gs://b/a%20b/c/", "gcs://b", "s3://b/p/q/?region=us-east-1", "s3://b/x%2Fy?region=us-east-1"]
+)
 def test_filesystem_path_matches_pyarrow_offline(uri):
     fs, path = storage.filesystem(uri)
     ref_fs, ref_path = pafs.FileSystem.from_uri(uri)
@@ -120,6 +150,7 @@ def test_gcs_needs_no_network_or_credentials(monkeypatch):
 
 def test_mirror_construction_is_lazy_and_picklable(monkeypatch, tmp_path):
     """Building (or unpickling) a Mirror never builds a filesystem: for S3 that is a network call."""
+
     def boom(*args, **kwargs):
         raise AssertionError("filesystem built")
 
@@ -150,14 +181,21 @@ def test_staging_root_is_deterministic_and_distinct(monkeypatch, tmp_path):
     assert not os.path.exists(root)  # not created
     # Same in a fresh process (same environment), as on another node.
     code = "from diloco_ray.persist import storage; print(storage.staging_root('s3://bucket/runs/exp%201'))"
-    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                           env=dict(os.environ)).stdout.strip()
+    other = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=dict(os.environ)
+    ).stdout.strip()
     assert other == root
     # Spellings of one folder share; different folders never do, even when they sanitise alike.
     assert storage.staging_root("s3://bucket/runs/exp%201/") == root
     assert storage.staging_root("gcs://bucket/a") == storage.staging_root("gs://bucket/a")
-    distinct = ["s3://bucket/runs/exp_1", "s3://bucket/runs/exp%201x", "gs://bucket/runs/exp%201",
-                "s3://bucket/runs", "s3://bucket", "s3://bucket/runs/exp%201?region=eu-west-1"]
+    distinct = [
+        "s3://bucket/runs/exp_1",
+        "s3://bucket/runs/exp%201x",
+        "gs://bucket/runs/exp%201",
+        "s3://bucket/runs",
+        "s3://bucket",
+        "s3://bucket/runs/exp%201?region=eu-west-1",
+    ]
     roots = {storage.staging_root(u) for u in distinct} | {root}
     assert len(roots) == len(distinct) + 1
 
@@ -188,8 +226,14 @@ def test_remote_maps_local_paths_and_refuses_outside(tmp_path):
     assert mirror.remote(os.path.join(local, "ckpt", "a b.json")) == "s3://b/run/ckpt/a%20b.json?region=eu-west-1"
     assert mirror.remote("ckpt/x") == "s3://b/run/ckpt/x?region=eu-west-1"
     assert mirror.remote("s3://b/run/ckpt/x") == "s3://b/run/ckpt/x?region=eu-west-1"
-    for bad in ["../x", str(tmp_path / "stage2" / "x"), "/etc/passwd", os.path.join(local, "..", "y"),
-                "s3://b/running/x", "s3://other/run/x"]:
+    for bad in [
+        "../x",
+        str(tmp_path / "stage2" / "x"),
+        "/etc/passwd",
+        os.path.join(local, "..", "y"),
+        "s3://b/running/x",
+        "s3://other/run/x",
+    ]:
         with pytest.raises(ValueError):
             mirror.remote(bad)
 
@@ -212,8 +256,12 @@ def test_upload_download_round_trip(s3_bucket, mirror, tmp_path):
     assert sent == sum(len(d) for d in files.values())
     prefix = mirror.uri.split("/", 3)[3] + "/"
     assert s3_bucket.keys(prefix) == sorted(prefix + r for r in files)
-    assert s3_bucket.client.get_object(Bucket=s3_bucket.bucket, Key=prefix + "ckpt/round-00000001/deep/er/x.gz")[
-        "Body"].read() == b"not gzip at all"
+    assert (
+        s3_bucket.client.get_object(Bucket=s3_bucket.bucket, Key=prefix + "ckpt/round-00000001/deep/er/x.gz")[
+            "Body"
+        ].read()
+        == b"not gzip at all"
+    )
 
     other = storage.Mirror(mirror.uri, local=str(tmp_path / "elsewhere"))
     assert other.download("ckpt") is True

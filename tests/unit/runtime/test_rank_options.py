@@ -11,11 +11,25 @@ from diloco_ray.runtime.rank import RankWorker
 
 
 def worker(tmp_path, **kw):
-    fields = dict(model_config={"model_type": "llama", "hidden_size": 32, "intermediate_size": 64,
-                                "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 2,
-                                "attention_bias": True},
-                  dataset_name="builtin:arithmetic", dataset_kwargs={"num_samples": 300}, seq_len=16,
-                  batch_size=2, max_steps=2, diloco_loops=1, eval_batches=1, output_dir=str(tmp_path))
+    fields = dict(
+        model_config={
+            "model_type": "llama",
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 2,
+            "attention_bias": True,
+        },
+        dataset_name="builtin:arithmetic",
+        dataset_kwargs={"num_samples": 300},
+        seq_len=16,
+        batch_size=2,
+        max_steps=2,
+        diloco_loops=1,
+        eval_batches=1,
+        output_dir=str(tmp_path),
+    )
     fields.update(kw)
     w = RankWorker(TrainerConfig(**fields).to_dict(), replica_id=0, rank=0, world_size=1)
     w.setup()

@@ -14,14 +14,22 @@ from diloco_ray.runtime.rank import inner_lr_at
 
 
 def make(**kw) -> TrainerConfig:
-    base = dict(model_config={"model_type": "llama"}, tokenizer_name="builtin:char",
-                dataset_name="builtin:arithmetic", lr=1.0, max_steps=10, diloco_loops=2, warmup_steps=4,
-                min_lr_ratio=0.1)
+    base = dict(
+        model_config={"model_type": "llama"},
+        tokenizer_name="builtin:char",
+        dataset_name="builtin:arithmetic",
+        lr=1.0,
+        max_steps=10,
+        diloco_loops=2,
+        warmup_steps=4,
+        min_lr_ratio=0.1,
+    )
     return TrainerConfig(**{**base, **kw})
 
 
 # Run of max_steps * diloco_loops = 20 inner steps, 4 of warmup; decay spans 16 steps and
 # reaches lr * min_lr_ratio at step 20 (= max_steps * diloco_loops).
+
 
 def test_warmup_is_linear():
     cfg = make(lr_schedule="cosine")
@@ -91,6 +99,7 @@ def test_warmup_longer_than_run():
 
 # --- the inner optimizer ------------------------------------------------------------------
 
+
 def params():
     return [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.zeros(2, 2))]
 
@@ -135,8 +144,9 @@ def test_unknown_optimizer(name):
     assert msg.startswith("inner_opt:") and f"'{name}'" in msg and "AdamW" in msg
 
 
-@pytest.mark.parametrize("kwargs, detail", [({"foo": 1}, "foo"), ({"betas": [2.0, 0.9]}, "beta"),
-                                            ({"weight_decay": -1.0}, "weight_decay")])
+@pytest.mark.parametrize(
+    "kwargs, detail", [({"foo": 1}, "foo"), ({"betas": [2.0, 0.9]}, "beta"), ({"weight_decay": -1.0}, "weight_decay")]
+)
 def test_bad_optimizer_kwargs(kwargs, detail):
     with pytest.raises(ConfigError) as ei:
         build_inner_optimizer(params(), make(inner_opt_kwargs=kwargs))

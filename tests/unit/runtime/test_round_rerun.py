@@ -38,7 +38,7 @@ def test_rerun_sends_the_first_attempts_pseudo_gradient(tmp_path, codec):
     first, stats = period(w)
     assert not stats.restarted and stats.inner_steps == 3
     again, stats = period(w, {"restart": True, "attempt": 8})  # same version: nothing new to load
-    assert stats.restarted and stats.inner_steps == 3          # not stopped by an old abort either
+    assert stats.restarted and stats.inner_steps == 3  # not stopped by an old abort either
     for name in first:
         assert torch.equal(first[name], again[name]), name
 

@@ -13,11 +13,18 @@ from diloco_ray.runtime.round_start import RoundStart
 
 def state(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
-    return {"optimizer": {"state": {0: {"exp_avg": torch.randn(5, 3, generator=g), "step": torch.tensor(4.0)},
-                                    1: {"exp_avg": torch.randn(0, generator=g).bfloat16()}},
-                          "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
-            "rng_cpu": torch.get_rng_state(), "rng_cuda": None,
-            "residual": {"w": torch.randn(7, generator=g), "ids": torch.arange(3)}}
+    return {
+        "optimizer": {
+            "state": {
+                0: {"exp_avg": torch.randn(5, 3, generator=g), "step": torch.tensor(4.0)},
+                1: {"exp_avg": torch.randn(0, generator=g).bfloat16()},
+            },
+            "param_groups": [{"lr": 0.1, "params": [0, 1]}],
+        },
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": None,
+        "residual": {"w": torch.randn(7, generator=g), "ids": torch.arange(3)},
+    }
 
 
 def same(a, b) -> bool:

@@ -43,8 +43,9 @@ def initial_weights(shapes=SHAPES, seed: int = 0) -> dict[str, torch.Tensor]:
 def make_config(**overrides) -> TrainerConfig:
     fields = dict(max_steps=4, outer_lr=0.7, outer_momentum=0.9)
     fields.update(overrides)
-    return TrainerConfig(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic",
-                         tokenizer_name="builtin:char", **fields)
+    return TrainerConfig(
+        model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic", tokenizer_name="builtin:char", **fields
+    )
 
 
 def rows_of(shape, world_size: int, rank: int):
@@ -60,9 +61,17 @@ def noise(shapes, round_index: int, fragment: int, replica: int) -> dict[str, to
 
 class Rank:
     def __init__(self, cfg: TrainerConfig, shapes, world_size: int, rank: int, full: dict[str, torch.Tensor]):
-        self.sync = RankSync(shapes, world_size, rank, cfg.num_param_servers, cfg.sync_fragments,
-                             cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha,
-                             cfg.compression_block)
+        self.sync = RankSync(
+            shapes,
+            world_size,
+            rank,
+            cfg.num_param_servers,
+            cfg.sync_fragments,
+            cfg.pseudo_grad_compression,
+            cfg.error_feedback,
+            cfg.fragment_alpha,
+            cfg.compression_block,
+        )
         self.local = {n: t[rows_of(t.shape, world_size, rank)].clone() for n, t in full.items()}
         self.rows = {n: rows_of(s, world_size, rank) for n, s in shapes.items()}
 
@@ -83,19 +92,29 @@ class ThroughRay:
         def call(*args, **kwargs):
             out = method(*args, **kwargs)
             return out.copy() if isinstance(out, np.ndarray) else out
+
         return call
 
 
 class Sim:
     """Servers and replicas, driven one sync at a time as the trainer chains them."""
 
-    def __init__(self, num_servers: int = 1, fragments: int = 1, world_size: int = 1, replicas: int = 2,
-                 shapes=SHAPES, step: float = 0.01, **cfg):
+    def __init__(
+        self,
+        num_servers: int = 1,
+        fragments: int = 1,
+        world_size: int = 1,
+        replicas: int = 2,
+        shapes=SHAPES,
+        step: float = 0.01,
+        **cfg,
+    ):
         self.cfg = make_config(num_param_servers=num_servers, sync_fragments=fragments, **cfg)
         self.shapes, self.world_size, self.step = shapes, world_size, step
         init = initial_weights(shapes)
-        self.replicas = {rid: [Rank(self.cfg, shapes, world_size, r, init) for r in range(world_size)]
-                         for rid in range(replicas)}
+        self.replicas = {
+            rid: [Rank(self.cfg, shapes, world_size, r, init) for r in range(world_size)] for rid in range(replicas)
+        }
         seeds = [rank.sync.seed(rank.local) for rank in self.replicas[0]]  # [rank][server]
         self.servers = [ThroughRay(ParameterServer(self.cfg.to_dict(), index=s)) for s in range(num_servers)]
         for s, server in enumerate(self.servers):
@@ -169,8 +188,10 @@ class Sim:
 
     def anchors(self, rid: int) -> dict[str, torch.Tensor]:
         ranks = self.replicas[rid]
-        return {n: torch.cat([r.sync.anchor[n] for r in ranks]) if len(s) else ranks[0].sync.anchor[n]
-                for n, s in self.shapes.items()}
+        return {
+            n: torch.cat([r.sync.anchor[n] for r in ranks]) if len(s) else ranks[0].sync.anchor[n]
+            for n, s in self.shapes.items()
+        }
 
 
 def with_value(buf: np.ndarray, value: float = float("nan"), count: int = 1) -> np.ndarray:
@@ -231,8 +252,7 @@ def test_every_server_reports_the_same_norm():
 # --------------------------------------------------------------------------- rejection
 
 
-@pytest.mark.parametrize("value,count,rejected", [(float("inf"), 1, True), (-float("inf"), 1, True),
-                                                  (3e38, 4, False)])
+@pytest.mark.parametrize("value,count,rejected", [(float("inf"), 1, True), (-float("inf"), 1, True), (3e38, 4, False)])
 def test_finite_check_rejects_inf_but_not_finite_values_whose_sum_overflows(value, count, rejected):
     sim = Sim(1, 1, 1, 2)
     sim.round(0)
@@ -252,14 +272,14 @@ def test_sum_of_squares_in_chunks_matches_a_float64_copy():
     assert _sum_of_squares(torch.tensor(2.0)) == 4.0 and _sum_of_squares(torch.zeros(0)) == 0.0
 
 
-
 @pytest.mark.parametrize("num_servers,fragments", [(2, 1), (3, 2)])
 @pytest.mark.parametrize("bad_server", [0, -1])
 def test_nan_on_one_server_is_rejected_by_every_server(num_servers, fragments, bad_server):
     bad_server %= num_servers
     owned = partition.server_shards(SHAPES, num_servers)[bad_server]
-    bad_fragment = next(f for f, rows in enumerate(partition.fragments(SHAPES, fragments))
-                        if partition.intersect(owned, rows))
+    bad_fragment = next(
+        f for f, rows in enumerate(partition.fragments(SHAPES, fragments)) if partition.intersect(owned, rows)
+    )
     poisoned = Sim(num_servers, fragments, 2, 3)
     clean = Sim(num_servers, fragments, 2, 3)
     for sim in (poisoned, clean):
@@ -481,8 +501,9 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
     (a0, m0, w0), (a1, m1, w1) = results
     assert max_diff(w0, w1) == 0.0
     assert max_diff(w0, assemble_weights([s.global_weights() for s in sim.servers], SHAPES)) == 0.0
-    assert [(a.round, a.fragment, a.pseudo_grad_norm, a.round_done, a.data_ranges) for a in a0] == \
-           [(a.round, a.fragment, a.pseudo_grad_norm, a.round_done, a.data_ranges) for a in a1]
+    assert [(a.round, a.fragment, a.pseudo_grad_norm, a.round_done, a.data_ranges) for a in a0] == [
+        (a.round, a.fragment, a.pseudo_grad_norm, a.round_done, a.data_ranges) for a in a1
+    ]
     for x, y in zip(m0, m1):
         tx, mx = compression.unpack(x)
         ty, my = compression.unpack(y)
