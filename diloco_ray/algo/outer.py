@@ -3,7 +3,8 @@
 This module owns everything that happens to the *global* parameters once the
 replicas' pseudo-gradients (``global - local`` after the inner steps) are in
 hand: validating each pseudo-gradient, averaging the accepted ones with
-weights in fp32, optional global-norm clipping, the outer learning-rate
+weights in fp32 and clipping by their global norm (both with the functions the
+parameter server uses, :mod:`diloco_ray.algo.aggregate`), the outer learning-rate
 schedule, and the ``torch.optim`` outer optimizer (Nesterov SGD by default)
 together with its checkpointable state. It knows nothing about Ray, workers or
 communication; callers hand it tensors and get tensors back.
@@ -19,6 +20,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import Tensor
 
+from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
 from diloco_ray.algo.optimizers import build_outer_optimizer
 
 __all__ = [
@@ -26,9 +28,8 @@ __all__ = [
     "OuterStepInfo",
     "clip_coefficient",
     "find_invalid",
-    "global_norm",
     "outer_lr_at",
-    "weighted_mean",
+    "sync_advances",
 ]
 
 _SCHEDULES = (None, "cosine", "linear", "polynomial")
@@ -62,6 +63,15 @@ def outer_lr_at(base_lr: float, schedule: str | None, r: int, T: int) -> float:
     return float(base_lr) * (1.0 - frac) ** 2
 
 
+def sync_advances(applied: bool, streaming: bool) -> bool:
+    """Whether a sync moves the weights replicas hold to a new version: a streaming sync
+    always does (its fragment's rows are re-sent, applied or not); a plain DiLoCo sync only
+    when it applied an update. The server counts versions by this rule and the driver
+    numbers the messages it hands out by it, before the commit returns.
+    """
+    return streaming or applied
+
+
 def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> str | None:
     """Why ``pseudo_grad`` cannot be applied to ``reference_params``, or None if it can.
 
@@ -88,46 +98,6 @@ def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, 
         if g.is_floating_point() and not bool(torch.isfinite(g).all()):
             return f"non-finite values in {name!r}"
     return None
-
-
-def weighted_mean(pseudo_grads: Sequence[Mapping[str, Tensor]], weights: Sequence[float]) -> dict[str, Tensor]:
-    """``sum(w_i * g_i) / sum(w_i)`` per key, accumulated in fp32.
-
-    Args:
-        pseudo_grads: non-empty list of name -> tensor dicts with identical keys and shapes
-            (any float dtype; each is cast to fp32 before accumulating so bf16/fp16
-            inputs do not lose precision in the sum).
-        weights: one finite, non-negative weight per entry, with a positive sum.
-
-    Returns:
-        name -> fp32 tensor, on the device of the first entry's tensors.
-    """
-    if len(pseudo_grads) != len(weights):
-        raise ValueError(f"got {len(pseudo_grads)} pseudo-grads but {len(weights)} weights")
-    if not pseudo_grads:
-        raise ValueError("weighted_mean needs at least one pseudo-grad")
-    total = float(sum(float(w) for w in weights))
-    if not total > 0:
-        raise ValueError(f"weights must sum to > 0, got {total}")
-    out: dict[str, Tensor] = {}
-    for name, first in pseudo_grads[0].items():
-        acc = torch.zeros(first.shape, dtype=torch.float32, device=first.device)
-        for g, w in zip(pseudo_grads, weights):
-            acc.add_(g[name].to(device=acc.device, dtype=torch.float32), alpha=float(w))
-        out[name] = acc.div_(total)
-    return out
-
-
-def global_norm(tensors: Mapping[str, Tensor]) -> float:
-    """L2 norm over all tensors together, computed as ``clip_grad_norm_`` does (fp32).
-
-    Args:
-        tensors: name -> tensor; an empty mapping has norm 0.0.
-    """
-    if not tensors:
-        return 0.0
-    norms = [torch.linalg.vector_norm(t.detach().float()) for t in tensors.values()]
-    return float(torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms])))
 
 
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
@@ -236,13 +206,21 @@ class OuterOptimizer:
                 info.reasons[i] = reason
         self.last_step = info
 
-        acc_weights = [float(weights[i]) for i in info.accepted]
-        if not info.accepted or not sum(acc_weights) > 0:
+        accepted = {i: float(weights[i]) for i in info.accepted}
+        total = sum(accepted.values())
+        if not accepted or not total > 0:
             return self.params
 
-        mean = weighted_mean([pseudo_grads[i] for i in info.accepted], acc_weights)
-        info.grad_norm = global_norm(mean)
-        self.apply(mean, lr, clip_coefficient(info.grad_norm, self._clip))
+        # The server's outer step (algo.aggregate), on whole tensors: an fp32 weighted sum
+        # of each accepted pseudo-gradient, the mean in place, the norm of its parts.
+        acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self._params.items()}
+        for i, w in accepted.items():
+            for name, g in pseudo_grads[i].items():
+                add_weighted(acc[name].view(-1), g.detach().reshape(-1).to(acc[name].device, torch.float32), w, name)
+        mean = mean_in_place(acc, total)
+        position = {n: k for k, n in enumerate(self._params)}
+        info.grad_norm = norm_of_parts(squares_by_part(mean, position, dict.fromkeys(mean, 0)))
+        self.apply(mean, lr, clip_coefficient(info.grad_norm, self._clip), in_place=True)
         self.round += 1
         info.applied = True
         return self.params

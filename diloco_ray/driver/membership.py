@@ -131,6 +131,32 @@ class Membership:
     def ids(self) -> list[int]:
         return [r.id for r in self.active]
 
+    def place_initial(self, warn: Callable[[str], None]) -> None:
+        """Place the run's first ``num_replicas`` replicas, waiting up to
+        ``placement_timeout_s``; go on with fewer (warning) if at least ``min_replicas`` fit."""
+        cfg = self.config
+        shortfall = capacity_shortfall(cfg, self.device, ray.cluster_resources())
+        if shortfall:
+            # An autoscaler may still add nodes, so this warns rather than fails; without
+            # one, the wait below ends at placement_timeout_s with the replicas that fit.
+            warn(
+                f"{shortfall}. Waiting up to placement_timeout_s={cfg.placement_timeout_s:g}s for room, "
+                f"then going on with the replicas that fit (at least min_replicas={cfg.min_replicas})."
+            )
+        self.reconcile(cfg.num_replicas, wait_s=cfg.placement_timeout_s)
+        if cfg.min_replicas <= len(self.active) < cfg.num_replicas:
+            warn(
+                f"starting with {len(self.active)} of num_replicas={cfg.num_replicas} replicas; "
+                "the others join at a round boundary when they are placed"
+            )
+        if len(self.active) < cfg.min_replicas:
+            totals = {k: v for k, v in ray.cluster_resources().items() if "_group_" not in k}
+            raise RuntimeError(
+                f"only {len(self.active)} of min_replicas={cfg.min_replicas} replicas were placed "
+                f"and set up within placement_timeout_s={cfg.placement_timeout_s:g}s "
+                f"(cluster resources: {totals})"
+            )
+
     def reconcile(self, target: int, wait_s: float = 0.0) -> None:
         """Apply :func:`decide`, then admit starting replicas that are ready, waiting up
         to ``wait_s`` seconds for the rest."""

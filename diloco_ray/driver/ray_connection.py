@@ -18,6 +18,7 @@ import tempfile
 from typing import Optional
 
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.errors import ConfigError
 from diloco_ray.logs import log
 
 
@@ -86,3 +87,25 @@ def connect(config: TrainerConfig) -> bool:
         address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, log_to_driver=True
     )
     return True
+
+
+def resolve_device(want: str) -> str:
+    """``device`` (auto, cpu, cuda) as the connected cluster can serve it."""
+    import ray
+
+    has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if want == "cuda" and not has_gpu:
+        raise ConfigError("device: 'cuda' but the Ray cluster has no GPUs; use device: cpu or auto")
+    return "cuda" if want == "cuda" or (want == "auto" and has_gpu) else "cpu"
+
+
+def on_sigterm(stopped) -> object:
+    """Make SIGTERM call ``stopped(signal name)`` (which raises), in the main thread only;
+    returns the handler it replaced (None when not installed). Installed once Ray is
+    connected, since ``ray.init`` sets its own handler."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, lambda signum, frame: stopped(signal.Signals(signum).name))

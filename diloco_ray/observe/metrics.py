@@ -189,3 +189,20 @@ def _jsonable(value: Any) -> Any:
     if hasattr(value, "item"):
         return value.item()
     return str(value)
+
+
+def logger_for(config, folder: str, run_name: str) -> MetricsLogger:
+    """The run's :class:`MetricsLogger`: ``metrics.jsonl`` in ``folder`` and the trackers
+    ``log_with`` names, W&B set up from the config's ``wandb_*`` fields."""
+    return MetricsLogger(
+        folder,
+        config.log_with,
+        config.log_dir,
+        config.to_dict(),
+        wandb_settings={
+            "project": config.wandb_project,
+            "entity": config.wandb_entity,
+            "name": config.wandb_run_name or run_name,
+            "tags": config.wandb_tags,
+        },
+    )

@@ -153,3 +153,30 @@ def save_adapter(folder: str, peft_meta, tokenizer, adapter: Mapping[str, torch.
     os.makedirs(folder, exist_ok=True)
     peft_meta.save_pretrained(folder, state_dict=dict(adapter))
     tokenizer.save_pretrained(folder)
+
+
+def save_from_servers(
+    config, path: str, tensor: Callable[[str, tuple], np.ndarray], shapes: Mapping[str, tuple]
+) -> str:
+    """Write ``final/`` at ``path`` from the servers: the model as sharded safetensors (or the
+    PEFT adapter), one tensor at a time through ``tensor(name, shape)``, written to a
+    scratch folder and published whole (a bucket's ``final/`` appears complete or not at all)."""
+    from diloco_ray.data import tokenization
+    from diloco_ray.model import loading as modeling
+    from diloco_ray.persist import staging
+
+    tokenizer = tokenization.load_tokenizer(config)
+    model = modeling.meta_model(config, tokenizer)
+
+    def write(folder: str) -> None:
+        if config.use_peft:
+            adapter = {n: torch.from_numpy(tensor(n, s)) for n, s in shapes.items()}
+            save_adapter(folder, model, tokenizer, adapter)
+        else:
+            save_model(
+                folder, model, tokenizer, shapes, lambda n: tensor(n, shapes[n]), int(config.final_shard_mb * 2**20)
+            )
+
+    modeling.write_atomically(staging.scratch(path), write)
+    staging.publish_tree(path)
+    return path

@@ -93,6 +93,12 @@ class RunFolder:
     def remote(self) -> bool:
         return self.mirror is not None
 
+    @property
+    def name(self) -> str:
+        """The run's name for trackers and Ray metrics: ``output_dir``'s last component."""
+        out = self.config.output_dir
+        return os.path.basename(out.rstrip("/") if self.remote else os.path.abspath(out)) or "diloco"
+
     def path(self, name: str) -> str:
         """Where ``name`` (e.g. ``final``) lives: an absolute folder, or a URI."""
         if self.mirror:

@@ -4,6 +4,8 @@ The driver builds a :class:`SyncPeriod` for every rank of a replica at the start
 sync period and the rank only reads it, so both sides agree on one definition instead of
 on the keys of a dict. A :class:`Launch` is what the driver holds of one replica's period
 while it runs, and a :class:`RoundPoll` what came back of all of them by the deadline.
+A sync hands each server the replicas' :class:`Contribution`; the servers agree through
+:class:`Prepared` and :class:`Reduced`, and report an :class:`AppliedRound`.
 Plain data, no Ray: the references and actor handles inside are opaque here.
 """
 
@@ -99,3 +101,57 @@ class RoundPoll:
     reported: dict[int, list] = field(default_factory=dict)
     late: list[int] = field(default_factory=list)
     failed: list[tuple[Any, str]] = field(default_factory=list)
+
+
+# ---- one sync, between the driver and the parameter servers ---------------------------
+@dataclass
+class Contribution:
+    """One replica's pieces for one server in one sync.
+
+    Args:
+        replica_id: the replica.
+        refs: one object ref per rank, each resolving to a :func:`compression.pack`
+            buffer of that rank's rows for this server. Wrapped in a list so Ray hands
+            the refs over unresolved and the server fetches them itself.
+        weight: its weight in the mean (tokens it trained on).
+    """
+
+    replica_id: int
+    refs: list
+    weight: float
+
+
+@dataclass
+class Prepared:
+    """A server's verdict on one sync's contributions (small; goes server -> server)."""
+
+    order: list[int]  # replica ids in contribution order
+    weights: dict[int, float]
+    reasons: dict[int, str]  # replica id -> why rejected here
+    arrived: float  # wall-clock time the last piece arrived
+
+
+@dataclass
+class Reduced:
+    """A server's part of the accepted mean: squared norms by (param position, row start)."""
+
+    accepted: list[int]
+    sumsq: list[tuple[int, int, float]]
+    reasons: dict[int, str]
+    started: float
+
+
+@dataclass
+class AppliedRound:
+    """What a commit reports (small; goes to the driver)."""
+
+    applied: bool
+    round: int  # the round this sync belongs to
+    fragment: int
+    outer_lr: float
+    pseudo_grad_norm: float | None
+    accepted: list[int] = field(default_factory=list)  # replica ids
+    rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
+    data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
+    round_done: bool = False  # this sync completed its round
+    seconds: float = 0.0  # from the first piece received to the step taken

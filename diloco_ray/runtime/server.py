@@ -16,68 +16,36 @@ keeps the round index. A sync of one fragment (the whole model unless
    uses the norm over the whole fragment, and takes the outer step.
 
 A round's step and the cursor advance together, or not at all. The math lives in
-:mod:`diloco_ray.algo.outer`, :mod:`diloco_ray.algo.compression` and :mod:`diloco_ray.algo.partition`.
+:mod:`diloco_ray.algo.aggregate` (the sum, mean and norm, shared with
+:meth:`OuterOptimizer.step <diloco_ray.algo.outer.OuterOptimizer.step>`),
+:mod:`diloco_ray.algo.outer`, :mod:`diloco_ray.algo.compression` and :mod:`diloco_ray.algo.partition`;
+the checkpoint files in :mod:`diloco_ray.persist.server_state`.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
 import torch
 
 from diloco_ray.algo import compression, links, partition
+from diloco_ray.algo.aggregate import (
+    NON_FINITE,
+    mean_in_place,
+    norm_of_parts,
+    squares_by_part,
+)
 from diloco_ray.algo.optimizers import build_outer_optimizer
-from diloco_ray.algo.outer import OuterOptimizer, clip_coefficient
+from diloco_ray.algo.outer import OuterOptimizer, clip_coefficient, sync_advances
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
 from diloco_ray.runtime import host_memory
-
-# How a rejection for NaN/Inf reads: the driver resets such a replica's inner state.
-NON_FINITE = "non-finite values"
-
-
-@dataclass
-class Contribution:
-    """One replica's pieces for one server in one sync.
-
-    Args:
-        replica_id: the replica.
-        refs: one object ref per rank, each resolving to a :func:`compression.pack`
-            buffer of that rank's rows for this server. Wrapped in a list so Ray hands
-            the refs over unresolved and the server fetches them itself.
-        weight: its weight in the mean (tokens it trained on).
-    """
-
-    replica_id: int
-    refs: list
-    weight: float
-
-
-@dataclass
-class Prepared:
-    """A server's verdict on one sync's contributions (small; goes server -> server)."""
-
-    order: list[int]  # replica ids in contribution order
-    weights: dict[int, float]
-    reasons: dict[int, str]  # replica id -> why rejected here
-    arrived: float  # wall-clock time the last piece arrived
-
-
-@dataclass
-class Reduced:
-    """A server's part of the accepted mean: squared norms by (param position, row start)."""
-
-    accepted: list[int]
-    sumsq: list[tuple[int, int, float]]
-    reasons: dict[int, str]
-    started: float
+from diloco_ray.runtime.messages import AppliedRound, Contribution, Prepared, Reduced
+from diloco_ray.runtime.server_slice import ServerSlice
 
 
 @dataclass
@@ -103,23 +71,7 @@ class PendingSync:
     mean: Optional[dict] = None
 
 
-@dataclass
-class AppliedRound:
-    """What a commit reports (small; goes to the driver)."""
-
-    applied: bool
-    round: int  # the round this sync belongs to
-    fragment: int
-    outer_lr: float
-    pseudo_grad_norm: float | None
-    accepted: list[int] = field(default_factory=list)  # replica ids
-    rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
-    data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
-    round_done: bool = False  # this sync completed its round
-    seconds: float = 0.0  # from the first piece received to the step taken
-
-
-class ParameterServer:
+class ParameterServer(ServerSlice):
     """Holds one slice of the global model state and applies outer updates to it.
 
     Args:
@@ -140,11 +92,11 @@ class ParameterServer:
         self.fragment = 0  # next fragment to sync within the round
         self.version = 0  # syncs committed: the version replicas hold
         self.held: dict[str, torch.Tensor] = {}  # what replicas hold, with weights_compression
-        self._round_accepted: set[int] | None = None
+        self.round_accepted: set[int] | None = None
         self._pending: PendingSync | None = None
         self._sum_space = torch.empty(0)  # where a sync's sum is built (see _zeroed_sum)
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
-        self._message_version = 0  # the version last_message carries
+        self.message_version = 0  # the version last_message carries
         self._import_optimizer_machinery()
 
     def _import_optimizer_machinery(self) -> None:
@@ -158,121 +110,16 @@ class ParameterServer:
         except ConfigError:
             pass
 
-    # ---- layout ------------------------------------------------------------------------
-    def _layout(self, shapes: dict) -> None:
-        self.shapes = {n: tuple(s) for n, s in shapes.items()}
-        self.names = list(self.shapes)
-        self.position = {n: i for i, n in enumerate(self.names)}
-        self.owned = partition.server_shards(self.shapes, self.count)[self.index]
-        self.fragments = partition.fragments(self.shapes, self.config.sync_fragments)
-
-        # The outer optimizer works on whole tensors, and a fragment may cover part of a
-        # tensor's rows: each owned tensor is held as one piece per fragment it meets.
-        self.pieces: dict[tuple[str, int], str] = {}  # (name, fragment) -> optimizer key
-        self.piece_rows: dict[str, tuple[str, tuple[int, int]]] = {}  # key -> (name, rows)
-        spans = sorted(
-            (self.position[n], iv[0], f, n, iv)
-            for f in range(len(self.fragments))
-            for n, iv in partition.intersect(self.owned, self.fragments[f]).items()
-        )
-        for _, _, f, name, iv in spans:
-            key = name if iv == self.owned[name] else f"{name}@{iv[0]}"
-            self.pieces[(name, f)] = key
-            self.piece_rows[key] = (name, iv)
-
-    def _piece_shape(self, name: str, rows: tuple[int, int]) -> tuple:
-        shape = self.shapes[name]
-        return shape if not shape else (rows[1] - rows[0], *shape[1:])  # a 0-d parameter stays 0-d
-
-    def _target(self, fragment: int | None) -> partition.Rows:
-        return self.owned if fragment is None else partition.intersect(self.owned, self.fragments[fragment])
-
-    def _split(self, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Owned rows by name -> optimizer pieces by key (copies)."""
-        return {
-            key: partition.take(full[name], iv, self.owned[name][0]).clone()
-            for key, (name, iv) in self.piece_rows.items()
-        }
-
-    def _rows(self, pieces: dict[str, torch.Tensor], name: str, iv: tuple[int, int]) -> torch.Tensor:
-        """Rows ``iv`` of ``name`` from optimizer pieces (a view when one piece holds them)."""
-        parts = []
-        for key, (n, (a, b)) in self.piece_rows.items():
-            lo, hi = max(a, iv[0]), min(b, iv[1])
-            if n == name and (lo < hi or (a, b) == iv):
-                parts.append(partition.take(pieces[key], (lo, hi), a))
-        return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-    def _decode(self, buffers: list, target: partition.Rows) -> tuple[list, float]:
-        """Decode one replica's per-rank buffers and check them against ``target``:
-        every row covered once, shapes right, every value finite. Returns ``[(name,
-        rows, piece)]`` (views into the buffers where the codec allows: nothing is
-        copied) and when the last of them arrived over its (simulated) link."""
-        found, arrived = [], 0.0
-        covered = dict.fromkeys(target, 0)
-        for r, buf in enumerate(buffers):
-            pieces, meta = compression.unpack_pieces(buf, self.names, lazy=True)
-            arrived = max(arrived, links.arrival(meta) or 0.0)
-            for name, (start, piece) in pieces.items():
-                span = (start, start + partition.num_rows(piece.shape))
-                if name not in target or partition.intersect({name: span}, target) != {name: span}:
-                    raise ValueError(f"rank {r} sent rows {span} of '{name}' outside this sync's slice")
-                if tuple(piece.shape[1:]) != self.shapes[name][1:]:
-                    raise ValueError(
-                        f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
-                        f"want (*, {', '.join(map(str, self.shapes[name][1:]))})"
-                    )
-                found.append((name, span, piece))
-                covered[name] += span[1] - span[0]
-        for name, (a, b) in target.items():
-            if covered[name] != b - a:
-                raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
-        return found, arrived
-
-    @staticmethod
-    def _values(name: str, piece: compression.Encoded) -> torch.Tensor:
-        """A piece decoded (a view into the message when uncompressed) and checked finite."""
-        values = piece.decode()
-        # A vectorised fp32 sum is finite when every value is; only when it is not
-        # (NaN/Inf, or finite values large enough to overflow) is each value checked.
-        if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
-            raise ValueError(f"{NON_FINITE} in '{name}'")
-        return values
-
-    def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
-        """Like :meth:`_decode`, assembled into tensors covering ``target`` exactly."""
-        found, arrived = self._decode(buffers, target)
-        out = {n: torch.empty(self._piece_shape(n, iv)) for n, iv in target.items()}
-        for name, span, piece in found:
-            partition.put(out[name], span, self._values(name, piece), offset=target[name][0])
-        return out, arrived
-
-    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float) -> float:
-        """Add one replica's checked pieces, times ``weight``, straight into ``acc``, a
-        piece at a time (never a decoded copy of the whole message); returns its arrival
-        time. Raises ValueError when a check fails: a non-finite piece found part-way
-        leaves ``acc`` holding the pieces before it (the caller rebuilds it)."""
-        found, arrived = self._decode(buffers, target)
-        for name, span, piece in found:
-            flat = partition.take(acc[name], span, target[name][0]).view(-1)  # rows are contiguous
-            for lo, values in piece.chunks():
-                # A vectorised fp32 sum is finite when every value is; only when it is not
-                # (NaN/Inf, or finite values large enough to overflow) is each value checked.
-                if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
-                    raise ValueError(f"{NON_FINITE} in '{name}'")
-                flat[lo : lo + values.numel()].add_(values, alpha=weight)
-        return arrived
-
     # ---- state ---------------------------------------------------------------------------
     def initialize(self, buffer_refs: list, shapes: dict[str, tuple]) -> None:
         """Seed this slice of the global weights from one replica's rank buffers (fp32
         pieces, as :meth:`~diloco_ray.runtime.rank.RankWorker.seed_pieces` packs them)."""
-        self._layout(shapes)
+        self.layout(shapes)
         params, _ = self._receive(resolve(buffer_refs), self.owned)
-        self.optimizer = OuterOptimizer(self._split(params), self.config)
-        self._reset_held()
+        self.optimizer = OuterOptimizer(self.split(params), self.config)
+        self.reset_held()
 
-    def _reset_held(self) -> None:
+    def reset_held(self) -> None:
         if self.config.weights_compression != "none":
             self.held = {n: t.clone() for n, t in self.optimizer.params.items()}
 
@@ -316,7 +163,7 @@ class ParameterServer:
         iv = self.owned.get(name)
         if iv is None:
             return None
-        return iv[0], self._rows(self.optimizer.params, name, iv).numpy()
+        return iv[0], self.rows(self.optimizer.params, name, iv).numpy()
 
     def full_weights(self) -> np.ndarray:
         """Every parameter of this slice as replicas hold it, packed fp32 (for a replica
@@ -332,60 +179,26 @@ class ParameterServer:
         then hold, so quantisation error never accumulates.
         """
         codec = self.config.weights_compression
-        if self.version == self._message_version:
+        if self.version == self.message_version:
             # The sync committed nothing (a round to run again): there is no new version,
             # so no new message, and `held` must not move (it tracks what replicas hold).
             return self.last_weights()
-        self._message_version = self.version
+        self.message_version = self.version
         if codec == "none":
             meta = {"version": self.version, "fragment": fragment}
             return self._pack(self.optimizer.params, self._target(fragment), "none", meta)
         target = self._target(fragment)
         params = self.optimizer.params
-        delta = {n: self._rows(params, n, iv) - self._rows(self.held, n, iv) for n, iv in target.items()}
+        delta = {n: self.rows(params, n, iv) - self.rows(self.held, n, iv) for n, iv in target.items()}
         meta = {"delta": True, "fragment": fragment, "version": self.version, "sent_at": time.time()}
         buf, _ = compression.pack_pieces(
             delta, {n: iv[0] for n, iv in target.items()}, self.names, codec, meta, block=self.config.compression_block
         )
         decoded, _ = compression.unpack_pieces(buf, self.names)
         for n, iv in target.items():
-            self._rows(self.held, n, iv).add_(decoded[n][1])
+            self.rows(self.held, n, iv).add_(decoded[n][1])
         self.last_message = buf
         return buf
-
-    def _pack(self, tensors: dict, target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
-        """Rows ``target`` of ``tensors`` as a message. Uncompressed, it is written into
-        the sum space when no sum is in it (see :meth:`_message_space`)."""
-        meta = {**meta, "sent_at": time.time()}
-        starts = {n: iv[0] for n, iv in target.items()}
-        if codec == "none":
-            return compression.pack_pieces_filled(
-                {n: self._piece_shape(n, iv) for n, iv in target.items()},
-                starts,
-                self.names,
-                lambda n, out: out.copy_(self._rows(tensors, n, target[n])),
-                "none",
-                meta,
-                block=self.config.compression_block,
-                allocate=self._message_space,
-            )
-        pieces = {n: self._rows(tensors, n, iv) for n, iv in target.items()}
-        buf, _ = compression.pack_pieces(pieces, starts, self.names, codec, meta, block=self.config.compression_block)
-        return buf
-
-    def _message_space(self, nbytes: int) -> np.ndarray:
-        """``nbytes`` for a message: the sum space's memory when no sync holds a sum in
-        it. The weights message of a sync is built after its sum was consumed, so the
-        two share one buffer and the server's peak stays weights + momentum + one
-        buffer. Such a message is valid until the next :meth:`prepare`: through Ray it
-        was copied into the object store when the call returned."""
-        if self._pending is not None:
-            return np.empty(nbytes, dtype=np.uint8)
-        floats = -(-nbytes // 4)
-        if self._sum_space.numel() < floats:
-            self._sum_space = torch.empty(0)
-            self._sum_space = torch.empty(floats)
-        return self._sum_space.numpy().view(np.uint8)[:nbytes]
 
     # ---- one sync: prepare -> reduce -> commit -------------------------------------------
     def prepare(self, fragment: int, contributions: list[Contribution]) -> Prepared:
@@ -429,24 +242,6 @@ class ParameterServer:
                 self._accumulate(acc, resolve(c.refs), target, float(c.weight))
         return acc
 
-    def _zeroed_sum(self, target: partition.Rows) -> dict[str, torch.Tensor]:
-        """Zeroed fp32 tensors covering ``target``: views of one buffer kept from sync
-        to sync (4 bytes per parameter of the slice; the server's peak holds a sum
-        anyway). A fresh sum each sync cost more than the adds into it: every page of
-        it faulted in again (0.13 s of a 0.45 s sync at 27M parameters on this VM).
-        A new sum replaces the last one, whose views must no longer be in use."""
-        shapes = {n: self._piece_shape(n, iv) for n, iv in target.items()}
-        need = sum(math.prod(shape) for shape in shapes.values())
-        if self._sum_space.numel() < need:
-            self._sum_space = torch.empty(0)  # the old one goes before the new one comes
-            self._sum_space = torch.empty(need)
-        out, offset = {}, 0
-        for name, shape in shapes.items():
-            size = math.prod(shape)
-            out[name] = self._sum_space[offset : offset + size].view(shape).zero_()
-            offset += size
-        return out
-
     def reduce(self, *prepared: Prepared) -> Reduced:
         """Agree on the accepted replicas (rejected anywhere means rejected everywhere),
         form this slice's mean, and return its squared norms."""
@@ -459,11 +254,11 @@ class ParameterServer:
             # Built again, in the same space.
             pending.acc = self._sum(pending.contributions, set(accepted), self._target(pending.fragment))
         acc, pending.acc = pending.acc, None  # becomes the mean, in place: one reference, which commit consumes
-        pending.mean = {n: t.div_(total) for n, t in acc.items()} if total > 0 else {}
+        pending.mean = mean_in_place(acc, total)
         del acc
         target = self._target(pending.fragment)
         mean = pending.mean
-        sumsq = [(self.position[n], target[n][0], _sum_of_squares(g)) for n, g in mean.items()]
+        sumsq = squares_by_part(mean, self.position, {n: target[n][0] for n in mean})
         return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons, started=pending.started)
 
     def commit(self, plans: dict, *reduced: Reduced) -> AppliedRound:
@@ -477,9 +272,8 @@ class ParameterServer:
         pending, self._pending = self._pending, None
         opt, cfg = self.optimizer, self.config
         accepted = reduced[0].accepted
-        # Sum in one global order so every server (and any server count) gets the same norm.
-        terms = sorted(t for r in reduced for t in r.sumsq)
-        norm = math.sqrt(sum(t[2] for t in terms)) if accepted else None
+        # In one global order, so every server (and any server count) gets the same norm.
+        norm = norm_of_parts(t for r in reduced for t in r.sumsq) if accepted else None
         lr = opt.lr_at(opt.round)
         round_index, fragment = opt.round, self.fragment
         streaming = cfg.sync_fragments > 1
@@ -498,22 +292,23 @@ class ParameterServer:
                 pseudo_grad_norm=None,
                 rejected=reduced[0].reasons,
             )
-        self.version += 1
+        if sync_advances(applied=bool(accepted), streaming=streaming):
+            self.version += 1
         # A replica's round of data counts as trained once any of its fragments was
         # applied: its work reached the global weights, and handing the data out again
         # would train it into those fragments twice. Fragments it missed lose that part
         # of its work, as a dropped replica's round is lost in plain DiLoCo.
         got = set(accepted)
-        self._round_accepted = got if self._round_accepted is None else self._round_accepted | got
+        self.round_accepted = got if self.round_accepted is None else self.round_accepted | got
         done = fragment == cfg.sync_fragments - 1
         consumed: dict[int, list] = {}
         if done:
             ids = list(plans)
-            trained = self._round_accepted
+            trained = self.round_accepted
             self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in trained for i in ids])
             consumed = {i: plans[i] for i in ids if i in trained}
             opt.round += 1
-            self.fragment, self._round_accepted = 0, None
+            self.fragment, self.round_accepted = 0, None
         else:
             self.fragment += 1
         return AppliedRound(
@@ -530,101 +325,17 @@ class ParameterServer:
         )
 
     # ---- checkpoints: each server writes and reads its own state ------------------------
-    def _names(self) -> tuple[str, str, str]:
-        if self.count == 1:
-            return "global.safetensors", "outer", "server.json"
-        tag = f"{self.index}-of-{self.count}"
-        return f"global-{tag}.safetensors", f"outer-{tag}", f"server-{tag}.json"
-
     def save(self, where: str) -> dict:
-        """Write this server's state into ``where`` (a checkpoint being assembled: a
-        folder or a bucket URI): its slice of the weights (``global*.safetensors``,
-        loadable on their own), the outer optimizer, and ``server*.json`` (round,
-        fragment, cursor, shapes). Returns :func:`staging.publish`'s hashes."""
-        from diloco_ray.persist import checkpoint, staging
+        """Write this server's state into checkpoint ``where`` (see :mod:`diloco_ray.persist.server_state`)."""
+        from diloco_ray.persist import server_state
 
-        folder = staging.scratch(where)
-        weights_file, outer_name, meta_file = self._names()
-        sd = self.optimizer.state_dict()
-        whole = {n: self._rows(sd["params"], n, iv).contiguous() for n, iv in self.owned.items()}
-        checkpoint.save_tensors(os.path.join(folder, weights_file), whole)
-        outer_files = checkpoint.save_state(
-            folder,
-            outer_name,
-            {
-                "optimizer": sd["optimizer"],
-                "round": sd["round"],
-                "names": sd["names"],
-                "held": self.held,
-                "last_message": torch.from_numpy(np.array(self.last_message)),
-            },
-        )
-        with open(os.path.join(folder, meta_file), "w") as f:
-            json.dump(
-                {
-                    "round": sd["round"],
-                    "fragment": self.fragment,
-                    "version": self.version,
-                    "round_accepted": None if self._round_accepted is None else sorted(self._round_accepted),
-                    "cursor": self.cursor.to_dict(),
-                    "count": self.count,
-                    "sync_fragments": self.config.sync_fragments,
-                    "shapes": {n: list(s) for n, s in self.shapes.items()},
-                },
-                f,
-            )
-        return staging.publish(where, [weights_file, *outer_files, meta_file])
+        return server_state.save(self, where)
 
     def load(self, where: str) -> None:
         """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
-        from diloco_ray.persist import checkpoint, staging
+        from diloco_ray.persist import server_state
 
-        weights_file, outer_name, meta_file = self._names()
-        folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
-        if not os.path.isfile(os.path.join(folder, meta_file)):
-            raise ConfigError(
-                f"resume_from: checkpoint {folder} was not written with num_param_servers="
-                f"{self.count} (no {meta_file}); resume with the server count it was saved with"
-            )
-        with open(os.path.join(folder, meta_file)) as f:
-            meta = json.load(f)
-        saved_fragments = meta.get("sync_fragments", 1)
-        if saved_fragments != self.config.sync_fragments:
-            raise ConfigError(
-                f"sync_fragments: {self.config.sync_fragments}, but checkpoint {folder} was written "
-                f"with {saved_fragments}; resume with the value it was saved with"
-            )
-        self._layout(meta["shapes"])
-        loaded = checkpoint.load_tensors(os.path.join(folder, weights_file))
-        params = self._split(loaded)
-        outer = checkpoint.load_state(folder, outer_name)
-        self.optimizer = OuterOptimizer(params, self.config)
-        self.optimizer.load_state_dict({"params": params, **outer})
-        # `held` tracks what replicas hold only while weights go down compressed.
-        self.held = dict(outer.get("held") or {}) if self.config.weights_compression != "none" else {}
-        self.last_message = outer["last_message"].numpy() if "last_message" in outer else np.zeros(0, dtype=np.uint8)
-        if self.config.weights_compression != "none" and not self.held:
-            self._reset_held()
-        self.fragment, self.version = meta.get("fragment", 0), meta.get("version", 0)
-        self._message_version = self.version
-        accepted = meta.get("round_accepted")
-        self._round_accepted = None if accepted is None else set(accepted)
-        self.cursor = data.DataCursor.from_dict(meta["cursor"])
-
-
-def _sum_of_squares(t: torch.Tensor, chunk: int = 1 << 16) -> float:
-    """Sum of squares accumulated in float64, a chunk at a time through one reused
-    float64 scratch: float64 precision without a float64 copy of the whole tensor, and
-    no allocation per chunk (fresh pages per chunk made this the server's largest cost)."""
-    flat = t.reshape(-1)
-    if not flat.numel():
-        return 0.0
-    scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float64)
-    total = 0.0
-    for part in flat.split(chunk):
-        wide = scratch[: part.numel()].copy_(part)
-        total += float(torch.dot(wide, wide))
-    return total
+        server_state.load(self, where)
 
 
 def resolve(items: list) -> list:

@@ -18,7 +18,8 @@ import ray
 
 from diloco_ray.algo import compression
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.runtime.server import Contribution, ParameterServer
+from diloco_ray.runtime.messages import Contribution
+from diloco_ray.runtime.server import ParameterServer
 
 
 @dataclass

@@ -8,14 +8,8 @@ import types
 import pytest
 import torch
 
-from diloco_ray.algo.outer import (
-    OuterOptimizer,
-    OuterStepInfo,
-    find_invalid,
-    global_norm,
-    outer_lr_at,
-    weighted_mean,
-)
+from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
+from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, find_invalid, outer_lr_at
 
 
 def cfg(**overrides):
@@ -43,6 +37,15 @@ def close(actual, expected, tol=1e-6):
 # --------------------------------------------------------------------- helpers
 
 
+def weighted_mean(grads, weights):
+    """The server's way (algo.aggregate): an fp32 sum of checked, weighted parts, then / total."""
+    acc = {n: torch.zeros(g.shape) for n, g in grads[0].items()}
+    for g, w in zip(grads, weights):
+        for n, v in g.items():
+            add_weighted(acc[n].view(-1), v.reshape(-1).float(), w, n)
+    return mean_in_place(acc, sum(weights))
+
+
 def test_weighted_mean_weights_1_3():
     ga = {"w": t(1.0, 2.0), "b": t(4.0)}
     gb = {"w": t(3.0, -2.0), "b": t(0.0)}
@@ -53,15 +56,29 @@ def test_weighted_mean_weights_1_3():
     assert out["w"].dtype == torch.float32
 
 
-def test_weighted_mean_rejects_zero_total():
-    with pytest.raises(ValueError):
-        weighted_mean([{"w": t(1.0)}], [0.0])
+def test_a_zero_total_weight_gives_no_mean():
+    assert mean_in_place({"w": t(1.0)}, 0.0) == {}
+
+
+def test_non_finite_values_are_refused_before_they_reach_the_sum():
+    acc = torch.zeros(2)
+    with pytest.raises(ValueError, match="non-finite values in 'w'"):
+        add_weighted(acc, t(1.0, float("nan")), 1.0, "w")
+    assert acc.tolist() == [0.0, 0.0]
 
 
 def test_global_norm_over_all_tensors():
-    assert global_norm({"a": t(3.0), "b": t(4.0)}) == pytest.approx(5.0)
-    assert global_norm({"a": t(1.0, 2.0), "b": t(2.0)}) == pytest.approx(3.0)
-    assert global_norm({}) == 0.0
+    def norm(tensors):
+        return norm_of_parts(squares_by_part(tensors, {n: i for i, n in enumerate(tensors)}, dict.fromkeys(tensors, 0)))
+
+    assert norm({"a": t(3.0), "b": t(4.0)}) == pytest.approx(5.0)
+    assert norm({"a": t(1.0, 2.0), "b": t(2.0)}) == pytest.approx(3.0)
+    assert norm({}) == 0.0
+
+
+def test_the_norm_of_parts_does_not_depend_on_their_order():
+    parts = [(1, 0, 0.1), (0, 5, 0.2), (0, 0, 1e-17), (2, 0, 3.0)]
+    assert norm_of_parts(parts) == norm_of_parts(list(reversed(parts))) == norm_of_parts(sorted(parts))
 
 
 def test_find_invalid_reasons():

@@ -18,7 +18,8 @@ from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError
-from diloco_ray.runtime.server import Contribution, ParameterServer
+from diloco_ray.runtime.messages import Contribution
+from diloco_ray.runtime.server import ParameterServer
 from diloco_ray.runtime.server_group import assemble_weights
 
 
@@ -264,7 +265,7 @@ def test_finite_check_rejects_inf_but_not_finite_values_whose_sum_overflows(valu
 
 
 def test_sum_of_squares_in_chunks_matches_a_float64_copy():
-    from diloco_ray.runtime.server import _sum_of_squares
+    from diloco_ray.algo.aggregate import sum_of_squares as _sum_of_squares
 
     t = torch.randn(3, 1_000_003) * 1e3
     want = float(t.double().square().sum())

@@ -1,0 +1,39 @@
+"""How the driver waits on the actors' answers: the few Ray calls the round loop makes.
+
+The round loop holds object refs and asks three things of them: which are ready, their
+values, and all of a list within a deadline. :class:`RayCalls` does that with Ray;
+tests hand the loop an object with the same three methods over plain values, as Ray
+Train tests its controller with a dummy worker group, so the loop's decisions run
+without a cluster.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+
+class RayCalls:
+    """The round loop's calls, made with Ray."""
+
+    def ready(self, refs: Sequence[Any], timeout_s: Optional[float]) -> list:
+        """The refs of ``refs`` that are ready, waiting up to ``timeout_s`` for the first
+        (without fetching their values to the driver)."""
+        import ray
+
+        done, _ = ray.wait(list(refs), num_returns=1, timeout=timeout_s, fetch_local=False)
+        return done
+
+    def all_ready(self, refs: Sequence[Any], timeout_s: Optional[float]) -> list:
+        """The refs of ``refs`` ready within ``timeout_s``, waiting for all of them."""
+        import ray
+
+        if not refs:
+            return []
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s, fetch_local=False)
+        return done
+
+    def get(self, refs: Any, timeout_s: Optional[float] = None) -> Any:
+        """The value of a ref (or the values of a list of refs); raises what the call raised."""
+        import ray
+
+        return ray.get(refs, timeout=timeout_s)

@@ -1,0 +1,101 @@
+"""Round checkpoints as the driver takes them: when, what goes in, and the one on stop.
+
+:class:`Checkpointer` decides for itself whether a round is due (``maybe_save``, as
+torchtitan's ``checkpointer.save(step, last_step=...)`` does), writes the servers' state and
+every active replica's inner state as one checkpoint that commits or fails as a unit
+(temp folder, checksums, rename: :mod:`diloco_ray.persist.run_folder`), prunes old ones,
+and writes the checkpoint of the last completed round when the run is told to stop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.driver.policies import checkpoint_due
+from diloco_ray.errors import first_line
+from diloco_ray.observe.events import CheckpointEvent
+from diloco_ray.persist import snapshot
+
+
+class Checkpointer:
+    """Takes the run's round checkpoints.
+
+    Args:
+        config: the job.
+        run_dir: the run's :class:`~diloco_ray.persist.run_folder.RunFolder`.
+        log: called with each :class:`CheckpointEvent`.
+        warn: called with a message for whoever watches.
+    """
+
+    def __init__(self, config: TrainerConfig, run_dir, log: Callable, warn: Callable[[str], None]):
+        self.config, self.run_dir, self.log, self.warn = config, run_dir, log, warn
+        self.last_round: Optional[int] = None  # the round of the latest checkpoint written or loaded
+
+    def maybe_save(self, server, replicas: list, round_index: int) -> Optional[str]:
+        """Checkpoint ``round_index`` when ``checkpoint_steps`` say it is due; its path, or None."""
+        cfg = self.config
+        if not checkpoint_due(round_index, self.last_round, cfg.checkpoint_steps, cfg.max_steps):
+            return None
+        return self.save(server, replicas, round_index)
+
+    def save(self, server, replicas: list, round_index: int, timeout_s: Optional[float] = None) -> Optional[str]:
+        """Write the servers' state and every replica's inner state as one checkpoint;
+        prune old ones. Returns its path, or None if a replica died while it was being
+        written (the round goes on, and the last checkpoint stands)."""
+        cfg = self.config
+        where = self.run_dir.begin_checkpoint(round_index)
+        members = list(replicas)
+        refs = server.save(where)
+        for slot, rep in enumerate(members):
+            refs += rep.save_inner_state(where, slot)
+        try:
+            hashes = ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
+        except (RayActorError, GetTimeoutError) as e:
+            self.log(CheckpointEvent("failed", round=round_index, reason=first_line(e)[:200]))
+            return None
+        files = {k: v for part in hashes for k, v in (part or {}).items()}
+        meta = {
+            "replica_ids": [r.id for r in members],
+            "ranks_per_replica": cfg.ranks_per_replica,
+            "seed": cfg.seed,
+            "max_steps": cfg.max_steps,
+        }
+        path = self.run_dir.commit_checkpoint(where, round_index, meta, files)
+        self.last_round = round_index
+        snapshot.clear_before(self.run_dir.inflight, round_index)
+        pruned = self.run_dir.prune(cfg.save_total_limit)
+        self.log(CheckpointEvent("saved", path=path, round=round_index, pruned=pruned))
+        return path
+
+    def on_stop(self, server, replicas: list, round_index: int, attempt: int) -> Optional[str]:
+        """Told to stop: abandon the round in flight and, with ``checkpoint_steps`` set,
+        checkpoint the last completed round within ``shutdown_grace_s``. The ranks first
+        rewind to that round's boundary (the state they started the round with), so a
+        resume from it continues exactly. Returns the checkpoint, or None."""
+        cfg = self.config
+        if cfg.checkpoint_steps is None or server is None or not replicas:
+            return None
+        if cfg.sync_fragments > 1 or cfg.overlap_communication:
+            # Local weights differ from the global ones between rounds and a rank keeps no
+            # copy of them from the round's start: the last round checkpoint stands.
+            self.warn("stopped: streaming runs keep their last round checkpoint (none written on stop)")
+            return None
+        deadline = time.monotonic() + cfg.shutdown_grace_s
+        left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        try:
+            for rep in replicas:
+                rep.abort(attempt)
+            if server.round_index() != round_index:
+                return None  # the server committed a round the driver has not recorded
+            if self.last_round == round_index:
+                return self.run_dir.latest_valid()[0]
+            ray.get([r.rewind_round.remote(round_index) for rep in replicas for r in rep.ranks], timeout=left())
+            return self.save(server, replicas, round_index, timeout_s=left())
+        except (RayActorError, GetTimeoutError, KeyboardInterrupt) as e:
+            self.warn(f"no checkpoint on stop ({type(e).__name__}): the run resumes from its last one")
+            return None

@@ -1,0 +1,84 @@
+"""The driver's decisions, as pure functions that return them (no Ray, no files).
+
+In the manner of Ray Train v2's scaling and failure policies: the round loop and the
+trainer ask, these answer, and the caller acts. Each is unit-tested on plain values.
+
+* :class:`RoundOutcome` -- how an attempt at a round ended: proceed, run again, recover the
+  servers.
+* :func:`attempt_verdict` -- whether a sync's result lets plain DiLoCo proceed.
+* :func:`checkpoint_due` -- whether the round just applied is checkpointed.
+* :func:`early_stop` -- whether eval loss has stopped improving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+# A round that too few replicas finish is run again; this many times in a row is fatal.
+MAX_ROUND_RETRIES = 3
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """How one attempt at a round ended, as a decision for the round loop.
+
+    Args:
+        action: ``"proceed"`` (applied: ``record`` is its round record), ``"run_again"``
+            (the round runs again from its start), or ``"recover_server"`` (restore the
+            servers from the last checkpoint, then run the round again).
+        record: the round record, when applied.
+        why: what made the round run again (for errors and debugging).
+    """
+
+    action: Literal["proceed", "run_again", "recover_server"]
+    record: Optional[dict] = None
+    why: str = ""
+
+
+def too_few_reported(reported: int, min_replicas: int, streaming: bool) -> Optional[RoundOutcome]:
+    """Plain DiLoCo runs a round again when fewer than ``min_replicas`` replicas reported
+    (a streaming sync goes on with whoever reported: its fragments are committed one by one)."""
+    if streaming or reported >= min_replicas:
+        return None
+    return RoundOutcome("run_again", why=f"{reported} < min_replicas={min_replicas} reported")
+
+
+def attempt_verdict(applied: bool, streaming: bool) -> Optional[RoundOutcome]:
+    """After the commit: plain DiLoCo with nothing applied (every pseudo-gradient rejected)
+    runs the round again; anything else proceeds (None)."""
+    if streaming or applied:
+        return None
+    return RoundOutcome("run_again", why="no update applied (every pseudo-gradient rejected)")
+
+
+def checkpoint_due(
+    round_index: int, last_checkpoint_round: Optional[int], every_steps: Optional[int], max_steps: int
+) -> bool:
+    """Whether to checkpoint now, with ``round_index`` rounds applied: every
+    ``checkpoint_steps`` inner steps (rounded up to whole rounds; None: never)."""
+    if every_steps is None:
+        return False
+    return (round_index - (last_checkpoint_round or 0)) * max_steps >= every_steps
+
+
+@dataclass(frozen=True)
+class EarlyStop:
+    """The decision to stop: the best eval loss so far, and the patience that ran out."""
+
+    best: float
+    patience: int
+
+
+def early_stop(
+    eval_losses: Sequence[Optional[float]], patience: Optional[int], threshold: float
+) -> Optional[EarlyStop]:
+    """Stop when eval loss has not improved on the best before the last ``patience`` rounds
+    by more than ``threshold`` (rounds without eval are skipped; None: keep going)."""
+    losses = [x for x in eval_losses if x is not None]
+    if patience is None or len(losses) <= patience:
+        return None
+    best_before = min(losses[:-patience])
+    if min(losses[-patience:]) < best_before - threshold:
+        return None
+    return EarlyStop(best=min(losses), patience=patience)

@@ -1,0 +1,103 @@
+"""A parameter server's state in a checkpoint: its slice of the weights, its outer optimizer, its counters.
+
+Each server writes and reads its own files, named by its index when there are several:
+``global*.safetensors`` (its rows of the weights, loadable on their own), ``outer*`` (the
+outer optimizer's state, what replicas hold with ``weights_compression``, the last weights
+message) and ``server*.json`` (round, fragment, version, data cursor, shapes). A resume
+must use the server count and ``sync_fragments`` the checkpoint was written with; either
+mismatch is refused with a message naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import torch
+
+from diloco_ray.algo.outer import OuterOptimizer
+from diloco_ray.data import plan as data
+from diloco_ray.errors import ConfigError
+from diloco_ray.persist import checkpoint, staging
+
+
+def file_names(index: int, count: int) -> tuple[str, str, str]:
+    """(weights file, outer-state name, meta file) of server ``index`` of ``count``."""
+    if count == 1:
+        return "global.safetensors", "outer", "server.json"
+    tag = f"{index}-of-{count}"
+    return f"global-{tag}.safetensors", f"outer-{tag}", f"server-{tag}.json"
+
+
+def save(server, where: str) -> dict:
+    """Write this server's state into ``where`` (a checkpoint being assembled: a
+    folder or a bucket URI): its slice of the weights (``global*.safetensors``,
+    loadable on their own), the outer optimizer, and ``server*.json`` (round,
+    fragment, cursor, shapes). Returns :func:`staging.publish`'s hashes."""
+    folder = staging.scratch(where)
+    weights_file, outer_name, meta_file = file_names(server.index, server.count)
+    sd = server.optimizer.state_dict()
+    whole = {n: server.rows(sd["params"], n, iv).contiguous() for n, iv in server.owned.items()}
+    checkpoint.save_tensors(os.path.join(folder, weights_file), whole)
+    outer_files = checkpoint.save_state(
+        folder,
+        outer_name,
+        {
+            "optimizer": sd["optimizer"],
+            "round": sd["round"],
+            "names": sd["names"],
+            "held": server.held,
+            "last_message": torch.from_numpy(np.array(server.last_message)),
+        },
+    )
+    with open(os.path.join(folder, meta_file), "w") as f:
+        json.dump(
+            {
+                "round": sd["round"],
+                "fragment": server.fragment,
+                "version": server.version,
+                "round_accepted": None if server.round_accepted is None else sorted(server.round_accepted),
+                "cursor": server.cursor.to_dict(),
+                "count": server.count,
+                "sync_fragments": server.config.sync_fragments,
+                "shapes": {n: list(s) for n, s in server.shapes.items()},
+            },
+            f,
+        )
+    return staging.publish(where, [weights_file, *outer_files, meta_file])
+
+
+def load(server, where: str) -> None:
+    """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
+    weights_file, outer_name, meta_file = file_names(server.index, server.count)
+    folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
+    if not os.path.isfile(os.path.join(folder, meta_file)):
+        raise ConfigError(
+            f"resume_from: checkpoint {folder} was not written with num_param_servers="
+            f"{server.count} (no {meta_file}); resume with the server count it was saved with"
+        )
+    with open(os.path.join(folder, meta_file)) as f:
+        meta = json.load(f)
+    saved_fragments = meta.get("sync_fragments", 1)
+    if saved_fragments != server.config.sync_fragments:
+        raise ConfigError(
+            f"sync_fragments: {server.config.sync_fragments}, but checkpoint {folder} was written "
+            f"with {saved_fragments}; resume with the value it was saved with"
+        )
+    server.layout(meta["shapes"])
+    loaded = checkpoint.load_tensors(os.path.join(folder, weights_file))
+    params = server.split(loaded)
+    outer = checkpoint.load_state(folder, outer_name)
+    server.optimizer = OuterOptimizer(params, server.config)
+    server.optimizer.load_state_dict({"params": params, **outer})
+    # `held` tracks what replicas hold only while weights go down compressed.
+    server.held = dict(outer.get("held") or {}) if server.config.weights_compression != "none" else {}
+    server.last_message = outer["last_message"].numpy() if "last_message" in outer else np.zeros(0, dtype=np.uint8)
+    if server.config.weights_compression != "none" and not server.held:
+        server.reset_held()
+    server.fragment, server.version = meta.get("fragment", 0), meta.get("version", 0)
+    server.message_version = server.version
+    accepted = meta.get("round_accepted")
+    server.round_accepted = None if accepted is None else set(accepted)
+    server.cursor = data.DataCursor.from_dict(meta["cursor"])

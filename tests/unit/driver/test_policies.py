@@ -1,0 +1,38 @@
+"""The driver's decisions on plain values: when to checkpoint, when to stop, when to run again."""
+
+import pytest
+
+from diloco_ray.driver.policies import attempt_verdict, checkpoint_due, early_stop, too_few_reported
+
+
+@pytest.mark.parametrize(
+    "round_index, last, every, due",
+    [
+        (1, None, None, False),  # checkpoint_steps unset: never
+        (1, None, 4, True),  # one round of 4 steps: 4 >= 4
+        (1, None, 6, False),  # 4 < 6: rounded up to whole rounds...
+        (2, None, 6, True),  # ...so the second round (8 >= 6)
+        (3, 2, 6, False),  # counted from the last checkpoint
+        (4, 2, 6, True),
+    ],
+)
+def test_checkpoint_every_checkpoint_steps_rounded_up_to_rounds(round_index, last, every, due):
+    assert checkpoint_due(round_index, last, every, max_steps=4) is due
+
+
+def test_early_stop_after_patience_rounds_without_improvement():
+    assert early_stop([3.0, 2.0, 2.1, 2.05], patience=2, threshold=0.0).best == 2.0
+    assert early_stop([3.0, 2.0, 2.1, 1.99], patience=2, threshold=0.0) is None  # improved
+    assert early_stop([3.0, 2.0, 2.1, 1.99], patience=2, threshold=0.05) is not None  # not by enough
+    assert early_stop([3.0, 2.0, 2.1], patience=3, threshold=0.0) is None  # too few rounds yet
+    assert early_stop([3.0, None, 2.0, None, 2.1, 2.2], patience=2, threshold=0.0).patience == 2  # no-eval rounds skip
+    assert early_stop([3.0, 3.0, 3.0], patience=None, threshold=0.0) is None
+
+
+def test_plain_diloco_runs_again_with_too_few_or_nothing_applied():
+    assert too_few_reported(1, min_replicas=2, streaming=False).action == "run_again"
+    assert too_few_reported(2, min_replicas=2, streaming=False) is None
+    assert too_few_reported(0, min_replicas=2, streaming=True) is None  # streaming goes on with who reported
+    assert attempt_verdict(applied=False, streaming=False).action == "run_again"
+    assert attempt_verdict(applied=True, streaming=False) is None
+    assert attempt_verdict(applied=False, streaming=True) is None

@@ -1,0 +1,268 @@
+"""The round loop without Ray: fake servers, fake replicas, faults from a declarative plan.
+
+As Ray Train tests its controller with a dummy worker group, these drive
+:class:`~diloco_ray.driver.round_loop.RoundLoop` with plain objects: a ref is a value (or an
+error) that is ready or never will be, a replica answers from the config's ``fault_plan``,
+and the server group applies what it is given by the rules the real one keeps (a replica
+rejected anywhere is rejected everywhere; a sync advances the version when it applies, or
+always when streaming). Each test checks the decision the math and the docs say: who is
+applied, who is dropped and why, what version replicas are handed, what is run again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import pytest
+from conftest import tiny_config
+from ray.exceptions import RayActorError
+
+from diloco_ray.algo.aggregate import NON_FINITE
+from diloco_ray.config import fault_plan
+from diloco_ray.driver.poll import STEP_POLL_S
+from diloco_ray.driver.round_loop import RoundLoop
+from diloco_ray.runtime.messages import AppliedRound
+from diloco_ray.runtime.rank import RoundStats
+from diloco_ray.runtime.server_group import SyncRefs
+
+
+@dataclass(eq=False)
+class Ref:
+    """A fake object ref: a value, or an error raised on get; ``ready`` False never arrives."""
+
+    value: Any = None
+    error: Optional[BaseException] = None
+    ready: bool = True
+
+
+class Calls:
+    """The loop's calls over fake refs (no time passes but the loop's own short waits)."""
+
+    def ready(self, refs, timeout_s):
+        return [r for r in refs if r.ready]
+
+    def all_ready(self, refs, timeout_s):
+        return [r for r in refs if r.ready]
+
+    def get(self, refs, timeout_s=None):
+        if isinstance(refs, list):
+            return [self.get(r) for r in refs]
+        if refs.error is not None:
+            raise refs.error
+        return refs.value
+
+
+class Replica:
+    """A replica of ``ranks`` ranks whose periods end as the fault plan says (each fault once)."""
+
+    def __init__(self, rid: int, plan: list, ranks: int = 1, steps: int = 4):
+        self.id, self.plan, self.ranks, self.steps = rid, plan, ranks, steps
+        self.jobs, self.aborted, self.stopped, self.fired = [], [], False, set()
+        self.kinds, self.stats = set(), []
+
+    def run_round(self, job):
+        self.jobs.append(job)
+        mine = fault_plan.for_rank(self.plan, self.id, 0)
+        due = [f for f in mine if f.round == job.round and f.key not in self.fired][:1]  # one per launch
+        self.fired |= {f.key for f in due}
+        self.kinds = {f.kind for f in due}
+        payload = ("nan" if "nan" in self.kinds else "ok", self.id)
+        self.stats = []
+        for rank in range(self.ranks):
+            if "kill" in self.kinds:
+                self.stats.append(Ref(error=RayActorError()))
+            elif self.kinds & {"freeze", "slow"}:
+                stopped = RoundStats(rank, 1, 0, 0.0, 0.0, 0.0, 0, aborted=True)
+                self.stats.append(Ref(stopped, ready=False))
+            else:
+                stats = RoundStats(rank, self.steps, 100, 2.0, 0.1, 0.0, 1000, loss_tokens=10 * (self.id + 1))
+                self.stats.append(Ref(stats))
+        return [[Ref(payload) for _ in range(self.ranks)]], self.stats
+
+    def abort(self, attempt: int) -> None:
+        self.aborted.append(attempt)
+        if "slow" in self.kinds:  # a slow replica stops at its next step; a frozen one never answers
+            for ref in self.stats:
+                ref.ready = True
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class Members:
+    def __init__(self, replicas):
+        self.active, self.removed = list(replicas), []
+
+    def remove(self, rep, why):
+        self.active.remove(rep)
+        self.removed.append((rep.id, why))
+
+
+class Servers:
+    """One fake server: the data cursor hands each replica 10 rows a round; a commit
+    applies the weighted contributions that are not NaN."""
+
+    def __init__(self, streaming: bool):
+        self.streaming, self.version, self.round, self.fragment = streaming, 0, 0, 0
+        self.actors, self.dead, self.synced = [], False, []
+
+    def __len__(self):
+        return 1
+
+    def plan(self, slots):
+        if self.dead:
+            raise RayActorError()
+        return [[(10 * i, 10)] for i in range(slots)]
+
+    def sync(self, fragment, contributions, plans):
+        (mine,) = contributions
+        self.synced.append({c.replica_id: c.weight for c in mine})
+        rejected = {c.replica_id: f"{NON_FINITE} in 'w'" for c in mine if c.refs[0].value[0] == "nan"}
+        accepted = [c.replica_id for c in mine if c.replica_id not in rejected]
+        applied = bool(accepted)
+        round_index = self.round
+        done = fragment == (2 if self.streaming else 1) - 1
+        if (applied or self.streaming) and not self.dead:  # a dead server commits nothing
+            self.version += 1
+            if done:
+                self.round += 1
+        info = AppliedRound(
+            applied=applied,
+            round=round_index,
+            fragment=fragment,
+            outer_lr=0.7,
+            pseudo_grad_norm=1.0 if applied else None,
+            accepted=accepted,
+            rejected=rejected,
+            data_ranges={rid: plans[rid] for rid in accepted} if done else {},
+            round_done=done,
+        )
+        commit = Ref(error=RayActorError()) if self.dead else Ref(info)
+        return SyncRefs(commits=[commit], weights=[f"weights v{self.version}"])
+
+
+@dataclass
+class Host:
+    """What the loop asks of the trainer."""
+
+    server: Servers
+    members: Members
+    plan: list = field(default_factory=list)
+    calls: list = field(default_factory=list)
+
+    def notify(self, hook, *args):
+        self.calls.append(hook)
+
+    def evaluate(self):
+        return 1.5
+
+    def inject_faults(self):
+        fired = frozenset(c for c in self.calls if isinstance(c, tuple))
+        for f in fault_plan.due(self.plan, self.server.round, fired=fired, target="server"):
+            self.calls.append(f.key)
+            self.server.dead = True
+            self.calls.append(f"kill server {f.index}")
+
+    def recover_server(self):
+        self.calls.append("recover_server")
+        self.server.dead = False
+
+    def reconcile(self):
+        self.calls.append("reconcile")
+
+
+def make(tmp_path, replicas=2, faults=None, **overrides):
+    cfg = tiny_config(tmp_path / "run", num_replicas=replicas, fault_plan=faults, **overrides)
+    plan = fault_plan.parse(cfg.fault_plan)
+    reps = [Replica(i, plan) for i in range(replicas)]
+    host = Host(Servers(streaming=cfg.sync_fragments > 1), Members(reps), plan)
+    return RoundLoop(cfg, calls=Calls()), host, reps
+
+
+def test_every_replica_reports_and_the_round_is_applied(tmp_path):
+    loop, host, reps = make(tmp_path)
+    record = loop.run_round(host)
+    assert record["replicas"] == 2 and record["dropped"] == [] and record["eval_loss"] == 1.5
+    assert host.server.synced == [{0: 10.0, 1: 20.0}]  # each weighted by the tokens that carried loss
+    assert loop.round_index == 1 and loop.handout.version == 1 == host.server.version
+    assert loop.handout.messages == ["weights v1"] and not loop.handout.full
+    assert [job.version for job in reps[0].jobs] == [0]
+
+
+def test_a_killed_replica_is_dropped_and_the_others_are_applied(tmp_path):
+    loop, host, reps = make(tmp_path, replicas=3, faults=[{"kind": "kill", "replica": 1, "round": 0}])
+    record = loop.run_round(host)
+    assert host.members.removed == [(1, "failed")] and reps[1].stopped
+    assert record["replica_ids"] == [0, 2] and record["dropped"] == [1]
+    assert host.server.synced == [{0: 10.0, 2: 30.0}]
+    assert loop.wasted_steps == 0  # it reported nothing: no steps of it are counted as run
+
+
+def test_too_few_reporting_runs_the_round_again_from_the_same_plan(tmp_path):
+    loop, host, reps = make(tmp_path, faults=[{"kind": "kill", "replica": 1, "round": 0}], min_replicas=2)
+    host.reconcile = lambda: host.members.active.append(reps[1])  # a replacement joins at the boundary
+    record = loop.run_round(host)
+    assert host.members.removed == [(1, "failed")]
+    assert len(host.server.synced) == 1 and record["replicas"] == 2 and loop.round_index == 1
+    first, again = reps[0].jobs
+    assert not first.restart and again.restart  # the re-run starts from the round's global weights
+    assert again.plan == first.plan and again.round == first.round == 0  # on the same data
+    assert again.version == first.version == 0 and again.attempt > first.attempt
+    assert loop.wasted_steps == 4  # replica 0's round, run twice
+
+
+def test_a_round_never_applied_is_fatal_after_the_retries(tmp_path):
+    faults = [{"kind": "nan", "replica": 0, "round": 0, "step": s} for s in range(4)]  # every attempt
+    loop, host, reps = make(tmp_path, replicas=1, faults=faults)
+    with pytest.raises(RuntimeError, match=r"round 0: not applied in 4 attempts \(the last: no update applied"):
+        loop.run_round(host)
+    assert host.calls.count("reconcile") == 4
+    assert loop.handout.version == 0 and loop.handout.messages == []  # replicas keep what they hold
+
+
+def test_a_nan_replica_is_rejected_and_restarts_with_a_fresh_inner_state(tmp_path):
+    loop, host, reps = make(tmp_path, faults=[{"kind": "nan", "replica": 0, "round": 0}])
+    record = loop.run_round(host)
+    assert record["replica_ids"] == [1] and "non-finite" in record["rejected"]["0"]
+    assert loop.wasted_steps == 4  # its round's steps reached no update
+    loop.run_round(host)
+    assert [j.reset_inner for j in reps[0].jobs] == [False, True]
+    assert [j.reset_inner for j in reps[1].jobs] == [False, False]
+
+
+def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
+    faults = [{"kind": "kill", "target": "server", "round": 0}]
+    loop, host, reps = make(tmp_path, faults=faults)
+    record = loop.run_round(host)
+    assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
+    assert record["round"] == 0 and loop.round_index == 1
+    assert [j.restart for j in reps[0].jobs] == [False, True]  # the re-run starts from the global weights
+
+
+def test_streaming_hands_each_period_the_next_version_before_its_commit(tmp_path):
+    loop, host, reps = make(tmp_path, sync_fragments=2, max_steps=4)
+    loop.run_round(host)
+    loop.run_round(host)
+    assert [j.version for j in reps[0].jobs] == [0, 1, 2, 3]
+    assert [j.fragment for j in reps[0].jobs] == [0, 1, 0, 1]
+    assert loop.handout.version == host.server.version == 4  # one count, by one rule
+
+
+def test_a_frozen_replica_is_stopped_at_the_deadline_and_dropped(tmp_path):
+    faults = [{"kind": "freeze", "replica": 1, "round": 0}]
+    loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=0.01, abort_grace_s=0.01)
+    record = loop.run_round(host)
+    assert reps[1].aborted == [loop.attempt]
+    assert host.members.removed == [(1, "unresponsive")] and reps[1].stopped
+    assert record["dropped"] == [1] and record["late"] == [] and record["replica_ids"] == [0]
+
+
+def test_a_slow_replica_stops_when_told_and_stays(tmp_path):
+    faults = [{"kind": "slow", "replica": 1, "round": 0, "seconds": 1.0}]
+    loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=STEP_POLL_S / 100, abort_grace_s=0.01)
+    record = loop.run_round(host)
+    assert host.members.removed == [] and record["late"] == [1] and record["replica_ids"] == [0]
+    assert loop.wasted_steps == 1  # the step it had run when it stopped
+    record = loop.run_round(host)
+    assert record["replica_ids"] == [0, 1]
