@@ -21,10 +21,11 @@ import time
 import numpy as np
 import torch
 
+from diloco_ray.algo.inner_schedule import inner_lr_at
 from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import plan as data
-from diloco_ray.runtime.rank import RankWorker, inner_lr_at
+from diloco_ray.runtime.rank import RankWorker
 
 
 def _worker(config: TrainerConfig) -> RankWorker:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 
+from diloco_ray.algo.inner_schedule import sync_period
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.runtime.rank import sync_period
 
 
 def round_record(cfg: TrainerConfig, applied: list, reported: list[dict], late: set, failed: set) -> dict:

@@ -155,3 +155,22 @@ class AppliedRound:
     data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
     round_done: bool = False  # this sync completed its round
     seconds: float = 0.0  # from the first piece received to the step taken
+
+
+# ---- what a rank reports of its sync period -------------------------------------------
+@dataclass
+class RoundStats:
+    """What a rank reports about its round (small; travels through the driver)."""
+
+    rank: int
+    inner_steps: int
+    tokens: int  # tokens trained on (attention mask), for throughput
+    loss_sum: float  # sum over steps of each step's per-token mean loss (this rank's share)
+    compute_seconds: float  # the inner steps alone
+    load_seconds: float  # waiting for and applying the server's weights
+    bytes_up: int  # pseudo-gradient bytes this rank sent (payload + scales + headers)
+    bytes_down: int = 0  # weight bytes this rank received
+    aborted: bool = False  # stopped early by abort(): nothing to apply
+    restarted: bool = False  # a re-run round: started again from the global weights (and the round-start state)
+    loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
+    resumed_step: int = 0  # inner steps restored from an in-flight snapshot

@@ -11,76 +11,33 @@ the replica wraps it with ``ray.remote`` at creation, and tests can drive it in-
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, links, loss, partition
+from diloco_ray.algo import compression, links, loss
+from diloco_ray.algo.inner_schedule import inner_lr_at, sync_period
 from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.config import fault_plan as faults
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.data import plan as data
 from diloco_ray.data import samples, tokenization
 from diloco_ray.model import loading as modeling
 from diloco_ray.observe.events import StepEvent
-from diloco_ray.persist import snapshot
 from diloco_ray.runtime import host_memory
-from diloco_ray.runtime.messages import SnapshotPlan, SyncPeriod
+from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+from diloco_ray.runtime.rank_batches import RankBatches
+from diloco_ray.runtime.rank_output import RankOutput
+from diloco_ray.runtime.rank_state import RankState, local_rows_of
 from diloco_ray.runtime.round_start import RoundStart
 from diloco_ray.runtime.server import resolve
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
 
-def inner_lr_at(step: int, config: TrainerConfig) -> float:
-    """Inner learning rate at global inner step ``step`` (0-based, counted over the run).
-
-    Linear warmup over ``warmup_steps``, then ``lr_schedule`` decays from ``lr`` towards
-    ``lr * min_lr_ratio``, reached at step ``max_steps * diloco_loops`` (one past the last
-    step, as in transformers' schedules).
-    """
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.lr
-    total = max(1, config.max_steps * config.diloco_loops - config.warmup_steps)
-    frac = min(1.0, (step - config.warmup_steps) / total)
-    floor = config.lr * config.min_lr_ratio
-    if config.lr_schedule == "cosine":
-        return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
-    return floor + (config.lr - floor) * (1.0 - frac)
-
-
-def sync_period(fragment: int, steps: int, fragments: int) -> tuple[int, int]:
-    """The inner steps ``[first, last)`` of a round that end with ``fragment``'s sync:
-    syncs fall at ``floor((k + 1) * steps / fragments)``, so periods differ by at most one."""
-    return fragment * steps // fragments, (fragment + 1) * steps // fragments
-
-
-@dataclass
-class RoundStats:
-    """What a rank reports about its round (small; travels through the driver)."""
-
-    rank: int
-    inner_steps: int
-    tokens: int  # tokens trained on (attention mask), for throughput
-    loss_sum: float  # sum over steps of each step's per-token mean loss (this rank's share)
-    compute_seconds: float  # the inner steps alone
-    load_seconds: float  # waiting for and applying the server's weights
-    bytes_up: int  # pseudo-gradient bytes this rank sent (payload + scales + headers)
-    bytes_down: int = 0  # weight bytes this rank received
-    aborted: bool = False  # stopped early by abort(): nothing to apply
-    restarted: bool = False  # a re-run round: started again from the global weights (and the round-start state)
-    loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
-    resumed_step: int = 0  # inner steps restored from an in-flight snapshot
-
-
-class RankWorker:
+class RankWorker(RankBatches, RankState, RankOutput):
     """One rank of one replica.
 
     Args:
@@ -208,7 +165,7 @@ class RankWorker:
         return buffers[0] if len(buffers) == 1 else buffers
 
     def _local_rows(self) -> dict[str, torch.Tensor]:
-        return {n: _local(p) for n, p in self.params}
+        return {n: local_rows_of(p) for n, p in self.params}
 
     @property
     def streamed(self) -> bool:
@@ -358,56 +315,6 @@ class RankWorker:
         self.sync.apply(buffers, self._local_rows(), merge=merge)
         return nbytes
 
-    def _round_batches(self, round_index: int, plan: list):
-        """(samples, ``[step][micro] -> indices``) for this rank's round, computed once per
-        round (a round's sync periods share it)."""
-        key = (round_index, tuple(map(tuple, plan)))
-        if self._batches is None or self._batches[0] != key:
-            self._batches = (key, *self._plan_batches(plan))
-        return self._batches[1], self._batches[2]
-
-    def _plan_batches(self, plan: list):
-        """(samples to cut from, ``[step][micro] -> indices``) for the ranges ``plan``; a
-        streamed data set is read at the plan's positions first."""
-        cfg = self.config
-        stream = self.tokens.stream
-        if stream is None:
-            train = self.tokens.train
-            return train, data.rank_batches(plan, cfg, self.rank, len(train), train.lengths)
-        train = stream.read(data.plan_positions(plan))
-        order = np.arange(len(train))
-        if cfg.group_by_length:
-            order = data.group_by_length(order, train.lengths, data.GROUP_WINDOW_BATCHES * cfg.batch_size)
-        return train, data.split_for_rank(order, cfg, self.rank)
-
-    def _micro_batches(self, source, steps: list, first: int):
-        """``(step, micro, batch)`` in order from step ``first`` on, cut from ``source``;
-        by DataLoader workers when ``num_workers`` > 0, so batching overlaps the steps."""
-        items = [(t, m, idx) for t in range(first, len(steps)) for m, idx in enumerate(steps[t])]
-        dynamic = self.config.dynamic_batch
-        if self.config.num_workers == 0:
-            for t, m, idx in items:
-                yield t, m, source.batch(idx, dynamic)
-            return
-        loader = torch.utils.data.DataLoader(
-            _BatchList(source, [idx for *_, idx in items], dynamic),
-            batch_size=None,
-            shuffle=False,
-            num_workers=self.config.num_workers,
-        )
-        for (t, m, _), batch in zip(items, loader):
-            yield t, m, batch
-
-    def _step_batches(self, source, steps: list, first: int):
-        """``(step, [micro-batches])`` from step ``first`` on: a step's micro-batches
-        together, so its loss can be normalised by all of their loss tokens."""
-        pending: list = []
-        for t, m, batch in self._micro_batches(source, steps, first):
-            pending.append(batch)
-            if m == len(steps[t]) - 1:
-                yield t, pending
-                pending = []
-
     def _replica_total(self, count: int) -> int:
         """``count`` summed over the replica's ranks (one small all-reduce per step)."""
         if self.world_size == 1:
@@ -417,34 +324,6 @@ class RankWorker:
         total = torch.tensor([count], dtype=torch.int64, device=self.device)
         dist.all_reduce(total)
         return int(total.item())
-
-    def _save_snapshot(
-        self, snapshots: SnapshotPlan, plan: list, step: int, loss_sum: torch.Tensor, tokens: tuple[int, int]
-    ) -> None:
-        """``tokens``: (tokens, loss tokens) trained on so far this round."""
-        state = {
-            **self._optimizer_and_rng(),
-            "rows": {n: _local(p).detach().cpu() for n, p in self.params},
-            "plan": [list(r) for r in plan],
-            "loss_sum": float(loss_sum),
-            "tokens": tokens[0],
-            "loss_tokens": tokens[1],
-        }
-        snapshot.save(snapshots.folder, snapshots.slot, self.rank, step, state)
-
-    @torch.no_grad()
-    def _restore_snapshot(self, snapshots: SnapshotPlan, plan: list, loss_sum: torch.Tensor) -> tuple[int, int, int]:
-        """Continue a round from an in-flight snapshot: (first step to run, tokens and
-        loss tokens so far). A snapshot taken with another data plan does not apply: zeros."""
-        step = snapshots.resume_step
-        state = snapshot.load(snapshots.folder, snapshots.slot, self.rank, step)
-        if state["plan"] != [list(r) for r in plan]:
-            return 0, 0, 0
-        for name, p in self.params:
-            _local(p).copy_(state["rows"][name])
-        self._restore_optimizer_and_rng(state)
-        loss_sum += state["loss_sum"]
-        return step, state["tokens"], state.get("loss_tokens", 0)
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
@@ -547,198 +426,9 @@ class RankWorker:
         dtype = torch.bfloat16 if self.config.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
-    # ---- eval and output --------------------------------------------------------------
-    @torch.no_grad()
-    def evaluate(self, weights: list) -> tuple[float, int]:
-        """Summed token loss and loss-token count over this rank's share of the eval batches, for
-        the global weights ``weights`` (one packed buffer or ref per server). The rank's
-        own training state is left as it was.
-
-        Every rank runs the same number of forwards (FSDP's collectives need it); a rank
-        with no batch left scores a repeat with weight 0.
-        """
-        kept = {n: t.detach().to("cpu", copy=True) for n, t in self._local_rows().items()} if self.streamed else None
-        self._copy_in(resolve(weights))
-        try:
-            return self._evaluate()
-        finally:
-            if kept is not None:
-                for n, t in self._local_rows().items():
-                    t.copy_(kept[n])
-
-    @torch.no_grad()
-    def _copy_in(self, buffers: list) -> None:
-        """Overwrite this rank's rows with the weights in ``buffers`` (anchor untouched)."""
-        local = self._local_rows()
-        for buf in buffers:
-            pieces, _ = compression.unpack_pieces(buf, self.sync.names)
-            for name, (start, piece) in pieces.items():
-                span = (start, start + partition.num_rows(piece.shape))
-                held = self.sync.held[name]
-                mine = partition.intersect({name: span}, {name: held}).get(name)
-                if mine is not None:
-                    partition.take(local[name], mine, held[0]).copy_(partition.take(piece, mine, start))
-
-    def _evaluate(self) -> tuple[float, int]:
-        """(summed token loss, loss tokens) over this rank's eval batches: the driver
-        divides the sums over all ranks, a per-token mean as in training."""
-        cfg = self.config
-        self.model.eval()
-        evals = self.tokens.eval
-        mine = data.eval_batches_for_rank(len(evals), cfg.eval_batches, cfg.batch_size, self.rank, self.world_size)
-        per_rank = -(-cfg.eval_batches // self.world_size)
-        total, count = 0.0, 0
-        for i in range(per_rank):
-            real = i < len(mine)
-            idx = mine[i] if real else np.arange(min(cfg.batch_size, max(1, len(evals))))
-            if len(evals) == 0:
-                break
-            batch = {k: v.to(self.device) for k, v in evals.batch(idx, cfg.dynamic_batch).items()}
-            with self._autocast():
-                mean = self.model(**batch).loss
-            if real:
-                n = loss.loss_tokens(batch["labels"])
-                total, count = total + float(mean) * n, count + n
-        return total, count
-
-    def save_final(self, weights: list, path: str, merged_path: str | None = None) -> str:
-        """Write the global weights (one packed buffer or ref per server) as a Hugging
-        Face model folder (rank 0 only): the model, or with PEFT its adapter, plus the
-        merged model at ``merged_path``."""
-        if self.rank == 0:
-            from diloco_ray.runtime.server_group import assemble_weights
-
-            full = {n: torch.from_numpy(w) for n, w in assemble_weights(resolve(weights), self.shapes).items()}
-            # An unsharded copy of the starting model supplies what DiLoCo does not train
-            # (frozen weights, buffers); the global weights overwrite the rest.
-            from diloco_ray.persist import staging
-
-            model = modeling.build_model(self.config, self.tokenizer)
-            modeling.save_hf(model, self.tokenizer, full, staging.scratch(path))
-            staging.publish_tree(path)
-            if merged_path is not None:
-                modeling.save_merged(model, self.tokenizer, staging.scratch(merged_path))
-                staging.publish_tree(merged_path)
-        return path
-
-    def describe(self) -> dict:
-        """What this rank actually built (for tests and debugging)."""
-        module = getattr(self.model, "_orig_mod", self.model)
-        return {
-            "compiled": module is not self.model,
-            "attn_implementation": getattr(module.config, "_attn_implementation", None),
-            "gradient_checkpointing": bool(
-                getattr(module, "is_activation_checkpointing", getattr(module, "is_gradient_checkpointing", False))
-            ),
-            "trained": {n: tuple(p.shape) for n, p in self.params},
-            "frozen": sum(p.numel() for p in module.parameters() if not p.requires_grad),
-            "train_samples": len(self.tokens.train),
-        }
-
-    # ---- inner state: what a checkpoint keeps of a replica -------------------------------
-    def save_inner_state(self, folder: str, slot: int) -> dict:
-        """Write this rank's inner optimizer state and RNG state to ``folder`` as
-        ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle).
-        ``folder`` may be a bucket URI; returns :func:`staging.publish`'s hashes."""
-        from diloco_ray.persist import checkpoint, staging
-
-        state = {
-            **self._optimizer_and_rng(),
-            "world_size": self.world_size,
-            "sync": self.sync.state_dict(with_anchor=self.streamed),
-        }
-        if self.streamed:  # local weights differ from the global ones between rounds
-            state["rows"] = {n: t.detach().cpu().clone() for n, t in self._local_rows().items()}
-        sub = os.path.join(staging.scratch(folder), "replicas")
-        os.makedirs(sub, exist_ok=True)
-        written = checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
-        return staging.publish(folder, [f"replicas/{name}" for name in written])
-
-    def load_inner_state(self, folder: str, slot: int) -> bool:
-        """Restore what :meth:`save_inner_state` wrote; False (and a fresh optimizer) when
-        the checkpoint has no state for this slot and rank."""
-        from diloco_ray.persist import checkpoint, staging
-
-        name = f"slot-{slot}-rank-{self.rank}"
-        folder = staging.localize(folder, [f"replicas/{name}.json", f"replicas/{name}.safetensors"])
-        sub = os.path.join(folder, "replicas")
-        if not os.path.exists(os.path.join(sub, f"{name}.json")):
-            return False
-        state = checkpoint.load_state(sub, name)
-        if state["world_size"] != self.world_size:
-            return False
-        self._restore_optimizer_and_rng(state)
-        self.sync.load_state_dict(state.get("sync") or {})
-        if "rows" in state and "anchor" in (state.get("sync") or {}):
-            with torch.no_grad():
-                for n, t in self._local_rows().items():
-                    t.copy_(state["rows"][n])
-        return True
-
-    def _optimizer_and_rng(self) -> dict:
-        """The inner optimizer state (local shards) and RNG state: what must carry over
-        for training to go on exactly as if never interrupted."""
-        return {
-            "optimizer": _to_local_tree(self.optimizer.state_dict()),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
-        }
-
-    def _restore_optimizer_and_rng(self, state: dict) -> None:
-        self.optimizer.load_state_dict(_like_params(state["optimizer"], [p for _, p in self.params]))
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(state["rng_cuda"])
-
     def shutdown(self) -> None:
         import torch.distributed as dist
 
         self._round_start.close()
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _local(p: torch.Tensor) -> torch.Tensor:
-    """The rows of ``p`` this process holds (the local shard of an FSDP DTensor)."""
-    return p.to_local() if hasattr(p, "to_local") else p.data
-
-
-class _BatchList(torch.utils.data.Dataset):
-    """Micro-batches by position, for DataLoader workers."""
-
-    def __init__(self, samples, indices: list, dynamic: bool):
-        self.samples, self.indices, self.dynamic = samples, indices, dynamic
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int) -> dict:
-        return self.samples.batch(self.indices[i], self.dynamic)
-
-
-def _to_local_tree(obj):
-    """The same structure with every DTensor replaced by its local shard."""
-    if hasattr(obj, "to_local"):
-        return obj.to_local()
-    if isinstance(obj, dict):
-        return {k: _to_local_tree(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_local_tree(v) for v in obj)
-    return obj
-
-
-def _like_params(optim_state: dict, params: list) -> dict:
-    """Wrap saved local optimizer tensors back into DTensors shaped like their params,
-    so a sharded optimizer can load them (plain tensors for unsharded params)."""
-    from torch.distributed.tensor import DTensor
-
-    state = {}
-    for idx, entries in optim_state["state"].items():
-        p = params[int(idx)]
-        state[idx] = {
-            k: DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False)
-            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(p.to_local().shape)
-            else v
-            for k, v in entries.items()
-        }
-    return {**optim_state, "state": state}

@@ -125,11 +125,11 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     whichever server owns which rows. A fragment's global weights are the replica's as of
     that fragment's last sync (step floor((k+1) H / F) of the last round)."""
     from diloco_ray.algo import partition
+    from diloco_ray.algo.inner_schedule import inner_lr_at, sync_period
     from diloco_ray.algo.optimizers import build_inner_optimizer
     from diloco_ray.data import plan as data
     from diloco_ray.data import samples, tokenization
     from diloco_ray.model import loading as modeling
-    from diloco_ray.runtime.rank import inner_lr_at, sync_period
 
     cfg = tiny_config(
         tmp_path / "run",

@@ -22,8 +22,7 @@ from diloco_ray.algo.aggregate import NON_FINITE
 from diloco_ray.config import fault_plan
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.driver.round_loop import RoundLoop
-from diloco_ray.runtime.messages import AppliedRound
-from diloco_ray.runtime.rank import RoundStats
+from diloco_ray.runtime.messages import AppliedRound, RoundStats
 from diloco_ray.runtime.server_group import SyncRefs
 
 

@@ -4,8 +4,7 @@ import pytest
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.observe.records import round_record
-from diloco_ray.runtime.messages import AppliedRound
-from diloco_ray.runtime.rank import RoundStats
+from diloco_ray.runtime.messages import AppliedRound, RoundStats
 
 
 def stats(rank, up, down, steps=3, compute=1.0):

@@ -7,10 +7,10 @@ import math
 import pytest
 import torch
 
+from diloco_ray.algo.inner_schedule import inner_lr_at
 from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError
-from diloco_ray.runtime.rank import inner_lr_at
 
 
 def make(**kw) -> TrainerConfig:

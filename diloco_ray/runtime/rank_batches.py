@@ -1,0 +1,83 @@
+"""A rank's batches for a round: the micro-batches of its share of the replica's data plan.
+
+The server hands each replica stream ranges for the round (:mod:`diloco_ray.data.plan`);
+:class:`RankBatches` turns them into this rank's ``[step][micro]`` sample indices once per
+round (its sync periods share them) and yields the batches in order, cut by DataLoader
+workers when ``num_workers`` > 0 so batching overlaps the steps. A streamed data set is
+read at the plan's positions first.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from diloco_ray.data import plan as data
+
+
+class RankBatches:
+    """The batch side of :class:`~diloco_ray.runtime.rank.RankWorker` (which sets ``config``,
+    ``rank``, ``tokens`` and ``_batches``)."""
+
+    def _round_batches(self, round_index: int, plan: list):
+        """(samples, ``[step][micro] -> indices``) for this rank's round, computed once per
+        round (a round's sync periods share it)."""
+        key = (round_index, tuple(map(tuple, plan)))
+        if self._batches is None or self._batches[0] != key:
+            self._batches = (key, *self._plan_batches(plan))
+        return self._batches[1], self._batches[2]
+
+    def _plan_batches(self, plan: list):
+        """(samples to cut from, ``[step][micro] -> indices``) for the ranges ``plan``; a
+        streamed data set is read at the plan's positions first."""
+        cfg = self.config
+        stream = self.tokens.stream
+        if stream is None:
+            train = self.tokens.train
+            return train, data.rank_batches(plan, cfg, self.rank, len(train), train.lengths)
+        train = stream.read(data.plan_positions(plan))
+        order = np.arange(len(train))
+        if cfg.group_by_length:
+            order = data.group_by_length(order, train.lengths, data.GROUP_WINDOW_BATCHES * cfg.batch_size)
+        return train, data.split_for_rank(order, cfg, self.rank)
+
+    def _micro_batches(self, source, steps: list, first: int):
+        """``(step, micro, batch)`` in order from step ``first`` on, cut from ``source``;
+        by DataLoader workers when ``num_workers`` > 0, so batching overlaps the steps."""
+        items = [(t, m, idx) for t in range(first, len(steps)) for m, idx in enumerate(steps[t])]
+        dynamic = self.config.dynamic_batch
+        if self.config.num_workers == 0:
+            for t, m, idx in items:
+                yield t, m, source.batch(idx, dynamic)
+            return
+        loader = torch.utils.data.DataLoader(
+            _BatchList(source, [idx for *_, idx in items], dynamic),
+            batch_size=None,
+            shuffle=False,
+            num_workers=self.config.num_workers,
+        )
+        for (t, m, _), batch in zip(items, loader):
+            yield t, m, batch
+
+    def _step_batches(self, source, steps: list, first: int):
+        """``(step, [micro-batches])`` from step ``first`` on: a step's micro-batches
+        together, so its loss can be normalised by all of their loss tokens."""
+        pending: list = []
+        for t, m, batch in self._micro_batches(source, steps, first):
+            pending.append(batch)
+            if m == len(steps[t]) - 1:
+                yield t, pending
+                pending = []
+
+
+class _BatchList(torch.utils.data.Dataset):
+    """Micro-batches by position, for DataLoader workers."""
+
+    def __init__(self, samples, indices: list, dynamic: bool):
+        self.samples, self.indices, self.dynamic = samples, indices, dynamic
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.samples.batch(self.indices[i], self.dynamic)
