@@ -19,7 +19,7 @@ import torch
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
-from diloco_ray.persist import checkpoint, staging
+from diloco_ray.persist import staging, state_files
 
 
 def file_names(index: int, count: int) -> tuple[str, str, str]:
@@ -39,8 +39,8 @@ def save(server, where: str) -> dict:
     weights_file, outer_name, meta_file = file_names(server.index, server.count)
     sd = server.optimizer.state_dict()
     whole = {n: server.rows(sd["params"], n, iv).contiguous() for n, iv in server.owned.items()}
-    checkpoint.save_tensors(os.path.join(folder, weights_file), whole)
-    outer_files = checkpoint.save_state(
+    state_files.save_tensors(os.path.join(folder, weights_file), whole)
+    outer_files = state_files.save_state(
         folder,
         outer_name,
         {
@@ -86,9 +86,9 @@ def load(server, where: str) -> None:
             f"with {saved_fragments}; resume with the value it was saved with"
         )
     server.layout(meta["shapes"])
-    loaded = checkpoint.load_tensors(os.path.join(folder, weights_file))
+    loaded = state_files.load_tensors(os.path.join(folder, weights_file))
     params = server.split(loaded)
-    outer = checkpoint.load_state(folder, outer_name)
+    outer = state_files.load_state(folder, outer_name)
     server.optimizer = OuterOptimizer(params, server.config)
     server.optimizer.load_state_dict({"params": params, **outer})
     # `held` tracks what replicas hold only while weights go down compressed.

@@ -8,7 +8,7 @@ the local weights, its inner optimizer and RNG state and its progress every
 from the round-R checkpoint, each replica slot continues from the newest step that all
 of its ranks saved intact, if that snapshot was taken with the same data plan.
 
-Files: ``slot-S-rank-K-step-T.{safetensors,json}`` (from :func:`checkpoint.save_state`),
+Files: ``slot-S-rank-K-step-T.{safetensors,json}`` (from :func:`state_files.save_state`),
 then ``...done`` last, holding the tensors' SHA-256: a snapshot without a matching
 ``.done`` does not exist.
 """
@@ -21,7 +21,7 @@ import re
 import shutil
 from typing import Any, Optional
 
-from diloco_ray.persist import checkpoint
+from diloco_ray.persist import checkpoint, state_files
 
 KEEP_PER_RANK = 2  # the newest may be torn by a crash; the one before is then used
 _NAME = re.compile(r"^slot-(\d+)-rank-(\d+)-step-(\d+)\.done$")
@@ -44,12 +44,12 @@ def save(folder: str, slot: int, rank: int, step: int, state: dict[str, Any]) ->
         slot: the replica's slot in this round.
         rank: the rank inside the replica.
         step: inner steps done in this round.
-        state: tensors and plain values (see :func:`checkpoint.save_state`).
+        state: tensors and plain values (see :func:`state_files.save_state`).
     """
     os.makedirs(folder, exist_ok=True)
     name = _name(slot, rank, step)
-    checkpoint.save_state(folder, name, state)
-    digest = checkpoint.sha256_file(os.path.join(folder, f"{name}.safetensors"))
+    state_files.save_state(folder, name, state)
+    digest = state_files.sha256_file(os.path.join(folder, f"{name}.safetensors"))
     tmp = os.path.join(folder, f"{name}.done.tmp")
     with open(tmp, "w") as f:
         json.dump({"sha256": digest}, f)
@@ -77,7 +77,7 @@ def intact(folder: str, slot: int, rank: int, step: int) -> bool:
     try:
         with open(os.path.join(folder, f"{name}.done")) as f:
             want = json.load(f)["sha256"]
-        return checkpoint.sha256_file(os.path.join(folder, f"{name}.safetensors")) == want and os.path.exists(
+        return state_files.sha256_file(os.path.join(folder, f"{name}.safetensors")) == want and os.path.exists(
             os.path.join(folder, f"{name}.json")
         )
     except (OSError, ValueError, KeyError):
@@ -98,7 +98,7 @@ def common_step(folder: str, slot: int, ranks: int) -> Optional[int]:
 
 def load(folder: str, slot: int, rank: int, step: int) -> dict[str, Any]:
     """The state :func:`save` wrote."""
-    return checkpoint.load_state(folder, _name(slot, rank, step))
+    return state_files.load_state(folder, _name(slot, rank, step))
 
 
 def clear_before(root: str, round_index: int) -> None:

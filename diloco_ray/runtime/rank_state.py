@@ -53,7 +53,7 @@ class RankState:
         """Write this rank's inner optimizer state and RNG state to ``folder`` as
         ``replicas/slot-{slot}-rank-{rank}`` (safetensors + JSON, never pickle).
         ``folder`` may be a bucket URI; returns :func:`staging.publish`'s hashes."""
-        from diloco_ray.persist import checkpoint, staging
+        from diloco_ray.persist import staging, state_files
 
         state = {
             **self._optimizer_and_rng(),
@@ -64,20 +64,20 @@ class RankState:
             state["rows"] = {n: t.detach().cpu().clone() for n, t in self._local_rows().items()}
         sub = os.path.join(staging.scratch(folder), "replicas")
         os.makedirs(sub, exist_ok=True)
-        written = checkpoint.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
+        written = state_files.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
         return staging.publish(folder, [f"replicas/{name}" for name in written])
 
     def load_inner_state(self, folder: str, slot: int) -> bool:
         """Restore what :meth:`save_inner_state` wrote; False (and a fresh optimizer) when
         the checkpoint has no state for this slot and rank."""
-        from diloco_ray.persist import checkpoint, staging
+        from diloco_ray.persist import staging, state_files
 
         name = f"slot-{slot}-rank-{self.rank}"
         folder = staging.localize(folder, [f"replicas/{name}.json", f"replicas/{name}.safetensors"])
         sub = os.path.join(folder, "replicas")
         if not os.path.exists(os.path.join(sub, f"{name}.json")):
             return False
-        state = checkpoint.load_state(sub, name)
+        state = state_files.load_state(sub, name)
         if state["world_size"] != self.world_size:
             return False
         self._restore_optimizer_and_rng(state)

@@ -117,10 +117,10 @@ def a_checkpoint(root, round_index=3):
     """A valid (verifying) checkpoint folder under ``root``."""
     import torch
 
-    from diloco_ray.persist import checkpoint
+    from diloco_ray.persist import checkpoint, state_files
 
     tmp = checkpoint.begin(str(root), round_index)
-    checkpoint.save_state(tmp, "global", {"w": torch.ones(2)})
+    state_files.save_state(tmp, "global", {"w": torch.ones(2)})
     return checkpoint.commit(tmp, str(root), round_index, {})
 
 

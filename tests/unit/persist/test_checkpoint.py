@@ -13,6 +13,7 @@ import torch
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.errors import ConfigError, DataError
 from diloco_ray.persist import checkpoint as ckpt
+from diloco_ray.persist import state_files
 
 # --------------------------------------------------------------------- helpers
 
@@ -40,15 +41,15 @@ def assert_same(a, b, where="<root>"):
 
 
 def json_round_trip(state):
-    tensors, skeleton = ckpt.flatten_state(state)
+    tensors, skeleton = state_files.flatten_state(state)
     skeleton = json.loads(json.dumps(skeleton, allow_nan=False))
-    return ckpt.unflatten_state(tensors, skeleton)
+    return state_files.unflatten_state(tensors, skeleton)
 
 
 def disk_round_trip(tmp_path, state, name="s"):
-    files = ckpt.save_state(str(tmp_path), name, state)
+    files = state_files.save_state(str(tmp_path), name, state)
     assert files == [f"{name}.safetensors", f"{name}.json"]
-    return ckpt.load_state(str(tmp_path), name)
+    return state_files.load_state(str(tmp_path), name)
 
 
 def outer_cfg(**overrides):
@@ -68,7 +69,7 @@ def outer_cfg(**overrides):
 def make_ckpt(root, round, payload=None, meta=None):
     """A committed checkpoint holding one small state."""
     tmp = ckpt.begin(str(root), round)
-    ckpt.save_state(tmp, "global", payload if payload is not None else {"w": torch.full((3,), float(round))})
+    state_files.save_state(tmp, "global", payload if payload is not None else {"w": torch.full((3,), float(round))})
     return ckpt.commit(tmp, str(root), round, meta if meta is not None else {"round": round})
 
 
@@ -167,9 +168,9 @@ def test_int_keys_tuples_scalars_and_none_survive_json():
 
 def test_non_finite_floats_in_skeleton():
     state = {"a": float("inf"), "b": float("-inf"), "c": float("nan"), "d": -0.0, "e": 1e308}
-    tensors, skeleton = ckpt.flatten_state(state)
+    tensors, skeleton = state_files.flatten_state(state)
     text = json.dumps(skeleton, allow_nan=False)  # must not need NaN/Infinity literals
-    out = ckpt.unflatten_state(tensors, json.loads(text))
+    out = state_files.unflatten_state(tensors, json.loads(text))
     assert out["a"] == math.inf and out["b"] == -math.inf and math.isnan(out["c"])
     assert math.copysign(1.0, out["d"]) == -1.0 and out["e"] == 1e308
 
@@ -197,7 +198,7 @@ def test_top_level_tensor_and_empty_state(tmp_path):
     assert_same(t, disk_round_trip(tmp_path, t, "t"))
     # No tensors at all still writes both files.
     assert disk_round_trip(tmp_path, {"round": 3}, "meta") == {"round": 3}
-    assert ckpt.load_tensors(str(tmp_path / "meta.safetensors")) == {}
+    assert state_files.load_tensors(str(tmp_path / "meta.safetensors")) == {}
 
 
 def test_shared_storage_tensors_saved_as_independent_copies(tmp_path):
@@ -220,27 +221,27 @@ def test_non_contiguous_tensors(tmp_path):
 
 def test_clashing_paths_get_distinct_keys_and_prefix():
     state = {"a.b": torch.ones(1), "a": {"b": torch.zeros(1)}, 0: torch.full((1,), 2.0), "0": torch.full((1,), 3.0)}
-    tensors, skeleton = ckpt.flatten_state(state, prefix="opt")
+    tensors, skeleton = state_files.flatten_state(state, prefix="opt")
     assert len(tensors) == 4 and all(k.startswith("opt.") for k in tensors)
-    assert_same(state, ckpt.unflatten_state(tensors, json.loads(json.dumps(skeleton))))
+    assert_same(state, state_files.unflatten_state(tensors, json.loads(json.dumps(skeleton))))
 
 
 def test_unsupported_values_are_rejected_with_their_path():
     with pytest.raises(TypeError, match=r"x\.1"):
-        ckpt.flatten_state({"x": [1, {2, 3}]})
+        state_files.flatten_state({"x": [1, {2, 3}]})
     with pytest.raises(TypeError, match="key"):
-        ckpt.flatten_state({(1, 2): 3})
+        state_files.flatten_state({(1, 2): 3})
     with pytest.raises(DataError, match="missing"):
-        ckpt.unflatten_state({}, {"$tensor": "gone"})
+        state_files.unflatten_state({}, {"$tensor": "gone"})
 
 
 def test_load_state_errors_are_data_errors(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
-        ckpt.load_state(str(tmp_path), "nope")
-    ckpt.save_state(str(tmp_path), "s", {"w": torch.ones(2)})
+        state_files.load_state(str(tmp_path), "nope")
+    state_files.save_state(str(tmp_path), "s", {"w": torch.ones(2)})
     (tmp_path / "s.json").write_text("{not json")
     with pytest.raises(DataError, match="not valid JSON"):
-        ckpt.load_state(str(tmp_path), "s")
+        state_files.load_state(str(tmp_path), "s")
 
 
 # ------------------------------------------------------------ begin/commit/verify
@@ -250,16 +251,16 @@ def test_commit_writes_manifest_and_verifies(tmp_path):
     root = tmp_path / "ckpts"
     tmp = ckpt.begin(str(root), 3)
     assert os.path.basename(tmp).startswith(".tmp-round-00000003-")
-    ckpt.save_state(tmp, "global", {"w": torch.ones(2)})
+    state_files.save_state(tmp, "global", {"w": torch.ones(2)})
     os.makedirs(os.path.join(tmp, "replicas"))
-    ckpt.save_state(os.path.join(tmp, "replicas"), "r0", {"step": 4})
+    state_files.save_state(os.path.join(tmp, "replicas"), "r0", {"step": 4})
     final = ckpt.commit(tmp, str(root), 3, {"inner_steps": 12})
     assert final == os.path.join(str(root), "round-00000003") and not os.path.exists(tmp)
     assert ckpt.verify(final) is None
     man = ckpt.read_manifest(final)
     assert man["format"] == 1 and man["round"] == 3 and man["meta"] == {"inner_steps": 12}
     assert set(man["files"]) == {"global.safetensors", "global.json", "replicas/r0.safetensors", "replicas/r0.json"}
-    assert man["files"]["global.json"] == ckpt.sha256_file(os.path.join(final, "global.json"))
+    assert man["files"]["global.json"] == state_files.sha256_file(os.path.join(final, "global.json"))
     # A file the manifest does not list is not part of what was committed.
     (root / "round-00000003" / "notes.json").write_text("{}")
     assert "'notes.json' is in the checkpoint but not listed" in ckpt.verify(final)
@@ -309,7 +310,7 @@ def test_a_manifest_must_list_every_file(tmp_path):
 def test_temp_folders_are_not_listed(tmp_path):
     make_ckpt(tmp_path, 2)
     tmp = ckpt.begin(str(tmp_path), 5)
-    ckpt.save_state(tmp, "global", {"w": torch.ones(1)})
+    state_files.save_state(tmp, "global", {"w": torch.ones(1)})
     assert ckpt.list_checkpoints(str(tmp_path)) == [os.path.join(str(tmp_path), "round-00000002")]
     assert ckpt.verify(tmp) is not None  # no manifest yet
 
@@ -327,7 +328,7 @@ def test_commit_replaces_existing_round(tmp_path):
     final = make_ckpt(tmp_path, 4, payload={"w": torch.ones(2)}, meta={"try": 2})
     assert ckpt.verify(final) is None
     assert ckpt.read_manifest(final)["meta"] == {"try": 2}
-    assert torch.equal(ckpt.load_state(final, "global")["w"], torch.ones(2))
+    assert torch.equal(state_files.load_state(final, "global")["w"], torch.ones(2))
     assert sorted(os.listdir(tmp_path)) == ["round-00000004"]  # nothing left aside
 
 
