@@ -25,7 +25,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, links, partition
+from diloco_ray.algo import codecs, compression, links, partition
 from diloco_ray.algo.sharding import shard_rows
 
 
@@ -59,7 +59,7 @@ class RankSync:
         codec: str = "none",
         error_feedback: bool = False,
         alpha: float = 0.5,
-        block: int = compression.DEFAULT_BLOCK,
+        block: int = codecs.DEFAULT_BLOCK,
         anchor_on_host: bool = False,
     ):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
@@ -152,7 +152,7 @@ class RankSync:
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
         link_bytes = self.world_size * sum(
-            compression.codec_nbytes(partition.numel(rows, self.shapes), self.codec, self.block) for rows in plan
+            codecs.codec_nbytes(partition.numel(rows, self.shapes), self.codec, self.block) for rows in plan
         )
         stamp = links.stamp(link, link_bytes)
         out = []

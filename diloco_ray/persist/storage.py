@@ -4,10 +4,9 @@ This module owns everything that touches an object store, through pyarrow's file
 (the same layer Ray Train's ``storage_path`` uses), and nothing above the bytes of a file:
 
 * :func:`is_remote` / :func:`check_uri` tell a remote URI from a local folder and
-  validate it offline, so a bad ``output_dir`` fails at config time, not after Ray starts.
-* :func:`filesystem` turns a URI into a pyarrow filesystem (cached per process).
-* :func:`staging_root` names the node-local folder that mirrors a remote folder; every
-  process on every node computes the same path, so ranks agree without talking.
+  validate it offline; :func:`filesystem` turns a URI into a pyarrow filesystem;
+  :func:`staging_root` names the node-local folder that mirrors a remote folder (these live
+  in :mod:`diloco_ray.persist.uris`; this module is the one API callers use).
 * :class:`Mirror` is one remote folder plus its staging copy. The run writes every file
   locally first (all existing code keeps working on plain paths) and pushes or pulls
   files with :meth:`Mirror.upload` / :meth:`Mirror.download`. Object stores have no
@@ -22,263 +21,43 @@ default credentials, ...); never from the URI, which ends up in logs and config.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import re
-import tempfile
 import threading
-import uuid
 from typing import TYPE_CHECKING, Iterable, Iterator
-from urllib.parse import parse_qsl, quote, unquote, urlsplit
+from urllib.parse import quote, unquote
 
 from diloco_ray.errors import ConfigError
+from diloco_ray.persist.uris import (
+    REMOTE_SCHEMES,
+    _filesystem,
+    _Parts,
+    check_uri,
+    filesystem,
+    get_file,
+    is_remote,
+    put_file,
+    redact,
+    staging_root,
+)
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: local-only runs never pay for it
     import pyarrow.fs
 
-__all__ = ["REMOTE_SCHEMES", "is_remote", "check_uri", "filesystem", "staging_root", "Mirror", "for_output_dir"]
+__all__ = [
+    "REMOTE_SCHEMES",
+    "is_remote",
+    "check_uri",
+    "redact",
+    "filesystem",
+    "staging_root",
+    "Mirror",
+    "for_output_dir",
+]
 
-REMOTE_SCHEMES = ("s3", "gs")
-# pyarrow also accepts "gcs://" for Google Cloud Storage; we read it as "gs://".
-_ALIASES = {"gcs": "gs"}
-_ALLOWED = "a local folder, s3://bucket/path or gs://bucket/path"
-
-# The query options pyarrow 26's FileSystem.from_uri accepts per scheme (anything else it
-# rejects with "Unexpected query parameter"); checked here so the error names the field.
-_QUERY_OPTIONS = {
-    "s3": (
-        "region",
-        "scheme",
-        "endpoint_override",
-        "allow_bucket_creation",
-        "allow_bucket_deletion",
-        "tls_ca_file_path",
-        "tls_verify_certificates",
-    ),
-    "gs": ("scheme", "endpoint_override", "retry_limit_seconds", "project_id"),
-}
-# Bucket names on S3 and GCS are letters, digits, dots, dashes (GCS: underscores too).
-_BUCKET = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*\Z")
-_CHUNK = 8 << 20  # bytes per read/write when streaming a file: few calls, bounded memory
 _PROBE = ".diloco-ray-probe"
 # How pyarrow reports a missing S3 bucket: on a write, and on the region lookup of from_uri.
 _NO_BUCKET = re.compile(r"NO_SUCH_BUCKET|Bucket '[^']*' not found")
-
-
-# ----------------------------------------------------------------------------- URIs
-
-
-def is_remote(path: str | None) -> bool:
-    """Whether ``path`` names a folder on an object store rather than a local folder.
-
-    Args:
-        path: an ``output_dir``-like value; ``None`` and local paths give False.
-
-    Returns:
-        True for ``s3://...``, ``gs://...`` and ``gcs://...`` (any letter case).
-    """
-    if not isinstance(path, str) or "://" not in path:
-        return False
-    scheme = path.split("://", 1)[0].lower()
-    return scheme in REMOTE_SCHEMES or scheme in _ALIASES
-
-
-def redact(uri: str) -> str:
-    """``uri`` with any credentials (``scheme://key:secret@bucket``) replaced by ``***``,
-    for messages: a secret must never reach a terminal, a log or metrics.jsonl."""
-    head, sep, rest = uri.partition("://")
-    if not sep:
-        return uri
-    netloc, slash, path = rest.partition("/")
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    return f"{head}{sep}{netloc}{slash}{path}"
-
-
-def check_uri(field: str, uri: str) -> None:
-    """Validate ``uri`` as a run folder without touching the network.
-
-    A value without ``://`` is a local folder and passes (local paths are checked where
-    they are created). A remote URI must be ``s3://bucket[/path]`` or
-    ``gs://bucket[/path]`` (``gcs://`` too), with no credentials, port or fragment, no
-    empty, ``.`` or ``..`` path segment, and no query option pyarrow would not take.
-
-    Args:
-        field: the config field the value came from; every message starts with it.
-        uri: the value to check.
-
-    Raises:
-        ConfigError: naming ``field``, the value and what is allowed.
-    """
-    if not isinstance(uri, str):
-        raise ConfigError(f"{field}: expected a string ({_ALLOWED}), got {type(uri).__name__}")
-    if "://" not in uri:
-        # "s3:bucket" or "s3:/bucket" would otherwise become a local folder named "s3:...".
-        head = uri.split(":", 1)[0].lower() if ":" in uri else ""
-        if head in REMOTE_SCHEMES or head in _ALIASES:
-            raise ConfigError(f"{field}: {redact(uri)!r} is not a valid URI; expected {head}://bucket/path")
-        return
-    scheme = uri.split("://", 1)[0].lower()
-    if scheme == "file":
-        raise ConfigError(
-            f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED} "
-            "(write a local folder as a plain path, without file://)"
-        )
-    if not is_remote(uri):
-        raise ConfigError(f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED}")
-    if any(c.isspace() or ord(c) < 32 for c in uri):
-        # pyarrow's URI parser refuses them; spaces in object names must be %20-encoded.
-        raise ConfigError(
-            f"{field}: {redact(uri)!r} contains whitespace or control characters; "
-            f"expected {_ALLOWED} (encode a space as %20)"
-        )
-    parts = urlsplit(uri)
-    canonical = _ALIASES.get(scheme, scheme)
-    if not parts.netloc:
-        raise ConfigError(f"{field}: {redact(uri)!r} has no bucket; expected {canonical}://bucket/path")
-    if "@" in parts.netloc:
-        # pyarrow would take "key:secret@bucket", but the URI is logged and saved in config.yaml.
-        raise ConfigError(
-            f"{field}: {redact(uri)!r} holds credentials; put them in the environment "
-            f"(e.g. AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS), not in the URI"
-        )
-    if not _BUCKET.match(parts.netloc):
-        raise ConfigError(
-            f"{field}: {redact(uri)!r} has an invalid bucket name {parts.netloc!r}; expected "
-            f"{canonical}://bucket/path with letters, digits, '.', '-' or '_' in the "
-            "bucket name (set a custom endpoint with AWS_ENDPOINT_URL, not a port)"
-        )
-    if parts.fragment or uri.endswith("#"):
-        raise ConfigError(
-            f"{field}: {redact(uri)!r} has a '#' fragment, which is not allowed; expected {canonical}://bucket/path"
-        )
-    inner = parts.path[1:].rstrip("/")  # a trailing slash is fine, "bucket//p" is not
-    segments = inner.split("/") if inner else []
-    if any(s in ("", ".", "..") for s in (unquote(s) for s in segments)):
-        raise ConfigError(
-            f"{field}: {redact(uri)!r} has an empty, '.' or '..' path segment; expected {canonical}://bucket/path"
-        )
-    allowed = _QUERY_OPTIONS[canonical]
-    for key, _ in parse_qsl(parts.query, keep_blank_values=True):
-        if key not in allowed:
-            raise ConfigError(
-                f"{field}: {redact(uri)!r} has query option {key!r}, which is not allowed; "
-                f"{canonical}:// URIs take only {', '.join(allowed)}"
-            )
-
-
-class _Parts:
-    """A checked remote URI split into what the rest of the module needs."""
-
-    def __init__(self, uri: str, field: str):
-        check_uri(field, uri)
-        if not is_remote(uri):
-            raise ConfigError(
-                f"{field}: {redact(uri)!r} is not a remote URI; expected s3://bucket/path or gs://bucket/path"
-            )
-        parts = urlsplit(uri)
-        scheme = uri.split("://", 1)[0].lower()
-        self.scheme = _ALIASES.get(scheme, scheme)
-        self.bucket = parts.netloc
-        self.prefix = parts.path.strip("/")  # still %-encoded, as in the URI
-        self.query = parts.query
-        # One spelling per remote folder: lower-case scheme, gcs -> gs, no trailing slash.
-        self.uri = (
-            f"{self.scheme}://{self.bucket}"
-            + (f"/{self.prefix}" if self.prefix else "")
-            + (f"?{self.query}" if self.query else "")
-        )
-        # The path inside the filesystem, as pyarrow's from_uri gives it (%-decoded).
-        self.path = unquote(f"{self.bucket}/{self.prefix}" if self.prefix else self.bucket)
-
-    def endpoint(self) -> str | None:
-        """The endpoint pyarrow will talk to when it is not the provider's default."""
-        query = dict(parse_qsl(self.query))
-        if query.get("endpoint_override"):
-            return query["endpoint_override"]
-        if self.scheme == "s3":
-            # The AWS SDK inside pyarrow reads these itself; we only need them for the
-            # cache key and for error messages. The S3-specific one wins, as in the SDK.
-            return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
-        return None
-
-    def endpoint_text(self) -> str:
-        if self.endpoint():
-            return self.endpoint()
-        return "the default AWS S3 endpoint" if self.scheme == "s3" else "the default Google Cloud Storage endpoint"
-
-
-# ----------------------------------------------------------------------------- filesystems
-
-_FILESYSTEMS: dict[tuple, "pyarrow.fs.FileSystem"] = {}
-_FS_LOCK = threading.Lock()
-
-
-def filesystem(uri: str) -> tuple["pyarrow.fs.FileSystem", str]:
-    """The pyarrow filesystem for a remote URI and the path inside it.
-
-    Uses ``pyarrow.fs.FileSystem.from_uri``, which already honours ``AWS_ENDPOINT_URL_S3``
-    / ``AWS_ENDPOINT_URL`` (path-style requests, http or https from the URL) and the AWS
-    region/credential variables, so a local S3 server such as moto or MinIO works with
-    no extra code. Filesystems are cached per (scheme, bucket, endpoint, query options)
-    in the process: building an S3 one costs a HeadBucket request to find the bucket's
-    region (even when ``AWS_DEFAULT_REGION`` is set; a ``?region=`` option skips it).
-    Building a GCS one needs neither network nor credentials.
-
-    Args:
-        uri: ``s3://bucket[/path]`` or ``gs://bucket[/path]``.
-
-    Returns:
-        ``(fs, path)`` with ``path`` like ``"bucket/path"``: no scheme, no trailing slash.
-
-    Raises:
-        ConfigError: ``uri`` is not a valid remote URI (see :func:`check_uri`).
-        OSError: pyarrow could not build the filesystem (e.g. the S3 region lookup failed).
-    """
-    parts = _Parts(uri, "uri")
-    return _filesystem(parts), parts.path
-
-
-def _filesystem(parts: _Parts) -> "pyarrow.fs.FileSystem":
-    key = (parts.scheme, parts.bucket, parts.endpoint(), parts.query)
-    with _FS_LOCK:
-        fs = _FILESYSTEMS.get(key)
-    if fs is None:
-        import pyarrow.fs as pafs
-
-        # Outside the lock: the region lookup is a network round trip. Two threads racing
-        # here both build one; the first stored wins and the other is dropped.
-        fs, _ = pafs.FileSystem.from_uri(parts.uri)
-        with _FS_LOCK:
-            fs = _FILESYSTEMS.setdefault(key, fs)
-    return fs
-
-
-# ----------------------------------------------------------------------------- staging
-
-
-def staging_root(uri: str) -> str:
-    """The node-local folder that mirrors remote folder ``uri``; not created here.
-
-    ``$DILOCO_RAY_STAGING`` if set, else ``<tempfile.gettempdir()>/diloco-ray-staging``,
-    then one subfolder per remote folder: a readable ``scheme-bucket-prefix`` (sanitised,
-    shortened) plus the first 12 hex digits of the SHA-1 of the URI, so two different
-    remote folders never share a staging folder. Spellings of the same folder
-    (``gcs://`` vs ``gs://``, a trailing slash) share one. Deterministic: every process
-    with the same environment (``DILOCO_RAY_STAGING``, ``TMPDIR``) gets the same path.
-
-    Args:
-        uri: ``s3://bucket[/path]`` or ``gs://bucket[/path]``.
-
-    Raises:
-        ConfigError: ``uri`` is not a valid remote URI.
-    """
-    parts = _Parts(uri, "output_dir")
-    base = os.environ.get("DILOCO_RAY_STAGING") or os.path.join(tempfile.gettempdir(), "diloco-ray-staging")
-    readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{parts.scheme}-{parts.bucket}-{unquote(parts.prefix)}")
-    readable = readable.strip("._-")[:80] or parts.scheme  # never "." / ".." / hidden / too long
-    digest = hashlib.sha1(parts.uri.encode("utf-8")).hexdigest()[:12]
-    return os.path.join(os.path.abspath(base), f"{readable}-{digest}")
 
 
 # ----------------------------------------------------------------------------- Mirror
@@ -420,7 +199,7 @@ class Mirror:
                 if rel in done:
                     continue
                 done.add(rel)
-                sent += self._put_file(local, self._remote_path(rel))
+                sent += put_file(self.fs, local, self._remote_path(rel))
         return sent
 
     def _local_files(self, path: str) -> list[tuple[str, str]]:
@@ -438,16 +217,6 @@ class Mirror:
                 f = os.path.join(root, name)
                 found.append((f, os.path.relpath(f, self.local).replace(os.sep, "/")))
         return sorted(found, key=lambda item: item[1])
-
-    def _put_file(self, local: str, remote: str) -> int:
-        """Stream one local file to ``remote`` (a path inside ``self.fs``); bytes sent."""
-        sent = 0
-        # compression=None: pyarrow's default "detect" would gzip anything named *.gz.
-        with open(local, "rb") as src, self.fs.open_output_stream(remote, compression=None) as dst:
-            while chunk := src.read(_CHUNK):
-                dst.write(chunk)
-                sent += len(chunk)
-        return sent
 
     def download(self, path: str) -> bool:
         """Copy a remote file, or a folder recursively, to its local path, overwriting.
@@ -475,7 +244,7 @@ class Mirror:
             return False
         if info.type == pafs.FileType.File:
             try:
-                self._get_file(remote, target, info.size)
+                get_file(self.fs, remote, target, info.size)
             except FileNotFoundError:  # deleted between the two requests
                 return False
             return True
@@ -487,29 +256,9 @@ class Mirror:
             local = os.path.normpath(os.path.join(target, *rel.split("/")))
             if _outside(os.path.relpath(local, target)):  # a key with ".." in it
                 raise ValueError(f"remote object {item.path!r} maps outside {target!r}")
-            self._get_file(item.path, local, item.size)
+            get_file(self.fs, item.path, local, item.size)
         os.makedirs(target, exist_ok=True)
         return True
-
-    def _get_file(self, remote: str, local: str, size: int | None) -> None:
-        """Stream one remote file to ``local`` through a temporary name."""
-        folder, name = os.path.split(local)
-        os.makedirs(folder, exist_ok=True)
-        # Unique per process and call: several processes of a node may fetch the same file.
-        tmp = os.path.join(folder, f".{name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        got = 0
-        try:
-            with self.fs.open_input_stream(remote, compression=None) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(_CHUNK):
-                    dst.write(chunk)
-                    got += len(chunk)
-            if size is not None and size >= 0 and got != size:
-                raise OSError(f"downloaded {got} bytes of {remote!r}, expected {size}")
-            os.replace(tmp, local)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(tmp)
-            raise
 
     # --- remote-only operations
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression as cz
-from diloco_ray.algo.compression import CODECS, DEFAULT_BLOCK, codec_nbytes, compress, pack, packed_meta, unpack
+from diloco_ray.algo.codecs import CODECS, DEFAULT_BLOCK, codec_nbytes
+from diloco_ray.algo.compression import compress, pack, packed_meta, unpack
 
 SHAPES = [(1,), (7,), (2047,), (2049,), (4097,), (33, 65), (3, 5, 7), (), (0,), (3, 0)]
 EPS32 = 2.0**-24

@@ -12,7 +12,7 @@ import pytest
 import s3_server
 
 from diloco_ray.errors import ConfigError
-from diloco_ray.persist import storage
+from diloco_ray.persist import storage, uris
 
 s3_bucket = s3_server.s3_bucket  # module-scoped fixture: one moto server for this file
 
@@ -113,7 +113,7 @@ def test_check_uri_rejects_naming_the_field(uri, words):
         assert word in msg
 
 
-@pytest.mark.parametrize("scheme,options", sorted(storage._QUERY_OPTIONS.items()))
+@pytest.mark.parametrize("scheme,options", sorted(uris._QUERY_OPTIONS.items()))
 def test_allowed_query_options_are_exactly_pyarrows(scheme, options):
     """The allow-list matches what pyarrow's from_uri takes (offline: s3 gets a region)."""
     values = {
@@ -282,13 +282,13 @@ def test_folder_upload_is_sorted_and_last_files_go_last(monkeypatch, mirror):
     for rel in ["ckpt/b.bin", "ckpt/a.bin", "ckpt/sub/c.bin", "ckpt/manifest.json", "meta.json"]:
         write(os.path.join(mirror.local, rel), rel.encode())
     order = []
-    real = storage.Mirror._put_file
+    real = storage.put_file
 
-    def recording(self, local, remote):
-        order.append(os.path.relpath(local, self.local).replace(os.sep, "/"))
-        return real(self, local, remote)
+    def recording(fs, local, remote):
+        order.append(os.path.relpath(local, mirror.local).replace(os.sep, "/"))
+        return real(fs, local, remote)
 
-    monkeypatch.setattr(storage.Mirror, "_put_file", recording)
+    monkeypatch.setattr(storage, "put_file", recording)
     mirror.upload("ckpt")
     assert order == ["ckpt/a.bin", "ckpt/b.bin", "ckpt/manifest.json", "ckpt/sub/c.bin"]
     order.clear()
