@@ -19,9 +19,8 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray.config import preflight
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.driver import ray_connection
+from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.faults import DriverFaults
 from diloco_ray.driver.membership import Membership

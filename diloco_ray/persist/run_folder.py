@@ -15,7 +15,6 @@ import os
 import time
 from typing import Optional
 
-from diloco_ray.config.preflight import resumes_own_run as preflight_resumes_own_run
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist import checkpoint, cloud_checkpoint, storage
@@ -112,7 +111,7 @@ class RunFolder:
         ``overwrite_output_dir``) starts a fresh one."""
         os.makedirs(self.local, exist_ok=True)
         metrics = os.path.join(self.local, "metrics.jsonl")
-        if self.config.overwrite_output_dir and not (resuming and preflight_resumes_own_run(self.config)):
+        if self.config.overwrite_output_dir and not (resuming and resumes_own_run(self.config)):
             self.clear_previous_run()
         if self.mirror and resuming:
             self.mirror.download(metrics)
@@ -226,3 +225,13 @@ def request_scale(output_dir: str, target: int) -> str:
         f.write(doc)
     os.replace(tmp, path)
     return path
+
+
+def resumes_own_run(cfg: TrainerConfig) -> bool:
+    """Whether ``resume_from`` points into ``output_dir`` (the run itself, its
+    checkpoints folder or one of its checkpoints): the normal resume of a run."""
+    out, src = cfg.output_dir.rstrip("/"), (cfg.resume_from or "").rstrip("/")
+    if not storage.is_remote(out) and not storage.is_remote(src):
+        out, src = os.path.realpath(out), os.path.realpath(src)
+        return src == out or src.startswith(out + os.sep)
+    return src == out or src.startswith(out + "/")

@@ -134,6 +134,6 @@ def test_a_missing_bucket_is_refused_before_ray(s3_bucket, tmp_path):
 
 def test_in_flight_snapshots_need_a_local_output_dir(s3_bucket):
     with pytest.raises(ConfigError, match="checkpoint_steps"):
-        from diloco_ray.config import preflight
+        from diloco_ray.driver import preflight
 
         preflight.check(TrainerConfig(**{**tiny_config("s3://b/run").to_dict(), "checkpoint_steps": 2}), resuming=False)

@@ -16,6 +16,7 @@ from typing import Optional
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError, DataError
+from diloco_ray.persist.run_folder import resumes_own_run
 
 RUN_MARKERS = ("final", "checkpoints")  # besides round records in metrics.jsonl
 
@@ -110,18 +111,6 @@ def check_local_folder(field: str, path: str) -> None:
         )
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{field}: '{path}' cannot be created: '{parent}' is not a writable folder")
-
-
-def resumes_own_run(cfg: TrainerConfig) -> bool:
-    """Whether ``resume_from`` points into ``output_dir`` (the run itself, its
-    checkpoints folder or one of its checkpoints): the normal resume of a run."""
-    from diloco_ray.persist import storage
-
-    out, src = cfg.output_dir.rstrip("/"), (cfg.resume_from or "").rstrip("/")
-    if not storage.is_remote(out) and not storage.is_remote(src):
-        out, src = os.path.realpath(out), os.path.realpath(src)
-        return src == out or src.startswith(out + os.sep)
-    return src == out or src.startswith(out + "/")
 
 
 def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:

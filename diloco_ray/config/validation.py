@@ -1,0 +1,223 @@
+"""Validation of a TrainerConfig: each field's type and range, then the rules between fields.
+
+Every problem is one :class:`~diloco_ray.errors.ConfigError` naming the field, the value and
+what is allowed. The rules read the field table's metadata (``ge``, ``gt``, ``le``, ``lt``)
+and types, so this module never imports the schema (which calls :func:`validate` from
+``__post_init__``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import types
+import typing
+from typing import TYPE_CHECKING, Any, Literal, Union
+
+from diloco_ray.errors import ConfigError
+
+if TYPE_CHECKING:
+    from diloco_ray.config.schema import TrainerConfig
+
+
+def _describe(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return {
+        bool: "true/false",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        dict: "a mapping",
+        list: "a list",
+    }.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
+    """(ok, value) where value may be converted (int -> float, str -> [str])."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            ok, v = _coerce(value, arg)
+            if ok:
+                return True, v
+        return False, value
+    if origin is Literal:
+        return value in typing.get_args(tp), value
+    if tp is type(None):
+        return value is None, value
+    if tp is bool:
+        return isinstance(value, bool), value
+    if tp is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if tp is float:
+        if isinstance(value, bool):
+            return False, value
+        if isinstance(value, (int, float)):
+            return True, float(value)
+        if isinstance(value, str):  # YAML reads "3e-4" as a string; accept it as a number
+            try:
+                return True, float(value)
+            except ValueError:
+                return False, value
+        return False, value
+    if tp is list and isinstance(value, str):  # target_modules: q_proj -> [q_proj]
+        return True, [value]
+    return isinstance(value, tp), value
+
+
+@functools.lru_cache(maxsize=None)
+def _fields_and_hints(cls: type) -> tuple[dict, dict]:
+    """The dataclass fields of the config class and their resolved types (once per class)."""
+    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls, include_extras=False)
+
+
+def validate(cfg: TrainerConfig) -> None:
+    """Check types, ranges and cross-field rules; raise ConfigError on the first problem."""
+    if cfg.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
+        cfg.mixed_precision = "no"
+    fields, hints = _fields_and_hints(type(cfg))
+    for name, f in fields.items():
+        value = getattr(cfg, name)
+        ok, value = _coerce(value, hints[name])
+        if not ok:
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(hints[name])}")
+        setattr(cfg, name, value)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            m = f.metadata
+            for rule, op, word in (
+                ("ge", float.__ge__, ">="),
+                ("gt", float.__gt__, ">"),
+                ("le", float.__le__, "<="),
+                ("lt", float.__lt__, "<"),
+            ):
+                if rule in m and not op(float(value), float(m[rule])):
+                    raise ConfigError(f"{name}: {value!r} is not allowed; must be {word} {m[rule]}")
+    _validate_cross_field(cfg)
+
+
+def _validate_cross_field(cfg: TrainerConfig) -> None:
+    # Precedence, so that overlaying a recipe with --set model_name=... or
+    # --set json_file_path=... switches the source cleanly; the loser is cleared, so the
+    # resolved config.yaml shows what was used.
+    if cfg.model_name is not None:
+        cfg.model_config = None
+    if cfg.json_file_path is not None:
+        cfg.dataset_name, cfg.subset = None, None
+    if cfg.model_name is None and cfg.model_config is None:
+        raise ConfigError("model_name: not set; give a hub id or local folder, or model_config to build a model")
+    if cfg.model_config is not None and "model_type" not in cfg.model_config:
+        raise ConfigError("model_config: needs a model_type (e.g. llama) naming a transformers architecture")
+    if cfg.dataset_name is None and cfg.json_file_path is None:
+        raise ConfigError("dataset_name: not set; give a data set name or folder, or json_file_path")
+    lo, hi = cfg.replica_bounds
+    if not lo <= cfg.num_replicas <= hi:
+        raise ConfigError(f"num_replicas: {cfg.num_replicas} is outside [min_replicas={lo}, max_replicas={hi}]")
+    if cfg.log_with is not None:
+        names = [cfg.log_with] if isinstance(cfg.log_with, str) else cfg.log_with
+        bad = [n for n in names if n not in ("tensorboard", "wandb")]
+        if bad:
+            raise ConfigError(f"log_with: {bad[0]!r} is not allowed; expected tensorboard, wandb or a list of them")
+        cfg.log_with = list(names)
+    if "wandb" not in (cfg.log_with or []):
+        for name in ("wandb_project", "wandb_entity", "wandb_run_name", "wandb_tags"):
+            if getattr(cfg, name):
+                raise ConfigError(f"{name}: set, but log_with does not include wandb; add log_with: wandb or remove it")
+    if cfg.log_dir is not None and "tensorboard" not in (cfg.log_with or []):
+        raise ConfigError(
+            "log_dir: set, but log_with does not include tensorboard; add log_with: tensorboard or remove it"
+        )
+    if not all(isinstance(t, str) for t in cfg.wandb_tags):
+        raise ConfigError(f"wandb_tags: {cfg.wandb_tags!r} is not allowed; expected a list of strings")
+    if cfg.target_modules is not None and not all(isinstance(m, str) for m in cfg.target_modules):
+        raise ConfigError(f"target_modules: {cfg.target_modules!r} is not allowed; expected a list of module names")
+    if (cfg.prompt_template is None) != (cfg.completion_template is None):
+        raise ConfigError(
+            "completion_template: prompt_template and completion_template go together; set both or neither"
+        )
+    if (cfg.prompt_func is None) != (cfg.completion_func is None):
+        raise ConfigError("completion_func: prompt_func and completion_func go together; set both or neither")
+    if cfg.prompt_func is not None and cfg.prompt_template is not None:
+        raise ConfigError("prompt_func: set together with prompt_template; use templates or functions")
+    if cfg.early_stopping_patience is not None and cfg.eval_batches == 0:
+        raise ConfigError("early_stopping_patience: needs eval_batches > 0 (it watches the eval loss)")
+    if cfg.merge_adapter and not cfg.use_peft:
+        raise ConfigError("merge_adapter: there is no adapter to merge without use_peft: true")
+    _validate_sync(cfg)
+
+
+def _check_resources(field: str, value) -> None:
+    """A resources field: a mapping of resource name -> non-negative amount, or a
+    non-empty list of such mappings."""
+    mappings = value if isinstance(value, list) else [value]
+    ok = bool(mappings) and all(
+        isinstance(m, dict)
+        and all(
+            isinstance(k, str) and isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+            for k, v in m.items()
+        )
+        for m in mappings
+    )
+    if not ok:
+        raise ConfigError(
+            f"{field}: {value!r} is not allowed; expected a mapping of Ray resource name to a "
+            "non-negative amount (e.g. {region-us: 1}) or a non-empty list of them"
+        )
+
+
+def _validate_sync(cfg: TrainerConfig) -> None:
+    """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
+    if cfg.sync_fragments > cfg.max_steps:
+        raise ConfigError(
+            f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
+            "each fragment needs at least one inner step of its own"
+        )
+    if cfg.overlap_communication and cfg.sync_fragments == 1:
+        # Overlap merges a fragment's new weights one sync period late; with one fragment
+        # that merge would land just before the same fragment's next pseudo-gradient is
+        # taken, scaling every update by fragment_alpha (to nothing at alpha 0).
+        raise ConfigError(
+            "overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
+            "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false"
+        )
+    from diloco_ray.config import fault_plan as faults
+
+    faults.parse(cfg.fault_plan)
+    streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
+    if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+        raise ConfigError(
+            f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
+            "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps"
+        )
+    resources = cfg.server_resources
+    if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
+        raise ConfigError(
+            f"server_resources: a list needs one mapping per server actor "
+            f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}"
+        )
+    for name in ("server_resources", "replica_resources"):
+        _check_resources(name, getattr(cfg, name))
+    if cfg.link_mbps is not None:
+        rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
+        if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
+            raise ConfigError(
+                f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
+                "or a list of them (one per replica slot)"
+            )
+        if isinstance(cfg.link_mbps, list):
+            cfg.link_mbps = [float(r) for r in rates]
+            if len(rates) < cfg.replica_bounds[1]:
+                raise ConfigError(
+                    f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
+                    "replicas may run; list one per replica slot"
+                )
+        else:
+            cfg.link_mbps = float(cfg.link_mbps)

@@ -1,0 +1,104 @@
+"""The house rules of the package, checked from its source: no import cycle, the layers point
+one way, and modules stay a size one can read in a sitting."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parents[2] / "diloco_ray"
+MAX_LINES = 450
+
+# Which subpackages each may import (besides itself and the top-level errors/logs).
+# algo is the math: it knows nothing of Ray, actors, files or the driver.
+LAYERS = {
+    "config": set(),
+    "algo": {"config"},
+    "data": {"config"},
+    "model": {"config", "algo", "data"},
+    "observe": {"config", "algo", "persist"},  # the report reads a run from a bucket too
+    "persist": {"config", "algo", "data", "model"},
+    "runtime": {"config", "algo", "data", "model", "observe", "persist"},
+    "driver": {"config", "algo", "data", "model", "observe", "persist", "runtime"},
+}
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def imports(path: pathlib.Path) -> set[str]:
+    """The package modules ``path`` imports, at module level or inside functions (imports
+    under ``if TYPE_CHECKING:`` are for annotations only and do not count)."""
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("diloco_ray"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                found.add(full if full in MODULES else node.module)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("diloco_ray")}
+    return {m for m in found if m in MODULES} - {module_name(path)}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def test_no_import_cycle():
+    cycles, done = [], set()
+
+    def visit(node, stack):
+        for dep in GRAPH[node]:
+            if dep in stack:
+                cycles.append(" -> ".join(stack[stack.index(dep) :] + [dep]))
+            elif dep not in done:
+                visit(dep, stack + [dep])
+        done.add(node)
+
+    for name in GRAPH:
+        visit(name, [name])
+    assert cycles == []
+
+
+@pytest.mark.parametrize("package", sorted(LAYERS))
+def test_layers_point_one_way(package):
+    allowed = LAYERS[package] | {package}
+    wrong = sorted(
+        f"{name} imports {dep}"
+        for name, deps in GRAPH.items()
+        if name.startswith(f"diloco_ray.{package}.")
+        for dep in deps
+        if dep.count(".") >= 2 and dep.split(".")[1] not in allowed
+    )
+    assert wrong == []
+
+
+def test_the_math_imports_no_ray():
+    offenders = sorted(
+        name
+        for name, path in MODULES.items()
+        if name.startswith("diloco_ray.algo") and ("import ray" in path.read_text() or "from ray" in path.read_text())
+    )
+    assert offenders == []
+
+
+def test_every_module_is_readable_in_a_sitting():
+    long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_every_module_says_what_it_owns():
+    assert [name for name, path in MODULES.items() if ast.get_docstring(ast.parse(path.read_text())) is None] == []
