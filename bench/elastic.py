@@ -28,12 +28,12 @@ DEATH_FILE = os.path.join(tempfile.mkdtemp(), "death.json")
 class DiesInRoundTwo(RankWorker):
     """Replica 1 dies at the start of round 2, after noting the time."""
 
-    def run_round(self, job):
+    def run_period(self, job):
         if self.replica_id == 1 and job.round == 2:
             with open(DEATH_FILE, "w") as f:
                 json.dump({"time": time.time()}, f)
             os._exit(1)
-        return super().run_round(job)
+        return super().run_period(job)
 
 
 class ScaleAtRoundOne:

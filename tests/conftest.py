@@ -75,7 +75,7 @@ def first_round(worker, plan, round_index=0):
         full=True,
         version=0,
     )
-    *buffers, stats = worker.run_round(job)
+    *buffers, stats = worker.run_period(job)
     grads = {}
     for buf in buffers:
         grads.update({n: t for n, (_, t) in compression.unpack_pieces(buf, worker.sync.names)[0].items()})

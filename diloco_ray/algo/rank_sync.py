@@ -81,7 +81,7 @@ class RankSync:
         self.versions = [-1] * servers
 
     # ---- what comes down ---------------------------------------------------------------
-    def plan(self, version: int, fragment_message: bool) -> str:
+    def decide_load(self, version: int, fragment_message: bool) -> str:
         """What to do with the messages of sync ``version``: ``"skip"`` (already held),
         ``"apply"``, or ``"full"`` (this rank missed a sync, or never had the weights:
         load everything first, then see again)."""

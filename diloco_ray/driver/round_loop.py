@@ -124,7 +124,7 @@ class RoundLoop:
         members = list(host.members.active)
         host.notify("on_round_begin", self.round_index, len(members))
         try:
-            plans = dict(zip((rep.id for rep in members), host.server.plan(len(members))))
+            plans = dict(zip((rep.id for rep in members), host.server.data_plan(len(members))))
         except RayActorError:
             return RoundOutcome("recover_server", why="a server died before the round")
         slots = {rep.id: slot for slot, rep in enumerate(members)}
@@ -163,7 +163,7 @@ class RoundLoop:
         """Start one sync period on every active replica."""
         self.attempt += 1
         launched = {
-            rep.id: Launch(rep, *rep.run_round(self._job(host, rep, slots[rep.id], fragment, plans[rep.id])))
+            rep.id: Launch(rep, *rep.run_period(self._job(host, rep, slots[rep.id], fragment, plans[rep.id])))
             for rep in active
         }
         # Resume steps, a reload, a re-run's restart and a reset apply to the first period only.
@@ -219,7 +219,7 @@ class RoundLoop:
         return record
 
     def _job(self, host, rep, slot: int, fragment: int, plan: list) -> SyncPeriod:
-        """What every rank of ``rep`` gets for one sync period (see RankWorker.run_round)."""
+        """What every rank of ``rep`` gets for one sync period (see RankWorker.run_period)."""
         cfg = self.config
         return SyncPeriod(
             round=self.round_index,

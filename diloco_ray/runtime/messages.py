@@ -34,7 +34,7 @@ class SnapshotPlan:
 
 @dataclass(frozen=True)
 class SyncPeriod:
-    """What every rank of a replica gets for one sync period (see ``RankWorker.run_round``).
+    """What every rank of a replica gets for one sync period (see ``RankWorker.run_period``).
 
     Args:
         round: the outer round.

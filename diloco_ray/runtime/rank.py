@@ -173,7 +173,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
         return self.config.sync_fragments > 1 or self.config.overlap_communication
 
     # ---- one sync period --------------------------------------------------------------
-    def run_round(self, job: SyncPeriod):
+    def run_period(self, job: SyncPeriod):
         """Run one sync period: take in the server's latest weights, run this period's
         inner steps, and return ``(*buffers, RoundStats)``: this rank's pseudo-gradient
         for the period's fragment, one packed buffer per server.
@@ -296,11 +296,11 @@ class RankWorker(RankBatches, RankState, RankOutput):
         already holds, load everything after a gap, else apply them (blending them in
         with ``merge``). Waits out the simulated downlink. Returns the bytes received."""
         version = job.version
-        decision = self.sync.plan(version, fragment_message=not job.full)
+        decision = self.sync.decide_load(version, fragment_message=not job.full)
         received = 0
         if decision == "full":
             received += self._apply(resolve([s.full_weights.remote() for s in job.servers]), job, merge=False)
-            decision = self.sync.plan(version, fragment_message=not job.full)
+            decision = self.sync.decide_load(version, fragment_message=not job.full)
         if decision == "apply" and not full_only:
             received += self._apply(resolve(job.messages), job, merge=merge)
         return received

@@ -80,7 +80,7 @@ class Replica:
         self.pg = placement_group(
             [dict(bundle)] * self.world_size, strategy="STRICT_PACK", name=f"diloco-replica-{replica_id}"
         )
-        # "control" lets abort() reach a rank while run_round() is busy; every other call
+        # "control" lets abort() reach a rank while run_period() is busy; every other call
         # stays in the default group and runs in order.
         remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         self.ranks = [
@@ -112,11 +112,11 @@ class Replica:
         refs = [[ref] if servers == 1 else ref for ref in refs]
         return [[per_rank[s] for per_rank in refs] for s in range(servers)]
 
-    def run_round(self, job: SyncPeriod) -> tuple[list[list], list]:
+    def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:
         """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
         buffer refs; the ranks' stats refs)."""
         servers = self.config.num_param_servers
-        outs = [r.run_round.options(num_returns=servers + 1).remote(job) for r in self.ranks]
+        outs = [r.run_period.options(num_returns=servers + 1).remote(job) for r in self.ranks]
         return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
 
     def abort(self, attempt: int) -> None:

@@ -147,7 +147,7 @@ class ParameterServer(ServerSlice):
             )
         return self.last_message
 
-    def plan(self, slots: int) -> list[list[tuple[int, int]]]:
+    def data_plan(self, slots: int) -> list[list[tuple[int, int]]]:
         """The stream ranges each of ``slots`` replicas trains on next (no state change)."""
         return data.plan_round(self.cursor, slots, self.config.sequences_per_replica_round)
 

@@ -77,9 +77,9 @@ class ServerGroup:
     def version(self) -> int:
         return ray.get(self.actors[0].sync_version.remote())
 
-    def plan(self, slots: int) -> list:
+    def data_plan(self, slots: int) -> list:
         """Server 0 holds the data cursor."""
-        return ray.get(self.actors[0].plan.remote(slots))
+        return ray.get(self.actors[0].data_plan.remote(slots))
 
     # ---- traffic -------------------------------------------------------------------------
     def sync(self, fragment: int, contributions: list[list[Contribution]], plans: dict) -> SyncRefs:

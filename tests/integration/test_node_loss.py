@@ -21,10 +21,10 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class SlowRoundOne(RankWorker):
     """Round 1 takes at least 3 s, so the node is lost while it runs."""
 
-    def run_round(self, job):
+    def run_period(self, job):
         if job.round == 1:
             time.sleep(3.0)
-        return super().run_round(job)
+        return super().run_period(job)
 
 
 @pytest.fixture(scope="module")

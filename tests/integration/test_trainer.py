@@ -59,9 +59,9 @@ class RecordingServer(ParameterServer):
 class CrashingWorker(RankWorker):
     """The last rank of replica 1 dies at inner step 2 of round 1."""
 
-    def run_round(self, job):
+    def run_period(self, job):
         self._round, self._step = job.round, 0
-        return super().run_round(job)
+        return super().run_period(job)
 
     def _optimizer_step(self):
         self._step += 1

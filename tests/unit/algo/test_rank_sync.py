@@ -63,7 +63,7 @@ def test_full_then_fragment_message():
     sync = RankSync(SHAPES, world_size=2, rank=1)
     a, b = full(1), full(2)
     local = local_of(full(3), 2, 1)
-    assert sync.plan(0, fragment_message=False) == "apply"
+    assert sync.decide_load(0, fragment_message=False) == "apply"
     sync.apply([message(a, 0)], local)
     assert sync.versions == [0]
     for n in SHAPES:
@@ -72,7 +72,7 @@ def test_full_then_fragment_message():
         assert sync.anchor[n].data_ptr() != local[n].data_ptr()
 
     target = fragment_rows(0)
-    assert sync.plan(1, fragment_message=True) == "apply"
+    assert sync.decide_load(1, fragment_message=True) == "apply"
     sync.apply([message(b, 1, fragment=0, target=target)], local)
     assert sync.versions == [1]
     for n, shape in SHAPES.items():
@@ -103,8 +103,8 @@ def test_already_held_version_is_skipped():
     local = local_of(full(3), 1, 0)
     sync.apply([message(a, 0)], local)
     sync.apply([message(a, 1, fragment=0)], local)
-    assert sync.plan(1, fragment_message=True) == "skip"
-    assert sync.plan(0, fragment_message=False) == "skip"
+    assert sync.decide_load(1, fragment_message=True) == "skip"
+    assert sync.decide_load(0, fragment_message=False) == "skip"
     sync.apply([message(full(2), 1, fragment=0)], local)  # same version again, other values
     sync.apply([message(full(2), 0)], local)  # an older full message
     for n in SHAPES:
@@ -117,32 +117,32 @@ def test_gap_needs_a_full_load():
     sync = RankSync(SHAPES, world_size=1, rank=0)
     local = local_of(full(3), 1, 0)
     # A fresh rank cannot take a fragment message at all.
-    assert sync.plan(1, fragment_message=True) == "full"
-    assert sync.plan(0, fragment_message=True) == "apply"
+    assert sync.decide_load(1, fragment_message=True) == "full"
+    assert sync.decide_load(0, fragment_message=True) == "apply"
     sync.apply([message(full(1), 0)], local)
-    assert sync.plan(1, fragment_message=True) == "apply"
-    assert sync.plan(2, fragment_message=True) == "full"
+    assert sync.decide_load(1, fragment_message=True) == "apply"
+    assert sync.decide_load(2, fragment_message=True) == "full"
     with pytest.raises(NeedsFullLoad):
         sync.apply([message(full(2), 2, fragment=0)], local)
     assert sync.versions == [0]
     # A full message may jump ahead; then the next fragment message applies.
-    assert sync.plan(2, fragment_message=False) == "apply"
+    assert sync.decide_load(2, fragment_message=False) == "apply"
     sync.apply([message(full(2), 2)], local)
     assert sync.versions == [2]
-    assert sync.plan(3, fragment_message=True) == "apply"
+    assert sync.decide_load(3, fragment_message=True) == "apply"
 
 
 def test_plan_looks_at_every_server():
     sync = RankSync(SHAPES, world_size=1, rank=0, servers=2)
     sync.versions = [3, 2]
-    assert sync.plan(2, True) == "skip"
-    assert sync.plan(3, True) == "apply"  # server 1 is one behind
-    assert sync.plan(4, True) == "full"  # server 1 would skip one
+    assert sync.decide_load(2, True) == "skip"
+    assert sync.decide_load(3, True) == "apply"  # server 1 is one behind
+    assert sync.decide_load(4, True) == "full"  # server 1 would skip one
     sync.versions = [3, 3]
-    assert sync.plan(3, True) == "skip"
-    assert sync.plan(4, True) == "apply"
-    assert sync.plan(5, True) == "full"
-    assert sync.plan(5, False) == "apply"
+    assert sync.decide_load(3, True) == "skip"
+    assert sync.decide_load(4, True) == "apply"
+    assert sync.decide_load(5, True) == "full"
+    assert sync.decide_load(5, False) == "apply"
 
 
 def test_one_message_per_server():
@@ -382,7 +382,7 @@ def test_state_dict_without_anchor_keeps_residuals_only():
     assert other.anchor == {} and other.versions == [-1, -1]
     for n in SHAPES:
         assert torch.equal(other.residual[n], sync.residual[n])
-    assert other.plan(1, fragment_message=True) == "full"
+    assert other.decide_load(1, fragment_message=True) == "full"
 
 
 def test_load_empty_state():

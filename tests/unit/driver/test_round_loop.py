@@ -60,7 +60,7 @@ class Replica:
         self.jobs, self.aborted, self.stopped, self.fired = [], [], False, set()
         self.kinds, self.stats = set(), []
 
-    def run_round(self, job):
+    def run_period(self, job):
         self.jobs.append(job)
         mine = fault_plan.for_rank(self.plan, self.id, 0)
         due = [f for f in mine if f.round == job.round and f.key not in self.fired][:1]  # one per launch
@@ -109,7 +109,7 @@ class Servers:
     def __len__(self):
         return 1
 
-    def plan(self, slots):
+    def data_plan(self, slots):
         if self.dead:
             raise RayActorError()
         return [[(10 * i, 10)] for i in range(slots)]
