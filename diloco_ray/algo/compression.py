@@ -1,4 +1,4 @@
-"""Codecs for DiLoCo pseudo-gradients and weight deltas sent replica -> parameter server.
+"""Message buffers for DiLoCo pseudo-gradients and weights sent between replicas and parameter servers.
 
 This module owns the encoding of a named set of tensors into one contiguous byte buffer
 (:func:`pack` / :func:`unpack`), with the codecs of :mod:`diloco_ray.algo.codecs`, and error feedback

@@ -102,3 +102,19 @@ def test_every_module_is_readable_in_a_sitting():
 
 def test_every_module_says_what_it_owns():
     assert [name for name, path in MODULES.items() if ast.get_docstring(ast.parse(path.read_text())) is None] == []
+
+
+def test_the_readme_layout_names_every_module():
+    """The README's Layout section lists each subpackage and each module in it, so the map a
+    newcomer reads is the house as built."""
+    readme = (PACKAGE.parent / "README.md").read_text()
+    layout = readme[readme.index("## Layout") :]
+    missing = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.name == "__init__.py":
+            if len(rel.parts) > 1 and f"  {rel.parts[0]}/" not in layout:
+                missing.append(f"{rel.parts[0]}/")
+        elif rel.name != "__main__.py" and rel.name not in layout:
+            missing.append(str(rel))
+    assert missing == []
