@@ -157,6 +157,33 @@ class Membership:
                 f"(cluster resources: {totals})"
             )
 
+    def at_boundary(self, target: int) -> None:
+        """Move towards ``target`` at a round boundary (waiting up to ``join_timeout_s`` for
+        joiners); with fewer than ``min_replicas`` left, wait up to ``placement_timeout_s`` for
+        starting ones, and fail when still too few."""
+        cfg = self.config
+        self.reconcile(target, wait_s=cfg.join_timeout_s)
+        if len(self.active) < cfg.min_replicas:
+            self.admit_ready(cfg.placement_timeout_s)
+            if len(self.active) < cfg.min_replicas:
+                raise RuntimeError(
+                    f"{len(self.active)} replicas are running and no more could be placed within "
+                    f"placement_timeout_s={cfg.placement_timeout_s:g}s; min_replicas={cfg.min_replicas}"
+                )
+
+    def first_answer(self, call: Callable):
+        """``ray.get(call(replica))`` on the first active replica that is alive and answers
+        within ``call_timeout_s`` (dead or frozen ones met on the way are removed), or
+        None when none is left."""
+        for rep in list(self.active):
+            try:
+                return ray.get(call(rep), timeout=self.config.call_timeout_s)
+            except ray.exceptions.RayActorError:
+                self.remove(rep, "failed")
+            except ray.exceptions.GetTimeoutError:
+                self.remove(rep, "unresponsive")
+        return None
+
     def reconcile(self, target: int, wait_s: float = 0.0) -> None:
         """Apply :func:`decide`, then admit starting replicas that are ready, waiting up
         to ``wait_s`` seconds for the rest."""

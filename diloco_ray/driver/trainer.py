@@ -310,24 +310,11 @@ class DilocoFSDPTrainer:
         self._global_refs = None  # the weights moved: fetched when eval or final/ needs them
         if self.config.eval_batches == 0:
             return None
-        results = self._on_a_live_replica(lambda rep: rep.evaluate(self._current_globals()))
+        results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()))
         if results is None:
             return None  # every replica died since the update; the next boundary replaces them
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
         return total / count if count else None
-
-    def _on_a_live_replica(self, call):
-        """``ray.get(call(replica))`` on the first active replica that is alive and answers
-        within ``call_timeout_s`` (dead or frozen ones met on the way are removed), or
-        None when none is left."""
-        for rep in list(self.replicas):
-            try:
-                return ray.get(call(rep), timeout=self.config.call_timeout_s)
-            except RayActorError:
-                self.members.remove(rep, "failed")
-            except ray.exceptions.GetTimeoutError:
-                self.members.remove(rep, "unresponsive")
-        return None
 
     def inject_faults(self) -> None:
         """Carry out the fault plan's server and driver faults due in this round."""
@@ -337,16 +324,7 @@ class DilocoFSDPTrainer:
     def reconcile(self) -> None:
         """Move the replica count towards the target, at a round boundary."""
         self._read_scale_request()
-        self.members.reconcile(self.target_replicas, wait_s=self.config.join_timeout_s)
-        if len(self.replicas) < self.config.min_replicas:
-            # Too few to run a round at all: wait for starting replicas, up to the limit.
-            self.members.admit_ready(self.config.placement_timeout_s)
-            if len(self.replicas) < self.config.min_replicas:
-                raise RuntimeError(
-                    f"{len(self.replicas)} replicas are running and no more could be placed within "
-                    f"placement_timeout_s={self.config.placement_timeout_s:g}s; "
-                    f"min_replicas={self.config.min_replicas}"
-                )
+        self.members.at_boundary(self.target_replicas)
 
     def _read_scale_request(self) -> None:
         """Apply a target written by ``diloco-ray scale OUTPUT_DIR N`` (another process)."""
@@ -404,7 +382,7 @@ class DilocoFSDPTrainer:
             # Merging needs the base weights beside the adapter: a replica, which has
             # them, writes both folders (that rank builds the whole base model).
             merged = self.run_dir.path("final_merged")
-            if self._on_a_live_replica(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
+            if self.members.first_answer(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
                 raise RuntimeError("no replica is left to write final/")
             return path
         return final_save.save_from_servers(self.config, path, self.server.tensor, self.shapes)
