@@ -1,7 +1,6 @@
 """A whole node lost mid-round, on a two-node ``ray.cluster_utils.Cluster``: the round is
 applied with the survivor, and a replacement joins once a new node gives it room."""
 
-import sys
 import threading
 import time
 
@@ -12,19 +11,8 @@ from ray.cluster_utils import Cluster
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.observe.metrics import read_events
-from diloco_ray.runtime.rank import RankWorker
 
 pytestmark = pytest.mark.integration
-ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-class SlowRoundOne(RankWorker):
-    """Round 1 takes at least 3 s, so the node is lost while it runs."""
-
-    def run_period(self, job):
-        if job.round == 1:
-            time.sleep(3.0)
-        return super().run_period(job)
 
 
 @pytest.fixture(scope="module")
@@ -64,8 +52,10 @@ def test_node_lost_mid_round(two_nodes, tmp_path):
         join_timeout_s=180,
         placement_timeout_s=180,
         eval_batches=1,
+        # Round 1 takes at least 3 s, so the node is lost while it runs.
+        fault_plan=[{"kind": "slow", "replica": r, "round": 1, "seconds": 0.75} for r in (0, 1)],
     )
-    result = DilocoFSDPTrainer(cfg, callbacks=[LoseNode()], worker_cls=SlowRoundOne).train()
+    result = DilocoFSDPTrainer(cfg, callbacks=[LoseNode()]).train()
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2, 3]
     assert rounds[1]["replicas"] == 1 and len(rounds[1]["dropped"]) == 1

@@ -16,7 +16,6 @@ from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo import compression
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.observe.metrics import read_events
-from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.server import ParameterServer, resolve
 
 pytestmark = pytest.mark.integration
@@ -54,31 +53,6 @@ class RecordingServer(ParameterServer):
 
     def get_recorded(self):
         return self.recorded
-
-
-class CrashingWorker(RankWorker):
-    """The last rank of replica 1 dies at inner step 2 of round 1."""
-
-    def run_period(self, job):
-        self._round, self._step = job.round, 0
-        return super().run_period(job)
-
-    def _optimizer_step(self):
-        self._step += 1
-        if self.replica_id == 1 and self.rank == self.world_size - 1 and self._round == 1 and self._step == 2:
-            os._exit(1)
-        super()._optimizer_step()
-
-
-class NaNWorker(RankWorker):
-    """Replica 1 sends a pseudo-gradient holding NaN in round 0."""
-
-    def _outgoing(self, fragment, link):
-        if self.replica_id == 1 and not getattr(self, "_poisoned", False):
-            self._poisoned = True
-            with torch.no_grad():
-                next(iter(self._local_rows().values())).view(-1)[0] = float("nan")
-        return super()._outgoing(fragment, link)
 
 
 def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
@@ -183,8 +157,12 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
 def test_replica_dies_mid_round(ray_local, tmp_path, ranks):
     # With 2 ranks, the survivor of the dead rank's replica is blocked in a collective:
     # the driver must not wait for it (no round_timeout_s is set).
-    cfg = tiny_config(tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120, ranks_per_replica=ranks)
-    result = DilocoFSDPTrainer(cfg, worker_cls=CrashingWorker).train()
+    # The last rank of replica 1 dies at inner step 1 of round 1.
+    kill = {"kind": "kill", "replica": 1, "rank": ranks - 1, "round": 1, "step": 1}
+    cfg = tiny_config(
+        tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120, ranks_per_replica=ranks, fault_plan=[kill]
+    )
+    result = DilocoFSDPTrainer(cfg).train()
     rounds = result.rounds
     assert [r["round"] for r in rounds] == [0, 1, 2]
     assert rounds[1]["replica_ids"] == [0] and rounds[1]["dropped"] == [1]
@@ -195,8 +173,8 @@ def test_replica_dies_mid_round(ray_local, tmp_path, ranks):
 
 
 def test_nan_pseudo_gradient_is_rejected(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", diloco_loops=2)
-    result = DilocoFSDPTrainer(cfg, worker_cls=NaNWorker).train()
+    cfg = tiny_config(tmp_path / "run", diloco_loops=2, fault_plan=[{"kind": "nan", "replica": 1, "round": 0}])
+    result = DilocoFSDPTrainer(cfg).train()
     first = result.rounds[0]
     assert first["replica_ids"] == [0] and first["dropped"] == [1]
     assert "non-finite" in first["rejected"]["1"]
