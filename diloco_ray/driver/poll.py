@@ -97,6 +97,8 @@ class PeriodPoll:
         if self.steps is None or not self.pending:
             return set()
         beats = self.steps.beats()
+        if beats is None:
+            return set()  # no word from the board this time: nobody is judged on it
         now, stalled = time.time(), set()
         for ref in self.pending:
             rid, rank = self.owner[ref]

@@ -9,7 +9,7 @@ the run: a new one takes its place.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import ray
 from ray.exceptions import RayActorError
@@ -51,13 +51,13 @@ class StepFeed:
         for event in events:
             self.on_event(event)
 
-    def beats(self) -> dict:
-        """(replica id, rank) -> (attempt, step, wall time) of each rank's latest beat (the
-        last ones known, while the board is being replaced)."""
+    def beats(self) -> Optional[dict]:
+        """(replica id, rank) -> (attempt, step, wall time) of each rank's latest beat; None
+        while the board is lost (it is replaced by the next :meth:`poll`)."""
         try:
             self.last_beats = ray.get(self.board.beats.remote())
         except RayActorError:
-            pass  # the board is replaced by the next poll
+            return None
         return self.last_beats
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ applied, who is dropped and why, what version replicas are handed, what is run a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -265,3 +266,36 @@ def test_a_slow_replica_stops_when_told_and_stays(tmp_path):
     assert loop.wasted_steps == 1  # the step it had run when it stopped
     record = loop.run_round(host)
     assert record["replica_ids"] == [0, 1]
+
+
+class Beats:
+    """A step feed whose board heard only from the ranks in ``alive`` (None: the board is lost)."""
+
+    def __init__(self, alive, board_lost=False):
+        self.alive, self.board_lost, self.last_beats, self.board, self.polls = alive, board_lost, {}, None, 0
+
+    def poll(self):
+        self.polls += 1
+
+    def beats(self):
+        if self.board_lost:
+            return None
+        self.last_beats = {(rid, 0): (1, 3, time.time()) for rid in self.alive}  # attempt 1, step 3, now
+        return self.last_beats
+
+
+def test_a_frozen_replica_is_dropped_by_its_silence_without_a_deadline(tmp_path):
+    loop, host, reps = make(tmp_path, faults=[{"kind": "freeze", "replica": 1, "round": 0}], stall_timeout_s=0.05)
+    loop.steps = Beats(alive={0})  # replica 0 beats; replica 1 says nothing
+    record = loop.run_round(host)
+    assert host.members.removed == [(1, "unresponsive")] and record["replica_ids"] == [0]
+    assert loop.steps.polls >= 1  # step events were passed on while waiting
+
+
+def test_a_lost_board_judges_nobody(tmp_path):
+    faults = [{"kind": "freeze", "replica": 1, "round": 0}]
+    loop, host, reps = make(tmp_path, faults=faults, stall_timeout_s=0.01, round_timeout_s=0.2, abort_grace_s=0.01)
+    loop.steps = Beats(alive=set(), board_lost=True)
+    record = loop.run_round(host)
+    assert record["dropped"] == [1]  # by the deadline, not by silence the lost board cannot vouch for
+    assert reps[1].aborted == [1]
