@@ -572,3 +572,24 @@ def test_a_sync_that_commits_nothing_leaves_what_replicas_hold_unchanged():
     for rid in ids:
         sim.receive(rid)
         assert max_diff({n: t.numpy() for n, t in sim.anchors(rid).items()}, sim.held()) == 0.0
+
+
+@pytest.mark.parametrize("num_servers,world_size", [(1, 1), (2, 2), (3, 1)])
+def test_sharded_servers_take_the_outer_step_of_outer_optimizer(num_servers, world_size):
+    """One outer step: the servers' prepare/reduce/commit over slices and OuterOptimizer.step on
+    whole tensors run the same aggregate functions, so with Nesterov momentum and an active
+    global-norm clip they land on the same weights (to fp32 rounding of ``anchor - local``)."""
+    from diloco_ray.algo.outer import OuterOptimizer
+
+    clip = 0.05
+    sim = Sim(num_servers, 1, world_size, 3, outer_grad_clip=clip, outer_lr=0.7, outer_momentum=0.9)
+    reference = OuterOptimizer(initial_weights(), sim.cfg)
+    for r in range(3):
+        ((applied, _),) = sim.round(r)
+        # Every replica starts the round at the global weights and moves by step * noise.
+        grads = [{n: sim.step * g for n, g in noise(SHAPES, r, 0, rid).items()} for rid in sim.replicas]
+        reference.step(grads, [1.0 + rid for rid in sim.replicas])
+        assert reference.last_step.grad_norm > clip  # the clip is active: the norm over slices matters
+        assert applied[0].pseudo_grad_norm == pytest.approx(reference.last_step.grad_norm, rel=1e-6)
+        want = {n: t.numpy() for n, t in reference.params.items()}
+        assert max_diff(sim.global_weights(), want) <= 1e-6
