@@ -153,7 +153,7 @@ class RoundLoop:
             if verdict is not None:
                 self.handout = held  # no new version: replicas keep what they hold
                 return verdict
-            self.handout.version += 1
+            self.handout.version += sync_advances(applied=True, streaming=False)
         t_applied = time.perf_counter()
         self.round_index = applied[-1].round + 1
         return RoundOutcome("proceed", record=self._record(host, applied, periods, late, failed, t_start, t_applied))
