@@ -4,7 +4,7 @@ In the manner of Ray Train v2's scaling and failure policies: the round loop and
 trainer ask, these answer, and the caller acts. Each is unit-tested on plain values.
 
 * :class:`RoundOutcome` -- how an attempt at a round ended: proceed, run again, recover the
-  servers.
+  servers, or stop (:func:`give_up_after` turns a run-again into a stop once the retries are spent).
 * :func:`attempt_verdict` -- whether a sync's result lets plain DiLoCo proceed.
 * :func:`checkpoint_due` -- whether the round just applied is checkpointed.
 * :func:`early_stop` -- whether eval loss has stopped improving.
@@ -25,15 +25,26 @@ class RoundOutcome:
 
     Args:
         action: ``"proceed"`` (applied: ``record`` is its round record), ``"run_again"``
-            (the round runs again from its start), or ``"recover_server"`` (restore the
-            servers from the last checkpoint, then run the round again).
+            (the round runs again from its start), ``"recover_server"`` (restore the
+            servers from the last checkpoint, then run the round again), or ``"stop"``
+            (the run cannot go on: ``why`` says what failed last).
         record: the round record, when applied.
         why: what made the round run again (for errors and debugging).
     """
 
-    action: Literal["proceed", "run_again", "recover_server"]
+    action: Literal["proceed", "run_again", "recover_server", "stop"]
     record: Optional[dict] = None
     why: str = ""
+
+
+def give_up_after(outcome: RoundOutcome, attempts: int, round_index: int) -> RoundOutcome:
+    """``outcome``, or a stop once ``attempts`` attempts at the round have all had to run it
+    again (``MAX_ROUND_RETRIES`` + 1 in all)."""
+    if outcome.action == "proceed" or attempts <= MAX_ROUND_RETRIES:
+        return outcome
+    return RoundOutcome(
+        "stop", why=f"round {round_index}: not applied in {attempts} attempts (the last: {outcome.why})"
+    )
 
 
 def too_few_reported(reported: int, min_replicas: int, streaming: bool) -> Optional[RoundOutcome]:

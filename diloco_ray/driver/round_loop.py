@@ -29,7 +29,7 @@ from diloco_ray.algo.aggregate import NON_FINITE
 from diloco_ray.algo.outer import sync_advances
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver.calls import RayCalls
-from diloco_ray.driver.policies import MAX_ROUND_RETRIES, RoundOutcome, attempt_verdict, too_few_reported
+from diloco_ray.driver.policies import RoundOutcome, attempt_verdict, give_up_after, too_few_reported
 from diloco_ray.driver.poll import PeriodPoll
 from diloco_ray.observe.records import round_record
 from diloco_ray.persist import snapshot
@@ -106,17 +106,18 @@ class RoundLoop:
         same data plan: the cursor only moves when a round is applied.
         """
         self.wasted_steps = 0
-        for _ in range(MAX_ROUND_RETRIES + 1):
-            outcome = self.attempt_round(host)
+        attempts = 0
+        while True:
+            attempts += 1
+            outcome = give_up_after(self.attempt_round(host), attempts, self.round_index)
             if outcome.action == "proceed":
                 return outcome.record
+            if outcome.action == "stop":
+                raise RuntimeError(outcome.why)
             if outcome.action == "recover_server":
                 host.recover_server()
             self.restart = True
             host.reconcile()
-        raise RuntimeError(
-            f"round {self.round_index}: not applied in {MAX_ROUND_RETRIES + 1} attempts (the last: {outcome.why})"
-        )
 
     def attempt_round(self, host) -> RoundOutcome:
         """One attempt: the sync periods, the commit, the record."""

@@ -2,7 +2,15 @@
 
 import pytest
 
-from diloco_ray.driver.policies import attempt_verdict, checkpoint_due, early_stop, too_few_reported
+from diloco_ray.driver.policies import (
+    MAX_ROUND_RETRIES,
+    RoundOutcome,
+    attempt_verdict,
+    checkpoint_due,
+    early_stop,
+    give_up_after,
+    too_few_reported,
+)
 
 
 @pytest.mark.parametrize(
@@ -36,3 +44,15 @@ def test_plain_diloco_runs_again_with_too_few_or_nothing_applied():
     assert attempt_verdict(applied=False, streaming=False).action == "run_again"
     assert attempt_verdict(applied=True, streaming=False) is None
     assert attempt_verdict(applied=False, streaming=True) is None
+
+
+def test_a_round_run_again_past_the_retries_stops_the_run():
+    again = RoundOutcome("run_again", why="no update applied")
+    assert give_up_after(again, attempts=MAX_ROUND_RETRIES, round_index=3) is again
+    stop = give_up_after(again, attempts=MAX_ROUND_RETRIES + 1, round_index=3)
+    assert (
+        stop.action == "stop"
+        and stop.why == f"round 3: not applied in {MAX_ROUND_RETRIES + 1} attempts (the last: no update applied)"
+    )
+    done = RoundOutcome("proceed", record={})
+    assert give_up_after(done, attempts=99, round_index=3) is done
