@@ -71,7 +71,7 @@ def run(rounds: int, callbacks=()) -> tuple[list, float]:
 
 def goodput(rounds: list) -> tuple[int, int]:
     """(replica inner steps applied, replica inner steps run) over a run's records."""
-    applied = sum(r["replicas"] * r["inner_steps"] for r in rounds)
+    applied = sum(sum(r["replica_steps"].values()) for r in rounds)  # fewer than max_steps with inner_time_s
     return applied, applied + sum(r.get("wasted_steps", 0) for r in rounds)
 
 

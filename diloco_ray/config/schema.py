@@ -73,6 +73,7 @@ class TrainerConfig:
     seed: int = _f(42, "seed for model init, data order and sampling", ge=0)
     # --- inner loop ------------------------------------------------------------------
     max_steps: int = _f(500, "inner steps per outer round (H in the DiLoCo paper)", ge=1)
+    inner_time_s: Optional[float] = _f(None, "adaptive inner steps: each replica's time budget for a round's inner steps; it runs as many as fit (at least 1, at most max_steps), judged from its own step times, and counts in the outer mean by the tokens it trained on; data it had no time for is handed out again (null: always max_steps)", gt=0.0)
     lr: float = _f(3e-4, "inner learning rate (peak, after warmup)", gt=0.0)
     lr_schedule: Literal["constant", "cosine", "linear"] = _f("cosine", "inner lr schedule over all inner steps of the run")
     warmup_steps: int = _f(0, "inner steps of linear lr warmup at the start of the run", ge=0)

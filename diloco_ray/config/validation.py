@@ -197,6 +197,17 @@ def _validate_sync(cfg: TrainerConfig) -> None:
             f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
             "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps"
         )
+    if cfg.inner_time_s is not None:
+        if streamed:
+            # A streaming round's sync periods end at fixed steps; a budget would move them.
+            raise ConfigError(
+                "inner_time_s: adaptive inner steps need sync_fragments: 1 and overlap_communication: false"
+            )
+        if cfg.round_timeout_s is not None and cfg.inner_time_s >= cfg.round_timeout_s:
+            raise ConfigError(
+                f"inner_time_s: {cfg.inner_time_s:g} must be below round_timeout_s={cfg.round_timeout_s:g}, "
+                "which must also leave time for the sync"
+            )
     resources = cfg.server_resources
     if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
         raise ConfigError(

@@ -13,6 +13,7 @@ joins, drops, retries and resumes every stream position is trained on exactly on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -94,17 +95,47 @@ def plan_round(cursor: DataCursor, slots: int, per_replica: int) -> list[list[Ra
     return plans
 
 
-def commit_round(cursor: DataCursor, plans: list[list[Range]], applied: list[bool]) -> DataCursor:
+def commit_round(
+    cursor: DataCursor, plans: list[list[Range]], applied: list[bool], unused: Optional[list[list[Range]]] = None
+) -> DataCursor:
     """The cursor after a round in which ``plans[i]`` was applied iff ``applied[i]``.
 
     Everything handed out is taken off the cursor; what was not applied goes back to
-    ``returned``, so the next round hands it out again.
+    ``returned``, so the next round hands it out again. ``unused[i]`` (with a time budget,
+    the part of an applied plan its replica had no time to train on) goes back too.
     """
     handed = [r for plan in plans for r in plan]
     fresh_end = max([s + c for s, c in handed if s + c > cursor.frontier] + [cursor.frontier])
     leftover = _subtract(cursor.returned, handed)
     back = [r for plan, ok in zip(plans, applied) if not ok for r in plan]
+    back += [r for rest, ok in zip(unused or [], applied) if ok for r in rest]
     return DataCursor(fresh_end, _normalise(leftover + back))
+
+
+def trained_part(plan: list[Range], unused: list[Range]) -> list[Range]:
+    """The ranges of ``plan`` its replica trained on: all but ``unused``."""
+    return _subtract(plan, unused)
+
+
+def ranges_of(positions: np.ndarray) -> list[Range]:
+    """Stream positions (any order, no repeats) as sorted, merged ranges."""
+    if not len(positions):
+        return []
+    ordered = np.sort(np.asarray(positions, dtype=np.int64))
+    breaks = np.flatnonzero(np.diff(ordered) != 1) + 1
+    return [(int(run[0]), len(run)) for run in np.split(ordered, breaks)]
+
+
+def sequences_per_step(config: TrainerConfig) -> int:
+    """Sequences one inner step of a replica trains on (every rank, every micro-batch)."""
+    return config.batch_size * config.grad_accum * config.ranks_per_replica
+
+
+def unused_ranges(positions_in_order: np.ndarray, steps_done: int, config: TrainerConfig) -> list[Range]:
+    """The positions of a round's plan that a replica which ran ``steps_done`` inner steps
+    did not train on: a replica reads its plan step by step (:func:`split_for_rank`), so
+    those are the ones after the first ``steps_done`` steps' worth, in its order."""
+    return ranges_of(positions_in_order[steps_done * sequences_per_step(config) :])
 
 
 def _subtract(ranges: list[Range], taken: list[Range]) -> list[Range]:
@@ -145,18 +176,26 @@ def group_by_length(indices: np.ndarray, lengths: np.ndarray, window: int) -> np
     return out
 
 
+def plan_order(
+    plan: list[Range], config: TrainerConfig, num_blocks: int, lengths: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(sample indices, their stream positions) of a plan in the order its replica reads
+    them: the plan's order, or with ``group_by_length`` (and ``lengths``) each window
+    sorted by length (:func:`group_by_length`)."""
+    indices = plan_indices(plan, num_blocks, config.seed)
+    positions = plan_positions(plan)
+    if config.group_by_length and lengths is not None:
+        order = group_by_length(np.arange(len(indices)), lengths[indices], GROUP_WINDOW_BATCHES * config.batch_size)
+        indices, positions = indices[order], positions[order]
+    return indices, positions
+
+
 def rank_batches(
     plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int, lengths: np.ndarray | None = None
 ) -> list[list[np.ndarray]]:
-    """The micro-batches one rank trains on in one round: ``[step][micro] -> sample indices``.
-
-    With ``group_by_length`` (and ``lengths``) the plan is first reordered by
-    :func:`group_by_length`; then :func:`split_for_rank` cuts it.
-    """
-    indices = plan_indices(plan, num_blocks, config.seed)
-    if config.group_by_length and lengths is not None:
-        indices = group_by_length(indices, lengths, GROUP_WINDOW_BATCHES * config.batch_size)
-    return split_for_rank(indices, config, rank)
+    """The micro-batches one rank trains on in one round: ``[step][micro] -> sample indices``
+    (the plan in :func:`plan_order`, cut by :func:`split_for_rank`)."""
+    return split_for_rank(plan_order(plan, config, num_blocks, lengths)[0], config, rank)
 
 
 def split_for_rank(indices: np.ndarray, config: TrainerConfig, rank: int) -> list[list[np.ndarray]]:

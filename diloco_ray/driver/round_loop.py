@@ -189,7 +189,9 @@ class RoundLoop:
         contributions = [
             [Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported] for s in range(len(server))
         ]
-        refs = server.sync(fragment, contributions, plans)
+        # With inner_time_s, what each replica had no time for goes back to the cursor.
+        unused = {rid: stats[0].unused for rid, stats in reported.items() if stats[0].unused}
+        refs = server.sync(fragment, contributions, plans, unused)
         # A streaming sync's message is a new version whatever its commit says; a plain
         # sync's becomes one only once its commit says it applied (attempt_round).
         advanced = sync_advances(applied=False, streaming=self.streaming)

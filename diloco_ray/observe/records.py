@@ -60,6 +60,8 @@ def round_record(cfg: TrainerConfig, applied: list, reported: list[dict], late: 
         "late": sorted(late),
         "rejected": rejected,
         "inner_steps": cfg.max_steps,
+        # each applied replica's steps this round: max_steps, or fewer with inner_time_s
+        "replica_steps": {str(rid): sum(ranks[0].inner_steps for ranks in per_replica[rid]) for rid in accepted},
         "tokens": sum(s.tokens for s in ok),
         "train_loss": sum(s.loss_sum for s in ok) / max(steps, 1),
         "outer_lr": last.outer_lr,

@@ -174,3 +174,4 @@ class RoundStats:
     restarted: bool = False  # a re-run round: started again from the global weights (and the round-start state)
     loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
     resumed_step: int = 0  # inner steps restored from an in-flight snapshot
+    unused: list = field(default_factory=list)  # plan ranges left untrained (inner_time_s ran out)

@@ -206,6 +206,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
         if snapshots and snapshots.resume_step:
             resumed, tokens, counted = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
+        budget, out_of_time = cfg.inner_time_s, False  # adaptive inner steps: stop when the next would not fit
         for t, batches in self._step_batches(source, steps[:last], first):
             if self._stop_requested(attempt):
                 aborted = True
@@ -237,6 +238,9 @@ class RankWorker(RankBatches, RankState, RankOutput):
                 logged = self._report_step(job, t + 1, loss_sum, logged, tokens)
             if snapshots and (t + 1) % snapshots.every == 0 and t + 1 < len(steps):
                 self._save_snapshot(snapshots, plan, t + 1, loss_sum, (tokens, counted))
+            if budget is not None and t + 1 < last and not self._another_step_fits(t1, t + 1 - first, budget):
+                last, out_of_time = t + 1, True  # the rest of the plan goes back to the cursor
+                break
         t2 = time.perf_counter()
         if late_merge and not aborted:
             received += self._receive(job, merge=True)
@@ -258,6 +262,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
             resumed_step=resumed,
             restarted=restarted,
             loss_tokens=counted,
+            unused=self._unused_after(last) if out_of_time else [],
         )
         if aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers

@@ -4,10 +4,13 @@ The server hands each replica stream ranges for the round (:mod:`diloco_ray.data
 :class:`RankBatches` turns them into this rank's ``[step][micro]`` sample indices once per
 round (its sync periods share them) and yields the batches in order, cut by DataLoader
 workers when ``num_workers`` > 0 so batching overlaps the steps. A streamed data set is
-read at the plan's positions first.
+read at the plan's positions first. With ``inner_time_s`` a replica reads only as many
+steps as fit its time budget, and says which ranges it left for the cursor to hand out again.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import torch
@@ -17,7 +20,7 @@ from diloco_ray.data import plan as data
 
 class RankBatches:
     """The batch side of :class:`~diloco_ray.runtime.rank.RankWorker` (which sets ``config``,
-    ``rank``, ``tokens`` and ``_batches``)."""
+    ``rank``, ``world_size``, ``device``, ``tokens`` and ``_batches``)."""
 
     def _round_batches(self, round_index: int, plan: list):
         """(samples, ``[step][micro] -> indices``) for this rank's round, computed once per
@@ -27,19 +30,41 @@ class RankBatches:
             self._batches = (key, *self._plan_batches(plan))
         return self._batches[1], self._batches[2]
 
+    def _unused_after(self, steps_done: int) -> list:
+        """The ranges of the current round's plan that its first ``steps_done`` steps did
+        not read (every rank of the replica computes the same)."""
+        return data.unused_ranges(self._batches[3], steps_done, self.config)
+
+    def _another_step_fits(self, started: float, done: int, budget: float) -> bool:
+        """Whether one more inner step fits in ``budget`` seconds from ``started``, judged by
+        this rank's mean step time so far. The replica's ranks agree (the slowest decides),
+        since they step together."""
+        elapsed = time.perf_counter() - started
+        fits = elapsed + elapsed / done <= budget
+        if self.world_size == 1:
+            return fits
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(fits)], dtype=torch.int64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
     def _plan_batches(self, plan: list):
-        """(samples to cut from, ``[step][micro] -> indices``) for the ranges ``plan``; a
-        streamed data set is read at the plan's positions first."""
+        """(samples to cut from, ``[step][micro] -> indices``, stream positions in the order
+        the replica reads them) for the ranges ``plan``; a streamed data set is read at the
+        plan's positions first."""
         cfg = self.config
         stream = self.tokens.stream
         if stream is None:
             train = self.tokens.train
-            return train, data.rank_batches(plan, cfg, self.rank, len(train), train.lengths)
-        train = stream.read(data.plan_positions(plan))
+            indices, positions = data.plan_order(plan, cfg, len(train), train.lengths)
+            return train, data.split_for_rank(indices, cfg, self.rank), positions
+        positions = data.plan_positions(plan)
+        train = stream.read(positions)
         order = np.arange(len(train))
         if cfg.group_by_length:
             order = data.group_by_length(order, train.lengths, data.GROUP_WINDOW_BATCHES * cfg.batch_size)
-        return train, data.split_for_rank(order, cfg, self.rank)
+        return train, data.split_for_rank(order, cfg, self.rank), positions[order]
 
     def _micro_batches(self, source, steps: list, first: int):
         """``(step, micro, batch)`` in order from step ``first`` on, cut from ``source``;

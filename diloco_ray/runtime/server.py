@@ -261,12 +261,14 @@ class ParameterServer(ServerSlice):
         sumsq = squares_by_part(mean, self.position, {n: target[n][0] for n in mean})
         return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons, started=pending.started)
 
-    def commit(self, plans: dict, *reduced: Reduced) -> AppliedRound:
+    def commit(self, plans: dict, *reduced: Reduced, unused: Optional[dict] = None) -> AppliedRound:
         """Take the outer step for this sync with the norm over every server's slice, and
         advance the fragment, round and (at a round's end) the data cursor as one unit.
 
         Args:
             plans: replica id -> stream ranges it was handed this round.
+            unused: replica id -> the ranges of its plan it had no time to train on
+                (``inner_time_s``); they go back to the cursor with the unapplied plans.
             reduced: every server's :meth:`reduce` result, in server order.
         """
         pending, self._pending = self._pending, None
@@ -305,8 +307,10 @@ class ParameterServer(ServerSlice):
         if done:
             ids = list(plans)
             trained = self.round_accepted
-            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in trained for i in ids])
-            consumed = {i: plans[i] for i in ids if i in trained}
+            unused = unused or {}
+            rest = [unused.get(i, []) for i in ids]
+            self.cursor = data.commit_round(self.cursor, [plans[i] for i in ids], [i in trained for i in ids], rest)
+            consumed = {i: data.trained_part(plans[i], unused.get(i, [])) for i in ids if i in trained}
             opt.round += 1
             self.fragment, self.round_accepted = 0, None
         else:

@@ -12,6 +12,7 @@ remote here, at creation, so tests can pass a subclass.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import ray
@@ -82,17 +83,20 @@ class ServerGroup:
         return ray.get(self.actors[0].data_plan.remote(slots))
 
     # ---- traffic -------------------------------------------------------------------------
-    def sync(self, fragment: int, contributions: list[list[Contribution]], plans: dict) -> SyncRefs:
+    def sync(
+        self, fragment: int, contributions: list[list[Contribution]], plans: dict, unused: Optional[dict] = None
+    ) -> SyncRefs:
         """Chain one sync of ``fragment`` on every server and return at once.
 
         Args:
             fragment: the fragment being synced (0 for plain DiLoCo).
             contributions: per server, the replicas' contributions to it.
             plans: replica id -> stream ranges, for the cursor at the round's end.
+            unused: replica id -> the ranges of its plan it did not train on (``inner_time_s``).
         """
         prepared = [a.prepare.remote(fragment, contributions[s]) for s, a in enumerate(self.actors)]
         reduced = [a.reduce.remote(*prepared) for a in self.actors]
-        commits = [a.commit.remote(plans, *reduced) for a in self.actors]
+        commits = [a.commit.remote(plans, *reduced, unused=unused) for a in self.actors]
         weights = [a.new_weights_message.remote(fragment) for a in self.actors]
         return SyncRefs(commits=commits, weights=weights)
 

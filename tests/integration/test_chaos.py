@@ -153,3 +153,34 @@ def test_streaming_replica_killed_after_its_first_fragment(ray_local, tmp_path):
     assert sorted(round1["data_ranges"]) == ["0", "1"]  # replica 1's data is not handed out again
     assert leaves(cfg.output_dir) == {1: "failed"}
     assert once_each(result.rounds)
+
+
+def test_a_slow_replica_with_a_time_budget_contributes_every_round(ray_local, tmp_path):
+    """inner_time_s: replica 1, each of its steps 0.6 s slower every round, runs the steps
+    that fit its budget instead of missing the deadline; it is applied every round with
+    fewer steps, and what it had no time for is handed out again first, so every stream
+    position is still trained on exactly once."""
+    slow = [{"kind": "slow", "replica": 1, "round": r, "seconds": 0.6} for r in range(3)]
+    cfg = tiny_config(
+        tmp_path / "run",
+        diloco_loops=3,
+        max_steps=6,
+        min_replicas=2,
+        eval_batches=0,
+        inner_time_s=2.0,
+        round_timeout_s=12.0,
+        fault_plan=slow,
+    )
+    rounds = DilocoFSDPTrainer(cfg).train().rounds
+    assert [sorted(r["replica_ids"]) for r in rounds] == [[0, 1]] * 3 and all(r["wasted_steps"] == 0 for r in rounds)
+    steps = [r["replica_steps"] for r in rounds]
+    assert all(1 <= s["1"] < s["0"] <= 6 for s in steps), steps
+    positions = applied_positions(rounds)
+    assert len(positions) == len(set(positions))  # never twice
+    per_step = cfg.batch_size * cfg.grad_accum
+    assert [len(sum((list(range(a, a + c)) for a, c in r["data_ranges"]["1"]), [])) for r in rounds] == [
+        s["1"] * per_step for s in steps
+    ]
+    # What replica 1 left in round 0 is the first thing handed out in round 1 (to slot 0).
+    left = rounds[0]["data_ranges"]["1"][-1][0] + rounds[0]["data_ranges"]["1"][-1][1]
+    assert left in [ranges[0][0] for ranges in rounds[1]["data_ranges"].values()]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path
 
 import pytest
@@ -519,3 +520,17 @@ def test_field_help_covers_every_field():
     assert defaults["inner_opt"] == "AdamW"
     assert defaults["dataset_kwargs"] == {}
     assert defaults["model_name"] is None
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"inner_time_s": 5.0, "sync_fragments": 2}, "inner_time_s: adaptive inner steps need sync_fragments: 1"),
+        ({"inner_time_s": 30.0, "round_timeout_s": 30.0}, "inner_time_s: 30 must be below round_timeout_s=30"),
+        ({"inner_time_s": 0}, "inner_time_s: 0.0 is not allowed; must be > 0.0"),
+    ],
+)
+def test_inner_time_s_is_checked(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        make(**overrides)
+    assert make(inner_time_s=5.0, round_timeout_s=30.0).inner_time_s == 5.0

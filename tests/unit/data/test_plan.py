@@ -483,3 +483,58 @@ def test_load_from_disk_single_dataset(tmp_path):
     train, evals = sources.load_raw_splits(make(dataset_name=str(folder), split_ratio=0.25))
     assert len(train) == 15 and len(evals) == 5
     assert sorted(list(train["text"]) + list(evals["text"])) == sorted(f"row {i}" for i in range(20))
+
+
+# ---- adaptive inner steps (inner_time_s): what a replica had no time for goes back
+
+
+def test_ranges_of_positions():
+    assert data.ranges_of(np.array([7, 3, 4, 5, 9, 8, 12])) == [(3, 3), (7, 3), (12, 1)]
+    assert data.ranges_of(np.array([], dtype=np.int64)) == []
+
+
+def test_unused_is_what_comes_after_the_steps_run_in_the_replicas_order():
+    cfg = make(batch_size=2, grad_accum=2, max_steps=3)  # 4 sequences a step
+    _, positions = data.plan_order([(10, 4), (40, 8)], cfg, num_blocks=100)
+    assert data.unused_ranges(positions, 3, cfg) == []
+    assert data.unused_ranges(positions, 1, cfg) == [(40, 8)]
+    assert data.unused_ranges(positions, 2, cfg) == [(44, 4)]
+
+
+def test_with_group_by_length_the_unused_positions_are_the_ones_not_read():
+    cfg = make(batch_size=2, max_steps=4, group_by_length=True)
+    lengths = np.arange(100)[::-1].copy() % 7  # a replica reads longest first within a window
+    plan = [(0, 8)]
+    indices, positions = data.plan_order(plan, cfg, 100, lengths)
+    read = {int(i) for step in data.rank_batches(plan, cfg, 0, 100, lengths)[:2] for mb in step for i in mb}
+    unused = data.unused_ranges(positions, 2, cfg)
+    by_position = dict(zip(positions.tolist(), indices.tolist()))
+    assert {by_position[p] for s, c in unused for p in range(s, s + c)} == set(indices.tolist()) - read
+
+
+def test_unused_ranges_of_an_applied_plan_are_handed_out_again():
+    cursor = data.DataCursor(frontier=0)
+    plans = data.plan_round(cursor, 2, 8)  # [(0, 8)], [(8, 8)]
+    after = data.commit_round(cursor, plans, [True, True], unused=[[(4, 4)], []])
+    assert after == data.DataCursor(frontier=16, returned=[(4, 4)])
+    assert data.trained_part(plans[0], [(4, 4)]) == [(0, 4)]
+    # An unapplied plan goes back whole, whatever it left unused.
+    assert data.commit_round(cursor, plans, [True, False], unused=[[], [(12, 4)]]).returned == [(8, 8)]
+
+
+def test_partial_rounds_still_use_every_position_exactly_once():
+    rng = np.random.default_rng(1)
+    cursor, used = data.DataCursor(), []
+    for _ in range(200):
+        plans = data.plan_round(cursor, int(rng.integers(1, 4)), 8)
+        applied = [bool(rng.random() < 0.8) for _ in plans]
+        if not any(applied):
+            continue
+        unused = [[(p[-1][0] + p[-1][1] - k, k)] if (k := int(rng.integers(0, 3))) else [] for p in plans]
+        unused = [u if u and u[0][1] <= p[-1][1] else [] for u, p in zip(unused, plans)]
+        for plan, ok, rest in zip(plans, applied, unused):
+            if ok:
+                used.extend(positions_of(data.trained_part(plan, rest)))
+        cursor = data.commit_round(cursor, plans, applied, unused)
+    assert len(used) == len(set(used))
+    assert sorted(used + positions_of(cursor.returned)) == list(range(cursor.frontier))

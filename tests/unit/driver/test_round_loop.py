@@ -115,7 +115,7 @@ class Servers:
             raise RayActorError()
         return [[(10 * i, 10)] for i in range(slots)]
 
-    def sync(self, fragment, contributions, plans):
+    def sync(self, fragment, contributions, plans, unused=None):
         (mine,) = contributions
         self.synced.append({c.replica_id: c.weight for c in mine})
         rejected = {c.replica_id: f"{NON_FINITE} in 'w'" for c in mine if c.refs[0].value[0] == "nan"}

@@ -63,3 +63,12 @@ def test_fp16_on_cpu_with_a_gradient_scaler(tmp_path):
     assert all(g.dtype == torch.float32 for g in grads.values())  # fp32 pseudo-gradients
     payload = sum(4 * g.numel() for g in grads.values())
     assert payload < stats.bytes_up < payload + 4096  # what travels: fp32 payload plus one small header
+
+
+@pytest.mark.parametrize("budget, steps, unused", [(1e-6, 1, [(2, 4)]), (600.0, 3, [])])
+def test_inner_time_s_runs_the_steps_that_fit_and_gives_back_the_rest(tmp_path, budget, steps, unused):
+    w = worker(tmp_path, max_steps=3, inner_time_s=budget)  # batch_size 2: two positions a step
+    grads, stats = first_round(w, [(0, 6)])
+    assert stats.inner_steps == steps and stats.unused == unused
+    assert 0 < stats.loss_tokens and not stats.aborted
+    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())  # it trained, and sends

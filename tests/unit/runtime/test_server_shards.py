@@ -593,3 +593,26 @@ def test_sharded_servers_take_the_outer_step_of_outer_optimizer(num_servers, wor
         assert applied[0].pseudo_grad_norm == pytest.approx(reference.last_step.grad_norm, rel=1e-6)
         want = {n: t.numpy() for n, t in reference.params.items()}
         assert max_diff(sim.global_weights(), want) <= 1e-6
+
+
+def test_what_a_replica_had_no_time_for_goes_back_to_the_cursor():
+    """inner_time_s: the commit takes each applied replica's unused ranges off its data_ranges
+    and hands them out again first; on every server the same (only server 0 keeps the cursor)."""
+    sim = Sim(2, 1, 1, 2)
+    ids = list(sim.replicas)
+    plans = dict(zip(ids, sim.servers[0].data_plan(2)))
+    per_replica = sim.cfg.sequences_per_replica_round
+    assert plans == {0: [(0, per_replica)], 1: [(per_replica, per_replica)]}
+    contributions = [[] for _ in sim.servers]
+    for rid in ids:
+        sim.receive(rid)
+        sim.train(rid, 0, 0)
+        for s, bufs in enumerate(sim.outgoing(rid, 0)):
+            contributions[s].append(Contribution(rid, bufs, 1.0))
+    prepared = [srv.prepare(0, contributions[s]) for s, srv in enumerate(sim.servers)]
+    reduced = [srv.reduce(*prepared) for srv in sim.servers]
+    tail = (per_replica - 3, 3)
+    applied = [srv.commit(plans, *reduced, unused={0: [tail]}) for srv in sim.servers]
+    assert applied[0].data_ranges == {0: [(0, per_replica - 3)], 1: plans[1]}
+    assert sim.servers[0].cursor.returned == [tail]
+    assert sim.servers[0].data_plan(1) == [[tail, (2 * per_replica, per_replica - 3)]]
