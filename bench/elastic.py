@@ -7,6 +7,9 @@ Two measurements, each from metrics.jsonl timestamps of one run:
   (full membership).
 * ``scale_to_first_update_seconds``: ``trainer.scale(3)`` from ``on_round_end``; from
   that call to the first applied round that includes the new replica's pseudo-gradient.
+* ``kill_to_contribution_seconds`` with ``spare_replicas`` 0 and 1: a replica's rank actor
+  is killed after round 1; from the kill to the first applied round that includes the
+  replica taking its place (a cold start, or a hot spare promoted at the next boundary).
 
 Run: ``python bench/elastic.py`` (prints "NAME VALUE" lines).
 """
@@ -46,6 +49,36 @@ class ScaleAtRoundOne:
             trainer.scale(3)
 
 
+class KillAfterRoundOne:
+    """Kills the last active replica's ranks when round 1 ends (with spares: the first round
+    end from 1 on at which a spare is ready); notes when, and who was active."""
+
+    def __init__(self):
+        self.killed_at, self.active = None, None
+
+    def on_round_end(self, trainer, record):
+        wants_spare = trainer.config.spare_replicas > 0
+        if self.killed_at is None and record["round"] >= 1 and (trainer.members.spares or not wants_spare):
+            import ray
+
+            self.active = [r.id for r in trainer.replicas]
+            for rank in trainer.replicas[-1].ranks:
+                ray.kill(rank, no_restart=True)
+            self.killed_at = time.time()
+
+
+def kill_to_contribution(spares: int) -> dict:
+    """Seconds from a replica's death to the first applied round holding its replacement."""
+    killer = KillAfterRoundOne()
+    out = run({"spare_replicas": spares, "diloco_loops": 12}, callbacks=[killer])
+    first = next(r for r in read_events(out, "round") if set(r["replica_ids"]) - set(killer.active))
+    rounds = sorted(r["round_seconds"] for r in read_events(out, "round"))
+    return {
+        f"kill_to_contribution_seconds[spares={spares}]": first["time"] - killer.killed_at,
+        f"round_seconds_median[spares={spares}]": rounds[len(rounds) // 2],
+    }
+
+
 def run(overrides, **kwargs):
     out = tempfile.mkdtemp()
     cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "diloco_loops": 8, **overrides})
@@ -72,6 +105,9 @@ def main() -> int:
     first = next(r for r in read_events(out, "round") if 2 in r["replica_ids"])
     print(f"scale_to_first_update_seconds {first['time'] - scaler.called_at:.2f}")
     print(f"round_seconds_median {sorted(r['round_seconds'] for r in read_events(out, 'round'))[4]:.2f}")
+    for spares in (0, 1):
+        for name, value in kill_to_contribution(spares).items():
+            print(f"{name} {value:.2f}")
     return 0
 
 

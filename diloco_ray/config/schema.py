@@ -92,6 +92,7 @@ class TrainerConfig:
     # --- replicas and the cluster ----------------------------------------------------
     num_replicas: int = _f(2, "DiLoCo replicas (workers) to run; each is one Ray actor group", ge=1)
     min_replicas: int = _f(1, "rounds proceed while at least this many replicas report", ge=1)
+    spare_replicas: int = _f(0, "hot spares: replicas placed and set up but not training; one takes a lost replica's place at the next round boundary at once (no cold start), and a new spare starts in the background", ge=0)
     max_replicas: Optional[int] = _f(None, "upper bound for scale() (default: num_replicas)", ge=1)
     ranks_per_replica: int = _f(1, "FSDP ranks (processes; GPUs on GPU) inside one replica", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")

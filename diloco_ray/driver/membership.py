@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import ray
 
@@ -27,28 +27,34 @@ class Decision:
 
     Args:
         start: how many new replicas to request.
-        stop: ids of active replicas to stop (newest first).
+        stop: ids of placed replicas to stop (newest first; spares before active ones).
         cancel: ids of starting replicas to give up on (newest first).
+        promote: ids of ready spares that become active now (oldest first).
     """
 
     start: int = 0
     stop: list[int] = field(default_factory=list)
     cancel: list[int] = field(default_factory=list)
+    promote: list[int] = field(default_factory=list)
 
 
-def decide(target: int, active: list[int], starting: list[int]) -> Decision:
-    """Move towards ``target`` replicas: start the shortfall, or stop the newest extras.
+def decide(
+    target: int, active: list[int], starting: list[int], spares: Sequence[int] = (), spares_wanted: int = 0
+) -> Decision:
+    """Move towards ``target`` active replicas and ``spares_wanted`` ready spares.
 
-    Starting replicas count towards the target, so a slow start is not requested twice.
+    A shortfall of active replicas is filled from the spares first (at once: they are
+    placed and set up), then by starting new replicas; starting replicas count towards
+    what is missing, so a slow start is not requested twice. Extras are stopped, newest
+    first.
     """
-    if len(active) >= target:
-        return Decision(
-            stop=sorted(active, reverse=True)[: len(active) - target], cancel=sorted(starting, reverse=True)
-        )
-    missing = target - len(active)
-    if len(starting) > missing:
-        return Decision(cancel=sorted(starting, reverse=True)[: len(starting) - missing])
-    return Decision(start=missing - len(starting))
+    promote = sorted(spares)[: max(0, target - len(active))]
+    left = [s for s in spares if s not in promote]
+    stop = sorted(active, reverse=True)[: max(0, len(active) + len(promote) - target)]
+    stop += sorted(left, reverse=True)[: max(0, len(left) - spares_wanted)]
+    missing = max(0, target - len(active) - len(promote)) + max(0, spares_wanted - len(left))
+    cancel = sorted(starting, reverse=True)[: max(0, len(starting) - missing)]
+    return Decision(start=max(0, missing - len(starting)), stop=stop, cancel=cancel, promote=promote)
 
 
 def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> Optional[str]:
@@ -96,7 +102,8 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
 
 
 class Membership:
-    """The active replicas (in slot order) and the ones still starting.
+    """The active replicas (in slot order), the ready spares (``spare_replicas``) and the
+    ones still starting.
 
     Args:
         config: the job's TrainerConfig.
@@ -124,7 +131,9 @@ class Membership:
         self.token_data = token_data
         self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
         self.active: list[Replica] = []
+        self.spares: list[Replica] = []  # placed and set up, not training: a lost replica's place at once
         self.starting: list[Replica] = []
+        self.target = config.num_replicas
         self._next_id = 0
 
     @property
@@ -185,11 +194,21 @@ class Membership:
         return None
 
     def reconcile(self, target: int, wait_s: float = 0.0) -> None:
-        """Apply :func:`decide`, then admit starting replicas that are ready, waiting up
-        to ``wait_s`` seconds for the rest."""
-        d = decide(target, self.ids, [r.id for r in self.starting])
+        """Apply :func:`decide` (spares first), then admit starting replicas that are
+        ready, waiting up to ``wait_s`` seconds for as many as the target still lacks."""
+        self.target = target
+        spares = {r.id: r for r in self.spares}
+        d = decide(target, self.ids, [r.id for r in self.starting], list(spares), self.config.spare_replicas)
+        for rid in d.promote:
+            self.spares.remove(spares[rid])
+            self._activate(spares[rid], reason="spare")
         for rid in d.stop:
-            self.remove(next(r for r in self.active if r.id == rid), "scaled down")
+            if rid in spares and spares[rid] in self.spares:
+                self.spares.remove(spares[rid])
+                spares[rid].stop()
+                self.on_event(MembershipEvent("leave", self.round_of(), replica_id=rid, reason="spare not needed"))
+            else:
+                self.remove(next(r for r in self.active if r.id == rid), "scaled down")
         for rid in d.cancel:
             rep = next(r for r in self.starting if r.id == rid)
             self.starting.remove(rep)
@@ -202,14 +221,15 @@ class Membership:
         self.admit_ready(wait_s)
 
     def admit_ready(self, wait_s: float) -> None:
-        """Advance starting replicas (placed -> set up -> active), waiting up to ``wait_s``."""
+        """Advance starting replicas (placed -> set up -> active, or a spare once the target
+        is met), waiting up to ``wait_s`` while the target lacks replicas (never for spares)."""
         deadline = time.monotonic() + wait_s
         while self.starting:
             for rep in list(self.starting):
                 self._advance(rep)
             waiting = [ref for rep in self.starting for ref in rep.pending_refs()]
             remaining = deadline - time.monotonic()
-            if not waiting or remaining <= 0:
+            if not waiting or remaining <= 0 or len(self.active) >= self.target:
                 return
             ray.wait(waiting, num_returns=1, timeout=remaining)
 
@@ -223,28 +243,41 @@ class Membership:
                 return
             self.starting.remove(rep)
             rep.shapes = ray.get(rep.setup_refs)[0]
-            slot = len(self.active)
-            if self.on_admit is not None:
-                self.on_admit(rep, slot)
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
-            # Died (or froze) while starting: give it up; a later boundary starts another.
-            if rep in self.starting:
-                self.starting.remove(rep)
-            rep.stop()
-            self.on_event(
-                MembershipEvent("failed_start", self.round_of(), replica_id=rep.id, reason=first_line(e)[:200])
-            )
+            self._failed_start(rep, e)
+            return
+        if len(self.active) >= self.target:
+            self.spares.append(rep)
+            self.on_event(MembershipEvent("spare", self.round_of(), replica_id=rep.id, replicas=len(self.active)))
+            return
+        self._activate(rep)
+
+    def _activate(self, rep: Replica, reason: Optional[str] = None) -> None:
+        """``rep`` (set up) takes the next slot: ``on_admit`` first, then it is active."""
+        try:
+            if self.on_admit is not None:
+                self.on_admit(rep, len(self.active))
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+            self._failed_start(rep, e)
             return
         self.active.append(rep)
-        self.on_event(
-            MembershipEvent(
-                "join",
-                self.round_of(),
-                replica_id=rep.id,
-                replicas=len(self.active),
-                start_seconds=time.time() - rep.requested_at,
-            )
+        joined = MembershipEvent(
+            "join",
+            self.round_of(),
+            replica_id=rep.id,
+            replicas=len(self.active),
+            start_seconds=time.time() - rep.requested_at,
+            **({"reason": reason} if reason else {}),
         )
+        self.on_event(joined)
+
+    def _failed_start(self, rep: Replica, error: BaseException) -> None:
+        """Died (or froze) while starting: give it up; a later boundary starts another."""
+        if rep in self.starting:
+            self.starting.remove(rep)
+        rep.stop()
+        reason = first_line(error)[:200]
+        self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id, reason=reason))
 
     def remove(self, rep: Replica, reason: str) -> None:
         """Stop ``rep`` and forget it (its placement group is released)."""
@@ -256,6 +289,6 @@ class Membership:
         )
 
     def stop_all(self) -> None:
-        for rep in self.active + self.starting:
+        for rep in self.active + self.spares + self.starting:
             rep.stop()
-        self.active, self.starting = [], []
+        self.active, self.spares, self.starting = [], [], []

@@ -29,3 +29,22 @@ def test_capacity_adds_ranks_servers_gpus_and_custom_resources(tmp_path):
     # Replicas 0 and 2 in us (one rank each), replica 1 in eu, the server in us.
     assert capacity_shortfall(regions, "cpu", {"CPU": 8, "us": 2.5, "eu": 1}) is None
     assert "us 2.5 (the cluster has 2)" in capacity_shortfall(regions, "cpu", {"CPU": 8, "us": 2, "eu": 1})
+
+
+def test_a_lost_replica_is_replaced_from_the_spares_at_once():
+    # Replica 0 died: spare 5 takes its place now, and one new replica starts as the next spare.
+    assert decide(2, [1], [], spares=[5], spares_wanted=1) == Decision(start=1, promote=[5])
+    # The oldest spare goes first; the other stays a spare.
+    assert decide(2, [1], [], spares=[7, 5], spares_wanted=2) == Decision(start=1, promote=[5])
+    # A spare already starting counts: nothing more is requested.
+    assert decide(2, [1], [9], spares=[5], spares_wanted=1) == Decision(promote=[5])
+
+
+def test_spares_are_kept_at_their_count_and_stopped_first_when_fewer_are_wanted():
+    assert decide(2, [0, 1], [], spares=[], spares_wanted=2) == Decision(start=2)
+    assert decide(2, [0, 1], [], spares=[3, 4], spares_wanted=1) == Decision(stop=[4])
+    # Scaling down to one: the newest active replica stops; the spare stays a spare.
+    assert decide(1, [0, 1], [], spares=[3], spares_wanted=1) == Decision(stop=[1])
+    # Without spares wanted, decide is what it always was.
+    assert decide(3, [0, 1], [2]) == Decision()
+    assert decide(1, [0, 1], [2]) == Decision(stop=[1], cancel=[2])
