@@ -1,10 +1,11 @@
 """Who takes part in the next round: the pure membership policy, and the driver's
-bookkeeping of replicas that are starting.
+bookkeeping of replicas that are starting or waiting as hot spares.
 
-:func:`decide` is a pure function from (target, active ids, starting ids) to a
-:class:`Decision`; :class:`Membership` carries it out with Ray: it requests placement
-groups, starts set-up once a group is placed, and admits a replica once its set-up is
-done, all without blocking the round loop unless asked to wait.
+:func:`decide` is a pure function from (target, active ids, starting ids, spare ids) to a
+:class:`Decision`; :class:`Membership` carries it out with Ray: it promotes ready spares at
+once, requests placement groups, starts set-up once a group is placed, and admits a replica
+(or keeps it as a spare) once its set-up is done, all without blocking the round loop
+unless asked to wait.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ the rest through a *host* (the trainer; a test's fake): ``server`` (the server g
 ``members`` (``active`` and ``remove``), ``notify``, ``evaluate``, ``inject_faults``,
 ``recover_server`` and ``reconcile``; and it waits on refs only through ``calls``
 (:class:`~diloco_ray.driver.calls.RayCalls`). So its decisions -- who reported, whether the
-round proceeds, runs again or recovers the servers, which version replicas are handed --
+round proceeds, runs again, recovers the servers or stops, which version replicas are handed --
 are unit-tested with fakes and no Ray (``tests/unit/driver/test_round_loop.py``).
 
 A round is ``sync_fragments`` sync periods, each ending with one fragment's sync (one for
