@@ -204,7 +204,7 @@ class Membership:
             self.spares.remove(spares[rid])
             self._activate(spares[rid], reason="spare")
         for rid in d.stop:
-            if rid in spares and spares[rid] in self.spares:
+            if rid in spares:  # decide() never stops a spare it promotes
                 self.spares.remove(spares[rid])
                 spares[rid].stop()
                 self.on_event(MembershipEvent("leave", self.round_of(), replica_id=rid, reason="spare not needed"))
