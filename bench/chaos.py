@@ -1,8 +1,11 @@
-"""Goodput under failures, on the embedded default (configs/tiny.yaml).
+"""Goodput under failures, synchronous vs decoupled, on the embedded default (configs/tiny.yaml).
 
-The same job runs twice: once without faults, once while a chaos thread kills a random
-rank of a random active replica every ``--every`` seconds (as a lost node or a spot
-preemption would). It reports, in the units torchft and Decoupled DiLoCo use:
+For each ``--modes`` (``sync``, ``decoupled``) the same job runs twice: once without
+faults, once while a chaos thread kills a random rank of a random active replica every
+``--every`` seconds (as a lost node or a spot preemption would). ``--slowdown F`` makes
+replica 1 F times slower in every run (a ``slowdown`` in the fault plan: a slower GPU
+type), and ``--link-mbps`` simulates cross-region links. Figures are printed as
+``MODE_NAME VALUE`` lines, side by side, in the units torchft and Decoupled DiLoCo use:
 
 * ``goodput``: replica inner steps whose work reached an applied outer update, over all
   replica inner steps run (the work of a killed replica's round, of a late one, or of a
@@ -14,10 +17,18 @@ preemption would). It reports, in the units torchft and Decoupled DiLoCo use:
   processes a round with one replica left also runs faster (it has the cores to itself),
   so time efficiency alone can exceed 1 there; this figure cannot hide that.
 * ``eval_loss_ratio``: the faulty run's final eval loss over the fault-free run's.
+* ``tokens_per_s``: tokens merged into the global weights per second of training, the
+  whole job's throughput; both modes merge ``--rounds`` rounds' worth of tokens.
+* ``seconds_to_sync_loss`` (decoupled, fault-free): training seconds until its eval loss
+  first reaches the synchronous run's final eval loss; ``speedup_to_sync_loss`` is the
+  synchronous run's training seconds over that.
+
+In decoupled mode the periods still in flight when the run ends are never merged; their
+steps count as wasted (``abandoned_steps``).
 
 Steps run by a replica that died are counted from its last step beat (every few
 seconds), so goodput is, if anything, slightly overstated. Run: ``python bench/chaos.py``
-(prints "NAME VALUE" lines; ``--every 20 --rounds 30`` are the defaults).
+(``--every 20 --rounds 30 --modes sync,decoupled`` are the defaults).
 """
 
 import argparse
@@ -29,6 +40,7 @@ import threading
 import time
 
 import ray
+import yaml
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 
@@ -60,10 +72,11 @@ class Chaos:
             self.kills.append((time.time(), rep.id))
 
 
-def run(rounds: int, callbacks=()) -> tuple[list, float]:
+def run(rounds: int, overrides: dict, callbacks=()) -> tuple[list, float]:
     out = tempfile.mkdtemp()
     # min_replicas 1: a round goes on with the survivors; the replacement joins when ready.
-    cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "diloco_loops": rounds, "min_replicas": 1})
+    fields = {"output_dir": out, "diloco_loops": rounds, "min_replicas": 1, **overrides}
+    cfg = TrainerConfig.from_yaml(TINY, overrides=fields)
     start = time.perf_counter()
     result = DilocoFSDPTrainer(cfg, callbacks=list(callbacks)).train()
     return result.rounds, time.perf_counter() - start
@@ -72,20 +85,34 @@ def run(rounds: int, callbacks=()) -> tuple[list, float]:
 def goodput(rounds: list) -> tuple[int, int]:
     """(replica inner steps applied, replica inner steps run) over a run's records."""
     applied = sum(sum(r["replica_steps"].values()) for r in rounds)  # fewer than max_steps with inner_time_s
-    return applied, applied + sum(r.get("wasted_steps", 0) for r in rounds)
+    lost = sum(r.get("wasted_steps", 0) + r.get("abandoned_steps", 0) for r in rounds)
+    return applied, applied + lost
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--every", type=float, default=20.0, help="seconds between failures")
-    parser.add_argument("--rounds", type=int, default=30, help="outer rounds of each run")
-    args = parser.parse_args()
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    clean, clean_s = run(args.rounds)
+def training_seconds(rounds: list) -> list[float]:
+    """Seconds of training (set-up excluded) at the end of each record."""
+    total, out = 0.0, []
+    for r in rounds:
+        total += r["round_seconds"]
+        out.append(total)
+    return out
+
+
+def seconds_to(rounds: list, loss: float) -> float:
+    """Training seconds until eval loss first reaches ``loss`` (inf: never)."""
+    for seconds, r in zip(training_seconds(rounds), rounds):
+        if r["eval_loss"] is not None and r["eval_loss"] <= loss:
+            return seconds
+    return float("inf")
+
+
+def measure(mode: str, args, overrides: dict) -> tuple[dict, list]:
+    clean, clean_s = run(args.rounds, overrides)
     chaos = Chaos(args.every)
-    faulty, faulty_s = run(args.rounds, [chaos])
+    faulty, faulty_s = run(args.rounds, overrides, [chaos])
     applied, ran = goodput(faulty)
     clean_applied, clean_ran = goodput(clean)
+    train_s = training_seconds(clean)[-1]
     figures = {
         "failures": len(chaos.kills),
         "failures_per_minute": len(chaos.kills) / (faulty_s / 60),
@@ -93,15 +120,50 @@ def main() -> int:
         "goodput_fault_free": clean_applied / clean_ran,
         "time_efficiency": clean_s / faulty_s,
         "work_efficiency": (applied / faulty_s) / (clean_applied / clean_s),
+        "tokens_per_s": sum(r["tokens"] for r in clean) / train_s,
+        "tokens_per_s_faulty": sum(r["tokens"] for r in faulty) / training_seconds(faulty)[-1],
         "eval_loss_fault_free": clean[-1]["eval_loss"],
         "eval_loss_faulty": faulty[-1]["eval_loss"],
         "eval_loss_ratio": faulty[-1]["eval_loss"] / clean[-1]["eval_loss"],
+        "outer_steps": len(clean),
         "rounds_with_a_dropped_replica": sum(1 for r in faulty if r["dropped"]),
+        "training_seconds_fault_free": train_s,
         "seconds_fault_free": clean_s,
         "seconds_faulty": faulty_s,
     }
-    for name, value in figures.items():
-        print(f"{name} {value:.4g}")
+    return figures, clean
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--every", type=float, default=20.0, help="seconds between failures")
+    parser.add_argument("--rounds", type=int, default=30, help="outer rounds (of tokens) of each run")
+    parser.add_argument("--modes", default="sync,decoupled", help="sync_mode values to compare")
+    parser.add_argument("--slowdown", type=float, default=None, help="make replica 1 this many times slower")
+    parser.add_argument("--link-mbps", type=float, default=None, help="simulated link bandwidth per replica")
+    parser.add_argument("--set", action="append", default=[], help="extra config field=value (YAML value)")
+    args = parser.parse_args()
+    overrides: dict = {}
+    if args.slowdown:
+        overrides["fault_plan"] = [{"kind": "slowdown", "replica": 1, "round": 0, "factor": args.slowdown}]
+    if args.link_mbps:
+        overrides["link_mbps"] = args.link_mbps
+    for item in args.set:
+        key, _, value = item.partition("=")
+        overrides[key] = yaml.safe_load(value)
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    fault_free = {}
+    for mode in args.modes.split(","):
+        figures, fault_free[mode] = measure(mode, args, {**overrides, "sync_mode": mode})
+        for name, value in figures.items():
+            print(f"{mode}_{name} {value:.4g}", flush=True)
+    if {"sync", "decoupled"} <= set(fault_free):
+        sync, dec = fault_free["sync"], fault_free["decoupled"]
+        target = sync[-1]["eval_loss"]
+        reach = seconds_to(dec, target)
+        print(f"decoupled_eval_loss_vs_sync {dec[-1]['eval_loss'] / target:.4g}")
+        print(f"decoupled_seconds_to_sync_loss {reach:.4g}")
+        print(f"decoupled_speedup_to_sync_loss {training_seconds(sync)[-1] / reach:.4g}")
     ray.shutdown()
     return 0
 

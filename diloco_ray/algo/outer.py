@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
+from diloco_ray.algo.decoupled import delayed_nesterov_
 from diloco_ray.algo.optimizers import build_outer_optimizer
 
 __all__ = [
@@ -273,6 +274,24 @@ class OuterOptimizer:
             p.grad = g * clip_coef if clip_coef != 1.0 else g  # never scale the caller's tensor
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+
+    def apply_delayed(self, mean: dict, lr: float, clip_coef: float, cycle_end: bool) -> None:
+        """Decoupled mode's delayed-Nesterov step (:func:`~diloco_ray.algo.decoupled.delayed_nesterov_`)
+        from one merge's outer gradient, consuming ``mean`` as :meth:`apply` with ``in_place``
+        does. The buffer lives in the SGD optimizer's ``momentum_buffer`` state, so checkpoints
+        carry it; ``round`` is not advanced."""
+        beta = float(self._optimizer.param_groups[0].get("momentum", 0.0))
+        for name in list(mean):
+            p = self._params[name]
+            g = mean.pop(name).to(device=p.device, dtype=torch.float32)
+            if g.shape != p.shape:
+                raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
+            if clip_coef != 1.0:
+                g.mul_(clip_coef)
+            state = self._optimizer.state[p]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(p)
+            delayed_nesterov_(p.data, g, state["momentum_buffer"], lr, beta, cycle_end)
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot: ``{"params": name -> clone, "optimizer": torch state, "round": int,

@@ -5,6 +5,7 @@ config is a list of mappings, each one fault::
 
     fault_plan:
       - {kind: slow, replica: 1, round: 2, step: 1, seconds: 5}   # a straggler
+      - {kind: slowdown, replica: 1, round: 0, factor: 2}          # a 2x slower replica
       - {kind: kill, replica: 0, rank: 1, round: 3, step: 2}      # a rank's process dies
       - {kind: kill, target: server, round: 4}                    # the parameter server dies
       - {kind: nan, replica: 1, round: 1}                         # a poisoned gradient
@@ -16,6 +17,8 @@ round ``round``, once (a re-run of the round does not fire it again):
 * ``kill``: the rank's process dies at once (SIGKILL), as on a lost node.
 * ``freeze``: the rank's process stops (SIGSTOP) and never answers again.
 * ``slow``: each remaining step of that round takes ``seconds`` longer.
+* ``slowdown``: from then on, for the rest of the run, every step takes ``factor`` times
+  as long (a slower GPU type): the rank sleeps ``factor - 1`` times its last step's time.
 * ``nan``: that step's loss, and so its gradients and the inner optimizer's state, turn NaN.
 * ``drop_link``: the rank trains on, but its pseudo-gradient never leaves: it waits until
   the driver gives up on it (the round's deadline, then ``abort_grace_s``).
@@ -33,7 +36,11 @@ from typing import Optional
 
 from diloco_ray.errors import ConfigError
 
-KINDS = {"replica": ("kill", "freeze", "slow", "nan", "drop_link"), "server": ("kill",), "driver": ("kill", "term")}
+KINDS = {
+    "replica": ("kill", "freeze", "slow", "slowdown", "nan", "drop_link"),
+    "server": ("kill",),
+    "driver": ("kill", "term"),
+}
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,7 @@ class Fault:
         rank: the rank inside the replica (replica faults).
         step: the inner step of the round it fires at, 0-based (replica faults).
         seconds: extra seconds per step (``slow``).
+        factor: how many times as long every step takes from then on (``slowdown``).
         index: which server actor (server faults).
     """
 
@@ -59,6 +67,7 @@ class Fault:
     step: int = 0
     seconds: float = 0.0
     index: int = 0
+    factor: float = 0.0
 
     @property
     def key(self) -> tuple:
@@ -106,7 +115,10 @@ def parse(plan: Optional[list]) -> list[Fault]:
             raise ConfigError(f"{where}.seconds: {seconds!r} is not allowed; expected a number >= 0")
         if kind == "slow" and not seconds:
             raise ConfigError(f"{where}.seconds: a slow fault needs seconds > 0 (extra seconds per step)")
-        out.append(Fault(**{**entry, "seconds": float(seconds)}))
+        factor = entry.get("factor", 0.0)
+        if kind == "slowdown" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1):
+            raise ConfigError(f"{where}.factor: {factor!r} is not allowed; a slowdown needs a number > 1")
+        out.append(Fault(**{**entry, "seconds": float(seconds), "factor": float(factor)}))
     return out
 
 
@@ -143,10 +155,13 @@ class RankFaults:
         self.fired: set = set()
         self.extra_seconds = 0.0  # slow: added to each remaining step of the round
         self.drop_link = False  # drop_link: the pseudo-gradient of this period never leaves
+        self.factor = 1.0  # slowdown: every step takes this many times as long, for the rest of the run
+        self._step_seconds = 0.0  # the last step's own time, which a slowdown multiplies
+        self._since: Optional[float] = None  # when the last step began (after its slowdown sleep)
 
     def start_period(self) -> None:
-        """A new sync period: slowness and a dropped link last one period."""
-        self.extra_seconds, self.drop_link = 0.0, False
+        """A new sync period: slowness and a dropped link last one period (a slowdown lasts)."""
+        self.extra_seconds, self.drop_link, self._since = 0.0, False, None
 
     def at_step(self, round_index: int, step: int) -> bool:
         """Fire what is due at this step (kill and freeze never return); returns whether
@@ -164,10 +179,18 @@ class RankFaults:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif fault.kind == "slow":
                 self.extra_seconds += fault.seconds
+            elif fault.kind == "slowdown":
+                self.factor = fault.factor
             elif fault.kind == "nan":
                 poison = True
             elif fault.kind == "drop_link":
                 self.drop_link = True
         if self.extra_seconds:
             time.sleep(self.extra_seconds)
+        if self.factor > 1:
+            now = time.monotonic()
+            if self._since is not None:  # the step just run (the first of a period uses the last one seen)
+                self._step_seconds = now - self._since
+            time.sleep((self.factor - 1) * self._step_seconds)
+            self._since = time.monotonic()
         return poison

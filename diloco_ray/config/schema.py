@@ -89,12 +89,18 @@ class TrainerConfig:
     outer_momentum: float = _f(0.9, "outer momentum (Nesterov with SGD)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(None, "outer lr schedule over diloco_loops (null: constant)")
     outer_grad_clip: Optional[float] = _f(None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
+    # --- decoupled mode ----------------------------------------------------------------
+    sync_mode: Literal["sync", "decoupled"] = _f("sync", "sync: every round waits for all replicas (up to round_timeout_s) and averages them; decoupled: each replica trains on its own clock and the server merges whatever has arrived (min_quorum, grace window, staleness discount; see README, Decoupled mode)")
+    min_quorum: int = _f(1, "decoupled: contributions the server waits for before an outer step (fewer when fewer replicas are active)", ge=1)
+    grace_window_s: float = _f(2.0, "decoupled: after the quorum, the longest the server waits for replicas predicted (from their recent period times) to arrive soon", ge=0.0)
+    staleness_power: float = _f(1.0, "decoupled: a contribution s outer steps stale is weighted by tokens * (1 + s) ** -staleness_power (0: no discount)", ge=0.0)
+    decoupled_momentum: Literal["delayed", "every_step"] = _f("delayed", "decoupled: outer momentum rule; delayed applies Nesterov momentum once per round's worth of merged tokens (Async Local-SGD's delayed Nesterov; needs outer_opt SGD with momentum), every_step steps outer_opt at every merge")
     # --- replicas and the cluster ----------------------------------------------------
     num_replicas: int = _f(2, "DiLoCo replicas (workers) to run; each is one Ray actor group", ge=1)
     min_replicas: int = _f(1, "rounds proceed while at least this many replicas report", ge=1)
     spare_replicas: int = _f(0, "hot spares: replicas placed and set up but not training; one takes a lost replica's place at the next round boundary at once (no cold start), and a new spare starts in the background", ge=0)
     max_replicas: Optional[int] = _f(None, "upper bound for scale() (default: num_replicas)", ge=1)
-    ranks_per_replica: int = _f(1, "FSDP ranks (processes; GPUs on GPU) inside one replica", ge=1)
+    ranks_per_replica: Union[int, list] = _f(1, "FSDP ranks (processes; GPUs on GPU) inside one replica; a list gives one count per replica id (id i takes entry i mod the list's length), and each replica trains on data in proportion to its ranks", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")
     cpus_per_rank: float = _f(1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
@@ -215,10 +221,34 @@ class TrainerConfig:
     def replica_bounds(self) -> tuple[int, int]:
         return self.min_replicas, self.max_replicas or max(self.num_replicas, self.min_replicas)
 
+    def ranks_of(self, replica_id: int) -> int:
+        """The ranks of replica ``replica_id``: ``ranks_per_replica``, or its entry of a list."""
+        ranks = self.ranks_per_replica
+        return int(ranks[replica_id % len(ranks)]) if isinstance(ranks, list) else int(ranks)
+
+    @property
+    def max_ranks(self) -> int:
+        """The most ranks any replica has."""
+        ranks = self.ranks_per_replica
+        return max(ranks) if isinstance(ranks, list) else int(ranks)
+
+    def sequences_for(self, replica_id: int) -> int:
+        """Training sequences replica ``replica_id`` consumes in one outer round (all its ranks)."""
+        return self.max_steps * self.grad_accum * self.batch_size * self.ranks_of(replica_id)
+
     @property
     def sequences_per_replica_round(self) -> int:
-        """Training sequences one replica consumes in one outer round (all its ranks)."""
-        return self.max_steps * self.grad_accum * self.batch_size * self.ranks_per_replica
+        """Training sequences one replica consumes in one outer round (all its ranks); with
+        a list of ``ranks_per_replica``, each replica has its own (:meth:`sequences_for`)."""
+        if isinstance(self.ranks_per_replica, list):
+            raise TypeError("ranks_per_replica is a list: ask sequences_for(replica_id)")
+        return self.sequences_for(0)
+
+    def for_replica(self, replica_id: int) -> "TrainerConfig":
+        """The job as replica ``replica_id``'s ranks see it: ``ranks_per_replica`` is theirs."""
+        if not isinstance(self.ranks_per_replica, list):
+            return self
+        return TrainerConfig.from_dict({**self.to_dict(), "ranks_per_replica": self.ranks_of(replica_id)})
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainerConfig)}

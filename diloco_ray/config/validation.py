@@ -208,6 +208,16 @@ def _validate_sync(cfg: TrainerConfig) -> None:
                 f"inner_time_s: {cfg.inner_time_s:g} must be below round_timeout_s={cfg.round_timeout_s:g}, "
                 "which must also leave time for the sync"
             )
+    ranks = cfg.ranks_per_replica
+    if isinstance(ranks, list) and (
+        not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks)
+    ):
+        raise ConfigError(
+            f"ranks_per_replica: {ranks!r} is not allowed; expected a whole number >= 1 or a non-empty "
+            "list of them (one per replica id)"
+        )
+    if cfg.sync_mode == "decoupled":
+        _check_decoupled(cfg, streamed)
     resources = cfg.server_resources
     if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
         raise ConfigError(
@@ -232,3 +242,37 @@ def _validate_sync(cfg: TrainerConfig) -> None:
                 )
         else:
             cfg.link_mbps = float(cfg.link_mbps)
+
+
+def _check_decoupled(cfg, streamed: bool) -> None:
+    """What ``sync_mode: decoupled`` cannot be combined with, and why."""
+    if streamed:
+        raise ConfigError(
+            "sync_mode: decoupled merges whole-model pseudo-gradients; it needs sync_fragments: 1 "
+            "and overlap_communication: false"
+        )
+    if cfg.round_timeout_s is not None:
+        # Nothing waits for a slow replica: it contributes when done, discounted by staleness.
+        raise ConfigError(
+            "round_timeout_s: decoupled mode has no round deadline (a slow replica's work is merged "
+            "when it arrives, discounted by staleness); remove it, or bound a period with inner_time_s"
+        )
+    if cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+        raise ConfigError(
+            f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, which "
+            "sync_mode: decoupled does not take (a resumed run trains in-flight data again); use a "
+            "multiple of max_steps"
+        )
+    if cfg.min_quorum > cfg.replica_bounds[1]:
+        raise ConfigError(
+            f"min_quorum: {cfg.min_quorum} is more than the {cfg.replica_bounds[1]} replicas that may run; "
+            "it must be at most num_replicas (or max_replicas)"
+        )
+    if cfg.decoupled_momentum == "delayed":
+        kwargs = cfg.outer_opt_kwargs or {}
+        if cfg.outer_opt != "SGD" or kwargs.get("nesterov", True) is False or kwargs.get("dampening", 0):
+            raise ConfigError(
+                f"decoupled_momentum: delayed is Nesterov momentum (outer_momentum) applied once per round; "
+                f"it needs outer_opt: SGD with Nesterov and no dampening (got {cfg.outer_opt} "
+                f"{kwargs or ''}); use decoupled_momentum: every_step for other outer optimizers"
+            )

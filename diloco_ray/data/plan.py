@@ -72,14 +72,14 @@ def _normalise(ranges: list[Range]) -> list[Range]:
     return [(s, c) for s, c in out]
 
 
-def plan_round(cursor: DataCursor, slots: int, per_replica: int) -> list[list[Range]]:
-    """The ranges each of ``slots`` replicas trains on this round (``per_replica`` each):
+def plan_round(cursor: DataCursor, sizes: list[int]) -> list[list[Range]]:
+    """The ranges each replica trains on this round (``sizes[i]`` positions for slot ``i``):
     returned ranges first, in order, then fresh positions from the frontier."""
     returned = list(cursor.returned)
     frontier = cursor.frontier
     plans = []
-    for _ in range(slots):
-        need, mine = per_replica, []
+    for size in sizes:
+        need, mine = size, []
         while need and returned:
             start, count = returned[0]
             take = min(need, count)
@@ -110,6 +110,19 @@ def commit_round(
     back = [r for plan, ok in zip(plans, applied) if not ok for r in plan]
     back += [r for rest, ok in zip(unused or [], applied) if ok for r in rest]
     return DataCursor(fresh_end, _normalise(leftover + back))
+
+
+def reserve(cursor: DataCursor, per_replica: int) -> tuple[list[Range], DataCursor]:
+    """Decoupled mode: take one replica's plan off the cursor now (returned ranges first,
+    then fresh ones), while others are still training on theirs. The plan is in flight
+    until it is merged (its data is then trained) or given back (:func:`give_back`)."""
+    plan = plan_round(cursor, [per_replica])[0]
+    return plan, commit_round(cursor, [plan], [True])
+
+
+def give_back(cursor: DataCursor, ranges: list[Range]) -> DataCursor:
+    """The cursor with ``ranges`` (reserved, never trained) handed out again first."""
+    return DataCursor(cursor.frontier, _normalise(list(cursor.returned) + list(ranges)))
 
 
 def trained_part(plan: list[Range], unused: list[Range]) -> list[Range]:

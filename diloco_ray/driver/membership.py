@@ -71,7 +71,6 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
         for name, amount in resources.items():
             need[name] = need.get(name, 0.0) + amount * times
 
-    ranks = config.ranks_per_replica
     for rid in range(config.num_replicas):
         add(
             {
@@ -79,7 +78,7 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
                 **({"GPU": 1} if device == "cuda" else {}),
                 **resources_for_replica(config.replica_resources, rid),
             },
-            ranks,
+            config.ranks_of(rid),
         )
     servers = (
         config.server_resources
@@ -97,7 +96,8 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
         return None
     what = ", ".join(f"{name} {want:g} (the cluster has {have:g})" for name, (want, have) in sorted(short.items()))
     return (
-        f"{config.num_replicas} replicas of {ranks} rank(s) and {config.num_param_servers} server(s) need {what}; "
+        f"{config.num_replicas} replicas of {config.ranks_per_replica} rank(s) and "
+        f"{config.num_param_servers} server(s) need {what}; "
         "lower num_replicas or cpus_per_rank, or give the cluster more (ray start --num-cpus ...)"
     )
 
@@ -181,11 +181,12 @@ class Membership:
                     f"placement_timeout_s={cfg.placement_timeout_s:g}s; min_replicas={cfg.min_replicas}"
                 )
 
-    def first_answer(self, call: Callable):
+    def first_answer(self, call: Callable, among: Optional[list] = None):
         """``ray.get(call(replica))`` on the first active replica that is alive and answers
         within ``call_timeout_s`` (dead or frozen ones met on the way are removed), or
-        None when none is left."""
-        for rep in list(self.active):
+        None when none is left. Replicas whose ids are in ``among`` are asked first."""
+        first = set(among or ())
+        for rep in sorted(self.active, key=lambda r: r.id not in first):
             try:
                 return ray.get(call(rep), timeout=self.config.call_timeout_s)
             except ray.exceptions.RayActorError:

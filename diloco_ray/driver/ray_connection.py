@@ -81,7 +81,7 @@ def connect(config: TrainerConfig) -> bool:
     # fewer cores than ranks should still run the job (just slower).
     need = (
         config.server_cpus * config.num_param_servers
-        + config.replica_bounds[1] * config.ranks_per_replica * config.cpus_per_rank
+        + config.replica_bounds[1] * config.max_ranks * config.cpus_per_rank
     )
     ray.init(
         address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, log_to_driver=True

@@ -125,7 +125,8 @@ class RoundLoop:
         members = list(host.members.active)
         host.notify("on_round_begin", self.round_index, len(members))
         try:
-            plans = dict(zip((rep.id for rep in members), host.server.data_plan(len(members))))
+            ids = [rep.id for rep in members]
+            plans = dict(zip(ids, host.server.data_plan(ids)))
         except RayActorError:
             return RoundOutcome("recover_server", why="a server died before the round")
         slots = {rep.id: slot for slot, rep in enumerate(members)}
@@ -208,7 +209,7 @@ class RoundLoop:
 
     def _record(self, host, applied, periods, late, failed, t_start, t_applied) -> dict:
         t_eval = time.perf_counter()
-        eval_loss = host.evaluate()
+        eval_loss = self._evaluate(host)
         eval_seconds = time.perf_counter() - t_eval
         record = round_record(self.config, applied, [p.reported for p in periods], late, failed)
         record["wasted_steps"] = self.wasted_steps
@@ -220,6 +221,13 @@ class RoundLoop:
             eval_seconds=eval_seconds,
         )
         return record
+
+    def _evaluate(self, host):
+        return host.evaluate()
+
+    def finished(self) -> bool:
+        """Whether the run has trained what it was asked to (``diloco_loops`` rounds)."""
+        return self.round_index >= self.config.diloco_loops
 
     def _job(self, host, rep, slot: int, fragment: int, plan: list) -> SyncPeriod:
         """What every rank of ``rep`` gets for one sync period (see RankWorker.run_period)."""

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
+from diloco_ray.driver.decoupled_loop import DecoupledLoop
 from diloco_ray.driver.faults import DriverFaults
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
@@ -108,7 +109,8 @@ class DilocoFSDPTrainer:
         self.inflight_root = self.run_dir.inflight
         self.checkpointer = Checkpointer(config, self.run_dir, self._log, self._warn)
         self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
-        self.loop = RoundLoop(config, self.inflight_root)  # the round index, what replicas load next
+        loop_cls = DecoupledLoop if config.sync_mode == "decoupled" else RoundLoop
+        self.loop = loop_cls(config, self.inflight_root)  # the round index, what replicas load next
         self.chaos = DriverFaults(config.fault_plan)  # the fault plan's server and driver faults
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.steps: Optional[StepFeed] = None  # the ranks' step events and heartbeats
@@ -164,7 +166,7 @@ class DilocoFSDPTrainer:
         try:
             self.setup()
             self.notify("on_train_begin")
-            while self.round_index < self.config.diloco_loops and not self._early_stop():
+            while not self.loop.finished() and not self._early_stop():
                 self.run_round()
             result.final_path = self.save_final()
             self.notify("on_train_end")
@@ -174,9 +176,7 @@ class DilocoFSDPTrainer:
                 raise cause from None
             raise
         except KeyboardInterrupt:  # Ctrl-C, or SIGTERM through errors.Stopped
-            self.stop_checkpoint = self.checkpointer.on_stop(
-                self.server, self.replicas, self.round_index, self.loop.attempt
-            )
+            self.stop_checkpoint = self._checkpoint_on_stop()
             raise
         finally:
             self.shutdown()
@@ -204,7 +204,7 @@ class DilocoFSDPTrainer:
         token_data = start_token_data(cfg)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
-        self._inner_state_from = resume[0] if resume else None
+        self._inner_state_from = resume[0] if resume and not self._decoupled else None
         self.members = Membership(
             cfg,
             self.device,
@@ -219,8 +219,8 @@ class DilocoFSDPTrainer:
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
             folder = snapshot.round_dir(self.inflight_root, self.round_index)
-            for slot in range(len(self.replicas)):
-                step = snapshot.common_step(folder, slot, cfg.ranks_per_replica)
+            for slot, rep in enumerate(self.replicas):
+                step = snapshot.common_step(folder, slot, cfg.ranks_of(rep.id))
                 if step is not None:
                     self.loop.resume_steps[slot] = step
         else:
@@ -279,7 +279,7 @@ class DilocoFSDPTrainer:
         self.records.append(record)
         self._log(record)
         self.ray_metrics.record(record)
-        self.checkpointer.maybe_save(self.server, self.replicas, self.round_index)
+        self.checkpointer.maybe_save(self.server, self._checkpointed_replicas, self.round_index)
         self.run_dir.publish()
         self.notify("on_round_end", record)
         self.reconcile()
@@ -305,12 +305,13 @@ class DilocoFSDPTrainer:
             self._global_refs = self.server.global_weights()
         return self._global_refs
 
-    def evaluate(self) -> Optional[float]:
-        """Eval loss of the new global weights on a live replica (None: no eval, or none left)."""
+    def evaluate(self, among: Optional[list] = None) -> Optional[float]:
+        """Eval loss of the new global weights on a live replica (None: no eval, or none left);
+        with ``among`` (replica ids), on one of those first (decoupled mode: an idle one)."""
         self._global_refs = None  # the weights moved: fetched when eval or final/ needs them
         if self.config.eval_batches == 0:
             return None
-        results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()))
+        results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()), among)
         if results is None:
             return None  # every replica died since the update; the next boundary replaces them
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
@@ -348,7 +349,26 @@ class DilocoFSDPTrainer:
 
     def save_checkpoint(self, timeout_s: Optional[float] = None) -> Optional[str]:
         """Checkpoint the current round now (see :meth:`Checkpointer.save`); its path, or None."""
-        return self.checkpointer.save(self.server, self.replicas, self.round_index, timeout_s)
+        return self.checkpointer.save(self.server, self._checkpointed_replicas, self.round_index, timeout_s)
+
+    @property
+    def _decoupled(self) -> bool:
+        return self.config.sync_mode == "decoupled"
+
+    @property
+    def _checkpointed_replicas(self) -> list:
+        """Whose inner state a checkpoint holds: every replica's at a synchronous round
+        boundary. In decoupled mode there is no moment when all are between periods, so a
+        checkpoint is the servers' state alone (weights, momentum, work, the cursor with
+        in-flight plans given back) and a resumed run's replicas start a fresh inner state."""
+        return [] if self._decoupled else self.replicas
+
+    def _checkpoint_on_stop(self) -> Optional[str]:
+        if self._decoupled:
+            if self.config.checkpoint_steps is None or self.server is None:
+                return None
+            return self.checkpointer.save(self.server, [], self.round_index, self.config.shutdown_grace_s)
+        return self.checkpointer.on_stop(self.server, self.replicas, self.round_index, self.loop.attempt)
 
     def recover_server(self) -> None:
         """The server died: start a new one from the latest good checkpoint."""

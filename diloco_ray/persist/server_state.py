@@ -58,7 +58,11 @@ def save(server, where: str) -> dict:
                 "fragment": server.fragment,
                 "version": server.version,
                 "round_accepted": None if server.round_accepted is None else sorted(server.round_accepted),
-                "cursor": server.cursor.to_dict(),
+                # Decoupled mode: in-flight plans go back into the saved cursor (their work is
+                # not in these weights), so a resumed run trains them again.
+                "cursor": server.resume_cursor().to_dict(),
+                "sync_mode": server.config.sync_mode,
+                "work": server.work,
                 "count": server.count,
                 "sync_fragments": server.config.sync_fragments,
                 "shapes": {n: list(s) for n, s in server.shapes.items()},
@@ -85,6 +89,13 @@ def load(server, where: str) -> None:
             f"sync_fragments: {server.config.sync_fragments}, but checkpoint {folder} was written "
             f"with {saved_fragments}; resume with the value it was saved with"
         )
+    saved_mode = meta.get("sync_mode", "sync")
+    if saved_mode != server.config.sync_mode:
+        # The momentum buffers mean different things in the two modes.
+        raise ConfigError(
+            f"sync_mode: {server.config.sync_mode}, but checkpoint {folder} was written in "
+            f"sync_mode: {saved_mode}; resume with the mode it was saved with"
+        )
     server.layout(meta["shapes"])
     loaded = state_files.load_tensors(os.path.join(folder, weights_file))
     params = server.split(loaded)
@@ -101,3 +112,4 @@ def load(server, where: str) -> None:
     accepted = meta.get("round_accepted")
     server.round_accepted = None if accepted is None else set(accepted)
     server.cursor = data.DataCursor.from_dict(meta["cursor"])
+    server.in_flight, server.work = {}, float(meta.get("work", 0.0))

@@ -155,6 +155,7 @@ class AppliedRound:
     data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
     round_done: bool = False  # this sync completed its round
     seconds: float = 0.0  # from the first piece received to the step taken
+    work: float = 0.0  # decoupled mode: rounds' worth of tokens merged so far
 
 
 # ---- what a rank reports of its sync period -------------------------------------------

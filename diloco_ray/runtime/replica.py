@@ -67,7 +67,7 @@ class Replica:
     ):
         self.id = replica_id
         self.config = config
-        self.world_size = config.ranks_per_replica
+        self.world_size = config.ranks_of(replica_id)
         self.token_data = token_data
         bundle: dict[str, float] = {"CPU": config.cpus_per_rank}
         if device == "cuda":
@@ -88,7 +88,7 @@ class Replica:
                 num_cpus=config.cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-            ).remote(config.to_dict(), replica_id, r, self.world_size, device)
+            ).remote(config.for_replica(replica_id).to_dict(), replica_id, r, self.world_size, device)
             for r in range(self.world_size)
         ]
         self.placed_ref = self.pg.ready()

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, links, partition
+from diloco_ray.algo import compression, decoupled, links, partition
 from diloco_ray.algo.aggregate import (
     NON_FINITE,
     mean_in_place,
@@ -61,6 +61,8 @@ class PendingSync:
         started: wall-clock time the first piece arrived.
         acc: name -> weighted sum of the valid pieces, until ``reduce``.
         mean: name -> the accepted mean, from ``reduce`` until ``commit``.
+        divisor: decoupled mode: what the weighted sum is divided by (one round's worth
+            of tokens) instead of the accepted weights.
     """
 
     fragment: int
@@ -69,6 +71,7 @@ class PendingSync:
     started: float
     acc: Optional[dict] = None
     mean: Optional[dict] = None
+    divisor: Optional[float] = None
 
 
 class ParameterServer(ServerSlice):
@@ -97,6 +100,9 @@ class ParameterServer(ServerSlice):
         self._sum_space = torch.empty(0)  # where a sync's sum is built (see _zeroed_sum)
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's weights message
         self.message_version = 0  # the version last_message carries
+        self.decoupled = self.config.sync_mode == "decoupled"
+        self.in_flight: dict[int, list] = {}  # decoupled: replica id -> its reserved plan
+        self.work = 0.0  # decoupled: rounds' worth of tokens merged (drives the lr schedule and the momentum cycle)
         self._import_optimizer_machinery()
 
     def _import_optimizer_machinery(self) -> None:
@@ -127,6 +133,10 @@ class ParameterServer(ServerSlice):
         """The index of the next round to apply."""
         return self.optimizer.round
 
+    def merged_work(self) -> float:
+        """Decoupled mode: rounds' worth of tokens merged so far."""
+        return self.work
+
     def sync_version(self) -> int:
         """Syncs committed so far: the version of the weights replicas should hold."""
         return self.version
@@ -147,9 +157,30 @@ class ParameterServer(ServerSlice):
             )
         return self.last_message
 
-    def data_plan(self, slots: int) -> list[list[tuple[int, int]]]:
-        """The stream ranges each of ``slots`` replicas trains on next (no state change)."""
-        return data.plan_round(self.cursor, slots, self.config.sequences_per_replica_round)
+    def data_plan(self, replica_ids: list[int]) -> list[list[tuple[int, int]]]:
+        """The stream ranges each replica of ``replica_ids`` trains on next, in order (no
+        state change); a replica with more ranks gets more (``ranks_per_replica`` list)."""
+        return data.plan_round(self.cursor, [self.config.sequences_for(i) for i in replica_ids])
+
+    def reserve_plan(self, replica_id: int) -> list[tuple[int, int]]:
+        """Decoupled mode: take the next plan for ``replica_id`` off the cursor; it is in
+        flight until a merge trains it or :meth:`release_plan` gives it back."""
+        if replica_id in self.in_flight:
+            raise RuntimeError(f"server {self.index}: replica {replica_id} already has a plan in flight")
+        plan, self.cursor = data.reserve(self.cursor, self.config.sequences_for(replica_id))
+        self.in_flight[replica_id] = plan
+        return plan
+
+    def release_plan(self, replica_id: int) -> None:
+        """Decoupled mode: the replica's plan was never trained (it died): hand it out again."""
+        plan = self.in_flight.pop(replica_id, None)
+        if plan:
+            self.cursor = data.give_back(self.cursor, plan)
+
+    def resume_cursor(self) -> data.DataCursor:
+        """The cursor a resumed run starts from: in-flight plans are given back, because
+        the work on them is not in the weights (and in-flight work is not checkpointed)."""
+        return data.give_back(self.cursor, [r for plan in self.in_flight.values() for r in plan])
 
     # ---- what goes down to replicas ----------------------------------------------------
     def global_weights(self) -> np.ndarray:
@@ -201,9 +232,10 @@ class ParameterServer(ServerSlice):
         return buf
 
     # ---- one sync: prepare -> reduce -> commit -------------------------------------------
-    def prepare(self, fragment: int, contributions: list[Contribution]) -> Prepared:
+    def prepare(self, fragment: int, contributions: list[Contribution], divisor: Optional[float] = None) -> Prepared:
         """Fetch, decode and check every contribution; accumulate the valid ones' weighted
-        sum in fp32, one replica at a time (never more than one decoded copy held)."""
+        sum in fp32, one replica at a time (never more than one decoded copy held).
+        ``divisor`` (decoupled mode) replaces the accepted weights as the sum's divisor."""
         import ray
 
         if fragment != self.fragment:
@@ -226,7 +258,7 @@ class ParameterServer(ServerSlice):
             arrivals.append(arrived)
             valid.append(c.replica_id)
         links.wait_for(arrivals)  # a simulated slow uplink delivers the pieces only now
-        self._pending = PendingSync(fragment, contributions, valid, started, acc=acc)
+        self._pending = PendingSync(fragment, contributions, valid, started, acc=acc, divisor=divisor)
         return Prepared(
             order=[c.replica_id for c in contributions],
             weights={c.replica_id: float(c.weight) for c in contributions},
@@ -250,6 +282,8 @@ class ParameterServer(ServerSlice):
         accepted = [rid for rid in prepared[0].order if rid not in reasons]
         weights = prepared[0].weights
         total = sum(weights[rid] for rid in accepted)
+        if pending.divisor is not None and total > 0:
+            total = pending.divisor
         if accepted != pending.valid:  # another server rejected one this server summed
             # Built again, in the same space.
             pending.acc = self._sum(pending.contributions, set(accepted), self._target(pending.fragment))
@@ -261,7 +295,9 @@ class ParameterServer(ServerSlice):
         sumsq = squares_by_part(mean, self.position, {n: target[n][0] for n in mean})
         return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons, started=pending.started)
 
-    def commit(self, plans: dict, *reduced: Reduced, unused: Optional[dict] = None) -> AppliedRound:
+    def commit(
+        self, plans: dict, *reduced: Reduced, unused: Optional[dict] = None, shares: Optional[dict] = None
+    ) -> AppliedRound:
         """Take the outer step for this sync with the norm over every server's slice, and
         advance the fragment, round and (at a round's end) the data cursor as one unit.
 
@@ -270,7 +306,11 @@ class ParameterServer(ServerSlice):
             unused: replica id -> the ranges of its plan it had no time to train on
                 (``inner_time_s``); they go back to the cursor with the unapplied plans.
             reduced: every server's :meth:`reduce` result, in server order.
+            shares: decoupled mode: replica id -> the share of a round's worth of tokens its
+                contribution holds (see :meth:`_merge`).
         """
+        if self.decoupled:
+            return self._merge(plans, reduced, unused or {}, shares or {})
         pending, self._pending = self._pending, None
         opt, cfg = self.optimizer, self.config
         accepted = reduced[0].accepted
@@ -326,6 +366,54 @@ class ParameterServer(ServerSlice):
             data_ranges=consumed,
             round_done=done,
             seconds=time.time() - reduced[0].started,
+        )
+
+    def _merge(self, plans: dict, reduced: tuple, unused: dict, shares: dict) -> AppliedRound:
+        """Decoupled mode's commit: one outer step from the contributions that arrived.
+
+        The accepted ones' plans are trained (less what they had no time for, which goes
+        back with the rejected ones' plans). ``work`` grows by their shares of a round;
+        the lr follows the schedule by ``work``, and delayed Nesterov applies its
+        momentum each time ``work`` passes a whole round (:mod:`diloco_ray.algo.decoupled`).
+        """
+        pending, self._pending = self._pending, None
+        opt = self.optimizer
+        accepted = reduced[0].accepted
+        norm = norm_of_parts(t for r in reduced for t in r.sumsq) if accepted else None
+        lr = opt.lr_at(int(self.work + decoupled.CYCLE_EPS))
+        step = opt.round
+        consumed: dict[int, list] = {}
+        for rid, plan in plans.items():
+            self.in_flight.pop(rid, None)
+            if rid in accepted:
+                consumed[rid] = data.trained_part(plan, unused.get(rid, []))
+                self.cursor = data.give_back(self.cursor, unused.get(rid, []))
+            else:
+                self.cursor = data.give_back(self.cursor, plan)
+        if accepted:
+            named, pending.mean = pending.mean, None
+            mean = {self.pieces[(n, 0)]: g for n, g in named.items()}
+            del named
+            before, self.work = self.work, self.work + sum(shares.get(rid, 0.0) for rid in accepted)
+            clip = clip_coefficient(norm, opt.max_norm)
+            if self.config.decoupled_momentum == "delayed":
+                opt.apply_delayed(mean, lr, clip, decoupled.cycle_ends(before, self.work))
+            else:
+                opt.apply(mean, lr, clip, in_place=True)
+            opt.round += 1
+            self.version += 1
+        return AppliedRound(
+            applied=bool(accepted),
+            round=step,
+            fragment=0,
+            outer_lr=lr,
+            pseudo_grad_norm=norm,
+            accepted=list(accepted),
+            rejected=reduced[0].reasons,
+            data_ranges=consumed,
+            round_done=bool(accepted),
+            seconds=time.time() - reduced[0].started,
+            work=self.work,
         )
 
     # ---- checkpoints: each server writes and reads its own state ------------------------

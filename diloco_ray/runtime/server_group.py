@@ -78,13 +78,30 @@ class ServerGroup:
     def version(self) -> int:
         return ray.get(self.actors[0].sync_version.remote())
 
-    def data_plan(self, slots: int) -> list:
+    def work(self) -> float:
+        """Decoupled mode: rounds' worth of tokens merged so far."""
+        return ray.get(self.actors[0].merged_work.remote())
+
+    def data_plan(self, replica_ids: list[int]) -> list:
         """Server 0 holds the data cursor."""
-        return ray.get(self.actors[0].data_plan.remote(slots))
+        return ray.get(self.actors[0].data_plan.remote(replica_ids))
+
+    def reserve_plan(self, replica_id: int) -> list:
+        """Decoupled mode: the next plan for one replica, taken off every server's cursor."""
+        return ray.get([a.reserve_plan.remote(replica_id) for a in self.actors])[0]
+
+    def release_plan(self, replica_id: int) -> None:
+        """Decoupled mode: give a lost replica's in-flight plan back."""
+        ray.get([a.release_plan.remote(replica_id) for a in self.actors])
 
     # ---- traffic -------------------------------------------------------------------------
     def sync(
-        self, fragment: int, contributions: list[list[Contribution]], plans: dict, unused: Optional[dict] = None
+        self,
+        fragment: int,
+        contributions: list[list[Contribution]],
+        plans: dict,
+        unused: Optional[dict] = None,
+        merge: Optional[tuple] = None,
     ) -> SyncRefs:
         """Chain one sync of ``fragment`` on every server and return at once.
 
@@ -93,10 +110,13 @@ class ServerGroup:
             contributions: per server, the replicas' contributions to it.
             plans: replica id -> stream ranges, for the cursor at the round's end.
             unused: replica id -> the ranges of its plan it did not train on (``inner_time_s``).
+            merge: decoupled mode: (divisor, shares): one round's worth of tokens, and
+                replica id -> its contribution's share of it.
         """
-        prepared = [a.prepare.remote(fragment, contributions[s]) for s, a in enumerate(self.actors)]
+        divisor, shares = merge if merge is not None else (None, None)
+        prepared = [a.prepare.remote(fragment, contributions[s], divisor) for s, a in enumerate(self.actors)]
         reduced = [a.reduce.remote(*prepared) for a in self.actors]
-        commits = [a.commit.remote(plans, *reduced, unused=unused) for a in self.actors]
+        commits = [a.commit.remote(plans, *reduced, unused=unused, shares=shares) for a in self.actors]
         weights = [a.new_weights_message.remote(fragment) for a in self.actors]
         return SyncRefs(commits=commits, weights=weights)
 

@@ -30,6 +30,8 @@ def test_parse_keeps_every_field_and_defaults_the_rest():
         ({"kind": "kill", "round": 1, "step": 1.5}, "fault_plan[0].step"),
         ({"kind": "kill", "round": True}, "fault_plan[0].round"),
         ({"kind": "slow", "round": 1, "seconds": -1}, "fault_plan[0].seconds"),
+        ({"kind": "slowdown", "round": 0}, "fault_plan[0].factor"),
+        ({"kind": "slowdown", "round": 0, "factor": 1.0}, "fault_plan[0].factor"),
     ],
 )
 def test_bad_entries_name_the_field(entry, field):
@@ -63,3 +65,19 @@ def test_rank_faults_fire_once_and_last_one_period():
     link = faults.RankFaults(faults.for_rank(faults.parse(PLAN), 0, 0))
     link.at_step(1, 0)
     assert link.drop_link
+
+
+def test_a_slowdown_multiplies_every_later_step_and_outlasts_the_period(monkeypatch):
+    import time
+
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    clock = iter([10.0, 10.0, 10.5, 10.5, 11.0, 11.0, 30.0, 30.0])
+    monkeypatch.setattr(time, "monotonic", lambda: next(clock))
+    rank = faults.RankFaults(faults.parse([{"kind": "slowdown", "round": 0, "factor": 3}]))
+    rank.at_step(0, 0)  # fires; no step measured yet
+    rank.at_step(0, 1)  # step 0 took 0.5 s: sleep 2 x 0.5
+    rank.at_step(0, 2)
+    rank.start_period()  # the gap between periods is not a step
+    rank.at_step(1, 0)  # uses the last step's 0.5 s
+    assert slept == [0.0, 1.0, 1.0, 1.0]

@@ -88,23 +88,23 @@ def positions_of(plan):
 
 def test_plan_round_hands_out_contiguous_fresh_ranges():
     cursor = data.DataCursor(frontier=17)
-    assert data.plan_round(cursor, 3, 5) == [[(17, 5)], [(22, 5)], [(27, 5)]]
-    assert data.plan_round(cursor, 0, 5) == []
+    assert data.plan_round(cursor, [5] * 3) == [[(17, 5)], [(22, 5)], [(27, 5)]]
+    assert data.plan_round(cursor, [5] * 0) == []
     assert cursor == data.DataCursor(17)  # planning changes nothing
 
 
 def test_plan_round_reissues_returned_ranges_first():
     cursor = data.DataCursor(frontier=40, returned=[(10, 3), (20, 4)])
-    plans = data.plan_round(cursor, 2, 5)
+    plans = data.plan_round(cursor, [5] * 2)
     assert plans == [[(10, 3), (20, 2)], [(22, 2), (40, 3)]]
 
 
 def test_commit_round_returns_what_was_not_applied():
     cursor = data.DataCursor(frontier=0)
-    plans = data.plan_round(cursor, 3, 4)
+    plans = data.plan_round(cursor, [4] * 3)
     after = data.commit_round(cursor, plans, [True, False, True])
     assert after == data.DataCursor(frontier=12, returned=[(4, 4)])
-    nxt = data.plan_round(after, 2, 4)
+    nxt = data.plan_round(after, [4] * 2)
     assert nxt == [[(4, 4)], [(12, 4)]]
     assert data.commit_round(after, nxt, [True, True]) == data.DataCursor(frontier=16, returned=[])
 
@@ -114,7 +114,7 @@ def test_any_history_of_drops_uses_every_position_exactly_once():
     cursor, used = data.DataCursor(), []
     for _ in range(200):
         slots = int(rng.integers(1, 5))
-        plans = data.plan_round(cursor, slots, 7)
+        plans = data.plan_round(cursor, [7] * slots)
         applied = [bool(rng.random() < 0.7) for _ in plans]
         if not any(applied):
             continue  # a round nobody finished is not applied: the cursor stays
@@ -514,7 +514,7 @@ def test_with_group_by_length_the_unused_positions_are_the_ones_not_read():
 
 def test_unused_ranges_of_an_applied_plan_are_handed_out_again():
     cursor = data.DataCursor(frontier=0)
-    plans = data.plan_round(cursor, 2, 8)  # [(0, 8)], [(8, 8)]
+    plans = data.plan_round(cursor, [8] * 2)  # [(0, 8)], [(8, 8)]
     after = data.commit_round(cursor, plans, [True, True], unused=[[(4, 4)], []])
     assert after == data.DataCursor(frontier=16, returned=[(4, 4)])
     assert data.trained_part(plans[0], [(4, 4)]) == [(0, 4)]
@@ -526,7 +526,7 @@ def test_partial_rounds_still_use_every_position_exactly_once():
     rng = np.random.default_rng(1)
     cursor, used = data.DataCursor(), []
     for _ in range(200):
-        plans = data.plan_round(cursor, int(rng.integers(1, 4)), 8)
+        plans = data.plan_round(cursor, [8] * int(rng.integers(1, 4)))
         applied = [bool(rng.random() < 0.8) for _ in plans]
         if not any(applied):
             continue
@@ -538,3 +538,32 @@ def test_partial_rounds_still_use_every_position_exactly_once():
         cursor = data.commit_round(cursor, plans, applied, unused)
     assert len(used) == len(set(used))
     assert sorted(used + positions_of(cursor.returned)) == list(range(cursor.frontier))
+
+
+def test_decoupled_reservations_train_every_position_exactly_once():
+    """Replicas reserve plans at their own times; a merge trains some (less what they had
+    no time for), a loss gives a plan back; every position is trained exactly once."""
+    rng = np.random.default_rng(7)
+    cursor, in_flight, trained = data.DataCursor(), {}, []
+    for _ in range(300):
+        rid = int(rng.integers(0, 4))
+        if rid not in in_flight:
+            plan, cursor = data.reserve(cursor, 6)
+            assert sum(c for _, c in plan) == 6
+            in_flight[rid] = plan
+            continue
+        plan = in_flight.pop(rid)
+        outcome = rng.integers(0, 3)
+        if outcome == 0:  # lost or rejected
+            cursor = data.give_back(cursor, plan)
+        else:  # merged, maybe with a tail it had no time for
+            positions = data.plan_positions(plan)
+            cut = int(rng.integers(1, 7)) if outcome == 1 else 6
+            unused = data.ranges_of(positions[cut:])
+            trained += list(data.plan_positions(data.trained_part(plan, unused)))
+            cursor = data.give_back(cursor, unused)
+    handed_now = [p for plan in in_flight.values() for p in data.plan_positions(plan)]
+    returned = [p for s, c in cursor.returned for p in range(s, s + c)]
+    assert len(trained) == len(set(trained))
+    everything = sorted(trained + handed_now + returned)
+    assert everything == list(range(cursor.frontier))  # nothing lost, nothing twice

@@ -110,10 +110,10 @@ class Servers:
     def __len__(self):
         return 1
 
-    def data_plan(self, slots):
+    def data_plan(self, replica_ids):
         if self.dead:
             raise RayActorError()
-        return [[(10 * i, 10)] for i in range(slots)]
+        return [[(10 * i, 10)] for i in range(len(replica_ids))]
 
     def sync(self, fragment, contributions, plans, unused=None):
         (mine,) = contributions

@@ -178,7 +178,7 @@ class Sim:
 
     def round(self, round_index: int) -> list:
         ids = list(self.replicas)
-        plans = dict(zip(ids, self.servers[0].data_plan(len(ids))))
+        plans = dict(zip(ids, self.servers[0].data_plan(ids)))
         return [self.sync(round_index, f, plans) for f in range(self.cfg.sync_fragments)]
 
     def global_weights(self) -> dict[str, np.ndarray]:
@@ -257,7 +257,7 @@ def test_every_server_reports_the_same_norm():
 def test_finite_check_rejects_inf_but_not_finite_values_whose_sum_overflows(value, count, rejected):
     sim = Sim(1, 1, 1, 2)
     sim.round(0)
-    plans = dict(zip(sim.replicas, sim.servers[0].data_plan(len(sim.replicas))))
+    plans = dict(zip(sim.replicas, sim.servers[0].data_plan(list(sim.replicas))))
     _, reduced = sim.sync(1, 0, plans, poison=(1, 0, value, count))
     assert (1 in reduced[0].reasons) == rejected
     if rejected:
@@ -286,7 +286,7 @@ def test_nan_on_one_server_is_rejected_by_every_server(num_servers, fragments, b
     for sim in (poisoned, clean):
         sim.round(0)
     ids = list(poisoned.replicas)
-    plans = dict(zip(ids, poisoned.servers[0].data_plan(len(ids))))
+    plans = dict(zip(ids, poisoned.servers[0].data_plan(ids)))
     for f in range(fragments):
         bad = f == bad_fragment
         applied, reduced = poisoned.sync(1, f, plans, poison=(1, bad_server) if bad else None)
@@ -322,7 +322,7 @@ def test_weights_compression_tracks_held(codec):
     largest = 0.0  # the largest change any weights message carried
     for r in range(3):
         for f in range(2):
-            plans = dict(zip(sim.replicas, sim.servers[0].data_plan(2)))
+            plans = dict(zip(sim.replicas, sim.servers[0].data_plan([0, 1])))
             sim.sync(r, f, plans)
             fp32.sync(r, f, plans)
             for buf in sim.messages:
@@ -380,7 +380,7 @@ def test_plain_diloco_applies_the_weighted_mean():
 def test_plain_diloco_with_nothing_accepted_is_not_applied():
     sim = Sim(2, 1, 1, 1)
     ids = [0]
-    plans = dict(zip(ids, sim.servers[0].data_plan(1)))
+    plans = dict(zip(ids, sim.servers[0].data_plan([0])))
     before = sim.global_weights()
     applied, _ = sim.sync(0, 0, plans, poison=(0, 1))
     for a in applied:
@@ -394,7 +394,7 @@ def test_plain_diloco_with_nothing_accepted_is_not_applied():
 def test_replica_that_missed_a_sync_loads_everything(codec):
     sim = Sim(2, 2, 2, 2, weights_compression=codec, compression_block=16)
     sim.round(0)
-    plans = dict(zip(sim.replicas, sim.servers[0].data_plan(2)))
+    plans = dict(zip(sim.replicas, sim.servers[0].data_plan([0, 1])))
     sim.sync(1, 0, plans, absent={1})
     late = sim.replicas[1]
     assert [r.sync.versions for r in late] == [[1, 1]] * 2  # it missed version 2
@@ -419,7 +419,7 @@ def test_applied_round_bookkeeping():
     per = sim.cfg.sequences_per_replica_round
     ids = list(sim.replicas)
     for r in range(2):
-        plans = dict(zip(ids, sim.servers[0].data_plan(len(ids))))
+        plans = dict(zip(ids, sim.servers[0].data_plan(ids)))
         # Round 0: replica 1 is rejected in fragment 0 only; replica 2 in fragment 1 only.
         first, _ = sim.sync(r, 0, plans, poison=(1, 0) if r == 0 else None)
         assert all(s.round_index() == r for s in sim.servers)
@@ -443,7 +443,7 @@ def test_applied_round_bookkeeping():
 def test_streaming_replica_missing_every_fragment_gets_its_data_handed_out_again():
     sim = Sim(1, 2, 1, 2, max_steps=2, batch_size=1)
     ids = list(sim.replicas)
-    plans = dict(zip(ids, sim.servers[0].data_plan(len(ids))))
+    plans = dict(zip(ids, sim.servers[0].data_plan(ids)))
     sim.sync(0, 0, plans, skip={1})
     second, _ = sim.sync(0, 1, plans, skip={1})
     assert second[0].data_ranges == {0: plans[0]}
@@ -468,7 +468,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
     sim = Sim(num_servers, fragments, 2, 2, weights_compression=codec, compression_block=16)
     sim.round(0)
     ids = list(sim.replicas)
-    plans = dict(zip(ids, sim.servers[0].data_plan(len(ids))))
+    plans = dict(zip(ids, sim.servers[0].data_plan(ids)))
     sim.sync(1, 0, plans)  # mid-round when streaming
     for s in sim.servers:
         s.save(str(tmp_path))
@@ -562,7 +562,7 @@ def test_a_sync_that_commits_nothing_leaves_what_replicas_hold_unchanged():
     held_before, version = sim.held(), sim.servers[0].sync_version()
     message = sim.servers[0].last_weights()
     ids = list(sim.replicas)
-    plans = dict(zip(ids, sim.servers[0].data_plan(len(ids))))
+    plans = dict(zip(ids, sim.servers[0].data_plan(ids)))
     applied, _ = sim.sync(1, 0, plans, skip=set(ids))  # nothing arrives: not applied
     assert not applied[0].applied and sim.servers[0].sync_version() == version
     assert max_diff(sim.held(), held_before) == 0.0
@@ -600,7 +600,7 @@ def test_what_a_replica_had_no_time_for_goes_back_to_the_cursor():
     and hands them out again first; on every server the same (only server 0 keeps the cursor)."""
     sim = Sim(2, 1, 1, 2)
     ids = list(sim.replicas)
-    plans = dict(zip(ids, sim.servers[0].data_plan(2)))
+    plans = dict(zip(ids, sim.servers[0].data_plan([0, 1])))
     per_replica = sim.cfg.sequences_per_replica_round
     assert plans == {0: [(0, per_replica)], 1: [(per_replica, per_replica)]}
     contributions = [[] for _ in sim.servers]
@@ -615,4 +615,4 @@ def test_what_a_replica_had_no_time_for_goes_back_to_the_cursor():
     applied = [srv.commit(plans, *reduced, unused={0: [tail]}) for srv in sim.servers]
     assert applied[0].data_ranges == {0: [(0, per_replica - 3)], 1: plans[1]}
     assert sim.servers[0].cursor.returned == [tail]
-    assert sim.servers[0].data_plan(1) == [[tail, (2 * per_replica, per_replica - 3)]]
+    assert sim.servers[0].data_plan([0]) == [[tail, (2 * per_replica, per_replica - 3)]]

@@ -1,0 +1,127 @@
+"""The math of decoupled mode, as plain functions: staleness weights, the grace window,
+and delayed Nesterov momentum.
+
+In decoupled mode (``sync_mode: decoupled``) replicas run on their own clocks and the
+server merges whatever has arrived (see :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`).
+Three rules make that converge like synchronous DiLoCo:
+
+* **Token weights, staleness discount, a fixed divisor.** A contribution that started from
+  version ``v`` and is merged at version ``V`` is ``V - v`` outer steps stale. Its weight is
+  its loss tokens times ``(1 + staleness) ** -staleness_power`` (staleness-aware async SGD,
+  Zhang et al. 2016, divides the step by the staleness), and a merge divides by one
+  *round's worth* of tokens (a full period of every active rank), not by the
+  weights that arrived: so a merge of one replica moves the weights by about a
+  1/replicas share of a synchronous round, and a discount really shrinks a stale step
+  instead of being normalised away.
+* **Delayed Nesterov** (Liu et al., "Asynchronous Local-SGD", 2024). Applying outer
+  Nesterov momentum at every small merge compounds it many times per round. Instead each
+  merge applies its gradient part at once, ``theta -= lr * g``, and adds ``g`` to the
+  momentum; once a round's worth of work has been merged the momentum part is applied,
+  ``m = beta * m + sum(g)``, ``theta -= lr * beta * m``. A cycle whose merges started from
+  the same weights is then exactly one synchronous Nesterov step (unit-tested against
+  ``torch.optim.SGD(nesterov=True)``). One buffer per parameter holds ``beta * m`` plus
+  the cycle's gradients so far, so it costs what plain Nesterov costs.
+* **An adaptive grace window.** Once ``min_quorum`` contributions are in, the server waits
+  for the others that are predicted (from each replica's recent period times) to arrive
+  within ``grace_window_s``; a replica predicted later is not waited for.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping, Optional
+
+import torch
+
+CYCLE_EPS = 1e-9  # round-off allowance when fractions of a round add up to a whole one
+
+
+def staleness_weight(tokens: float, staleness: int, power: float) -> float:
+    """A contribution's merge weight: its tokens, discounted by ``(1 + staleness) ** -power``."""
+    if staleness < 0:
+        raise ValueError(f"staleness {staleness} < 0: a contribution cannot start from a future version")
+    return float(tokens) * (1.0 + staleness) ** -power
+
+
+def round_tokens(ranks: int, full_period_tokens_per_rank: float) -> float:
+    """One round's worth of tokens (the merge divisor): a full period of every active rank
+    (replicas may have different ``ranks_per_replica``; each trains in proportion)."""
+    if ranks < 1 or full_period_tokens_per_rank <= 0:
+        raise ValueError(f"a round needs ranks >= 1 and tokens > 0, got {ranks}, {full_period_tokens_per_rank}")
+    return float(ranks) * float(full_period_tokens_per_rank)
+
+
+def full_period_tokens(loss_tokens: int, inner_steps: int, max_steps: int) -> float:
+    """The tokens a full period of ``max_steps`` would carry, from one that ran ``inner_steps``
+    (with ``inner_time_s`` a period may stop early)."""
+    return float(loss_tokens) / max(1, inner_steps) * max_steps
+
+
+def cycle_ends(work_before: float, work_after: float) -> bool:
+    """Whether merging moved the work done (in rounds' worth) past a whole round: the
+    moment delayed Nesterov applies its momentum."""
+    return math.floor(work_after + CYCLE_EPS) > math.floor(work_before + CYCLE_EPS)
+
+
+@torch.no_grad()
+def delayed_nesterov_(
+    param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, lr: float, beta: float, cycle_end: bool
+) -> None:
+    """One merge's delayed-Nesterov update of one parameter, in place.
+
+    Args:
+        param: the global weights.
+        grad: the merge's outer gradient (already weighted, divided and clipped).
+        buffer: ``beta * m`` plus the gradients merged since the last cycle end.
+        lr: the outer learning rate.
+        beta: the outer momentum.
+        cycle_end: a round's worth has now been merged: apply the momentum part.
+    """
+    param.sub_(grad, alpha=lr)
+    buffer.add_(grad)
+    if cycle_end:
+        param.sub_(buffer, alpha=lr * beta)
+        buffer.mul_(beta)
+
+
+def grace_deadline(now: float, quorum_met: bool, predicted: Mapping[int, float], cap_s: float) -> Optional[float]:
+    """When to merge: None while the quorum is not met; else the latest predicted arrival
+    (wall-clock) among the replicas expected within ``cap_s`` of ``now``, or ``now``.
+
+    Args:
+        now: the current time.
+        quorum_met: at least ``min_quorum`` contributions are in.
+        predicted: replica id -> predicted arrival time of each replica still training
+            (its launch plus its recent period time; replicas with no history yet are
+            left out: nothing says when they will come).
+        cap_s: the longest the server waits past the quorum.
+    """
+    if not quorum_met:
+        return None
+    within = [t for t in predicted.values() if now <= t <= now + cap_s]
+    return max(within, default=now)
+
+
+class PeriodClock:
+    """Each replica's recent period time (launch to report), for the grace window.
+
+    Args:
+        smoothing: weight of the newest period in the running average.
+        slack: a prediction is the average times this, so a replica a little slower than
+            usual is still waited for.
+    """
+
+    def __init__(self, smoothing: float = 0.5, slack: float = 1.1):
+        self.smoothing, self.slack = smoothing, slack
+        self.average: dict[int, float] = {}
+
+    def observe(self, replica_id: int, seconds: float) -> None:
+        old = self.average.get(replica_id)
+        self.average[replica_id] = seconds if old is None else old + self.smoothing * (seconds - old)
+
+    def predict(self, launched_at: Mapping[int, float]) -> dict[int, float]:
+        """Replica id -> predicted arrival, for the ones with a history."""
+        return {rid: t + self.slack * self.average[rid] for rid, t in launched_at.items() if rid in self.average}
+
+    def forget(self, replica_id: int) -> None:
+        self.average.pop(replica_id, None)

@@ -1,0 +1,257 @@
+"""Decoupled mode on the driver: replicas on their own clocks, merged as they arrive.
+
+:class:`DecoupledLoop` keeps one sync period in flight per active replica, each with its
+own data plan reserved on the server (:meth:`~diloco_ray.runtime.server.ParameterServer.reserve_plan`)
+and its own starting version. One call of :meth:`DecoupledLoop.run_round` is one outer
+step (a *merge*):
+
+1. launch every active replica that is not training (new ones, and the ones just merged),
+   from the newest weights;
+2. collect reports as they come; a replica that dies gives its plan back and the
+   membership is reconciled at once (a hot spare steps in without waiting for a merge);
+3. once ``min_quorum`` contributions are in, wait for the replicas predicted to arrive
+   within ``grace_window_s`` (:func:`~diloco_ray.algo.decoupled.grace_deadline`), then merge:
+   each contribution weighted by its tokens and discounted by its staleness, divided by
+   one round's worth of tokens (:mod:`diloco_ray.algo.decoupled`);
+4. evaluate on a replica that was merged (it is idle; the others keep training) and
+   return the merge's record.
+
+The run ends when ``diloco_loops`` rounds' worth of tokens has been merged (``work``),
+so a decoupled run trains on as many tokens as a synchronous one.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from ray.exceptions import RayActorError, RayTaskError
+
+from diloco_ray.algo import decoupled
+from diloco_ray.algo.aggregate import NON_FINITE
+from diloco_ray.driver.poll import STEP_POLL_S
+from diloco_ray.driver.round_loop import Handout, Period, RoundLoop
+from diloco_ray.errors import UserInputError, unwrap
+from diloco_ray.runtime.messages import Contribution, Launch
+
+GIVE_UP_AFTER_LOSSES = 8  # periods lost in a row, with no merge between, before the run stops
+
+
+@dataclass
+class Flight:
+    """One replica's sync period in flight.
+
+    Args:
+        launch: its :class:`Launch` (buffer and stats refs).
+        plan: the stream ranges reserved for it.
+        version: the global version it started from (its staleness is counted from it).
+        launched_at: wall-clock launch time.
+        attempt: the launch counter its beats carry.
+    """
+
+    launch: Launch
+    plan: list
+    version: int
+    launched_at: float
+    attempt: int
+    stats: list = field(default_factory=list)
+    pending: set = field(default_factory=set)
+
+
+class DecoupledLoop(RoundLoop):
+    """Runs decoupled outer steps for a host (the same host protocol as :class:`RoundLoop`).
+
+    Args:
+        config: the job (``sync_mode: decoupled``).
+        inflight_root: unused in this mode (no in-flight snapshots); kept for one signature.
+        calls: how refs are waited on (Ray's by default).
+        steps: the step feed, or None.
+    """
+
+    def __init__(self, config, inflight_root: str = "", calls=None, steps=None):
+        super().__init__(config, inflight_root, calls, steps)
+        self.flights: dict[int, Flight] = {}
+        self.arrived: dict[int, Flight] = {}
+        self.clock = decoupled.PeriodClock()
+        self.full_tokens = 0.0  # tokens of one rank's full period, as measured (the merge divisor's unit)
+        self.work = 0.0  # rounds' worth of tokens merged, from the server's last commit
+        self.failed: set[int] = set()
+        self._staleness: dict[int, int] = {}
+        self.losses = 0  # periods lost since the last merge
+
+    def finished(self) -> bool:
+        return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
+
+    def restore(self, server, reset: bool) -> None:
+        super().restore(server, reset)
+        self.work = server.work()
+
+    def _evaluate(self, host):
+        """On a replica just merged: it is idle, while the others go on training."""
+        return host.evaluate(among=list(self.arrived))
+
+    # ---- one merge ---------------------------------------------------------------------
+    def run_round(self, host) -> dict:
+        t_start = time.perf_counter()
+        self.wasted_steps, self.failed = 0, set()
+        host.notify("on_round_begin", self.round_index, len(host.members.active))
+        self._launch_idle(host)
+        deadline = None
+        while True:
+            self._poll(host, STEP_POLL_S if deadline is None else max(0.0, min(STEP_POLL_S, deadline - time.time())))
+            quorum = min(self.config.min_quorum, max(1, len(host.members.active)))
+            now = time.time()
+            waiting = {rid: f.launched_at for rid, f in self.flights.items()}
+            deadline = decoupled.grace_deadline(
+                now, len(self.arrived) >= quorum, self.clock.predict(waiting), self.config.grace_window_s
+            )
+            if deadline is not None and (now >= deadline or not self.flights):
+                break
+            if not self.flights and not self.arrived:
+                host.reconcile()  # everyone was lost: bring replicas back before waiting on none
+                self._launch_idle(host)
+        t_merge = time.perf_counter()
+        applied, merged = self._merge(host)
+        t_applied = time.perf_counter()
+        self.round_index = applied.round + 1 if applied.applied else self.round_index
+        record = self._record(host, [applied], [Period(merged, refs=None)], set(), self.failed, t_start, t_applied)
+        record.update(self._merge_facts(applied, merged, t_applied - t_merge))
+        if self.finished():
+            # The run ends here: the periods still in flight are never merged. Goodput counts them.
+            if self.steps is not None:
+                self.steps.beats()
+            record["abandoned_steps"] = sum(self._steps_run(f) for f in self.flights.values())
+        self.arrived = {}
+        return record
+
+    # ---- the steps of a merge ----------------------------------------------------------
+    def _launch_idle(self, host) -> None:
+        """Start a sync period on every active replica that is not training."""
+        for slot, rep in enumerate(host.members.active):
+            if rep.id in self.flights or rep.id in self.arrived:
+                continue
+            plan = host.server.reserve_plan(rep.id)
+            self.attempt += 1
+            launch = Launch(rep, *rep.run_period(self._job(host, rep, slot, 0, plan)))
+            self.flights[rep.id] = Flight(
+                launch, plan, self.handout.version, time.time(), self.attempt, pending=set(launch.stats)
+            )
+            self.reset_inner.discard(rep.id)
+        self.reset = self.restart = False
+
+    def _poll(self, host, wait: float) -> None:
+        """Move finished periods to ``arrived``; drop replicas that died (their plans go
+        back, and a spare or a new replica is brought in at once)."""
+        refs = [ref for f in self.flights.values() for ref in f.pending]
+        ready = set(self.calls.ready(refs, wait)) if refs else set()
+        if not refs:
+            time.sleep(wait)
+        if self.steps is not None:
+            self.steps.poll()
+        lost = False
+        for rid, flight in list(self.flights.items()):
+            for ref in list(flight.pending & ready):
+                flight.pending.discard(ref)
+                try:
+                    flight.stats.append(self.calls.get(ref))
+                except (RayActorError, RayTaskError) as e:
+                    if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
+                        raise
+                    self._lose(host, rid, "failed", e)
+                    lost = True
+                    break
+            if rid in self.flights and not flight.pending:
+                del self.flights[rid]
+                self.clock.observe(rid, time.time() - flight.launched_at)
+                flight.stats.sort(key=lambda s: s.rank)
+                self.arrived[rid] = flight
+        for rid in self._stalled():
+            self._lose(host, rid, "unresponsive")
+            lost = True
+        if lost:
+            host.reconcile()
+            self._launch_idle(host)
+
+    def _steps_run(self, flight: Flight) -> int:
+        """Inner steps a period in flight has run, from its ranks' reports or step beats."""
+        beats = self.steps.last_beats if self.steps is not None else {}
+        rid = flight.launch.replica.id
+        beat = max((b[1] for (r, _), b in beats.items() if r == rid and b[0] == flight.attempt), default=0)
+        return max([s.inner_steps for s in flight.stats] + [beat])
+
+    def _lose(self, host, rid: int, why: str, error: Exception | None = None) -> None:
+        self.losses += 1
+        if self.losses > GIVE_UP_AFTER_LOSSES:
+            # Every replacement fails too (a bug, a bad node): stop, as a synchronous run
+            # stops after a round fails GIVE_UP_AFTER_LOSSES times.
+            raise RuntimeError(
+                f"{self.losses} replica periods were lost in a row without a merge; the last: {why}"
+                + (f" ({type(error).__name__}: {str(error).splitlines()[-1] if str(error) else ''})" if error else "")
+            ) from error
+        flight = self.flights.pop(rid)
+        self.wasted_steps += self._steps_run(flight)
+        host.server.release_plan(rid)
+        self.clock.forget(rid)
+        self.failed.add(rid)
+        host.members.remove(flight.launch.replica, why)
+
+    def _stalled(self) -> list[int]:
+        """Replicas whose period has shown no step beat for ``stall_timeout_s`` (frozen)."""
+        if self.steps is None or not self.flights:
+            return []
+        beats = self.steps.beats()
+        if beats is None:
+            return []
+        now, out = time.time(), []
+        for rid, f in self.flights.items():
+            last = max(
+                [at for (r, _), (attempt, _, at) in beats.items() if r == rid and attempt == f.attempt]
+                + [f.launched_at]
+            )
+            if now - last > self.config.stall_timeout_s:
+                out.append(rid)
+        return out
+
+    def _merge(self, host):
+        """One outer step from the contributions that arrived."""
+        version = self.handout.version
+        merged = {rid: f.stats for rid, f in self.arrived.items()}
+        cfg = self.config
+        for rid, stats in merged.items():
+            tokens = float(sum(s.loss_tokens for s in stats)) / cfg.ranks_of(rid)
+            self.full_tokens = max(
+                self.full_tokens, decoupled.full_period_tokens(tokens, stats[0].inner_steps, cfg.max_steps)
+            )
+        ranks = sum(cfg.ranks_of(rep.id) for rep in host.members.active) or cfg.max_ranks
+        divisor = decoupled.round_tokens(ranks, self.full_tokens)
+        weights, shares = {}, {}
+        for rid, f in self.arrived.items():
+            tokens = float(sum(s.loss_tokens for s in f.stats))
+            weights[rid] = decoupled.staleness_weight(tokens, version - f.version, self.config.staleness_power)
+            shares[rid] = tokens / divisor
+        contributions = [
+            [Contribution(rid, f.launch.buffers[s], weights[rid]) for rid, f in self.arrived.items()]
+            for s in range(len(host.server))
+        ]
+        unused = {rid: f.stats[0].unused for rid, f in self.arrived.items() if f.stats[0].unused}
+        plans = {rid: f.plan for rid, f in self.arrived.items()}
+        refs = host.server.sync(0, contributions, plans, unused, merge=(divisor, shares))
+        applied = self.calls.get(refs.commits)[0]
+        self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.startswith(NON_FINITE)}
+        self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
+        if applied.applied:
+            self.losses = 0
+            self.handout = Handout(refs.weights, full=False, version=version + 1)
+            self.work = applied.work
+        self._staleness = {rid: version - f.version for rid, f in self.arrived.items()}
+        return applied, merged
+
+    def _merge_facts(self, applied, merged: dict, merge_seconds: float) -> dict:
+        """What a decoupled record adds: who was merged, how stale, the work so far."""
+        return {
+            "sync_mode": "decoupled",
+            "staleness": {str(rid): self._staleness[rid] for rid in applied.accepted},
+            "in_flight": sorted(self.flights),
+            "work": applied.work if applied.applied else self.work,
+            "merge_seconds": merge_seconds,
+        }

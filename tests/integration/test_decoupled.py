@@ -1,0 +1,133 @@
+"""Decoupled mode end to end: replicas on their own clocks, merged by quorum and grace
+window, a slow replica merged stale and discounted, a lost replica's plan given back,
+a hot spare stepping in without waiting for a merge, and a resumed run. In every case each
+stream position is trained on at most once, and exactly once when nothing is in flight."""
+
+import json
+import sys
+import time
+
+import pytest
+import ray
+from conftest import applied_positions, tiny_config
+
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.observe.metrics import read_events
+
+pytestmark = pytest.mark.integration
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+DECOUPLED = dict(sync_mode="decoupled", diloco_loops=3, max_steps=4, eval_batches=1, min_quorum=1)
+SLOW_1 = [{"kind": "slowdown", "replica": 1, "round": 0, "factor": 4}]
+
+
+def no_position_twice(rounds) -> bool:
+    positions = applied_positions(rounds)
+    return len(positions) == len(set(positions))
+
+
+def merged(rounds, rid: int) -> list:
+    return [r for r in rounds if rid in r["replica_ids"]]
+
+
+def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_tokens(ray_local, tmp_path):
+    """min_quorum = replicas: each merge holds both replicas, none stale, and the run
+    merges exactly diloco_loops rounds' worth of tokens, each position once."""
+    cfg = tiny_config(tmp_path / "run", **{**DECOUPLED, "min_quorum": 2})
+    rounds = DilocoFSDPTrainer(cfg).train().rounds
+    assert len(rounds) == 3 and all(sorted(r["replica_ids"]) == [0, 1] for r in rounds)
+    assert all(r["staleness"] == {"0": 0, "1": 0} for r in rounds)
+    assert rounds[-1]["work"] == pytest.approx(3.0)
+    positions = applied_positions(rounds)
+    assert sorted(positions) == list(range(3 * 2 * cfg.sequences_per_replica_round))
+    assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
+
+
+def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local, tmp_path):
+    """Replica 1 is 4x slower and the grace window is too short to wait for it: replica 0
+    is merged alone several times while 1 trains, and 1's work arrives stale, counted
+    with its staleness (and replica 0's, when 1 was merged while 0 trained); nothing is
+    trained twice."""
+    cfg = tiny_config(
+        tmp_path / "run", **{**DECOUPLED, "diloco_loops": 4, "grace_window_s": 0.05, "fault_plan": SLOW_1}
+    )
+    rounds = DilocoFSDPTrainer(cfg).train().rounds
+    fast, slow = merged(rounds, 0), merged(rounds, 1)
+    assert len(fast) >= 2 * len(slow) >= 2
+    assert all(r["staleness"]["1"] >= 1 for r in slow)  # replica 0 was merged while it trained
+    assert rounds[-1]["work"] >= 4.0 - 1e-9
+    assert no_position_twice(rounds)
+
+
+def test_the_grace_window_waits_for_a_replica_predicted_soon(ray_local, tmp_path):
+    """The same slow replica, with a grace window long enough for it: once its period time
+    is known, a merge waits for it, so it is merged fresh (staleness 0) with replica 0."""
+    cfg = tiny_config(
+        tmp_path / "run", **{**DECOUPLED, "diloco_loops": 4, "grace_window_s": 30.0, "fault_plan": SLOW_1}
+    )
+    rounds = DilocoFSDPTrainer(cfg).train().rounds
+    together = [r for r in rounds if sorted(r["replica_ids"]) == [0, 1]]
+    assert len(together) >= 2  # after both periods are known, every merge waits for replica 1
+    assert all(r["staleness"] == {"0": 0, "1": 0} for r in together[1:])
+    assert no_position_twice(rounds)
+
+
+def test_a_lost_replica_gives_its_plan_back_and_a_spare_takes_its_place_at_once(ray_local, tmp_path):
+    """spare_replicas: 1, min_quorum 2. Once the spare is ready, a replica's ranks are killed
+    after merge 0; its next period fails, its plan goes back, and the spare is promoted and
+    launched at once, within the same merge's wait (not at the next merge): merge 1 holds the
+    survivor and the spare. Nothing is trained twice."""
+
+    class KillOnceTheSpareIsReady:
+        def on_round_end(self, trainer, record):
+            if record["round"] != 0:
+                return
+            deadline = time.monotonic() + 180
+            while not trainer.members.spares and time.monotonic() < deadline:
+                trainer.members.admit_ready(0.0)
+                time.sleep(0.2)
+            self.victim, self.spare = trainer.replicas[-1].id, trainer.members.spares[0].id
+            self.active = [r.id for r in trainer.replicas]
+            for rank in trainer.replicas[-1].ranks:
+                ray.kill(rank, no_restart=True)
+
+    killer = KillOnceTheSpareIsReady()
+    cfg = tiny_config(tmp_path / "run", **{**DECOUPLED, "diloco_loops": 3, "spare_replicas": 1, "min_quorum": 2})
+    rounds = DilocoFSDPTrainer(cfg, callbacks=[killer]).train().rounds
+    survivor = set(killer.active) - {killer.victim}
+    assert rounds[1]["dropped"] == [killer.victim]
+    assert set(rounds[1]["replica_ids"]) == survivor | {killer.spare}
+    events = read_events(cfg.output_dir, "membership")
+    promoted = next(e for e in events if e["action"] == "join" and e["replica_id"] == killer.spare)
+    assert promoted["reason"] == "spare" and promoted["round"] == 1
+    positions = applied_positions(rounds)
+    assert sorted(positions) == list(range(len(positions)))  # quorum 2: nothing left in flight
+
+
+def test_a_resumed_run_trains_the_in_flight_data_again_and_keeps_the_weights(ray_local, tmp_path):
+    """A checkpoint keeps the global weights, the outer momentum, the work merged and the
+    cursor with in-flight plans given back. Resuming it trains those plans, and every
+    position of both runs together is trained exactly once up to the resumed frontier."""
+    first_cfg = tiny_config(
+        tmp_path / "a",
+        **{**DECOUPLED, "diloco_loops": 2, "checkpoint_steps": 4, "grace_window_s": 0.0, "fault_plan": SLOW_1},
+    )
+    first = DilocoFSDPTrainer(first_cfg).train().rounds
+    # The newest checkpoint taken while replica 1 (slow, never waited for) was in flight.
+    last = max((c for c in (tmp_path / "a" / "checkpoints").glob("round-*") if given_back(c)), key=lambda c: c.name)
+    saved_round = int(last.name.split("-")[1])
+    kept = [r for r in first if r["round"] < saved_round]
+    second_cfg = tiny_config(tmp_path / "b", **{**DECOUPLED, "diloco_loops": 4, "resume_from": str(last)})
+    second = DilocoFSDPTrainer(second_cfg).train().rounds
+    assert second[0]["round"] == saved_round
+    assert second[0]["work"] > kept[-1]["work"] >= 2.0 - 1e-9
+    positions = applied_positions(kept) + applied_positions(second)
+    assert len(positions) == len(set(positions))
+    # What was in flight at the checkpoint went back into its cursor, and is trained after the resume.
+    assert given_back(last) <= set(applied_positions(second))
+
+
+def given_back(checkpoint) -> set:
+    """The positions a checkpoint's cursor hands out again first (in-flight plans given back)."""
+    cursor = json.loads((checkpoint / "server.json").read_text())["cursor"]
+    return {p for s, c in cursor["returned"] for p in range(s, s + c)}

@@ -1,0 +1,83 @@
+"""Decoupled mode's math without Ray: delayed Nesterov equals a synchronous Nesterov step
+per cycle, staleness weights, the cycle count, and the adaptive grace window."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diloco_ray.algo import decoupled
+
+
+def torch_nesterov(start: torch.Tensor, grads: list[torch.Tensor], lr: float, beta: float) -> torch.Tensor:
+    p = start.clone().requires_grad_(True)
+    opt = torch.optim.SGD([p], lr=lr, momentum=beta, nesterov=True)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach()
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_a_cycle_of_merges_is_one_synchronous_nesterov_step(parts):
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(5, 3, generator=g)
+    rounds = [torch.randn(5, 3, generator=g) for _ in range(3)]
+    p, buf = start.clone(), torch.zeros_like(start)
+    for full in rounds:
+        # Each round's gradient arrives as `parts` merges that add up to it.
+        pieces = [full * w for w in torch.linspace(1, 2, parts) / torch.linspace(1, 2, parts).sum()]
+        for i, piece in enumerate(pieces):
+            decoupled.delayed_nesterov_(p, piece, buf, lr=0.7, beta=0.9, cycle_end=i == parts - 1)
+    torch.testing.assert_close(p, torch_nesterov(start, rounds, 0.7, 0.9), rtol=1e-5, atol=1e-6)
+
+
+def test_between_cycle_ends_a_merge_moves_by_its_gradient_alone():
+    p, buf = torch.ones(4), torch.full((4,), 2.0)  # buf: beta * m from an earlier cycle
+    decoupled.delayed_nesterov_(p, torch.full((4,), 0.5), buf, lr=0.1, beta=0.9, cycle_end=False)
+    torch.testing.assert_close(p, torch.full((4,), 0.95))
+    torch.testing.assert_close(buf, torch.full((4,), 2.5))
+
+
+def test_staleness_discounts_by_the_configured_power():
+    assert decoupled.staleness_weight(100, 0, 1.0) == 100
+    assert decoupled.staleness_weight(100, 1, 1.0) == 50
+    assert decoupled.staleness_weight(100, 3, 0.5) == pytest.approx(50)
+    assert decoupled.staleness_weight(100, 5, 0.0) == 100
+    with pytest.raises(ValueError, match="staleness"):
+        decoupled.staleness_weight(100, -1, 1.0)
+
+
+def test_cycles_end_when_a_whole_round_has_been_merged():
+    work, ends = 0.0, []
+    for _ in range(6):
+        before, work = work, work + 1 / 3
+        ends.append(decoupled.cycle_ends(before, work))
+    assert ends == [False, False, True, False, False, True]
+    assert decoupled.cycle_ends(0.5, 2.5)  # one big merge past a boundary
+
+
+def test_divisor_is_a_full_period_of_every_active_rank():
+    assert decoupled.full_period_tokens(300, 3, 8) == 800
+    assert decoupled.round_tokens(2, 800) == 1600
+    with pytest.raises(ValueError):
+        decoupled.round_tokens(0, 800)
+
+
+def test_grace_window_waits_for_replicas_predicted_within_the_cap():
+    now = 100.0
+    assert decoupled.grace_deadline(now, False, {1: 101.0}, 5.0) is None  # no quorum yet
+    assert decoupled.grace_deadline(now, True, {}, 5.0) == now  # nobody predicted: merge now
+    assert decoupled.grace_deadline(now, True, {1: 101.5, 2: 103.0}, 5.0) == 103.0
+    assert decoupled.grace_deadline(now, True, {1: 101.5, 2: 110.0}, 5.0) == 101.5  # 2 is past the cap
+    assert decoupled.grace_deadline(now, True, {1: 101.5}, 0.0) == now  # no grace window
+
+
+def test_period_clock_learns_each_replicas_period():
+    clock = decoupled.PeriodClock(smoothing=0.5, slack=1.0)
+    clock.observe(0, 2.0)
+    clock.observe(0, 4.0)
+    clock.observe(1, 10.0)
+    assert clock.predict({0: 50.0, 1: 50.0, 2: 50.0}) == {0: 53.0, 1: 60.0}  # 2 has no history
+    clock.forget(1)
+    assert clock.predict({1: 0.0}) == {}

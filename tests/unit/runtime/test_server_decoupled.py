@@ -1,0 +1,111 @@
+"""The server in decoupled mode, in-process: merges one contribution at a time, delayed
+Nesterov, in-flight plans and what a checkpoint keeps of them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from diloco_ray.data import plan as data
+from diloco_ray.runtime.messages import Contribution
+from tests.unit.runtime.test_server_shards import Sim, max_diff
+
+
+def merge(sim: Sim, rid: int, buffers, weight: float, divisor: float, plan, unused=None):
+    srv = sim.servers[0]
+    prepared = srv.prepare(0, [Contribution(rid, buffers[0], weight)], divisor)
+    reduced = srv.reduce(prepared)
+    applied = srv.commit({rid: plan}, reduced, unused=unused or {}, shares={rid: weight / divisor})
+    sim.messages, sim.full = [srv.new_weights_message(0)], False
+    return applied
+
+
+@pytest.mark.parametrize("momentum", ["delayed", "every_step"])
+def test_two_merges_from_one_start_make_the_synchronous_round(momentum):
+    """Two replicas start from the same weights and are merged one at a time (no staleness
+    discount). With delayed Nesterov that is exactly the synchronous round: the weights and
+    the data trained agree; applying momentum at every merge does not."""
+    ref = Sim(1, 1, 1, 2)
+    ref.round(0)
+    dec = Sim(1, 1, 1, 2, sync_mode="decoupled", staleness_power=0.0, decoupled_momentum=momentum)
+    srv = dec.servers[0]
+    plans = {rid: srv.reserve_plan(rid) for rid in (0, 1)}
+    bufs = {}
+    for rid in (0, 1):
+        dec.receive(rid)
+        dec.train(rid, 0, 0)
+        bufs[rid] = dec.outgoing(rid, 0)
+    weights = {0: 1.0, 1: 2.0}  # Sim's synchronous round weights replica r by 1 + r
+    first = merge(dec, 0, bufs[0], weights[0], 3.0, plans[0])
+    second = merge(dec, 1, bufs[1], weights[1], 3.0, plans[1])
+    assert (first.round, second.round, second.work) == (0, 1, pytest.approx(1.0))
+    assert srv.sync_version() == 2
+    diff = max_diff(dec.global_weights(), ref.global_weights())
+    if momentum == "delayed":
+        assert diff < 1e-6
+    else:
+        assert diff > 1e-3
+    assert srv.cursor == ref.servers[0].cursor
+    assert {**first.data_ranges, **second.data_ranges} == ref.history[0][0].data_ranges
+
+
+def test_a_rejected_or_unfinished_plan_goes_back_and_a_checkpoint_gives_back_in_flight_ones():
+    dec = Sim(1, 1, 1, 3, sync_mode="decoupled")
+    srv = dec.servers[0]
+    plans = {rid: srv.reserve_plan(rid) for rid in (0, 1, 2)}
+    with pytest.raises(RuntimeError, match="already has a plan"):
+        srv.reserve_plan(0)
+    dec.receive(0)
+    dec.train(0, 0, 0)
+    bufs = dec.outgoing(0, 0)
+    per = dec.cfg.sequences_per_replica_round
+    tail = data.ranges_of(data.plan_positions(plans[0])[per // 2 :])
+    applied = merge(dec, 0, bufs, 1.0, 3.0, plans[0], unused={0: tail})
+    assert applied.applied and applied.data_ranges[0] == data.trained_part(plans[0], tail)
+    srv.release_plan(1)  # replica 1 died
+    assert srv.cursor.returned == data._normalise(tail + plans[1])
+    # A checkpoint now: replica 2's plan is still in flight, so the saved cursor holds it too.
+    assert srv.resume_cursor().returned == data._normalise(tail + plans[1] + plans[2])
+    assert list(srv.in_flight) == [2]
+    # A NaN contribution is rejected; its plan goes back and nothing moves.
+    before = dec.global_weights()
+    dec.receive(2)
+    dec.train(2, 0, 0)
+    bad = dec.outgoing(2, 0)
+    from tests.unit.runtime.test_server_shards import with_value
+
+    bad[0][0] = with_value(bad[0][0])
+    rejected = merge(dec, 2, bad, 1.0, 3.0, plans[2])
+    assert not rejected.applied and 2 in rejected.rejected
+    assert srv.in_flight == {}
+    assert srv.cursor.returned == data._normalise(tail + plans[1] + plans[2])
+    assert max_diff(before, dec.global_weights()) == 0.0
+    assert np.isclose(srv.merged_work(), 1.0 / 3.0)
+
+
+def test_a_checkpoint_keeps_weights_momentum_work_and_the_cursor_with_in_flight_plans_given_back(tmp_path):
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.errors import ConfigError
+    from diloco_ray.runtime.server import ParameterServer
+
+    dec = Sim(1, 1, 1, 2, sync_mode="decoupled")
+    srv = dec.servers[0]
+    plans = {rid: srv.reserve_plan(rid) for rid in (0, 1)}
+    dec.receive(0)
+    dec.train(0, 0, 0)
+    merge(dec, 0, dec.outgoing(0, 0), 1.0, 2.0, plans[0])  # replica 1 is still in flight
+    srv.save(str(tmp_path))
+    restored = ParameterServer(dec.cfg.to_dict())
+    restored.load(str(tmp_path))
+    assert restored.merged_work() == pytest.approx(0.5) and restored.sync_version() == 1
+    assert restored.in_flight == {} and restored.cursor == srv.resume_cursor()
+    assert restored.cursor.returned == plans[1]
+    for name, p in srv.optimizer.params.items():
+        assert torch.equal(restored.optimizer.params[name], p)
+        mine = srv.optimizer._optimizer.state[p]["momentum_buffer"]
+        theirs = restored.optimizer._optimizer.state[restored.optimizer.params[name]]["momentum_buffer"]
+        assert torch.equal(mine, theirs) and mine.abs().sum() > 0  # delayed Nesterov's buffer
+    sync_cfg = TrainerConfig.from_dict({**dec.cfg.to_dict(), "sync_mode": "sync"})
+    with pytest.raises(ConfigError, match="sync_mode: sync, but checkpoint .* sync_mode: decoupled"):
+        ParameterServer(sync_cfg.to_dict()).load(str(tmp_path))
