@@ -92,8 +92,7 @@ def grace_deadline(now: float, quorum_met: bool, predicted: Mapping[int, float],
         now: the current time.
         quorum_met: at least ``min_quorum`` contributions are in.
         predicted: replica id -> predicted arrival time of each replica still training
-            (its launch plus its recent period time; replicas with no history yet are
-            left out: nothing says when they will come).
+            (its launch plus its recent period time, see :class:`PeriodClock`).
         cap_s: the longest the server waits past the quorum.
     """
     if not quorum_met:
@@ -120,8 +119,12 @@ class PeriodClock:
         self.average[replica_id] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def predict(self, launched_at: Mapping[int, float]) -> dict[int, float]:
-        """Replica id -> predicted arrival, for the ones with a history."""
-        return {rid: t + self.slack * self.average[rid] for rid, t in launched_at.items() if rid in self.average}
+        """Replica id -> predicted arrival. A replica with no history yet (its first period)
+        is predicted from the others' mean: the replicas run the same job."""
+        if not self.average:
+            return {}
+        typical = sum(self.average.values()) / len(self.average)
+        return {rid: t + self.slack * self.average.get(rid, typical) for rid, t in launched_at.items()}
 
     def forget(self, replica_id: int) -> None:
         self.average.pop(replica_id, None)

@@ -78,6 +78,8 @@ def test_period_clock_learns_each_replicas_period():
     clock.observe(0, 2.0)
     clock.observe(0, 4.0)
     clock.observe(1, 10.0)
-    assert clock.predict({0: 50.0, 1: 50.0, 2: 50.0}) == {0: 53.0, 1: 60.0}  # 2 has no history
+    # 2 has no history yet: it runs the same job, so the others' mean stands in.
+    assert clock.predict({0: 50.0, 1: 50.0, 2: 50.0}) == {0: 53.0, 1: 60.0, 2: 56.5}
     clock.forget(1)
-    assert clock.predict({1: 0.0}) == {}
+    assert clock.predict({1: 0.0}) == {1: 3.0}
+    assert decoupled.PeriodClock().predict({0: 1.0}) == {}  # nothing seen yet
