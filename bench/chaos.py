@@ -108,35 +108,41 @@ def seconds_to(rounds: list, loss: float) -> float:
 
 def measure(mode: str, args, overrides: dict) -> tuple[dict, list]:
     clean, clean_s = run(args.rounds, overrides)
-    chaos = Chaos(args.every)
-    faulty, faulty_s = run(args.rounds, overrides, [chaos])
-    applied, ran = goodput(faulty)
     clean_applied, clean_ran = goodput(clean)
     train_s = training_seconds(clean)[-1]
     figures = {
-        "failures": len(chaos.kills),
-        "failures_per_minute": len(chaos.kills) / (faulty_s / 60),
-        "goodput": applied / ran,
         "goodput_fault_free": clean_applied / clean_ran,
-        "time_efficiency": clean_s / faulty_s,
-        "work_efficiency": (applied / faulty_s) / (clean_applied / clean_s),
         "tokens_per_s": sum(r["tokens"] for r in clean) / train_s,
-        "tokens_per_s_faulty": sum(r["tokens"] for r in faulty) / training_seconds(faulty)[-1],
         "eval_loss_fault_free": clean[-1]["eval_loss"],
-        "eval_loss_faulty": faulty[-1]["eval_loss"],
-        "eval_loss_ratio": faulty[-1]["eval_loss"] / clean[-1]["eval_loss"],
         "outer_steps": len(clean),
-        "rounds_with_a_dropped_replica": sum(1 for r in faulty if r["dropped"]),
         "training_seconds_fault_free": train_s,
         "seconds_fault_free": clean_s,
-        "seconds_faulty": faulty_s,
     }
+    if args.every <= 0:
+        return figures, clean
+    chaos = Chaos(args.every)
+    faulty, faulty_s = run(args.rounds, overrides, [chaos])
+    applied, ran = goodput(faulty)
+    figures.update(
+        {
+            "failures": len(chaos.kills),
+            "failures_per_minute": len(chaos.kills) / (faulty_s / 60),
+            "goodput": applied / ran,
+            "time_efficiency": clean_s / faulty_s,
+            "work_efficiency": (applied / faulty_s) / (clean_applied / clean_s),
+            "tokens_per_s_faulty": sum(r["tokens"] for r in faulty) / training_seconds(faulty)[-1],
+            "eval_loss_faulty": faulty[-1]["eval_loss"],
+            "eval_loss_ratio": faulty[-1]["eval_loss"] / clean[-1]["eval_loss"],
+            "rounds_with_a_dropped_replica": sum(1 for r in faulty if r["dropped"]),
+            "seconds_faulty": faulty_s,
+        }
+    )
     return figures, clean
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--every", type=float, default=20.0, help="seconds between failures")
+    parser.add_argument("--every", type=float, default=20.0, help="seconds between failures (0: fault-free runs only)")
     parser.add_argument("--rounds", type=int, default=30, help="outer rounds (of tokens) of each run")
     parser.add_argument("--modes", default="sync,decoupled", help="sync_mode values to compare")
     parser.add_argument("--slowdown", type=float, default=None, help="make replica 1 this many times slower")

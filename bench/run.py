@@ -29,6 +29,14 @@ The figures (goals from the project's issue tracker):
 * ``recovery_seconds``: a replica's process dies mid-run; seconds to full membership.
 * ``scaling_efficiency``: tokens/s with 4 replicas / (4 x tokens/s with 1), same
   resources per replica (CPU-bound here: 4 single-threaded ranks share 2 cores).
+* ``decoupled_loss_vs_sync``: final eval loss of ``sync_mode: decoupled`` / the
+  synchronous mode, 2 replicas, the same tokens. Goal <= 1.02.
+* ``decoupled_speedup_to_sync_loss``: with replica 1 made 2x slower (a ``slowdown`` in
+  the fault plan), the synchronous run's training seconds / the decoupled run's seconds
+  until its eval loss first reaches the synchronous run's final one. Goal >= 1.3.
+* ``decoupled_goodput``: the same two jobs again, a rank killed every
+  ``CHAOS_EVERY_S`` seconds: replica inner steps that reached an applied update / steps
+  run (``bench/chaos.py``), the synchronous mode's beside it. Goal >= 0.85.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import baselines  # noqa: E402
+import chaos  # noqa: E402
 import elastic  # noqa: E402
 import ray  # noqa: E402
 
@@ -75,7 +84,11 @@ GOALS = {
     "loss_vs_ddp": ("<=", 1.02),
     "recovery_seconds": ("report", None),
     "scaling_efficiency": ("report", None),
+    "decoupled_loss_vs_sync": ("<=", 1.02),
+    "decoupled_speedup_to_sync_loss": (">=", 1.3),
+    "decoupled_goodput": (">=", 0.85),
 }
+CHAOS_EVERY_S = 10.0  # a 10-round run of the default lasts 30-40 s with one replica 2x slower
 
 
 def config(**overrides) -> TrainerConfig:
@@ -217,9 +230,46 @@ class Bench:
             "of it (actor, imports, data, model)",
         )
 
+    def decoupled(self) -> None:
+        """Synchronous vs decoupled mode on the default, side by side (see bench/chaos.py)."""
+        sync_plain = self.runs.get("DiLoCo, 2 replicas") or self.run("DiLoCo, 2 replicas", config())
+        dec_plain = self.run("decoupled, 2 replicas", config(sync_mode="decoupled"))
+        self.figure(
+            "decoupled_loss_vs_sync",
+            dec_plain[-1]["eval_loss"] / sync_plain[-1]["eval_loss"],
+            f"eval loss {dec_plain[-1]['eval_loss']:.4f} (decoupled, {len(dec_plain)} merges) vs "
+            f"{sync_plain[-1]['eval_loss']:.4f} (synchronous), {sum(r['tokens'] for r in dec_plain)} vs "
+            f"{sum(r['tokens'] for r in sync_plain)} tokens",
+        )
+        slow = {"fault_plan": [{"kind": "slowdown", "replica": 1, "round": 0, "factor": 2.0}]}
+        args = argparse.Namespace(rounds=config().diloco_loops, every=CHAOS_EVERY_S)
+        figures, runs = {}, {}
+        for mode in ("sync", "decoupled"):
+            figures[mode], runs[mode] = chaos.measure(mode, args, {**slow, "sync_mode": mode})
+            self.runs[f"{mode}, replica 1 2x slower"] = runs[mode]
+        target = runs["sync"][-1]["eval_loss"]
+        sync_s = chaos.training_seconds(runs["sync"])[-1]
+        reach = chaos.seconds_to(runs["decoupled"], target)
+        self.figure(
+            "decoupled_speedup_to_sync_loss",
+            sync_s / reach,
+            f"replica 1 2x slower: eval loss {target:.4f} reached in {reach:.1f} s (decoupled) vs {sync_s:.1f} s "
+            f"(synchronous); tokens/s {figures['decoupled']['tokens_per_s']:.0f} "
+            f"vs {figures['sync']['tokens_per_s']:.0f}; "
+            f"final eval loss {runs['decoupled'][-1]['eval_loss']:.4f} vs {target:.4f}",
+        )
+        dec, syn = figures["decoupled"], figures["sync"]
+        self.figure(
+            "decoupled_goodput",
+            dec["goodput"],
+            f"a rank killed every {CHAOS_EVERY_S:g} s, replica 1 2x slower: {dec['failures']} failures, goodput "
+            f"{dec['goodput']:.3f} (decoupled) vs {syn['goodput']:.3f} (synchronous, {syn['failures']} failures); "
+            f"tokens/s {dec['tokens_per_s_faulty']:.0f} vs {syn['tokens_per_s_faulty']:.0f}; "
+            f"eval loss {dec['eval_loss_faulty']:.4f} vs {syn['eval_loss_faulty']:.4f}",
+        )
+
     def convergence(self) -> None:
         """The rest of the convergence table (full runs only)."""
-        self.run("DiLoCo, 2 replicas", config())
         self.run("DiLoCo, 8 replicas", config(num_replicas=8, cpus_per_rank=0.5))
         self.run(
             "DiLoCo, 2 replicas, int4 + error feedback", config(pseudo_grad_compression="int4", error_feedback=True)
@@ -337,10 +387,11 @@ def plot(runs: dict[str, list[dict]], path: str) -> None:
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for label, rounds in runs.items():
-        points = [(r["round"], r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
+        # x: rounds' worth of tokens merged (a decoupled run has more, smaller outer steps)
+        points = [(r.get("work", r["round"] + 1), r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
         if len(points) > 2:
             ax.plot(*zip(*points), marker="o", markersize=3, label=label)
-    ax.set(title="eval loss per round, configs/tiny.yaml", xlabel="outer round", ylabel="eval loss")
+    ax.set(title="eval loss, configs/tiny.yaml", xlabel="rounds of tokens merged", ylabel="eval loss")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -363,6 +414,7 @@ def main(argv=None) -> int:
         bench.communication()
         bench.sync()
         bench.recovery()
+        bench.decoupled()
         if not args.quick:
             bench.convergence()
     finally:

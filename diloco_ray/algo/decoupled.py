@@ -13,14 +13,21 @@ Three rules make that converge like synchronous DiLoCo:
   weights that arrived: so a merge of one replica moves the weights by about a
   1/replicas share of a synchronous round, and a discount really shrinks a stale step
   instead of being normalised away.
-* **Delayed Nesterov** (Liu et al., "Asynchronous Local-SGD", 2024). Applying outer
-  Nesterov momentum at every small merge compounds it many times per round. Instead each
-  merge applies its gradient part at once, ``theta -= lr * g``, and adds ``g`` to the
+* **Outer momentum** (``decoupled_momentum``). By default (``every_step``) each merge is
+  one step of the outer optimizer, as each synchronous round is: a merge of one replica
+  out of two moves the weights by about half a round's gradient, and Nesterov momentum
+  carries it on. The alternative is **delayed Nesterov** (Liu et al., "Asynchronous
+  Local-SGD", 2024), which argues that momentum at every small merge compounds too often:
+  each merge applies its gradient part at once, ``theta -= lr * g``, and adds ``g`` to the
   momentum; once a round's worth of work has been merged the momentum part is applied,
   ``m = beta * m + sum(g)``, ``theta -= lr * beta * m``. A cycle whose merges started from
   the same weights is then exactly one synchronous Nesterov step (unit-tested against
-  ``torch.optim.SGD(nesterov=True)``). One buffer per parameter holds ``beta * m`` plus
-  the cycle's gradients so far, so it costs what plain Nesterov costs.
+  ``torch.optim.SGD(nesterov=True)``); one buffer per parameter holds ``beta * m`` plus the
+  cycle's gradients so far, so it costs what plain Nesterov costs. Measured on the default
+  with one replica 2x slower (10 rounds, seeds 0-3), ``every_step`` ended at a mean eval
+  loss of 0.797, delayed at 0.857 and the synchronous mode at 0.860, so ``every_step`` is
+  the default: with a momentum of 0.5 over a few dozen merges the compounding Liu et al.
+  guard against (momentum 0.9, thousands of merges) does not show.
 * **An adaptive grace window.** Once ``min_quorum`` contributions are in, the server waits
   for the others that are predicted (from each replica's recent period times) to arrive
   within ``grace_window_s``; a replica predicted later is not waited for.
@@ -106,12 +113,15 @@ class PeriodClock:
 
     Args:
         smoothing: weight of the newest period in the running average.
-        slack: a prediction is the average times this, so a replica a little slower than
-            usual is still waited for.
+        slack: a prediction is the average times this, plus ``margin_s``, so a replica a
+            little slower than usual is still waited for (measured on the default: with 1.1
+            and no margin, the first merge often missed a replica that came 0.2 s later and
+            its contribution was merged a step stale).
+        margin_s: seconds added to every prediction.
     """
 
-    def __init__(self, smoothing: float = 0.5, slack: float = 1.1):
-        self.smoothing, self.slack = smoothing, slack
+    def __init__(self, smoothing: float = 0.5, slack: float = 1.25, margin_s: float = 0.25):
+        self.smoothing, self.slack, self.margin_s = smoothing, slack, margin_s
         self.average: dict[int, float] = {}
 
     def observe(self, replica_id: int, seconds: float) -> None:
@@ -124,7 +134,7 @@ class PeriodClock:
         if not self.average:
             return {}
         typical = sum(self.average.values()) / len(self.average)
-        return {rid: t + self.slack * self.average.get(rid, typical) for rid, t in launched_at.items()}
+        return {rid: t + self.slack * self.average.get(rid, typical) + self.margin_s for rid, t in launched_at.items()}
 
     def forget(self, replica_id: int) -> None:
         self.average.pop(replica_id, None)

@@ -94,7 +94,7 @@ class TrainerConfig:
     min_quorum: int = _f(1, "decoupled: contributions the server waits for before an outer step (fewer when fewer replicas are active)", ge=1)
     grace_window_s: float = _f(2.0, "decoupled: after the quorum, the longest the server waits for replicas predicted (from their recent period times) to arrive soon", ge=0.0)
     staleness_power: float = _f(1.0, "decoupled: a contribution s outer steps stale is weighted by tokens * (1 + s) ** -staleness_power (0: no discount)", ge=0.0)
-    decoupled_momentum: Literal["delayed", "every_step"] = _f("delayed", "decoupled: outer momentum rule; delayed applies Nesterov momentum once per round's worth of merged tokens (Async Local-SGD's delayed Nesterov; needs outer_opt SGD with momentum), every_step steps outer_opt at every merge")
+    decoupled_momentum: Literal["every_step", "delayed"] = _f("every_step", "decoupled: outer momentum rule; every_step steps outer_opt at every merge (as a synchronous round does; measured best with a 2x slower replica, see README); delayed applies Nesterov momentum once per round's worth of merged tokens (Async Local-SGD's delayed Nesterov; needs outer_opt SGD with momentum)")
     # --- replicas and the cluster ----------------------------------------------------
     num_replicas: int = _f(2, "DiLoCo replicas (workers) to run; each is one Ray actor group", ge=1)
     min_replicas: int = _f(1, "rounds proceed while at least this many replicas report", ge=1)

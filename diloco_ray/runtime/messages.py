@@ -54,6 +54,9 @@ class SyncPeriod:
         board: the driver's step board (step events, heartbeats), or None.
         link: the simulated link of the replica's slot (``links.Link``), or None.
         snapshots: in-flight snapshot settings (first period of a round only), or None.
+        schedule_step: the inner lr schedule's position at the period's first step; None:
+            ``round * max_steps`` (decoupled mode passes the tokens merged so far, in steps,
+            since its outer steps are not rounds).
     """
 
     round: int
@@ -70,6 +73,7 @@ class SyncPeriod:
     board: Any = None
     link: Any = None
     snapshots: Optional[SnapshotPlan] = None
+    schedule_step: Optional[int] = None
 
 
 @dataclass(frozen=True)

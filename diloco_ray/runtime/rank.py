@@ -207,6 +207,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
             resumed, tokens, counted = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
         budget, out_of_time = cfg.inner_time_s, False  # adaptive inner steps: stop when the next would not fit
+        schedule_start = self._schedule_start(job)
         for t, batches in self._step_batches(source, steps[:last], first):
             if self._stop_requested(attempt):
                 aborted = True
@@ -214,7 +215,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
             poison = self.faults.at_step(round_index, t)
             self._beat(job, t)
             for group in self.optimizer.param_groups:
-                group["lr"] = inner_lr_at(round_index * cfg.max_steps + t, cfg)
+                group["lr"] = inner_lr_at(schedule_start + t, cfg)
             step_tokens = [loss.loss_tokens(b["labels"]) for b in batches]
             items = loss.items_per_rank(self._replica_total(sum(step_tokens)), self.world_size)
             for m, batch in enumerate(batches):
@@ -282,7 +283,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
                 round=job.round,
                 replica=self.replica_id,
                 step=step,
-                global_step=job.round * self.config.max_steps + step,
+                global_step=self._schedule_start(job) + step,
                 loss=(total - logged[1]) / since,
                 lr=self.optimizer.param_groups[0]["lr"],
                 # rank 0's count for the whole replica: its ranks see equal batches
@@ -291,6 +292,10 @@ class RankWorker(RankBatches, RankState, RankOutput):
             )
         )
         return step, total
+
+    def _schedule_start(self, job: SyncPeriod) -> int:
+        """The inner lr schedule's step at the period's step 0."""
+        return job.round * self.config.max_steps if job.schedule_step is None else job.schedule_step
 
     def _outgoing(self, fragment: int, link) -> list[np.ndarray]:
         """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""

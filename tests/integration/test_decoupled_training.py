@@ -12,6 +12,7 @@ import ray
 from conftest import applied_positions, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.algo.inner_schedule import inner_lr_at
 from diloco_ray.observe.metrics import read_events
 
 pytestmark = pytest.mark.integration
@@ -47,9 +48,11 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
     """Replica 1 is 4x slower and the grace window is too short to wait for it: replica 0
     is merged alone several times while 1 trains, and 1's work arrives stale, counted
     with its staleness (and replica 0's, when 1 was merged while 0 trained); nothing is
-    trained twice."""
+    trained twice. The inner lr schedule follows the tokens merged, not the merges: no
+    period starts past the run's schedule although there are more merges than rounds."""
     cfg = tiny_config(
-        tmp_path / "run", **{**DECOUPLED, "diloco_loops": 4, "grace_window_s": 0.05, "fault_plan": SLOW_1}
+        tmp_path / "run",
+        **{**DECOUPLED, "diloco_loops": 4, "grace_window_s": 0.05, "fault_plan": SLOW_1, "logging_steps": 1},
     )
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     fast, slow = merged(rounds, 0), merged(rounds, 1)
@@ -57,6 +60,12 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
     assert all(r["staleness"]["1"] >= 1 for r in slow)  # replica 0 was merged while it trained
     assert rounds[-1]["work"] >= 4.0 - 1e-9
     assert no_position_twice(rounds)
+    steps = read_events(str(tmp_path / "run"), "step")
+    assert len(rounds) > cfg.diloco_loops and steps
+    for e in steps:  # an event comes after its step: global_step counts it
+        assert e["lr"] == pytest.approx(inner_lr_at(e["global_step"] - 1, cfg))
+    # A period starts at the tokens merged so far: below the run's end, whatever the merge count.
+    assert max(e["global_step"] - e["step"] for e in steps) < cfg.diloco_loops * cfg.max_steps
 
 
 def test_the_grace_window_waits_for_a_replica_predicted_soon(ray_local, tmp_path):

@@ -118,3 +118,13 @@ def test_the_readme_layout_names_every_module():
         elif rel.name != "__main__.py" and rel.name not in layout:
             missing.append(str(rel))
     assert missing == []
+
+
+def test_test_modules_have_unique_basenames():
+    # The tests folders have no __init__.py, so pytest imports each test module by its basename:
+    # two files with one name fail collection of the whole suite.
+    tests = PACKAGE.parent / "tests"
+    seen: dict[str, pathlib.Path] = {}
+    for path in sorted(tests.rglob("test_*.py")):
+        assert path.name not in seen, f"{path} and {seen[path.name]} share a basename"
+        seen[path.name] = path

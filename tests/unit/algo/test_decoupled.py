@@ -74,7 +74,7 @@ def test_grace_window_waits_for_replicas_predicted_within_the_cap():
 
 
 def test_period_clock_learns_each_replicas_period():
-    clock = decoupled.PeriodClock(smoothing=0.5, slack=1.0)
+    clock = decoupled.PeriodClock(smoothing=0.5, slack=1.0, margin_s=0.0)
     clock.observe(0, 2.0)
     clock.observe(0, 4.0)
     clock.observe(1, 10.0)
@@ -83,3 +83,6 @@ def test_period_clock_learns_each_replicas_period():
     clock.forget(1)
     assert clock.predict({1: 0.0}) == {1: 3.0}
     assert decoupled.PeriodClock().predict({0: 1.0}) == {}  # nothing seen yet
+    padded = decoupled.PeriodClock(smoothing=0.5, slack=1.5, margin_s=0.25)
+    padded.observe(0, 2.0)
+    assert padded.predict({0: 10.0}) == {0: 13.25}

@@ -105,7 +105,7 @@ def test_a_checkpoint_keeps_weights_momentum_work_and_the_cursor_with_in_flight_
         assert torch.equal(restored.optimizer.params[name], p)
         mine = srv.optimizer._optimizer.state[p]["momentum_buffer"]
         theirs = restored.optimizer._optimizer.state[restored.optimizer.params[name]]["momentum_buffer"]
-        assert torch.equal(mine, theirs) and mine.abs().sum() > 0  # delayed Nesterov's buffer
+        assert torch.equal(mine, theirs) and mine.abs().sum() > 0  # the outer momentum
     sync_cfg = TrainerConfig.from_dict({**dec.cfg.to_dict(), "sync_mode": "sync"})
     with pytest.raises(ConfigError, match="sync_mode: sync, but checkpoint .* sync_mode: decoupled"):
         ParameterServer(sync_cfg.to_dict()).load(str(tmp_path))
