@@ -17,11 +17,15 @@ type), and ``--link-mbps`` simulates cross-region links. Figures are printed as
   processes a round with one replica left also runs faster (it has the cores to itself),
   so time efficiency alone can exceed 1 there; this figure cannot hide that.
 * ``eval_loss_ratio``: the faulty run's final eval loss over the fault-free run's.
+* ``decoupled_eval_loss_vs_sync``: final eval losses, fault-free; ``..._at_equal_tokens``
+  takes the decoupled run's loss at exactly ``--rounds`` rounds' worth of tokens
+  (interpolated: its last merge may pass the end by part of a round).
 * ``tokens_per_s``: tokens merged into the global weights per second of training, the
   whole job's throughput; both modes merge ``--rounds`` rounds' worth of tokens.
 * ``seconds_to_sync_loss`` (decoupled, fault-free): training seconds until its eval loss
-  first reaches the synchronous run's final eval loss; ``speedup_to_sync_loss`` is the
-  synchronous run's training seconds over that.
+  first reaches the synchronous run's final eval loss (inf: never); ``speedup_to_sync_loss``
+  is the synchronous run's training seconds over that. ``speedup_to_common_loss`` is the
+  same ratio for the loss both runs reach (the higher of the two final ones).
 
 In decoupled mode the periods still in flight when the run ends are never merged; their
 steps count as wasted (``abandoned_steps``).
@@ -106,6 +110,16 @@ def seconds_to(rounds: list, loss: float) -> float:
     return float("inf")
 
 
+def eval_loss_at(rounds: list, work: float) -> float:
+    """Eval loss after ``work`` rounds' worth of tokens, interpolated between the records
+    around it (a decoupled run's last merge may pass the run's end by part of a round)."""
+    points = [(r.get("work", r["round"] + 1), r["eval_loss"]) for r in rounds if r["eval_loss"] is not None]
+    for (w0, l0), (w1, l1) in zip(points, points[1:]):
+        if w0 <= work <= w1:
+            return l0 + (l1 - l0) * (work - w0) / (w1 - w0) if w1 > w0 else l1
+    return points[-1][1]
+
+
 def measure(mode: str, args, overrides: dict) -> tuple[dict, list]:
     clean, clean_s = run(args.rounds, overrides)
     clean_applied, clean_ran = goodput(clean)
@@ -168,8 +182,15 @@ def main() -> int:
         target = sync[-1]["eval_loss"]
         reach = seconds_to(dec, target)
         print(f"decoupled_eval_loss_vs_sync {dec[-1]['eval_loss'] / target:.4g}")
+        at_equal = eval_loss_at(dec, args.rounds)
+        print(f"decoupled_eval_loss_at_equal_tokens {at_equal:.4g}")
+        print(f"decoupled_eval_loss_vs_sync_at_equal_tokens {at_equal / target:.4g}")
         print(f"decoupled_seconds_to_sync_loss {reach:.4g}")
         print(f"decoupled_speedup_to_sync_loss {training_seconds(sync)[-1] / reach:.4g}")
+        # The loss both runs reach (the higher final one): robust to which run ends lower.
+        common = max(target, dec[-1]["eval_loss"])
+        print(f"common_loss {common:.4g}")
+        print(f"decoupled_speedup_to_common_loss {seconds_to(sync, common) / seconds_to(dec, common):.4g}")
     ray.shutdown()
     return 0
 

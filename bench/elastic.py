@@ -7,9 +7,11 @@ Two measurements, each from metrics.jsonl timestamps of one run:
   (full membership).
 * ``scale_to_first_update_seconds``: ``trainer.scale(3)`` from ``on_round_end``; from
   that call to the first applied round that includes the new replica's pseudo-gradient.
-* ``kill_to_contribution_seconds`` with ``spare_replicas`` 0 and 1: a replica's rank actor
-  is killed after round 1; from the kill to the first applied round that includes the
-  replica taking its place (a cold start, or a hot spare promoted at the next boundary).
+* ``kill_to_contribution_seconds`` with ``spare_replicas`` 0 and 1, in the synchronous and
+  the decoupled mode: a replica's rank actors are killed after round 1 (merge 1); from the
+  kill to the first applied outer step that includes the replica taking its place (a cold
+  start, or a hot spare: promoted at the next boundary in the synchronous mode, at once in
+  the decoupled mode). Beside it, the synchronous mode's median round.
 
 Run: ``python bench/elastic.py`` (prints "NAME VALUE" lines).
 """
@@ -67,15 +69,16 @@ class KillAfterRoundOne:
             self.killed_at = time.time()
 
 
-def kill_to_contribution(spares: int) -> dict:
-    """Seconds from a replica's death to the first applied round holding its replacement."""
+def kill_to_contribution(spares: int, mode: str = "sync") -> dict:
+    """Seconds from a replica's death to the first applied outer step holding its replacement."""
     killer = KillAfterRoundOne()
-    out = run({"spare_replicas": spares, "diloco_loops": 12}, callbacks=[killer])
+    out = run({"spare_replicas": spares, "diloco_loops": 12, "sync_mode": mode}, callbacks=[killer])
     first = next(r for r in read_events(out, "round") if set(r["replica_ids"]) - set(killer.active))
     rounds = sorted(r["round_seconds"] for r in read_events(out, "round"))
+    tag = f"spares={spares}" + ("" if mode == "sync" else f",{mode}")
     return {
-        f"kill_to_contribution_seconds[spares={spares}]": first["time"] - killer.killed_at,
-        f"round_seconds_median[spares={spares}]": rounds[len(rounds) // 2],
+        f"kill_to_contribution_seconds[{tag}]": first["time"] - killer.killed_at,
+        f"round_seconds_median[{tag}]": rounds[len(rounds) // 2],
     }
 
 
@@ -105,9 +108,10 @@ def main() -> int:
     first = next(r for r in read_events(out, "round") if 2 in r["replica_ids"])
     print(f"scale_to_first_update_seconds {first['time'] - scaler.called_at:.2f}")
     print(f"round_seconds_median {sorted(r['round_seconds'] for r in read_events(out, 'round'))[4]:.2f}")
-    for spares in (0, 1):
-        for name, value in kill_to_contribution(spares).items():
-            print(f"{name} {value:.2f}")
+    for mode in ("sync", "decoupled"):
+        for spares in (0, 1):
+            for name, value in kill_to_contribution(spares, mode).items():
+                print(f"{name} {value:.2f}")
     return 0
 
 

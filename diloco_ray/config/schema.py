@@ -98,7 +98,7 @@ class TrainerConfig:
     # --- replicas and the cluster ----------------------------------------------------
     num_replicas: int = _f(2, "DiLoCo replicas (workers) to run; each is one Ray actor group", ge=1)
     min_replicas: int = _f(1, "rounds proceed while at least this many replicas report", ge=1)
-    spare_replicas: int = _f(0, "hot spares: replicas placed and set up but not training; one takes a lost replica's place at the next round boundary at once (no cold start), and a new spare starts in the background", ge=0)
+    spare_replicas: int = _f(0, "hot spares: replicas placed and set up but not training; one takes a lost replica's place at the next round boundary (decoupled mode: as soon as the loss is seen) with no cold start, and a new spare starts in the background", ge=0)
     max_replicas: Optional[int] = _f(None, "upper bound for scale() (default: num_replicas)", ge=1)
     ranks_per_replica: Union[int, list] = _f(1, "FSDP ranks (processes; GPUs on GPU) inside one replica; a list gives one count per replica id (id i takes entry i mod the list's length), and each replica trains on data in proportion to its ranks", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f("auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")

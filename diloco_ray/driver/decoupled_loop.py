@@ -13,8 +13,10 @@ step (a *merge*):
    within ``grace_window_s`` (:func:`~diloco_ray.algo.decoupled.grace_deadline`), then merge:
    each contribution weighted by its tokens and discounted by its staleness, divided by
    one round's worth of tokens (:mod:`diloco_ray.algo.decoupled`);
-4. evaluate on a replica that was merged (it is idle; the others keep training) and
-   return the merge's record.
+4. when the merge completes a round's worth of tokens (and at the end), evaluate on a
+   replica that was merged (it is idle; the others keep training), and return the
+   merge's record. Evaluating at every merge would keep merged replicas idle more often,
+   and these points line up with a synchronous run's rounds (equal tokens).
 
 The run ends when ``diloco_loops`` rounds' worth of tokens has been merged (``work``),
 so a decoupled run trains on as many tokens as a synchronous one.
@@ -74,8 +76,11 @@ class DecoupledLoop(RoundLoop):
         self.flights: dict[int, Flight] = {}
         self.arrived: dict[int, Flight] = {}
         self.clock = decoupled.PeriodClock()
-        self.full_tokens = 0.0  # tokens of one rank's full period, as measured (the merge divisor's unit)
+        # Full-period tokens merged and the rank-periods they came from: their ratio estimates
+        # a full period of a rank not in a merge (the merge divisor's unit).
+        self.rank_tokens, self.rank_periods = 0.0, 0
         self.work = 0.0  # rounds' worth of tokens merged, from the server's last commit
+        self.work_before = 0.0  # the same before the last merge
         self.failed: set[int] = set()
         self._staleness: dict[int, int] = {}
         self.losses = 0  # periods lost since the last merge
@@ -85,7 +90,7 @@ class DecoupledLoop(RoundLoop):
 
     def restore(self, server, reset: bool) -> None:
         super().restore(server, reset)
-        self.work = server.work()
+        self.work = self.work_before = server.work()
 
     def _job(self, host, rep, slot: int, fragment: int, plan: list):
         # The inner lr schedule runs over the tokens merged, not over merges: a run of 14
@@ -95,7 +100,10 @@ class DecoupledLoop(RoundLoop):
         return dataclasses.replace(job, schedule_step=round(self.work * self.config.max_steps))
 
     def _evaluate(self, host):
-        """On a replica just merged: it is idle, while the others go on training."""
+        """On a replica just merged: it is idle, while the others go on training. Only when
+        this merge completed a round's worth of tokens, or ended the run (None otherwise)."""
+        if not (decoupled.cycle_ends(self.work_before, self.work) or self.finished()):
+            return None
         return host.evaluate(among=list(self.arrived))
 
     # ---- one merge ---------------------------------------------------------------------
@@ -223,15 +231,19 @@ class DecoupledLoop(RoundLoop):
     def _merge(self, host):
         """One outer step from the contributions that arrived."""
         version = self.handout.version
+        # In replica id order, as a synchronous round sums them: with replicas in lockstep
+        # the merge is then the synchronous round to the bit (a sum's order moves its last bits).
+        self.arrived = dict(sorted(self.arrived.items()))
         merged = {rid: f.stats for rid, f in self.arrived.items()}
         cfg = self.config
+        full = {}
         for rid, stats in merged.items():
-            tokens = float(sum(s.loss_tokens for s in stats)) / cfg.ranks_of(rid)
-            self.full_tokens = max(
-                self.full_tokens, decoupled.full_period_tokens(tokens, stats[0].inner_steps, cfg.max_steps)
-            )
-        ranks = sum(cfg.ranks_of(rep.id) for rep in host.members.active) or cfg.max_ranks
-        divisor = decoupled.round_tokens(ranks, self.full_tokens)
+            tokens = float(sum(s.loss_tokens for s in stats))
+            full[rid] = decoupled.full_period_tokens(tokens, stats[0].inner_steps, cfg.max_steps)
+            self.rank_periods += cfg.ranks_of(rid)
+            self.rank_tokens += full[rid]
+        absent = sum(cfg.ranks_of(rep.id) for rep in host.members.active if rep.id not in merged)
+        divisor = decoupled.merge_divisor(full.values(), absent, self.rank_tokens / self.rank_periods)
         weights, shares = {}, {}
         for rid, f in self.arrived.items():
             tokens = float(sum(s.loss_tokens for s in f.stats))
@@ -247,6 +259,7 @@ class DecoupledLoop(RoundLoop):
         applied = self.calls.get(refs.commits)[0]
         self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.startswith(NON_FINITE)}
         self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
+        self.work_before = self.work
         if applied.applied:
             self.losses = 0
             self.handout = Handout(refs.weights, full=False, version=version + 1)

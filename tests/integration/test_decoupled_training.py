@@ -4,12 +4,15 @@ a hot spare stepping in without waiting for a merge, and a resumed run. In every
 stream position is trained on at most once, and exactly once when nothing is in flight."""
 
 import json
+import os
 import sys
 import time
 
 import pytest
 import ray
+import torch
 from conftest import applied_positions, tiny_config
+from safetensors.torch import load_file
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo.inner_schedule import inner_lr_at
@@ -33,7 +36,8 @@ def merged(rounds, rid: int) -> list:
 
 def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_tokens(ray_local, tmp_path):
     """min_quorum = replicas: each merge holds both replicas, none stale, and the run
-    merges exactly diloco_loops rounds' worth of tokens, each position once."""
+    merges exactly diloco_loops rounds' worth of tokens, each position once, to the same
+    weights as the synchronous mode."""
     cfg = tiny_config(tmp_path / "run", **{**DECOUPLED, "min_quorum": 2})
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     assert len(rounds) == 3 and all(sorted(r["replica_ids"]) == [0, 1] for r in rounds)
@@ -42,6 +46,13 @@ def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_toke
     positions = applied_positions(rounds)
     assert sorted(positions) == list(range(3 * 2 * cfg.sequences_per_replica_round))
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
+    # Replicas in lockstep: every merge is the synchronous round, so the weights are the same.
+    sync = DilocoFSDPTrainer(tiny_config(tmp_path / "sync", **{**DECOUPLED, "sync_mode": "sync"})).train()
+    ours = load_file(str(tmp_path / "run" / "final" / "model.safetensors"))
+    theirs = load_file(os.path.join(sync.final_path, "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=0, atol=1e-6)
 
 
 def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local, tmp_path):
@@ -140,3 +151,31 @@ def given_back(checkpoint) -> set:
     """The positions a checkpoint's cursor hands out again first (in-flight plans given back)."""
     cursor = json.loads((checkpoint / "server.json").read_text())["cursor"]
     return {p for s, c in cursor["returned"] for p in range(s, s + c)}
+
+
+@pytest.mark.parametrize("mode", ["sync", "decoupled"])
+def test_replicas_of_different_sizes_with_a_time_budget_contribute_every_step(ray_local, tmp_path, mode):
+    """ranks_per_replica: [2, 1] (replica 0 is FSDP over 2 ranks) and inner_time_s, with
+    replica 1 4x slower: in both modes every outer step holds both replicas (the slow one
+    runs the steps that fit its budget instead of being dropped or merged stale), each
+    trained data in proportion to its ranks and the steps it ran, and nothing twice."""
+    cfg = tiny_config(
+        tmp_path / "run",
+        **{**DECOUPLED, "sync_mode": mode, "diloco_loops": 2, "max_steps": 6, "min_quorum": 2},
+        ranks_per_replica=[2, 1],
+        inner_time_s=0.6,
+        fault_plan=SLOW_1,
+    )
+    rounds = DilocoFSDPTrainer(cfg).train().rounds
+    assert all(sorted(r["replica_ids"]) == [0, 1] for r in rounds)
+    if mode == "sync":
+        assert len(rounds) == 2
+    else:  # a merge of a shortened period is less than a round's worth: the run goes on to 2
+        assert rounds[-1]["work"] >= 2.0 - 1e-9 and rounds[-2]["work"] < 2.0
+    for r in rounds:
+        for rid in (0, 1):
+            trained = sum(count for _, count in r["data_ranges"][str(rid)])
+            steps = r["replica_steps"][str(rid)]
+            assert 1 <= steps <= cfg.max_steps
+            assert trained == cfg.ranks_of(rid) * steps * cfg.batch_size * cfg.grad_accum
+    assert no_position_twice(rounds)

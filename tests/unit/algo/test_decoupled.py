@@ -57,11 +57,14 @@ def test_cycles_end_when_a_whole_round_has_been_merged():
     assert decoupled.cycle_ends(0.5, 2.5)  # one big merge past a boundary
 
 
-def test_divisor_is_a_full_period_of_every_active_rank():
+def test_divisor_is_a_round_of_every_active_replica():
     assert decoupled.full_period_tokens(300, 3, 8) == 800
-    assert decoupled.round_tokens(2, 800) == 1600
+    # Both replicas merged after full periods: the sum of their tokens (the synchronous mean).
+    assert decoupled.merge_divisor([800.0, 780.0], 0, 790.0) == 1580.0
+    # One merged, a 2-rank replica still training: estimated at 2 ranks' full periods.
+    assert decoupled.merge_divisor([800.0], 2, 790.0) == 800.0 + 1580.0
     with pytest.raises(ValueError):
-        decoupled.round_tokens(0, 800)
+        decoupled.merge_divisor([], 0, 800.0)
 
 
 def test_grace_window_waits_for_replicas_predicted_within_the_cap():
