@@ -52,21 +52,26 @@ class ScaleAtRoundOne:
 
 
 class KillAfterRoundOne:
-    """Kills the last active replica's ranks when round 1 ends (with spares: the first round
-    end from 1 on at which a spare is ready); notes when, and who was active."""
+    """Kills the last active replica's ranks when round 1 ends (with spares: first advancing
+    the starting spare until it is ready, since on a busy machine set-up can outlast the
+    run); notes when, and who was active."""
 
     def __init__(self):
         self.killed_at, self.active = None, None
 
     def on_round_end(self, trainer, record):
-        wants_spare = trainer.config.spare_replicas > 0
-        if self.killed_at is None and record["round"] >= 1 and (trainer.members.spares or not wants_spare):
-            import ray
+        if self.killed_at is not None or record["round"] < 1:
+            return
+        import ray
 
-            self.active = [r.id for r in trainer.replicas]
-            for rank in trainer.replicas[-1].ranks:
-                ray.kill(rank, no_restart=True)
-            self.killed_at = time.time()
+        deadline = time.monotonic() + 180
+        while trainer.config.spare_replicas and not trainer.members.spares and time.monotonic() < deadline:
+            trainer.members.admit_ready(0.0)
+            time.sleep(0.2)
+        self.active = [r.id for r in trainer.replicas]
+        for rank in trainer.replicas[-1].ranks:
+            ray.kill(rank, no_restart=True)
+        self.killed_at = time.time()
 
 
 def kill_to_contribution(spares: int, mode: str = "sync") -> dict:

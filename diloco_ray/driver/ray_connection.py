@@ -77,16 +77,18 @@ def connect(config: TrainerConfig) -> bool:
             )
         ray.init(address=address)
         return False
-    # Logical CPUs, not cores: rank actors reserve cpus_per_rank each, and a laptop with
-    # fewer cores than ranks should still run the job (just slower).
-    need = (
-        config.server_cpus * config.num_param_servers
-        + config.replica_bounds[1] * config.max_ranks * config.cpus_per_rank
-    )
-    ray.init(
-        address="local", num_cpus=max(os.cpu_count() or 1, math.ceil(need)), include_dashboard=False, log_to_driver=True
-    )
+    ray.init(address="local", num_cpus=logical_cpus(config), include_dashboard=False, log_to_driver=True)
     return True
+
+
+def logical_cpus(config: TrainerConfig) -> int:
+    """The logical CPUs a private local Ray gets: room for the servers, every replica that
+    may run and the hot spares. Logical CPUs, not cores: rank actors reserve
+    ``cpus_per_rank`` each, and a laptop with fewer cores than ranks should still run the
+    job (just slower); without the spares' share a spare would never be placed."""
+    replicas = config.replica_bounds[1] + config.spare_replicas
+    need = config.server_cpus * config.num_param_servers + replicas * config.max_ranks * config.cpus_per_rank
+    return max(os.cpu_count() or 1, math.ceil(need))
 
 
 def resolve_device(want: str) -> str:

@@ -7,12 +7,11 @@ every case each stream position trained on exactly once.
 """
 
 import sys
-import time
 
 import numpy as np
 import pytest
 import ray
-from conftest import applied_positions, max_abs_diff, tiny_config
+from conftest import KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.observe.metrics import read_events
@@ -191,21 +190,6 @@ def test_a_hot_spare_takes_a_lost_replicas_place_at_the_next_boundary(ray_local,
     """spare_replicas: 1. Once the spare is ready (set up, never trained), a replica's ranks
     are killed at round 0's end; round 1 goes on without it, and at the boundary after it
     the spare becomes active at once: two replicas again in round 2."""
-
-    class KillOnceTheSpareIsReady:
-        def on_round_end(self, trainer, record):
-            if record["round"] != 0:
-                return
-            # Set-up takes longer than a tiny round; advance the spare here until it is ready,
-            # so the test does not depend on how many rounds set-up takes on a busy machine.
-            deadline = time.monotonic() + 180
-            while not trainer.members.spares and time.monotonic() < deadline:
-                trainer.members.admit_ready(0.0)
-                time.sleep(0.2)
-            self.victim, self.spare = trainer.replicas[-1].id, trainer.members.spares[0].id
-            self.active = [r.id for r in trainer.replicas]
-            for rank in trainer.replicas[-1].ranks:
-                ray.kill(rank, no_restart=True)
 
     killer = KillOnceTheSpareIsReady()
     cfg = tiny_config(tmp_path / "run", diloco_loops=3, spare_replicas=1, eval_batches=0)

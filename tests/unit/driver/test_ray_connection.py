@@ -5,7 +5,8 @@ import socket
 
 import pytest
 
-from diloco_ray.driver.ray_connection import answers, decide
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.driver.ray_connection import answers, decide, logical_cpus
 
 
 @pytest.mark.parametrize(
@@ -32,3 +33,18 @@ def test_answers_tells_a_listening_port_from_a_dead_one():
         assert answers(f"127.0.0.1:{port}")
     assert not answers(f"127.0.0.1:{port}", timeout_s=0.5)
     assert not answers("not-an-address")
+
+
+def test_a_private_ray_has_room_for_the_spares(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    base = dict(
+        model_config={"model_type": "llama"},
+        dataset_name="builtin:arithmetic",
+        num_replicas=2,
+        cpus_per_rank=1,
+        server_cpus=0.5,
+    )
+    assert logical_cpus(TrainerConfig(**base)) == 3  # 2 replicas x 1 + 0.5, rounded up
+    # A spare needs its own rank's CPU, or its placement group is never reserved.
+    assert logical_cpus(TrainerConfig(**base, spare_replicas=1)) == 4
+    assert logical_cpus(TrainerConfig(**base, spare_replicas=1, ranks_per_replica=[2, 1])) == 7
