@@ -146,5 +146,13 @@ class PeriodClock:
         typical = sum(self.average.values()) / len(self.average)
         return {rid: t + self.slack * self.average.get(rid, typical) + self.margin_s for rid, t in launched_at.items()}
 
+    def expected(self, replica_id: int, launched_at: float) -> Optional[float]:
+        """When a period of ``replica_id`` launched at ``launched_at`` should end, by its
+        average alone (no slack); None before anything was seen."""
+        if not self.average:
+            return None
+        typical = sum(self.average.values()) / len(self.average)
+        return launched_at + self.average.get(replica_id, typical)
+
     def forget(self, replica_id: int) -> None:
         self.average.pop(replica_id, None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
 from ray.exceptions import RayActorError, RayTaskError
 
@@ -50,6 +51,8 @@ class Flight:
         version: the global version it started from (its staleness is counted from it).
         launched_at: wall-clock launch time.
         attempt: the launch counter its beats carry.
+        due: when its time budget ends, for a replica stepping into a lost one's period
+            (None: it runs a full period).
     """
 
     launch: Launch
@@ -57,6 +60,7 @@ class Flight:
     version: int
     launched_at: float
     attempt: int
+    due: Optional[float] = None
     stats: list = field(default_factory=list)
     pending: set = field(default_factory=set)
 
@@ -84,6 +88,9 @@ class DecoupledLoop(RoundLoop):
         self.failed: set[int] = set()
         self._staleness: dict[int, int] = {}
         self.losses = 0  # periods lost since the last merge
+        # When the periods of lost replicas would have ended: a replica joining next (a spare)
+        # takes one over and trains only what remained, so it is merged with that cohort.
+        self.takeovers: list[float] = []
 
     def finished(self) -> bool:
         return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
@@ -117,10 +124,10 @@ class DecoupledLoop(RoundLoop):
             self._poll(host, STEP_POLL_S if deadline is None else max(0.0, min(STEP_POLL_S, deadline - time.time())))
             quorum = min(self.config.min_quorum, max(1, len(host.members.active)))
             now = time.time()
-            waiting = {rid: f.launched_at for rid, f in self.flights.items()}
-            deadline = decoupled.grace_deadline(
-                now, len(self.arrived) >= quorum, self.clock.predict(waiting), self.config.grace_window_s
-            )
+            predicted = self.clock.predict({rid: f.launched_at for rid, f in self.flights.items()})
+            # A replica on a time budget arrives when its budget ends.
+            predicted.update({rid: f.due + self.clock.margin_s for rid, f in self.flights.items() if f.due})
+            deadline = decoupled.grace_deadline(now, len(self.arrived) >= quorum, predicted, self.config.grace_window_s)
             if deadline is not None and (now >= deadline or not self.flights):
                 break
             if not self.flights and not self.arrived:
@@ -148,12 +155,24 @@ class DecoupledLoop(RoundLoop):
                 continue
             plan = host.server.reserve_plan(rep.id)
             self.attempt += 1
-            launch = Launch(rep, *rep.run_period(self._job(host, rep, slot, 0, plan)))
+            job, due = self._job(host, rep, slot, 0, plan), self._takeover(rep.id)
+            if due is not None:
+                job = dataclasses.replace(job, time_budget_s=due - time.time())
+            launch = Launch(rep, *rep.run_period(job))
             self.flights[rep.id] = Flight(
-                launch, plan, self.handout.version, time.time(), self.attempt, pending=set(launch.stats)
+                launch, plan, self.handout.version, time.time(), self.attempt, due, pending=set(launch.stats)
             )
             self.reset_inner.discard(rep.id)
         self.reset = self.restart = False
+
+    def _takeover(self, rid: int) -> Optional[float]:
+        """For a replica that never trained here (a spare, a replacement): when the period of
+        a lost replica it steps into would have ended, if that is still ahead."""
+        now = time.time()
+        self.takeovers = [due for due in self.takeovers if due > now]
+        if rid in self.clock.average or not self.takeovers:
+            return None
+        return self.takeovers.pop(0)
 
     def _poll(self, host, wait: float) -> None:
         """Move finished periods to ``arrived``; drop replicas that died (their plans go
@@ -207,6 +226,9 @@ class DecoupledLoop(RoundLoop):
         flight = self.flights.pop(rid)
         self.wasted_steps += self._steps_run(flight)
         host.server.release_plan(rid)
+        due = flight.due or self.clock.expected(rid, flight.launched_at)
+        if due is not None:
+            self.takeovers.append(due)
         self.clock.forget(rid)
         self.failed.add(rid)
         host.members.remove(flight.launch.replica, why)

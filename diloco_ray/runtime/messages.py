@@ -57,6 +57,9 @@ class SyncPeriod:
         schedule_step: the inner lr schedule's position at the period's first step; None:
             ``round * max_steps`` (decoupled mode passes the tokens merged so far, in steps,
             since its outer steps are not rounds).
+        time_budget_s: seconds for this period's inner steps, on top of ``inner_time_s``
+            (the smaller wins): a spare stepping into a lost replica's period in decoupled
+            mode gets what remained of it. None: ``inner_time_s`` alone.
     """
 
     round: int
@@ -74,6 +77,7 @@ class SyncPeriod:
     link: Any = None
     snapshots: Optional[SnapshotPlan] = None
     schedule_step: Optional[int] = None
+    time_budget_s: Optional[float] = None
 
 
 @dataclass(frozen=True)

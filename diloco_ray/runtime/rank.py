@@ -206,7 +206,9 @@ class RankWorker(RankBatches, RankState, RankOutput):
         if snapshots and snapshots.resume_step:
             resumed, tokens, counted = self._restore_snapshot(snapshots, plan, loss_sum)
             first = max(first, resumed)
-        budget, out_of_time = cfg.inner_time_s, False  # adaptive inner steps: stop when the next would not fit
+        # Adaptive inner steps: stop when the next would not fit the budget (the smaller of two).
+        budget = min((b for b in (cfg.inner_time_s, job.time_budget_s) if b is not None), default=None)
+        out_of_time = False
         schedule_start = self._schedule_start(job)
         for t, batches in self._step_batches(source, steps[:last], first):
             if self._stop_requested(attempt):

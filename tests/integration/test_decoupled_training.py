@@ -6,6 +6,8 @@ stream position is trained on at most once, and exactly once when nothing is in 
 import json
 import os
 import sys
+import threading
+import time
 
 import pytest
 import ray
@@ -159,3 +161,43 @@ def test_replicas_of_different_sizes_with_a_time_budget_contribute_every_step(ra
             assert 1 <= steps <= cfg.max_steps
             assert trained == cfg.ranks_of(rid) * steps * cfg.batch_size * cfg.grad_accum
     assert no_position_twice(rounds)
+
+
+def test_a_spare_takes_over_the_rest_of_a_lost_replicas_period(ray_local, tmp_path):
+    """spare_replicas: 1, min_quorum 2, 8 steps a period. A replica's ranks are killed part
+    way through its period after merge 0; the spare steps into that period: it trains only
+    the time that remained (fewer steps than a period; the rest of its plan goes back to
+    the cursor) and is merged with the survivor at merge 1, neither stale. Nothing is
+    trained twice, and with nothing in flight at the end, every position once."""
+
+    class KillPartWayThroughAPeriod:
+        def on_round_end(self, trainer, record):
+            if record["round"] != 0:
+                return
+            deadline = time.monotonic() + 180
+            while not trainer.members.spares and time.monotonic() < deadline:
+                trainer.members.admit_ready(0.0)
+                time.sleep(0.2)
+            self.spare, victim = trainer.members.spares[0].id, trainer.replicas[-1]
+            self.victim = victim.id
+            # The victim starts its next period when this returns; kill it about a third in.
+            threading.Timer(0.3, lambda: [ray.kill(r, no_restart=True) for r in victim.ranks]).start()
+
+    killer = KillPartWayThroughAPeriod()
+    # Steps 8x slower (about 0.1 s), so that a period is long against its fixed costs and
+    # the time left of it matters. Which id ends up the spare depends on set-up order, so
+    # every id is slowed from its first period (round 0, or round 1 for the spare).
+    slow = [{"kind": "slowdown", "replica": r, "round": n, "factor": 8} for r in (0, 1, 2) for n in (0, 1)]
+    cfg = tiny_config(
+        tmp_path / "run",
+        **{**DECOUPLED, "diloco_loops": 3, "max_steps": 8, "spare_replicas": 1, "min_quorum": 2},
+        fault_plan=slow,
+    )
+    rounds = DilocoFSDPTrainer(cfg, callbacks=[killer]).train().rounds
+    survivor = ({0, 1, 2} - {killer.spare, killer.victim}).pop()
+    assert rounds[1]["dropped"] == [killer.victim]
+    assert sorted(rounds[1]["replica_ids"]) == sorted([survivor, killer.spare])
+    assert rounds[1]["staleness"] == {str(survivor): 0, str(killer.spare): 0}
+    assert 1 <= rounds[1]["replica_steps"][str(killer.spare)] < cfg.max_steps
+    positions = applied_positions(rounds)
+    assert sorted(positions) == list(range(len(positions)))

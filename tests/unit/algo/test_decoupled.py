@@ -86,6 +86,9 @@ def test_period_clock_learns_each_replicas_period():
     clock.forget(1)
     assert clock.predict({1: 0.0}) == {1: 3.0}
     assert decoupled.PeriodClock().predict({0: 1.0}) == {}  # nothing seen yet
+    # When a period should end, without slack: a spare taking a lost one's over gets the rest.
+    assert clock.expected(0, 50.0) == 53.0 and clock.expected(9, 50.0) == 53.0
+    assert decoupled.PeriodClock().expected(0, 1.0) is None
     padded = decoupled.PeriodClock(smoothing=0.5, slack=1.5, margin_s=0.25)
     padded.observe(0, 2.0)
     assert padded.predict({0: 10.0}) == {0: 13.25}
