@@ -24,7 +24,7 @@ type), and ``--link-mbps`` simulates cross-region links. Figures are printed as
   whole job's throughput; both modes merge ``--rounds`` rounds' worth of tokens.
 * ``seconds_to_sync_loss`` (decoupled, fault-free): training seconds until its eval loss
   first reaches the synchronous run's final eval loss (inf: never); ``speedup_to_sync_loss``
-  is the synchronous run's training seconds over that. ``speedup_to_common_loss`` is the
+  is the synchronous run's training seconds over that. ``speedup_to_same_loss`` is the
   same ratio for the loss both runs reach (the higher of the two final ones).
 
 In decoupled mode the periods still in flight when the run ends are never merged; their
@@ -189,8 +189,8 @@ def main() -> int:
         print(f"decoupled_speedup_to_sync_loss {training_seconds(sync)[-1] / reach:.4g}")
         # The loss both runs reach (the higher final one): robust to which run ends lower.
         common = max(target, dec[-1]["eval_loss"])
-        print(f"common_loss {common:.4g}")
-        print(f"decoupled_speedup_to_common_loss {seconds_to(sync, common) / seconds_to(dec, common):.4g}")
+        print(f"same_loss {common:.4g}")
+        print(f"decoupled_speedup_to_same_loss {seconds_to(sync, common) / seconds_to(dec, common):.4g}")
     ray.shutdown()
     return 0
 

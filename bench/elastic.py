@@ -8,10 +8,12 @@ Two measurements, each from metrics.jsonl timestamps of one run:
 * ``scale_to_first_update_seconds``: ``trainer.scale(3)`` from ``on_round_end``; from
   that call to the first applied round that includes the new replica's pseudo-gradient.
 * ``kill_to_contribution_seconds`` with ``spare_replicas`` 0 and 1, in the synchronous and
-  the decoupled mode: a replica's rank actors are killed after round 1 (merge 1); from the
-  kill to the first applied outer step that includes the replica taking its place (a cold
-  start, or a hot spare: promoted at the next boundary in the synchronous mode, at once in
-  the decoupled mode). Beside it, the synchronous mode's median round.
+  the decoupled mode: a replica's rank actors are killed after round 1 (merge 1), or half
+  a round later (``mid_period``: part way through a period, as a failure at a random
+  moment); from the kill to the first applied outer step that includes the replica taking
+  its place (a cold start, or a hot spare: promoted at the next boundary in the
+  synchronous mode; at once in the decoupled mode, where it trains what remained of the
+  lost replica's period). Beside it, the median round (merge).
 
 Run: ``python bench/elastic.py`` (prints "NAME VALUE" lines).
 """
@@ -20,6 +22,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
@@ -52,35 +55,41 @@ class ScaleAtRoundOne:
 
 
 class KillAfterRoundOne:
-    """Kills the last active replica's ranks when round 1 ends (with spares: first advancing
-    the starting spare until it is ready, since on a busy machine set-up can outlast the
-    run); notes when, and who was active."""
+    """Kills the last active replica's ranks when round 1 ends, or, with ``mid_period``,
+    half a round later, part way through its next period, as a failure at a random moment
+    would (with spares: first advancing the starting spare until it is ready, since on a
+    busy machine set-up can outlast the run); notes when, and who was active."""
 
-    def __init__(self):
-        self.killed_at, self.active = None, None
+    def __init__(self, mid_period: bool = False):
+        self.killed_at, self.active, self.mid_period = None, None, mid_period
 
     def on_round_end(self, trainer, record):
-        if self.killed_at is not None or record["round"] < 1:
+        if self.active is not None or record["round"] < 1:
             return
-        import ray
-
         deadline = time.monotonic() + 180
         while trainer.config.spare_replicas and not trainer.members.spares and time.monotonic() < deadline:
             trainer.members.admit_ready(0.0)
             time.sleep(0.2)
         self.active = [r.id for r in trainer.replicas]
-        for rank in trainer.replicas[-1].ranks:
+        victim = trainer.replicas[-1]
+        delay = record["round_seconds"] / 2 if self.mid_period else 0.0
+        threading.Timer(delay, self._kill, args=(victim,)).start()
+
+    def _kill(self, victim):
+        import ray
+
+        for rank in victim.ranks:
             ray.kill(rank, no_restart=True)
         self.killed_at = time.time()
 
 
-def kill_to_contribution(spares: int, mode: str = "sync") -> dict:
+def kill_to_contribution(spares: int, mode: str = "sync", mid_period: bool = False) -> dict:
     """Seconds from a replica's death to the first applied outer step holding its replacement."""
-    killer = KillAfterRoundOne()
+    killer = KillAfterRoundOne(mid_period)
     out = run({"spare_replicas": spares, "diloco_loops": 12, "sync_mode": mode}, callbacks=[killer])
     first = next(r for r in read_events(out, "round") if set(r["replica_ids"]) - set(killer.active))
     rounds = sorted(r["round_seconds"] for r in read_events(out, "round"))
-    tag = f"spares={spares}" + ("" if mode == "sync" else f",{mode}")
+    tag = f"spares={spares}" + ("" if mode == "sync" else f",{mode}") + (",mid_period" if mid_period else "")
     return {
         f"kill_to_contribution_seconds[{tag}]": first["time"] - killer.killed_at,
         f"round_seconds_median[{tag}]": rounds[len(rounds) // 2],
@@ -114,8 +123,8 @@ def main() -> int:
     print(f"scale_to_first_update_seconds {first['time'] - scaler.called_at:.2f}")
     print(f"round_seconds_median {sorted(r['round_seconds'] for r in read_events(out, 'round'))[4]:.2f}")
     for mode in ("sync", "decoupled"):
-        for spares in (0, 1):
-            for name, value in kill_to_contribution(spares, mode).items():
+        for spares, mid_period in ((0, False), (1, False), (1, True)):
+            for name, value in kill_to_contribution(spares, mode, mid_period).items():
                 print(f"{name} {value:.2f}")
     return 0
 
