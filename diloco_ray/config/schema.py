@@ -115,7 +115,7 @@ class TrainerConfig:
     call_timeout_s: float = _f(600.0, "deadline for a call on a replica outside its round (eval, checkpoint, final save); one that misses it is dropped as dead", gt=0.0)
     shutdown_grace_s: float = _f(60.0, "on SIGTERM or Ctrl-C: how long the driver may take to stop the round in flight and checkpoint the last completed round (with checkpoint_steps set) before it exits", ge=0.0)
     restore_on_retry: bool = _f(True, "on a re-run round, restore each replica's inner optimizer, RNG and error-feedback residual to the round's start (a host copy per rank: 8 bytes per parameter for AdamW, over the replica's ranks); false keeps them as trained, as torchft does. Local weights always restart from the global ones")
-    fault_plan: Optional[list] = _f(None, "for tests and benchmarks: faults to inject, e.g. [{kind: kill, replica: 1, round: 2, step: 3}] (kinds: kill, freeze, slow, nan, drop_link; target server or driver: kill); see diloco_ray/config/fault_plan.py")
+    fault_plan: Optional[list] = _f(None, "for tests and benchmarks: faults to inject, e.g. [{kind: kill, replica: 1, round: 2, step: 3}] (kinds: kill, freeze, slow, nan, drop_link, slowdown with factor: every step that many times as long from then on; target server or driver: kill); see diloco_ray/config/fault_plan.py")
     # --- sync over slow links -----------------------------------------------------------
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales)")
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none)")

@@ -197,7 +197,8 @@ class DecoupledLoop(RoundLoop):
                     break
             if rid in self.flights and not flight.pending:
                 del self.flights[rid]
-                self.clock.observe(rid, time.time() - flight.launched_at)
+                if flight.due is None:  # a period cut short by a takeover says nothing of its full length
+                    self.clock.observe(rid, time.time() - flight.launched_at)
                 flight.stats.sort(key=lambda s: s.rank)
                 self.arrived[rid] = flight
         for rid in self._stalled():

@@ -18,6 +18,13 @@ def train(tmp_path, name, **overrides):
     return result, folder_weights(result.final_path)
 
 
+@pytest.fixture(scope="module")
+def plain(ray_local, tmp_path_factory):
+    """One plain run (fp32 both ways, 3 rounds), the baseline several tests compare with:
+    a run costs ~10 s of set-up here, so it is made once."""
+    return train(tmp_path_factory.mktemp("plain"), "plain", diloco_loops=3)[0]
+
+
 def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
     # Clipping is active (the outer gradient's norm is above 0.05), so the norm must be
     # the one over every server's slice.
@@ -40,11 +47,12 @@ def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
         torch.testing.assert_close(w2[name], t, rtol=0, atol=1e-6)
 
 
-def test_codecs_shrink_what_travels_and_still_learn(ray_local, tmp_path):
+def test_codecs_shrink_what_travels_and_still_learn(ray_local, tmp_path, plain):
     runs = {
         codec: train(tmp_path, codec, pseudo_grad_compression=codec, error_feedback=True, diloco_loops=3)[0]
-        for codec in ("none", "int8", "int4")
+        for codec in ("int8", "int4")
     }
+    runs["none"] = plain
     up = {c: sum(r["bytes_up"] for r in res.rounds) for c, res in runs.items()}
     assert up["int8"] <= 0.27 * up["none"] and up["int4"] <= 0.15 * up["none"]
     for res in runs.values():
@@ -53,16 +61,15 @@ def test_codecs_shrink_what_travels_and_still_learn(ray_local, tmp_path):
     assert runs["int8"].rounds[-1]["eval_loss"] <= 1.05 * runs["none"].rounds[-1]["eval_loss"]
 
 
-def test_weights_compression_sends_deltas_down(ray_local, tmp_path):
-    plain, _ = train(tmp_path, "plain", diloco_loops=3)
+def test_weights_compression_sends_deltas_down(ray_local, tmp_path, plain):
     packed, _ = train(tmp_path, "int8", weights_compression="int8", diloco_loops=3)
     # Round 0 loads full fp32 weights; later rounds get int8 deltas.
     assert packed.rounds[-1]["bytes_down"] <= 0.27 * plain.rounds[-1]["bytes_down"]
     assert packed.rounds[-1]["eval_loss"] < packed.rounds[0]["eval_loss"]
 
 
-def test_fragments_cut_the_peak_bytes_of_a_sync(ray_local, tmp_path):
-    whole, _ = train(tmp_path, "whole", diloco_loops=1)
+def test_fragments_cut_the_peak_bytes_of_a_sync(ray_local, tmp_path, plain):
+    whole = plain
     parts, _ = train(tmp_path, "parts", diloco_loops=1, sync_fragments=4)
     record = parts.rounds[0]
     assert [f["fragment"] for f in record["fragments"]] == [0, 1, 2, 3]
@@ -79,8 +86,8 @@ def test_streaming_converges(ray_local, tmp_path, overlap):
     assert all(r["replicas"] == 2 and len(r["fragments"]) == 2 for r in result.rounds)
 
 
-def test_slow_link_shows_in_sync_time(ray_local, tmp_path):
-    fast, _ = train(tmp_path, "fast", diloco_loops=2)
+def test_slow_link_shows_in_sync_time(ray_local, tmp_path, plain):
+    fast = plain
     # ~110 KB up and down per replica and round at 2 Mbit/s: about 0.45 s each way.
     slow, _ = train(tmp_path, "slow", diloco_loops=2, link_mbps=2.0, link_latency_ms=50)
     per_replica = slow.rounds[-1]["bytes_up"] / 2, slow.rounds[-1]["bytes_down"] / 2

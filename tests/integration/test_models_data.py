@@ -160,6 +160,8 @@ def test_early_stopping(ray_local, tmp_path):
 
 
 def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl):
+    # Fixed batch shapes: torch.compile on CPU costs ~10 s per shape it meets (dynamic
+    # batches recompiled for every width: 86 s), and the dynamic batches are tested below.
     cfg = peft_config(
         tmp_path,
         llama_folder,
@@ -167,6 +169,23 @@ def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl
         attn_implementation="eager",
         gradient_checkpointing=True,
         torch_compile=True,
+        use_peft=False,
+        max_steps=2,
+    )
+    worker = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)
+    worker.setup()
+    facts = worker.describe()
+    assert facts["compiled"] and facts["attn_implementation"] == "eager" and facts["gradient_checkpointing"]
+    grads, stats = first_round(worker, [(0, cfg.sequences_per_replica_round)])
+    assert stats.inner_steps == 2
+    assert all(torch.isfinite(g).all() for g in grads.values())
+
+
+def test_dynamic_batches_are_padded_to_the_batch(tmp_path, llama_folder, sums_jsonl):
+    cfg = peft_config(
+        tmp_path,
+        llama_folder,
+        sums_jsonl,
         dynamic_batch=True,
         group_by_length=True,
         num_workers=1,
@@ -175,8 +194,6 @@ def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl
     )
     worker = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)
     worker.setup()
-    facts = worker.describe()
-    assert facts["compiled"] and facts["attn_implementation"] == "eager" and facts["gradient_checkpointing"]
     plan = [(0, cfg.sequences_per_replica_round)]
     from diloco_ray.data import plan as data
 

@@ -44,12 +44,12 @@ CONTRACT_KEYS = [
 class RecordingServer(ParameterServer):
     """Keeps every rank's pieces it was sent, so the test can redo the outer step itself."""
 
-    def prepare(self, fragment, contributions):
+    def prepare(self, fragment, contributions, divisor=None):
         self.recorded = [
             (c.replica_id, c.weight, [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
             for c in contributions
         ]
-        return super().prepare(fragment, contributions)
+        return super().prepare(fragment, contributions, divisor)
 
     def get_recorded(self):
         return self.recorded
