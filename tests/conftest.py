@@ -105,6 +105,18 @@ def max_abs_diff(a_dir, b_dir) -> float:
     return max((a[n] - b[n]).abs().max().item() for n in b)
 
 
+def wait_for_a_spare(trainer) -> int:
+    """Advance the starting spare until it is ready (up to 180 s) and return its id: set-up
+    takes longer than a tiny round, and how many rounds depends on how busy the machine is."""
+    import time
+
+    deadline = time.monotonic() + 180
+    while not trainer.members.spares and time.monotonic() < deadline:
+        trainer.members.admit_ready(0.0)
+        time.sleep(0.2)
+    return trainer.members.spares[0].id
+
+
 class KillOnceTheSpareIsReady:
     """A callback: at round 0's end (merge 0 in decoupled mode), advances the starting spare
     until it is ready (set-up takes longer than a tiny round, and how many rounds depends on
@@ -112,17 +124,11 @@ class KillOnceTheSpareIsReady:
     the spare and who was active."""
 
     def on_round_end(self, trainer, record):
-        import time
-
         import ray
 
         if record["round"] != 0:
             return
-        deadline = time.monotonic() + 180
-        while not trainer.members.spares and time.monotonic() < deadline:
-            trainer.members.admit_ready(0.0)
-            time.sleep(0.2)
-        self.victim, self.spare = trainer.replicas[-1].id, trainer.members.spares[0].id
+        self.spare, self.victim = wait_for_a_spare(trainer), trainer.replicas[-1].id
         self.active = [r.id for r in trainer.replicas]
         for rank in trainer.replicas[-1].ranks:
             ray.kill(rank, no_restart=True)

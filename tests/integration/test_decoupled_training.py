@@ -7,11 +7,10 @@ import json
 import os
 import sys
 import threading
-import time
 
 import pytest
 import ray
-from conftest import KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config
+from conftest import KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config, wait_for_a_spare
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo.inner_schedule import inner_lr_at
@@ -174,11 +173,7 @@ def test_a_spare_takes_over_the_rest_of_a_lost_replicas_period(ray_local, tmp_pa
         def on_round_end(self, trainer, record):
             if record["round"] != 0:
                 return
-            deadline = time.monotonic() + 180
-            while not trainer.members.spares and time.monotonic() < deadline:
-                trainer.members.admit_ready(0.0)
-                time.sleep(0.2)
-            self.spare, victim = trainer.members.spares[0].id, trainer.replicas[-1]
+            self.spare, victim = wait_for_a_spare(trainer), trainer.replicas[-1]
             self.victim = victim.id
             # The victim starts its next period when this returns; kill it about a third in.
             threading.Timer(0.3, lambda: [ray.kill(r, no_restart=True) for r in victim.ranks]).start()
