@@ -139,20 +139,22 @@ class PeriodClock:
         self.average[replica_id] = seconds if old is None else old + self.smoothing * (seconds - old)
 
     def predict(self, launched_at: Mapping[int, float]) -> dict[int, float]:
-        """Replica id -> predicted arrival. A replica with no history yet (its first period)
-        is predicted from the others' mean: the replicas run the same job."""
+        """Replica id -> predicted arrival (with slack). A replica with no history yet (its
+        first period) is predicted from the others' mean: the replicas run the same job."""
         if not self.average:
             return {}
-        typical = sum(self.average.values()) / len(self.average)
-        return {rid: t + self.slack * self.average.get(rid, typical) + self.margin_s for rid, t in launched_at.items()}
+        return {rid: t + self.slack * self._period(rid) + self.margin_s for rid, t in launched_at.items()}
 
     def expected(self, replica_id: int, launched_at: float) -> Optional[float]:
         """When a period of ``replica_id`` launched at ``launched_at`` should end, by its
         average alone (no slack); None before anything was seen."""
-        if not self.average:
-            return None
-        typical = sum(self.average.values()) / len(self.average)
-        return launched_at + self.average.get(replica_id, typical)
+        return launched_at + self._period(replica_id) if self.average else None
+
+    def _period(self, replica_id: int) -> float:
+        """The replica's average period, or the mean of the others' for a new one."""
+        if replica_id in self.average:
+            return self.average[replica_id]
+        return sum(self.average.values()) / len(self.average)
 
     def forget(self, replica_id: int) -> None:
         self.average.pop(replica_id, None)

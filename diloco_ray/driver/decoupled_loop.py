@@ -259,19 +259,19 @@ class DecoupledLoop(RoundLoop):
         self.arrived = dict(sorted(self.arrived.items()))
         merged = {rid: f.stats for rid, f in self.arrived.items()}
         cfg = self.config
-        full = {}
-        for rid, stats in merged.items():
-            tokens = float(sum(s.loss_tokens for s in stats))
-            full[rid] = decoupled.full_period_tokens(tokens, stats[0].inner_steps, cfg.max_steps)
-            self.rank_periods += cfg.ranks_of(rid)
-            self.rank_tokens += full[rid]
+        tokens = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in merged.items()}
+        full = {
+            rid: decoupled.full_period_tokens(tokens[rid], stats[0].inner_steps, cfg.max_steps)
+            for rid, stats in merged.items()
+        }
+        self.rank_periods += sum(cfg.ranks_of(rid) for rid in merged)
+        self.rank_tokens += sum(full.values())
         absent = sum(cfg.ranks_of(rep.id) for rep in host.members.active if rep.id not in merged)
         divisor = decoupled.merge_divisor(full.values(), absent, self.rank_tokens / self.rank_periods)
         weights, shares = {}, {}
         for rid, f in self.arrived.items():
-            tokens = float(sum(s.loss_tokens for s in f.stats))
-            weights[rid] = decoupled.staleness_weight(tokens, version - f.version, self.config.staleness_power)
-            shares[rid] = tokens / divisor
+            weights[rid] = decoupled.staleness_weight(tokens[rid], version - f.version, self.config.staleness_power)
+            shares[rid] = tokens[rid] / divisor
         contributions = [
             [Contribution(rid, f.launch.buffers[s], weights[rid]) for rid, f in self.arrived.items()]
             for s in range(len(host.server))
