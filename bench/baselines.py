@@ -5,8 +5,6 @@
   gradient clipping of the config), nothing else.
 * :func:`hf_trainer` runs ``transformers.Trainer`` on the same model, batches, batch size
   and optimizer.
-* :func:`memcpy_bytes_per_s` is this machine's memory copy speed, the yardstick for the
-  outer sync.
 
 Model and batches come from an in-process :class:`~diloco_ray.runtime.rank.RankWorker` (built,
 not run), so every figure compares the same tensors.
@@ -161,15 +159,3 @@ def hf_trainer(config: TrainerConfig, steps: int, output_dir: str, warmup: int =
     seconds = time.perf_counter() - clock["t0"]
     tokens = int(counts[warmup + steps] - counts[warmup])
     return {"tokens": tokens, "seconds": seconds, "tokens_per_s": _median_rate(marks)}
-
-
-def memcpy_bytes_per_s(nbytes: int = 256 << 20, repeats: int = 5) -> float:
-    """The best of ``repeats`` copies of an ``nbytes`` buffer into another (bytes/s)."""
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best
