@@ -2,18 +2,22 @@
 and ``scale OUTPUT_DIR N``.
 
 Exit status: 0 done; 2 bad config or input (one line naming the field or file and what
-is allowed, no traceback); 1 any other failure.
+is allowed, no traceback); 1 any other failure. A full disk is an environment failure:
+exit 1, but one line too (which folder, which file, how to go on), since there is
+nothing in a traceback the user could act on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
+from typing import Optional
 
 from diloco_ray import logs
 from diloco_ray.config.schema import field_help, parse_set
-from diloco_ray.errors import UserInputError, unwrap
+from diloco_ray.errors import UsageError, UserInputError, disk_full, unwrap
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -26,8 +30,35 @@ def _fields_epilog() -> str:
     return "\n".join(lines)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line like any other bad input: argparse's
+    usage block plus message (two lines, and a ``SystemExit`` from inside a library call)
+    becomes a :class:`UsageError` carrying the message and the usage on one line.
+    ``--help`` is untouched. Sub-commands' parsers are of this class too."""
+
+    def error(self, message: str):
+        usage = " ".join(self.format_usage().split())  # argparse wraps a long usage over lines
+        # "argument replicas: ..." -> "replicas: ...": the field first, as in every other message.
+        message = message.removeprefix("argument ")
+        raise UsageError(f"{message}; {usage} (see {self.prog} --help)")
+
+
+def _replica_count(text: str) -> int:
+    """``scale``'s replica count: a whole number >= 1, said in the same words as the
+    other checks (the driver clamps it to its bounds)."""
+    try:
+        value, shown = int(text), text
+    except ValueError:
+        value, shown = None, repr(text)
+    if value is None or value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{shown} is not allowed; give a whole number >= 1 (the driver clamps it to [min_replicas, max_replicas])"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="diloco-ray",
         description="DiLoCo training on a Ray cluster. "
         "`diloco-ray train --help` lists every config field with its default and meaning.",
@@ -54,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("output_dir", help="a run's output_dir")
     scale = sub.add_parser("scale", help="ask a running job to change its replica count at the next round")
     scale.add_argument("output_dir", help="the running job's output_dir")
-    scale.add_argument("replicas", type=int, help="the new target (clamped to [min_replicas, max_replicas])")
+    scale.add_argument("replicas", type=_replica_count, help="the new target (clamped to [min_replicas, max_replicas])")
     return parser
 
 
@@ -74,6 +105,17 @@ def _train(args) -> int:
     trainer = DilocoFSDPTrainer(config, callbacks=[shown], stop_on_sigterm=True)
     try:
         result = trainer.train()
+    except Exception as e:
+        full = disk_full(e)
+        if full is None:
+            raise
+        # The checkpoint being written when the disk filled is a temp folder that no resume
+        # would read: give its space back now (the run has stopped; nothing else writes).
+        try:
+            trainer.run_dir.prune(None)
+        except OSError:
+            pass
+        return _disk_full_exit(full, config.output_dir, resumable=True)
     except KeyboardInterrupt as e:
         name = trainer.stopped_by or getattr(e, "signal_name", "SIGINT")
         saved = (
@@ -131,9 +173,10 @@ class _ShowProgress:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logs.to_stderr()
+    args = None
     try:
+        args = build_parser().parse_args(argv)
+        logs.to_stderr()
         return {"train": _train, "report": _report, "scale": _scale}[args.command](args)
     except KeyboardInterrupt:
         print("diloco-ray: interrupted", file=sys.stderr)
@@ -146,7 +189,65 @@ def main(argv: list[str] | None = None) -> int:
             message = cause.args[0] if cause.args else str(cause)
             print(f"diloco-ray: error: {message}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        full = disk_full(e)
+        if full is not None:
+            return _disk_full_exit(full, getattr(args, "output_dir", None), resumable=False)
         raise
+
+
+def _disk_full_exit(error: OSError, output_dir: Optional[str], resumable: bool) -> int:
+    """Print a full disk as one line and return exit status 1 (see :func:`disk_full_line`)."""
+    print(f"diloco-ray: error: {disk_full_line(error, output_dir, resumable)}", file=sys.stderr)
+    return EXIT_FAILURE
+
+
+def disk_full_line(error: OSError, output_dir: Optional[str], resumable: bool = False) -> str:
+    """The one line for a full disk (or quota): the folder, the file, and how to go on.
+
+    Args:
+        error: the ENOSPC/EDQUOT error (:func:`~diloco_ray.errors.disk_full`); its
+            ``filename`` is None when a write to an open file failed.
+        output_dir: the run's folder, when the command has one.
+        resumable: whether to point at the last good checkpoint (``train``).
+    """
+    from diloco_ray.persist import storage
+
+    what = os.strerror(error.errno).lower()  # "no space left on device", "disk quota exceeded"
+    path = error.filename if isinstance(error.filename, str) else None
+    local = output_dir and not storage.is_remote(output_dir)
+    inside = local and (_is_under(path, output_dir) if path else _nearly_full(output_dir))
+    if not inside:
+        if path:
+            return f"{what} writing '{path}'; free space on that disk and run again"
+        # A write to an open file names no file; output_dir's disk has room, so it was another one.
+        return f"{what} on a disk the run writes to (not output_dir's; Ray's temp folder?); free space and run again"
+    line = f"output_dir: {what} writing '{path or output_dir}'; free space under '{output_dir}'"
+    if not resumable:
+        return line
+    from diloco_ray.persist import checkpoint
+
+    try:
+        last, _ = checkpoint.latest_valid(os.path.join(output_dir, "checkpoints"))
+    except OSError:
+        last = None
+    if last is None:
+        return f"{line}, then run again (no checkpoint was written to resume from)"
+    return f"{line}, then resume from its last good checkpoint ({last}) with --set resume_from={output_dir}"
+
+
+def _is_under(path: str, folder: str) -> bool:
+    path, folder = os.path.realpath(path), os.path.realpath(folder)
+    return path == folder or path.startswith(folder + os.sep)
+
+
+def _nearly_full(folder: str) -> bool:
+    """Whether ``folder``'s filesystem has (almost) nothing left: a write that failed with
+    no file name (a write to an open file) most likely failed there."""
+    try:
+        st = os.statvfs(folder)
+    except OSError:
+        return False
+    return st.f_bavail * st.f_frsize < max(64 << 20, st.f_blocks * st.f_frsize // 100)
 
 
 if __name__ == "__main__":

@@ -188,18 +188,10 @@ class TrainerConfig:
             overrides: field -> value applied on top, e.g. ``{"output_dir": "out"}`` or
                 ``{"outer_opt_kwargs.nesterov": False}``.
         """
-        if not os.path.isfile(path):
-            raise ConfigError(f"config file '{path}' does not exist")
-        try:
-            with open(path) as f:
-                values = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file '{path}' is not valid YAML: {str(e).splitlines()[0]}") from None
-        if not isinstance(values, dict):
-            raise ConfigError(f"config file '{path}' must hold a mapping of field: value")
+        values = read_config_file(path)
         for key, value in (overrides or {}).items():
             apply_override(values, key, value)
-        return cls.from_dict(values, source=path)
+        return cls.from_dict(values, source=f"config file '{path}'")
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -262,6 +254,44 @@ def field_help() -> list[tuple[str, Any, str]]:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         out.append((f.name, default, f.metadata["help"]))
     return out
+
+
+_KINDS = {list: "a list", str: "a string", int: "a number", float: "a number", bool: "true/false"}
+
+
+def read_config_file(path: str) -> dict:
+    """The mapping of field: value in the YAML file ``path``; a ConfigError naming the
+    file says what is wrong with it (missing, a folder, unreadable, not YAML, empty, not
+    a mapping) and what is expected."""
+    expected = "expected a YAML file of field: value lines (e.g. configs/tiny.yaml)"
+    if os.path.isdir(path):
+        raise ConfigError(f"config file '{path}' is a folder; {expected}")
+    if not os.path.exists(path):
+        raise ConfigError(f"config file '{path}' does not exist; {expected}")
+    try:
+        with open(path, "rb") as f:  # bytes: YAML finds the encoding, and a bad byte is a YAMLError
+            values = yaml.safe_load(f)
+    except OSError as e:
+        raise ConfigError(f"config file '{path}' cannot be read ({e.strerror or e}); {expected}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config file '{path}' is not valid YAML ({_yaml_problem(e)}); {expected}") from None
+    if values is None:
+        raise ConfigError(f"config file '{path}' is empty; {expected}")
+    if not isinstance(values, dict):
+        kind = _KINDS.get(type(values), type(values).__name__)
+        raise ConfigError(f"config file '{path}' holds {kind}, not a mapping of field: value; {expected}")
+    return values
+
+
+def _yaml_problem(e: "yaml.YAMLError") -> str:
+    """Where and what, in one line: ``line 2, column 1: expected ',' or ']'``."""
+    mark = getattr(e, "problem_mark", None)
+    problem = getattr(e, "problem", None) or str(e).strip().splitlines()[0]
+    if mark is not None:
+        return f"line {mark.line + 1}, column {mark.column + 1}: {problem}"
+    if getattr(e, "position", None) is not None:  # a ReaderError: a byte that is not text
+        return f"byte {e.position}: {problem}"
+    return problem
 
 
 def parse_set(items: list[str]) -> dict:

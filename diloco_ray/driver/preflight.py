@@ -41,6 +41,12 @@ def check_paths(cfg: TrainerConfig) -> None:
     """Local files and folders the job reads exist (hub ids are left to the loaders)."""
     if cfg.json_file_path is not None and not os.path.isfile(cfg.json_file_path):
         raise DataError(f"json_file_path: '{cfg.json_file_path}' does not exist or is not a file")
+    if cfg.json_file_path is not None:
+        try:  # here, not in a rank actor minutes later: a file the driver cannot read at all
+            with open(cfg.json_file_path, "rb") as f:
+                f.read(1)
+        except OSError as e:
+            raise DataError(f"json_file_path: '{cfg.json_file_path}' cannot be read ({e.strerror or e})") from None
     for field in ("model_name", "tokenizer_name", "dataset_name"):
         value = getattr(cfg, field)
         if (
@@ -153,7 +159,7 @@ def check(cfg: TrainerConfig, resuming: bool) -> None:
 
     for field in ("output_dir", "resume_from"):
         value = getattr(cfg, field)
-        if value and "://" in value:
+        if value:  # every value: "s3:bucket" (no "//") must not become a local folder named so
             storage.check_uri(field, value)
     check_optimizers(cfg)
     check_paths(cfg)

@@ -189,7 +189,7 @@ class DilocoFSDPTrainer:
         replicas."""
         cfg = self.config
         # Everything that can be checked without Ray is checked before Ray starts.
-        resume = resolve_resume(cfg.resume_from) if cfg.resume_from else None
+        resume = resolve_resume(cfg.resume_from, cfg) if cfg.resume_from else None
         preflight.check(cfg, resuming=resume is not None)
         self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)

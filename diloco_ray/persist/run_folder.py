@@ -194,11 +194,22 @@ class RunFolder:
             return None
 
 
-def resolve_resume(resume_from: str) -> tuple[str, list]:
-    """The checkpoint to resume from (a folder or a URI) and the ones passed over."""
+def resolve_resume(resume_from: str, config: Optional[TrainerConfig] = None) -> tuple[str, list]:
+    """The checkpoint to resume from (a folder or a URI) and the ones passed over.
+
+    With ``config``, a local checkpoint is also checked against the settings it must be
+    resumed with (:func:`server_state.read_meta`), so a mismatch fails before Ray starts
+    and before anything in output_dir changes (a bucket's is checked as the servers load).
+    """
+    storage.check_uri("resume_from", resume_from)  # "http://..." is a bad URI, not a missing folder
     if storage.is_remote(resume_from):
         return cloud_checkpoint.resolve_resume(resume_from)
-    return checkpoint.resolve_resume(resume_from)
+    found = checkpoint.resolve_resume(resume_from)
+    if config is not None:
+        from diloco_ray.persist import server_state
+
+        server_state.read_meta(found[0], config)
+    return found
 
 
 def request_scale(output_dir: str, target: int) -> str:
@@ -210,6 +221,7 @@ def request_scale(output_dir: str, target: int) -> str:
             f"replicas: {target!r} is not allowed; give a whole number >= 1 "
             "(the driver clamps it to [min_replicas, max_replicas])"
         )
+    storage.check_uri("output_dir", output_dir)  # "ftp://..." is a bad URI, not a missing folder
     doc = json.dumps({"target": int(target), "time": time.time()}).encode()
     mirror = storage.for_output_dir(output_dir)
     if mirror:
@@ -217,14 +229,53 @@ def request_scale(output_dir: str, target: int) -> str:
             raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale")
         mirror.write_bytes(SCALE_REQUEST_FILE, doc)
         return mirror.remote(SCALE_REQUEST_FILE)
-    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
-        raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale")
+    _check_running(output_dir)
     path = os.path.join(output_dir, SCALE_REQUEST_FILE)
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(doc)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(doc)
+        os.replace(tmp, path)
+    finally:  # a failed write (a full disk) leaves nothing behind
+        if os.path.exists(tmp):
+            os.remove(tmp)
     return path
+
+
+def _check_running(output_dir: str) -> None:
+    """That the local folder ``output_dir`` holds a run a scale request can reach: a
+    ConfigError naming output_dir when it does not exist, holds no run, or holds a
+    finished one (``final/`` written and no driver holding :data:`LOCK_FILE`)."""
+    if not os.path.isdir(output_dir):
+        what = "is not a folder" if os.path.exists(output_dir) else "does not exist"
+        raise ConfigError(
+            f"output_dir: '{output_dir}' {what}: it holds no run to scale; give a running run's output_dir"
+        )
+    if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
+        raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale (no metrics.jsonl)")
+    if os.path.isdir(os.path.join(output_dir, "final")) and not _locked(output_dir):
+        raise ConfigError(
+            f"output_dir: '{output_dir}' holds a finished run (final/ is written and no diloco-ray train "
+            "holds the folder); scale a running run, or set num_replicas when you resume this one"
+        )
+
+
+def _locked(output_dir: str) -> bool:
+    """Whether a driver holds ``output_dir``'s :data:`LOCK_FILE` (see :meth:`RunFolder.lock`);
+    opened read-only, so asking creates and changes nothing."""
+    import fcntl
+
+    try:
+        handle = open(os.path.join(output_dir, LOCK_FILE), "rb")
+    except OSError:
+        return False  # no lock file: no driver ever held this folder here
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            return True
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        return False
 
 
 def resumes_own_run(cfg: TrainerConfig) -> bool:

@@ -72,30 +72,59 @@ def save(server, where: str) -> dict:
     return staging.publish(where, [weights_file, *outer_files, meta_file])
 
 
+def read_meta(folder: str, config, index: int = 0) -> dict:
+    """Server ``index``'s ``server*.json`` in checkpoint ``folder``, once it is known that
+    ``config`` may resume from it: the same ``num_param_servers``, ``sync_fragments`` and
+    ``sync_mode``. The driver calls it before Ray starts, so a mismatch is one line and
+    nothing in output_dir changes; each server calls it again as it loads.
+
+    Raises:
+        ConfigError: naming the field that differs and the value the checkpoint needs.
+    """
+    count = config.num_param_servers
+    meta_file = file_names(index, count)[2]
+    if not any(n.startswith("server") and n.endswith(".json") for n in os.listdir(folder)):
+        raise ConfigError(
+            f"resume_from: checkpoint {folder} holds no parameter-server state (no {meta_file}); "
+            "expected a checkpoint that diloco-ray train wrote"
+        )
+    if not os.path.isfile(os.path.join(folder, meta_file)):
+        raise ConfigError(
+            f"num_param_servers: {count}, but checkpoint {folder} was not written with "
+            f"{count} server(s) (no {meta_file}); resume with the server count it was saved with"
+        )
+    try:
+        with open(os.path.join(folder, meta_file)) as f:
+            meta = json.load(f)
+    except ValueError as e:
+        raise ConfigError(f"resume_from: checkpoint {folder} has a {meta_file} that is not valid JSON ({e})") from None
+    saved_count = meta.get("count", count)
+    if saved_count != count:
+        raise ConfigError(
+            f"num_param_servers: {count}, but checkpoint {folder} was written with {saved_count}; "
+            "resume with the value it was saved with"
+        )
+    saved_fragments = meta.get("sync_fragments", 1)
+    if saved_fragments != config.sync_fragments:
+        raise ConfigError(
+            f"sync_fragments: {config.sync_fragments}, but checkpoint {folder} was written "
+            f"with {saved_fragments}; resume with the value it was saved with"
+        )
+    saved_mode = meta.get("sync_mode", "sync")
+    if saved_mode != config.sync_mode:
+        # The momentum buffers mean different things in the two modes.
+        raise ConfigError(
+            f"sync_mode: {config.sync_mode}, but checkpoint {folder} was written in "
+            f"sync_mode: {saved_mode}; resume with the mode it was saved with"
+        )
+    return meta
+
+
 def load(server, where: str) -> None:
     """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
     weights_file, outer_name, meta_file = file_names(server.index, server.count)
     folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
-    if not os.path.isfile(os.path.join(folder, meta_file)):
-        raise ConfigError(
-            f"resume_from: checkpoint {folder} was not written with num_param_servers="
-            f"{server.count} (no {meta_file}); resume with the server count it was saved with"
-        )
-    with open(os.path.join(folder, meta_file)) as f:
-        meta = json.load(f)
-    saved_fragments = meta.get("sync_fragments", 1)
-    if saved_fragments != server.config.sync_fragments:
-        raise ConfigError(
-            f"sync_fragments: {server.config.sync_fragments}, but checkpoint {folder} was written "
-            f"with {saved_fragments}; resume with the value it was saved with"
-        )
-    saved_mode = meta.get("sync_mode", "sync")
-    if saved_mode != server.config.sync_mode:
-        # The momentum buffers mean different things in the two modes.
-        raise ConfigError(
-            f"sync_mode: {server.config.sync_mode}, but checkpoint {folder} was written in "
-            f"sync_mode: {saved_mode}; resume with the mode it was saved with"
-        )
+    meta = read_meta(folder, server.config, server.index)
     server.layout(meta["shapes"])
     loaded = state_files.load_tensors(os.path.join(folder, weights_file))
     params = server.split(loaded)

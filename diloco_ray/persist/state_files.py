@@ -15,6 +15,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import tempfile
 from typing import Any, Mapping
 
@@ -164,6 +165,7 @@ def save_tensors(path: str, tensors: Mapping[str, Tensor]) -> None:
             tensors sharing storage (views of one buffer, tied weights), and a clone
             gives each its own exact-size buffer.
     """
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     copies = {
@@ -172,7 +174,10 @@ def save_tensors(path: str, tensors: Mapping[str, Tensor]) -> None:
     # Write beside the target then rename, so a reader never sees half a file.
     tmp = _sibling_tmp(path)
     try:
-        save_file(copies, tmp)
+        try:
+            save_file(copies, tmp)
+        except SafetensorError as exc:
+            raise _as_os_error(exc, tmp) from exc
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -255,6 +260,17 @@ def sha256_file(path: str) -> str:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _as_os_error(exc: Exception, path: str) -> Exception:
+    """safetensors reports a failed write as ``SafetensorError('... (os error 28)')``: as
+    the ``OSError`` it is, naming the file, so a full disk is recognised as one (see
+    :func:`diloco_ray.errors.disk_full`); any other error as it is."""
+    found = re.search(r"\(os error (\d+)\)", str(exc))
+    if found is None:
+        return exc
+    code = int(found.group(1))
+    return OSError(code, os.strerror(code), path)
 
 
 def _sibling_tmp(path: str) -> str:

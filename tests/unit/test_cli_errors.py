@@ -114,13 +114,18 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
 
 
 def a_checkpoint(root, round_index=3):
-    """A valid (verifying) checkpoint folder under ``root``."""
+    """A valid (verifying) checkpoint folder under ``root``, with the ``server.json`` a
+    one-server synchronous run writes (a resume checks its settings before Ray starts)."""
+    import json
+
     import torch
 
     from diloco_ray.persist import checkpoint, state_files
 
     tmp = checkpoint.begin(str(root), round_index)
     state_files.save_state(tmp, "global", {"w": torch.ones(2)})
+    with open(os.path.join(tmp, "server.json"), "w") as f:
+        json.dump({"round": round_index, "count": 1, "sync_fragments": 1, "sync_mode": "sync"}, f)
     return checkpoint.commit(tmp, str(root), round_index, {})
 
 
