@@ -204,9 +204,14 @@ class TrainerConfig:
     def to_yaml(self, path: str) -> None:
         """Write :meth:`yaml_text` to ``path`` atomically."""
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
-            f.write(self.yaml_text())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "w") as f:
+                f.write(self.yaml_text())
+            os.replace(tmp, path)
+        except OSError as e:  # a full disk, say: leave no half-written temp file, and name the file
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise OSError(e.errno, e.strerror, path) from e
 
     # Derived values, so nobody recomputes them differently.
     @property

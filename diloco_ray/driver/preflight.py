@@ -16,7 +16,7 @@ from typing import Optional
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError, DataError
-from diloco_ray.persist.run_folder import resumes_own_run
+from diloco_ray.persist.run_folder import in_use_message, lock_holder, resumes_own_run
 
 RUN_MARKERS = ("final", "checkpoints")  # besides round records in metrics.jsonl
 
@@ -123,9 +123,15 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
     """Refuse to start into an ``output_dir`` that already holds a run, unless resuming
     that run or ``overwrite_output_dir``: a new run, and a resume from *another* run's
     checkpoint, would mix two runs' records and checkpoints. Touches nothing."""
+    from diloco_ray.persist import storage
+
+    # A live run first, even when overwriting or resuming: "already holds a run" would
+    # suggest overwrite_output_dir or a resume, and both are refused while it runs.
+    holder = None if storage.is_remote(cfg.output_dir) else lock_holder(cfg.output_dir)
+    if holder is not None:
+        raise ConfigError(in_use_message(cfg.output_dir, holder))
     if cfg.overwrite_output_dir or (resuming and resumes_own_run(cfg)):
         return
-    from diloco_ray.persist import storage
 
     mirror = storage.for_output_dir(cfg.output_dir)
     if mirror is not None:

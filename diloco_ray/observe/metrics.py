@@ -94,7 +94,10 @@ class MetricsLogger:
         ``round/<key>`` against the round; step events as ``inner/replica<id>/loss`` and
         ``.../lr`` against the run's inner step."""
         record = {**record, "time": record.get("time", time.time())}
-        self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        try:
+            self._file.write(json.dumps(record, default=_jsonable) + "\n")
+        except OSError as e:  # a write to an open file names no file: name it (a full disk, say)
+            raise OSError(e.errno, e.strerror, self.path) from e
         if record.get("event") == "step":
             self._log_step(record)
         if record.get("event") != "round":

@@ -72,10 +72,7 @@ class RunFolder:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise ConfigError(
-                f"output_dir: '{self.config.output_dir}' is in use by another diloco-ray run "
-                f"({holder}); wait for it to end, or choose another output_dir"
-            ) from None
+            raise ConfigError(in_use_message(self.config.output_dir, holder)) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -253,29 +250,38 @@ def _check_running(output_dir: str) -> None:
         )
     if not os.path.isfile(os.path.join(output_dir, "metrics.jsonl")):
         raise ConfigError(f"output_dir: '{output_dir}' holds no run to scale (no metrics.jsonl)")
-    if os.path.isdir(os.path.join(output_dir, "final")) and not _locked(output_dir):
+    if os.path.isdir(os.path.join(output_dir, "final")) and lock_holder(output_dir) is None:
         raise ConfigError(
             f"output_dir: '{output_dir}' holds a finished run (final/ is written and no diloco-ray train "
             "holds the folder); scale a running run, or set num_replicas when you resume this one"
         )
 
 
-def _locked(output_dir: str) -> bool:
-    """Whether a driver holds ``output_dir``'s :data:`LOCK_FILE` (see :meth:`RunFolder.lock`);
-    opened read-only, so asking creates and changes nothing."""
+def in_use_message(output_dir: str, holder: str) -> str:
+    """The refusal of a second run on a folder another driver holds."""
+    return (
+        f"output_dir: '{output_dir}' is in use by another diloco-ray run ({holder}); "
+        "wait for it to end, or choose another output_dir"
+    )
+
+
+def lock_holder(output_dir: str) -> Optional[str]:
+    """Who holds the local folder ``output_dir`` (``"pid N on host"``, as :meth:`RunFolder.lock`
+    wrote it), or None when no driver does. Opened read-only: asking creates and changes
+    nothing, so a refused second run leaves the folder as it found it."""
     import fcntl
 
     try:
         handle = open(os.path.join(output_dir, LOCK_FILE), "rb")
     except OSError:
-        return False  # no lock file: no driver ever held this folder here
+        return None  # no lock file: no driver ever held this folder here
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            return True
+            return handle.read().decode("utf-8", "replace").strip() or "another process"
         fcntl.flock(handle, fcntl.LOCK_UN)
-        return False
+        return None
 
 
 def resumes_own_run(cfg: TrainerConfig) -> bool:

@@ -147,6 +147,8 @@ CASES = [
     Case("output-dir-name-too-long", train(out="{tmp}/" + "x" * 300), "output_dir: '{tmp}/" + "x" * 300, ("at most 255",)),
     Case("output-dir-holds-a-run", train(out="{tmp}/run"), "output_dir: '{tmp}/run' already holds a run", ("resume_from", "overwrite_output_dir")),
     Case("output-dir-in-use", train(out="{tmp}/busy"), "output_dir: '{tmp}/busy' is in use by another diloco-ray run", ("another output_dir",)),
+    Case("overwrite-a-live-run", train("overwrite_output_dir=true", out="{tmp}/busy"), "output_dir: '{tmp}/busy' is in use by another diloco-ray run", ("pid",)),
+    Case("resume-a-live-run", train("resume_from={tmp}/busy", out="{tmp}/busy"), "output_dir: '{tmp}/busy' is in use by another diloco-ray run", ("wait for it to end",)),
     # --- the command line -------------------------------------------------------------------------
     Case("no-command", (), "the following arguments are required: command", ("usage: diloco-ray",)),
     Case("unknown-command", ("fly",), "command: invalid choice: 'fly'", ("'train', 'report', 'scale'",)),
@@ -246,10 +248,13 @@ def build_world(tmp: str):
     unreadable.bind(os.path.join(cfg, "socket.yaml"))
     unreadable.close()
     write(os.path.join(tmp, "notes.txt"), "not a folder")
-    busy = os.path.join(tmp, "busy")  # a run that has started: its lock is held, no round yet
+    busy = os.path.join(tmp, "busy")  # a run going on: its lock is held, its first checkpoint written
     write(os.path.join(busy, "metrics.jsonl"), json.dumps({"event": "start"}) + "\n")
+    write_checkpoint(os.path.join(busy, "checkpoints"), 0)
     held = open(os.path.join(busy, ".diloco-ray.lock"), "a+")
     fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    held.write(f"pid {os.getpid()} on this host")
+    held.flush()
     return held
 
 
