@@ -195,8 +195,9 @@ def resolve_resume(resume_from: str, config: Optional[TrainerConfig] = None) -> 
     """The checkpoint to resume from (a folder or a URI) and the ones passed over.
 
     With ``config``, a local checkpoint is also checked against the settings it must be
-    resumed with (:func:`server_state.read_meta`), so a mismatch fails before Ray starts
-    and before anything in output_dir changes (a bucket's is checked as the servers load).
+    resumed with (:func:`server_state.read_meta`) and the model it holds
+    (:func:`server_state.check_model`), so a mismatch fails before Ray starts and before
+    anything in output_dir changes (a bucket's is checked as the servers load).
     """
     storage.check_uri("resume_from", resume_from)  # "http://..." is a bad URI, not a missing folder
     if storage.is_remote(resume_from):
@@ -205,7 +206,7 @@ def resolve_resume(resume_from: str, config: Optional[TrainerConfig] = None) -> 
     if config is not None:
         from diloco_ray.persist import server_state
 
-        server_state.read_meta(found[0], config)
+        server_state.check_model(found[0], server_state.read_meta(found[0], config), config)
     return found
 
 

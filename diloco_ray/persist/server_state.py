@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -118,6 +119,40 @@ def read_meta(folder: str, config, index: int = 0) -> dict:
             f"sync_mode: {saved_mode}; resume with the mode it was saved with"
         )
     return meta
+
+
+def check_model(folder: str, meta: dict, config) -> None:
+    """That ``config`` builds the model whose trained parameters checkpoint ``folder`` holds
+    (``meta`` is its :func:`read_meta`): the same names and shapes. Built on the meta
+    device in the driver before Ray starts, so another model fails in one line instead of
+    every replica failing to load the weights, round after round.
+
+    Raises:
+        ConfigError: naming ``resume_from``, the first parameter that differs, and the
+            fields that decide the model.
+    """
+    from diloco_ray.data import tokenization
+    from diloco_ray.model import loading
+
+    saved = {n: list(s) for n, s in (meta.get("shapes") or {}).items()}
+    with warnings.catch_warnings():
+        # Libraries' deprecation notes (peft's wrapping, say): a check says its verdict and nothing else.
+        warnings.simplefilter("ignore")
+        model = loading.meta_model(config, tokenization.load_tokenizer(config))
+    wanted = {n: list(p.shape) for n, p in loading.trained_parameters(model)}
+    if wanted == saved:
+        return
+    name = next(n for n in [*saved, *wanted] if saved.get(n) != wanted.get(n))
+    if name not in wanted:
+        what = f"'{name}' is in the checkpoint but not in the configured model"
+    elif name not in saved:
+        what = f"'{name}' of the configured model is not in the checkpoint"
+    else:
+        what = f"'{name}' is {tuple(saved[name])} there and {tuple(wanted[name])} here"
+    raise ConfigError(
+        f"resume_from: checkpoint {folder} holds another model ({what}); resume with the model it was "
+        "saved with (model_name or model_config, use_peft and its peft_type, lora_r, target_modules)"
+    )
 
 
 def load(server, where: str) -> None:

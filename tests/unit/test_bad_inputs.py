@@ -14,10 +14,12 @@ Ray started, and not one file or folder of that world created, changed or remove
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 
 import pytest
@@ -186,6 +188,8 @@ CASES = [
     Case("resume-other-sync-fragments", train(*RESUME_RUN, "sync_fragments=2"), "sync_fragments: 2, but checkpoint {tmp}/run/checkpoints/round-00000002 was written with 1", ("resume with the value",)),
     Case("resume-other-server-count", train(*RESUME_RUN, "num_param_servers=2"), "num_param_servers: 2, but checkpoint {tmp}/run/checkpoints/round-00000002", ("server count",)),
     Case("resume-other-sync-mode", train(*RESUME_RUN, "sync_mode=decoupled"), "sync_mode: decoupled, but checkpoint {tmp}/run/checkpoints/round-00000002", ("sync_mode: sync",)),
+    Case("resume-other-model", train(*RESUME_RUN, "model_config.hidden_size=64", "model_config.intermediate_size=128"), "resume_from: checkpoint {tmp}/run/checkpoints/round-00000002 holds another model ('model.embed_tokens.weight' is (", ("model_config",)),
+    Case("resume-with-peft-added", train(*RESUME_RUN, "use_peft=true"), "resume_from: checkpoint {tmp}/run/checkpoints/round-00000002 holds another model", ("use_peft",)),
     # overwrite_output_dir clears a run before training: a refused resume must clear nothing.
     Case("resume-mismatch-with-overwrite", train(*RESUME_RUN, "sync_fragments=2", "overwrite_output_dir=true"), "sync_fragments: 2", ("written with 1",)),
 ]
@@ -195,8 +199,21 @@ CASES = [
 # --- the world every case runs in --------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def tiny_model_shapes() -> dict:
+    """The trained parameters of configs/tiny.yaml's model, name -> shape (built on the meta device)."""
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.data import tokenization
+    from diloco_ray.model import loading
+
+    config = TrainerConfig.from_yaml(TINY)
+    model = loading.meta_model(config, tokenization.load_tokenizer(config))
+    return {n: list(p.shape) for n, p in loading.trained_parameters(model)}
+
+
 def write_checkpoint(root: str, round_index: int, server_meta: bool = True) -> str:
-    """A checkpoint that verifies, with the ``server.json`` a one-server synchronous run writes."""
+    """A checkpoint that verifies, with the ``server.json`` a one-server synchronous run of
+    configs/tiny.yaml writes (its weights are not needed: nothing here loads them)."""
     import torch
 
     from diloco_ray.persist import checkpoint, state_files
@@ -204,9 +221,9 @@ def write_checkpoint(root: str, round_index: int, server_meta: bool = True) -> s
     tmp = checkpoint.begin(root, round_index)
     state_files.save_state(tmp, "outer", {"momentum": torch.zeros(2)})
     if server_meta:
-        meta = {"round": round_index, "count": 1, "sync_fragments": 1, "sync_mode": "sync", "shapes": {"w": [2]}}
+        meta = {"round": round_index, "count": 1, "sync_fragments": 1, "sync_mode": "sync"}
         with open(os.path.join(tmp, "server.json"), "w") as f:
-            json.dump(meta, f)
+            json.dump({**meta, "shapes": tiny_model_shapes()}, f)
     return checkpoint.commit(tmp, root, round_index, {})
 
 
@@ -273,6 +290,15 @@ def snapshot(folder: str) -> dict:
     return found
 
 
+def shown_as_python_does() -> None:
+    """The warning filters of a plain ``python`` run (pytest's differ): what a user's
+    terminal would show, each warning two more lines on stderr."""
+    warnings.resetwarnings()
+    warnings.simplefilter("default")
+    for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+        warnings.filterwarnings("ignore", category=hidden)
+
+
 def fill(text: str, tmp: str) -> str:
     """``text`` with ``{tmp}`` and ``{tiny}`` filled in (not str.format: YAML values hold braces)."""
     return text.replace("{tmp}", tmp).replace("{tiny}", TINY)
@@ -294,8 +320,11 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, tmp_path, capsys
     held = build_world(tmp)
     try:
         before = snapshot(tmp)
-        code = cli.main([fill(arg, tmp) for arg in case.argv])
+        with warnings.catch_warnings(record=True) as shown:
+            shown_as_python_does()
+            code = cli.main([fill(arg, tmp) for arg in case.argv])
         out, err = capsys.readouterr()
+        assert not shown, [f"{w.category.__name__}: {w.message}" for w in shown]  # stderr lines in a shell
         assert snapshot(tmp) == before, err  # nothing created, changed or removed
     finally:
         held.close()

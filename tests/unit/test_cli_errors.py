@@ -114,37 +114,17 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
 
 
 def a_checkpoint(root, round_index=3):
-    """A valid (verifying) checkpoint folder under ``root``, with the ``server.json`` a
-    one-server synchronous run writes (a resume checks its settings before Ray starts)."""
-    import json
-
+    """A valid (verifying) checkpoint folder under ``root``."""
     import torch
 
     from diloco_ray.persist import checkpoint, state_files
 
     tmp = checkpoint.begin(str(root), round_index)
     state_files.save_state(tmp, "global", {"w": torch.ones(2)})
-    with open(os.path.join(tmp, "server.json"), "w") as f:
-        json.dump({"round": round_index, "count": 1, "sync_fragments": 1, "sync_mode": "sync"}, f)
     return checkpoint.commit(tmp, str(root), round_index, {})
 
 
-def snapshot_of(folder) -> dict:
-    return {
-        os.path.join(d, f): os.stat(os.path.join(d, f)).st_mtime_ns for d, _, names in os.walk(folder) for f in names
-    }
-
-
-def test_resume_from_another_runs_checkpoint_into_a_finished_run_is_refused(tmp_path, capsys):
-    other = a_checkpoint(tmp_path / "other" / "checkpoints")
-    done = tmp_path / "done"
-    (done / "final").mkdir(parents=True)
-    (done / "metrics.jsonl").write_text('{"event": "round", "round": 0}\n')
-    before = snapshot_of(done)
-    code, _, err = run_cli(capsys, "train", TINY, "--set", f"output_dir={done}", "--set", f"resume_from={other}")
-    assert code == 2 and err.count("\n") == 1 and err.startswith("diloco-ray: error: resume_from:")
-    assert "another run's checkpoint" in err and "overwrite_output_dir" in err
-    assert snapshot_of(done) == before
+# A resume from another run's checkpoint into a finished run: a case of test_bad_inputs.py.
 
 
 def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
