@@ -109,10 +109,10 @@ def _train(args) -> int:
         full = disk_full(e)
         if full is None:
             raise
-        # The checkpoint being written when the disk filled is a temp folder that no resume
-        # would read: give its space back now (the run has stopped; nothing else writes).
+        # The checkpoint (or final/) being written when the disk filled is a temp folder that
+        # nothing will read: give its space back now (the run has stopped; nothing writes).
         try:
-            trainer.run_dir.prune(None)
+            trainer.run_dir.discard_partial_writes()
         except OSError:
             pass
         return _disk_full_exit(full, config.output_dir, resumable=True)

@@ -165,6 +165,20 @@ class RunFolder:
             return cloud_checkpoint.prune(self.checkpoints, keep)
         return checkpoint.prune(self.checkpoints, keep)
 
+    def discard_partial_writes(self) -> list[str]:
+        """Remove what a run that stopped on a failed write (a full disk) was writing and
+        nothing will ever read: temp checkpoint folders and ``final/``'s temp copy, so the
+        space comes back. Call it only once nothing writes any more. Returns what went."""
+        import shutil
+
+        removed = self.prune(None)
+        for name in ("final.tmp", "final_merged.tmp"):  # see model.loading.write_atomically
+            path = os.path.join(self.local, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+        return removed
+
     def latest_valid(self) -> tuple[Optional[str], list]:
         if self.mirror:
             return cloud_checkpoint.latest_valid(self.checkpoints)

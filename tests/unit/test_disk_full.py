@@ -103,6 +103,7 @@ def test_train_on_a_full_disk_is_one_line_exit_1_and_drops_the_half_checkpoint(t
     good = write_checkpoint(out / "checkpoints", 1)
     half = out / "checkpoints" / ".tmp-round-00000002-abc"  # the checkpoint being written
     half.mkdir()
+    (out / "final.tmp").mkdir()  # and final/, had the disk filled at the end
     failed = OSError(errno.ENOSPC, FULL, str(half / "global.safetensors"))
 
     class FullDiskTrainer:
@@ -118,7 +119,7 @@ def test_train_on_a_full_disk_is_one_line_exit_1_and_drops_the_half_checkpoint(t
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"diloco-ray: error: output_dir: no space left on device writing '{half}/global.safetensors'")
     assert f"last good checkpoint ({good})" in err and f"--set resume_from={out}" in err
-    assert not half.exists()
+    assert sorted(os.listdir(out)) == ["checkpoints"] and os.listdir(out / "checkpoints") == ["round-00000001"]
 
 
 @pytest.mark.parametrize("inside", [True, False])
