@@ -1,42 +1,48 @@
-"""The math of decoupled mode, as plain functions: staleness weights, the grace window,
-and delayed Nesterov momentum.
+"""The math of decoupled mode, as plain functions: merge weights, staleness, the grace
+window, and delayed Nesterov momentum.
 
 In decoupled mode (``sync_mode: decoupled``) replicas run on their own clocks and the
 server merges whatever has arrived (see :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`).
 Three rules make that converge like synchronous DiLoCo:
 
-* **Token weights, staleness discount, a fixed divisor.** A contribution that started from
-  version ``v`` and is merged at version ``V`` is ``V - v`` outer steps stale. Its weight is
-  its loss tokens times ``(1 + staleness) ** -staleness_power`` (staleness-aware async SGD,
-  Zhang et al. 2016, divides the step by the staleness), and a merge divides by one
-  *round's worth* of tokens (a full period of every active replica, :func:`merge_divisor`),
-  not by the weights that arrived: so a merge of one replica moves the weights by about a
-  1/replicas share of a synchronous round, a discount really shrinks a stale step
-  instead of being normalised away, and a merge of every replica is the synchronous mean.
-* **Outer momentum** (``decoupled_momentum``). By default (``every_step``) each merge is
-  one step of the outer optimizer, as each synchronous round is: a merge of one replica
-  out of two moves the weights by about half a round's gradient, and Nesterov momentum
-  carries it on. The alternative is **delayed Nesterov** (Liu et al., "Asynchronous
-  Local-SGD", 2024), which argues that momentum at every small merge compounds too often:
-  each merge applies its gradient part at once, ``theta -= lr * g``, and adds ``g`` to the
-  momentum; once a round's worth of work has been merged the momentum part is applied,
-  ``m = beta * m + sum(g)``, ``theta -= lr * beta * m``. A cycle whose merges started from
-  the same weights is then exactly one synchronous Nesterov step (unit-tested against
-  ``torch.optim.SGD(nesterov=True)``); one buffer per parameter holds ``beta * m`` plus the
-  cycle's gradients so far, so it costs what plain Nesterov costs. Measured on the default
-  with one replica 2x slower (10 rounds, seeds 0-3), ``every_step`` ended at a mean eval
-  loss of 0.806, delayed at 0.827 and the synchronous mode at 0.871, so ``every_step`` is
-  the default: with a momentum of 0.5 over a few dozen merges the compounding Liu et al.
-  guard against (momentum 0.9, thousands of merges) does not show.
+* **Token weights, staleness discount, a fixed divisor** (:func:`merge_weighting`). A
+  contribution's weight is the loss tokens it trained on times ``(1 + s) ** -staleness_power``,
+  where ``s`` is its staleness (below; staleness-aware async SGD, Zhang et al. 2016, divides
+  the step by the staleness). A merge divides by one *round's worth* of tokens: the tokens
+  the merged replicas trained on plus, for every active rank not in the merge, the tokens a
+  rank has trained on per period so far. So a merge of one replica moves the weights by about
+  a 1/replicas share of a synchronous round, a discount really shrinks a stale step instead
+  of being normalised away, and a merge of every replica is the synchronous round's
+  token-weighted mean, also when ``inner_time_s`` cut the periods short.
+* **Outer momentum** (``decoupled_momentum``) and what staleness counts. With ``every_step``
+  (the default) each merge is one step of the outer optimizer, as each synchronous round
+  is, and a contribution's staleness is the merges applied since it started. With
+  **delayed Nesterov** (Liu et al., "Asynchronous Local-SGD", 2024) each merge applies its
+  gradient part at once, ``theta -= lr * g``, and adds ``g`` to the momentum; once a round's
+  worth of tokens has been merged (a *cycle*) the momentum part is applied,
+  ``m = beta * m + sum(g)``, ``theta -= lr * beta * m``; staleness counts the cycles ended
+  since the contribution started (:func:`momentum_steps`). So a cycle is exactly one
+  synchronous Nesterov step whose gradient is the sum of the cycle's merge gradients, and
+  when the cycle's contributions all started from the cycle's weights (none stale, whatever
+  ``staleness_power``) that sum is the synchronous round's mean: the cycle *is* the
+  synchronous round (unit-tested at the defaults against ``torch.optim.SGD(nesterov=True)``).
+  One buffer per parameter holds ``beta * m`` plus the cycle's gradients so far, so it costs
+  what plain Nesterov costs.
 * **An adaptive grace window.** Once ``min_quorum`` contributions are in, the server waits
   for the others that are predicted (from each replica's recent period times) to arrive
   within ``grace_window_s``; a replica predicted later is not waited for.
+
+``work``, the rounds' worth of tokens merged (a merged contribution's tokens over its
+merge's divisor, summed), drives the run's end, both lr schedules and the delayed cycles;
+a stale contribution counts its tokens in full there (its data is trained) while its
+weight is discounted.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Mapping, Optional
 
 import torch
 
@@ -50,28 +56,57 @@ def staleness_weight(tokens: float, staleness: int, power: float) -> float:
     return float(tokens) * (1.0 + staleness) ** -power
 
 
-def merge_divisor(merged_full_tokens: Iterable[float], absent_ranks: int, per_rank_tokens: float) -> float:
-    """One round's worth of tokens, the divisor of a merge: each merged replica's full-period
-    tokens (from what it carried), plus a full period's estimate for every active rank not in
-    this merge. When every active replica is merged after a full period this is the sum of
-    their tokens, so the merge is the synchronous round's token-weighted mean.
+@dataclass(frozen=True)
+class Weighting:
+    """How one merge weighs its contributions.
 
     Args:
-        merged_full_tokens: per merged replica, the tokens a full period of it carries.
+        weights: replica id -> its weight in the merge's sum (tokens x staleness discount).
+        divisor: what the weighted sum is divided by: one round's worth of tokens.
+        shares: replica id -> its tokens over the divisor: the rounds' worth of work it adds.
+    """
+
+    weights: dict[int, float]
+    divisor: float
+    shares: dict[int, float]
+
+    @property
+    def applied(self) -> float:
+        """The share of a round's weight the merge applies (its weights over the divisor):
+        the sum of ``shares`` when nothing is stale, less when something is."""
+        return sum(self.weights.values()) / self.divisor
+
+
+def merge_weighting(
+    tokens: Mapping[int, float],
+    staleness: Mapping[int, int],
+    absent_ranks: int,
+    per_rank_tokens: float,
+    power: float,
+) -> Weighting:
+    """Weights, divisor and shares of one merge.
+
+    Args:
+        tokens: merged replica id -> the loss tokens its period trained on (all its ranks).
+        staleness: merged replica id -> its staleness (see :func:`momentum_steps`).
         absent_ranks: ranks of the active replicas not in this merge (replicas may have
             different ``ranks_per_replica``; each trains in proportion to its ranks).
-        per_rank_tokens: the tokens of one rank's full period, as measured so far.
+        per_rank_tokens: the tokens one rank has trained on per period so far, which
+            stands in for each absent rank.
+        power: ``staleness_power``.
     """
-    total = sum(merged_full_tokens) + absent_ranks * per_rank_tokens
-    if total <= 0 or absent_ranks < 0:
-        raise ValueError(f"a merge needs tokens > 0 and absent ranks >= 0, got {total}, {absent_ranks}")
-    return float(total)
+    divisor = sum(tokens.values()) + absent_ranks * per_rank_tokens
+    if divisor <= 0 or absent_ranks < 0:
+        raise ValueError(f"a merge needs tokens > 0 and absent ranks >= 0, got {divisor}, {absent_ranks}")
+    weights = {rid: staleness_weight(t, staleness[rid], power) for rid, t in tokens.items()}
+    return Weighting(weights, float(divisor), {rid: t / divisor for rid, t in tokens.items()})
 
 
-def full_period_tokens(loss_tokens: int, inner_steps: int, max_steps: int) -> float:
-    """The tokens a full period of ``max_steps`` would carry, from one that ran ``inner_steps``
-    (with ``inner_time_s`` a period may stop early)."""
-    return float(loss_tokens) / max(1, inner_steps) * max_steps
+def momentum_steps(version: int, work: float, rule: str) -> int:
+    """The outer momentum steps taken so far, what staleness is counted in: one per merge
+    (``every_step``, whose ``version`` counts merges), or one per whole round's worth of
+    merged work (``delayed``, whose momentum is applied once per cycle)."""
+    return version if rule == "every_step" else math.floor(work + CYCLE_EPS)
 
 
 def cycle_ends(work_before: float, work_after: float) -> bool:

@@ -16,11 +16,16 @@ class RayCalls:
     """The round loop's calls, made with Ray."""
 
     def ready(self, refs: Sequence[Any], timeout_s: Optional[float]) -> list:
-        """The refs of ``refs`` that are ready, waiting up to ``timeout_s`` for the first
-        (without fetching their values to the driver)."""
+        """Every ref of ``refs`` that is ready, waiting up to ``timeout_s`` for the first
+        (without fetching their values to the driver). All of them, not only the first:
+        replicas that finish together must be merged together."""
         import ray
 
-        done, _ = ray.wait(list(refs), num_returns=1, timeout=timeout_s, fetch_local=False)
+        refs = list(refs)
+        first, _ = ray.wait(refs, num_returns=1, timeout=timeout_s, fetch_local=False)
+        if not first or len(refs) == 1:
+            return first
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
         return done
 
     def all_ready(self, refs: Sequence[Any], timeout_s: Optional[float]) -> list:

@@ -35,23 +35,31 @@ class Checkpointer:
     def __init__(self, config: TrainerConfig, run_dir, log: Callable, warn: Callable[[str], None]):
         self.config, self.run_dir, self.log, self.warn = config, run_dir, log, warn
         self.last_round: Optional[int] = None  # the round of the latest checkpoint written or loaded
+        self.last_progress: Optional[float] = None  # the rounds' worth of work it held (see RoundLoop.progress)
 
-    def maybe_save(self, server, replicas: list, round_index: int) -> Optional[str]:
-        """Checkpoint ``round_index`` when ``checkpoint_steps`` say it is due; its path, or None."""
+    def maybe_save(self, server, replicas: dict, round_index: int, progress: float) -> Optional[str]:
+        """Checkpoint ``round_index`` when ``checkpoint_steps`` say it is due by ``progress``
+        (rounds' worth of inner steps done, :attr:`RoundLoop.progress`); its path, or None."""
         cfg = self.config
-        if not checkpoint_due(round_index, self.last_round, cfg.checkpoint_steps, cfg.max_steps):
+        if not checkpoint_due(progress, self.last_progress, cfg.checkpoint_steps, cfg.max_steps):
             return None
-        return self.save(server, replicas, round_index)
+        return self.save(server, replicas, round_index, progress=progress)
 
-    def save(self, server, replicas: list, round_index: int, timeout_s: Optional[float] = None) -> Optional[str]:
-        """Write the servers' state and every replica's inner state as one checkpoint;
-        prune old ones. Returns its path, or None if a replica died while it was being
-        written (the round goes on, and the last checkpoint stands)."""
+    def save(
+        self,
+        server,
+        replicas: dict,
+        round_index: int,
+        timeout_s: Optional[float] = None,
+        progress: Optional[float] = None,
+    ) -> Optional[str]:
+        """Write the servers' state and the inner state of ``replicas`` (slot -> replica) as
+        one checkpoint; prune old ones. Returns its path, or None if a replica died while it
+        was being written (the round goes on, and the last checkpoint stands)."""
         cfg = self.config
         where = self.run_dir.begin_checkpoint(round_index)
-        members = list(replicas)
         refs = server.save(where)
-        for slot, rep in enumerate(members):
+        for slot, rep in replicas.items():
             refs += rep.save_inner_state(where, slot)
         try:
             hashes = ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
@@ -60,23 +68,36 @@ class Checkpointer:
             return None
         files = {k: v for part in hashes for k, v in (part or {}).items()}
         meta = {
-            "replica_ids": [r.id for r in members],
+            "replica_ids": [r.id for r in replicas.values()],
+            "replica_slots": list(replicas),
             "ranks_per_replica": cfg.ranks_per_replica,
             "seed": cfg.seed,
             "max_steps": cfg.max_steps,
         }
         path = self.run_dir.commit_checkpoint(where, round_index, meta, files)
         self.last_round = round_index
+        self.last_progress = float(round_index) if progress is None else progress
         snapshot.clear_before(self.run_dir.inflight, round_index)
         pruned = self.run_dir.prune(cfg.save_total_limit)
         self.log(CheckpointEvent("saved", path=path, round=round_index, pruned=pruned))
         return path
 
-    def on_stop(self, server, replicas: list, round_index: int, attempt: int) -> Optional[str]:
-        """Told to stop: abandon the round in flight and, with ``checkpoint_steps`` set,
-        checkpoint the last completed round within ``shutdown_grace_s``. The ranks first
-        rewind to that round's boundary (the state they started the round with), so a
-        resume from it continues exactly. Returns the checkpoint, or None."""
+    def on_stop(self, server, replicas: dict, round_index: int, progress: float, unmerged: dict) -> Optional[str]:
+        """Told to stop: abandon the periods in flight and, with ``checkpoint_steps`` set,
+        checkpoint the last completed round (or merge) within ``shutdown_grace_s``.
+
+        Args:
+            server: the server group.
+            replicas: slot -> replica, every active one.
+            round_index: the rounds (merges) applied and recorded.
+            progress: rounds' worth of work done (see :meth:`maybe_save`).
+            unmerged: replica id -> (launch attempt, round) of its period whose work is not
+                in the weights: every replica's in a synchronous round in flight. Those
+                replicas are told to stop and rewind to that period's start (its weights
+                and inner state), so a resume from the checkpoint continues exactly.
+
+        Returns the checkpoint, or None (a merge the driver did not record was committed,
+        or the time ran out: the last checkpoint stands)."""
         cfg = self.config
         if cfg.checkpoint_steps is None or server is None or not replicas:
             return None
@@ -87,15 +108,16 @@ class Checkpointer:
             return None
         deadline = time.monotonic() + cfg.shutdown_grace_s
         left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
+        busy = [(rep, unmerged[rep.id]) for rep in replicas.values() if rep.id in unmerged]
         try:
-            for rep in replicas:
+            for rep, (attempt, _) in busy:
                 rep.abort(attempt)
             if server.round_index() != round_index:
                 return None  # the server committed a round the driver has not recorded
             if self.last_round == round_index:
                 return self.run_dir.latest_valid()[0]
-            ray.get([r.rewind_round.remote(round_index) for rep in replicas for r in rep.ranks], timeout=left())
-            return self.save(server, replicas, round_index, timeout_s=left())
+            ray.get([r.rewind_round.remote(start) for rep, (_, start) in busy for r in rep.ranks], timeout=left())
+            return self.save(server, replicas, round_index, timeout_s=left(), progress=progress)
         except (RayActorError, GetTimeoutError, KeyboardInterrupt) as e:
             self.warn(f"no checkpoint on stop ({type(e).__name__}): the run resumes from its last one")
             return None

@@ -2,24 +2,31 @@
 
 :class:`DecoupledLoop` keeps one sync period in flight per active replica, each with its
 own data plan reserved on the server (:meth:`~diloco_ray.runtime.server.ParameterServer.reserve_plan`)
-and its own starting version. One call of :meth:`DecoupledLoop.run_round` is one outer
+and its own starting point. One call of :meth:`DecoupledLoop.run_round` is one outer
 step (a *merge*):
 
 1. launch every active replica that is not training (new ones, and the ones just merged),
-   from the newest weights;
-2. collect reports as they come; a replica that dies gives its plan back and the
-   membership is reconciled at once (a hot spare steps in without waiting for a merge);
+   from the newest weights, then carry out the fault plan's server and driver faults due
+   in this merge (as a synchronous round does once its replicas have started);
+2. collect every report that is ready at each poll; a replica that dies gives its plan
+   back and the membership is reconciled at once (a hot spare steps in without waiting for
+   a merge); one that shows no step for ``stall_timeout_s`` is told to stop, and dropped
+   as unresponsive if it cannot within ``abort_grace_s`` (a frozen process);
 3. once ``min_quorum`` contributions are in, wait for the replicas predicted to arrive
    within ``grace_window_s`` (:func:`~diloco_ray.algo.decoupled.grace_deadline`), then merge:
    each contribution weighted by its tokens and discounted by its staleness, divided by
-   one round's worth of tokens (:mod:`diloco_ray.algo.decoupled`);
+   one round's worth of tokens (:func:`~diloco_ray.algo.decoupled.merge_weighting`);
 4. when the merge completes a round's worth of tokens (and at the end), evaluate on a
    replica that was merged (it is idle; the others keep training), and return the
    merge's record. Evaluating at every merge would keep merged replicas idle more often,
    and these points line up with a synchronous run's rounds (equal tokens).
 
-The run ends when ``diloco_loops`` rounds' worth of tokens has been merged (``work``),
-so a decoupled run trains on as many tokens as a synchronous one.
+If a parameter server dies, the merge is abandoned as a unit: every period in flight is
+let finish and thrown away (it trained from weights the restored servers never had), the
+servers are restored from the last checkpoint (``host.recover_server``), the merges since
+it are run again on the data its cursor hands out again, and every replica reloads the
+restored weights. The run ends when ``diloco_loops`` rounds' worth of tokens has been
+merged (``work``), so a decoupled run trains on as many tokens as a synchronous one.
 """
 
 from __future__ import annotations
@@ -33,12 +40,17 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray.algo import decoupled
 from diloco_ray.algo.aggregate import NON_FINITE
+from diloco_ray.driver.policies import MAX_ROUND_RETRIES
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.driver.round_loop import Handout, Period, RoundLoop
 from diloco_ray.errors import UserInputError, unwrap
 from diloco_ray.runtime.messages import Contribution, Launch
 
 GIVE_UP_AFTER_LOSSES = 8  # periods lost in a row, with no merge between, before the run stops
+
+
+class ServerLost(Exception):
+    """A parameter server died during a merge's calls: the merge is abandoned as a unit."""
 
 
 @dataclass
@@ -48,21 +60,33 @@ class Flight:
     Args:
         launch: its :class:`Launch` (buffer and stats refs).
         plan: the stream ranges reserved for it.
-        version: the global version it started from (its staleness is counted from it).
+        version: the global version it started from.
+        round: the merge index it was launched in (its ranks key their period-start state by it).
+        mark: the outer momentum steps taken when it started (its staleness is counted
+            from it, see :func:`~diloco_ray.algo.decoupled.momentum_steps`).
         launched_at: wall-clock launch time.
-        attempt: the launch counter its beats carry.
+        attempt: the launch counter its beats carry (an abort names it).
         due: when its time budget ends, for a replica stepping into a lost one's period
             (None: it runs a full period).
+        abort_by: set once it was told to stop (it stalled): when it is dropped as
+            unresponsive if it has not answered.
     """
 
     launch: Launch
     plan: list
     version: int
+    round: int
+    mark: int
     launched_at: float
     attempt: int
     due: Optional[float] = None
+    abort_by: Optional[float] = None
     stats: list = field(default_factory=list)
     pending: set = field(default_factory=set)
+
+    @property
+    def aborted(self) -> bool:
+        return any(s.aborted for s in self.stats)
 
 
 class DecoupledLoop(RoundLoop):
@@ -80,13 +104,15 @@ class DecoupledLoop(RoundLoop):
         self.flights: dict[int, Flight] = {}
         self.arrived: dict[int, Flight] = {}
         self.clock = decoupled.PeriodClock()
-        # Full-period tokens merged and the rank-periods they came from: their ratio estimates
-        # a full period of a rank not in a merge (the merge divisor's unit).
+        # Tokens merged and the rank-periods they came from: their ratio stands in for a
+        # rank not in a merge (the merge divisor's unit).
         self.rank_tokens, self.rank_periods = 0.0, 0
         self.work = 0.0  # rounds' worth of tokens merged, from the server's last commit
         self.work_before = 0.0  # the same before the last merge
         self.failed: set[int] = set()
+        self.reload: set[int] = set()  # replica ids whose next period reloads every weight
         self._staleness: dict[int, int] = {}
+        self._applied_share = 0.0
         self.losses = 0  # periods lost since the last merge
         # When the periods of lost replicas would have ended: a replica joining next (a spare)
         # takes one over and trains only what remained, so it is merged with that cohort.
@@ -95,16 +121,31 @@ class DecoupledLoop(RoundLoop):
     def finished(self) -> bool:
         return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
 
+    @property
+    def progress(self) -> float:
+        """Rounds' worth of tokens merged: what checkpoints fall due by."""
+        return self.work
+
     def restore(self, server, reset: bool) -> None:
         super().restore(server, reset)
         self.work = self.work_before = server.work()
+
+    def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
+        """Replica id -> (launch attempt, merge index) of each period not merged yet (in
+        flight, or arrived and waiting for the merge)."""
+        return {rid: (f.attempt, f.round) for rid, f in {**self.flights, **self.arrived}.items()}
+
+    def _mark(self) -> int:
+        return decoupled.momentum_steps(self.handout.version, self.work, self.config.decoupled_momentum)
 
     def _job(self, host, rep, slot: int, fragment: int, plan: list):
         # The inner lr schedule runs over the tokens merged, not over merges: a run of 14
         # merges of 10 rounds' worth would otherwise reach the schedule's end (lr 0) at
         # merge 10 and train its last rounds' worth at no lr (measured: eval 0.93 vs 0.79).
         job = super()._job(host, rep, slot, fragment, plan)
-        return dataclasses.replace(job, schedule_step=round(self.work * self.config.max_steps))
+        return dataclasses.replace(
+            job, schedule_step=round(self.work * self.config.max_steps), reset=rep.id in self.reload
+        )
 
     def _evaluate(self, host):
         """On a replica just merged: it is idle, while the others go on training. Only when
@@ -113,32 +154,28 @@ class DecoupledLoop(RoundLoop):
             return None
         return host.evaluate(among=list(self.arrived))
 
-    # ---- one merge ---------------------------------------------------------------------
+    # ---- one merge, recovered as a unit ------------------------------------------------
     def run_round(self, host) -> dict:
-        t_start = time.perf_counter()
         self.wasted_steps, self.failed = 0, set()
+        for _ in range(MAX_ROUND_RETRIES + 1):
+            try:
+                return self._run_merge(host)
+            except ServerLost:
+                self._recover(host)
+        raise RuntimeError(f"merge {self.round_index}: the parameter servers died {MAX_ROUND_RETRIES + 1} times")
+
+    def _run_merge(self, host) -> dict:
+        t_start = time.perf_counter()
         host.notify("on_round_begin", self.round_index, len(host.members.active))
         self._launch_idle(host)
-        deadline = None
-        while True:
-            self._poll(host, STEP_POLL_S if deadline is None else max(0.0, min(STEP_POLL_S, deadline - time.time())))
-            quorum = min(self.config.min_quorum, max(1, len(host.members.active)))
-            now = time.time()
-            predicted = self.clock.predict({rid: f.launched_at for rid, f in self.flights.items()})
-            # A replica on a time budget arrives when its budget ends.
-            predicted.update({rid: f.due + self.clock.margin_s for rid, f in self.flights.items() if f.due})
-            deadline = decoupled.grace_deadline(now, len(self.arrived) >= quorum, predicted, self.config.grace_window_s)
-            if deadline is not None and (now >= deadline or not self.flights):
-                break
-            if not self.flights and not self.arrived:
-                host.reconcile()  # everyone was lost: bring replicas back before waiting on none
-                self._launch_idle(host)
+        host.inject_faults()  # after the replicas have started, so faults hit a merge in flight
+        self._wait_for_merge(host)
         t_merge = time.perf_counter()
         applied, merged = self._merge(host)
         t_applied = time.perf_counter()
         self.round_index = applied.round + 1 if applied.applied else self.round_index
         record = self._record(host, [applied], [Period(merged, refs=None)], set(), self.failed, t_start, t_applied)
-        record.update(self._merge_facts(applied, merged, t_applied - t_merge))
+        record.update(self._merge_facts(applied, t_applied - t_merge))
         if self.finished():
             # The run ends here: the periods still in flight are never merged. Goodput counts them.
             if self.steps is not None:
@@ -147,22 +184,61 @@ class DecoupledLoop(RoundLoop):
         self.arrived = {}
         return record
 
+    def _wait_for_merge(self, host) -> None:
+        """Collect reports until the quorum is in and the grace window has passed."""
+        deadline = None
+        while True:
+            self._poll(host, STEP_POLL_S if deadline is None else max(0.0, min(STEP_POLL_S, deadline - time.time())))
+            quorum = min(self.config.min_quorum, max(1, len(host.members.active)))
+            now = time.time()
+            training = {rid: f for rid, f in self.flights.items() if f.abort_by is None}
+            predicted = self.clock.predict({rid: f.launched_at for rid, f in training.items()})
+            # A replica on a time budget arrives when its budget ends.
+            predicted.update({rid: f.due + self.clock.margin_s for rid, f in training.items() if f.due})
+            deadline = decoupled.grace_deadline(now, len(self.arrived) >= quorum, predicted, self.config.grace_window_s)
+            if deadline is not None and (now >= deadline or not training):
+                return
+            if not self.flights and not self.arrived:
+                host.reconcile()  # everyone was lost: bring replicas back before waiting on none
+                self._launch_idle(host)
+
+    def _recover(self, host) -> None:
+        """A server died: let every period in flight finish and throw it away, restore the
+        servers from the last checkpoint, and have every replica reload the weights."""
+        self.wasted_steps += sum(f.stats[0].inner_steps for f in self.arrived.values())
+        self.arrived, self.takeovers = {}, []
+        while self.flights:  # their plans went with the dead servers; the restored cursor has them
+            for rid, flight in self._finished(host, STEP_POLL_S, server_alive=False):
+                self.wasted_steps += self._steps_run(flight)
+        host.recover_server()  # restore() follows, with reset: every replica reloads
+
     # ---- the steps of a merge ----------------------------------------------------------
     def _launch_idle(self, host) -> None:
         """Start a sync period on every active replica that is not training."""
+        if self.reset:  # the servers were restored: the weights replicas hold are not theirs
+            self.reload = {rep.id for rep in host.members.active}
         for slot, rep in enumerate(host.members.active):
             if rep.id in self.flights or rep.id in self.arrived:
                 continue
-            plan = host.server.reserve_plan(rep.id)
+            plan = self._on_server(lambda: host.server.reserve_plan(rep.id))
             self.attempt += 1
             job, due = self._job(host, rep, slot, 0, plan), self._takeover(rep.id)
             if due is not None:
                 job = dataclasses.replace(job, time_budget_s=due - time.time())
             launch = Launch(rep, *rep.run_period(job))
             self.flights[rep.id] = Flight(
-                launch, plan, self.handout.version, time.time(), self.attempt, due, pending=set(launch.stats)
+                launch,
+                plan,
+                self.handout.version,
+                self.round_index,
+                self._mark(),
+                time.time(),
+                self.attempt,
+                due,
+                pending=set(launch.stats),
             )
             self.reset_inner.discard(rep.id)
+            self.reload.discard(rep.id)
         self.reset = self.restart = False
 
     def _takeover(self, rid: int) -> Optional[float]:
@@ -175,38 +251,64 @@ class DecoupledLoop(RoundLoop):
         return self.takeovers.pop(0)
 
     def _poll(self, host, wait: float) -> None:
-        """Move finished periods to ``arrived``; drop replicas that died (their plans go
-        back, and a spare or a new replica is brought in at once)."""
+        """Move finished periods to ``arrived``; a period stopped after a stall gives its
+        plan back (the replica trains on from the newest weights); a lost replica is
+        replaced at once (a spare, or a new replica)."""
+        lost, stopped = len(self.failed), False
+        for rid, flight in self._finished(host, wait, server_alive=True):
+            if flight.aborted:  # told to stop: its work is lost, its data goes back
+                self.wasted_steps += self._steps_run(flight)
+                self._on_server(lambda: host.server.release_plan(rid))
+                stopped = True
+                continue
+            if flight.due is None:  # a period cut short by a takeover says nothing of its full length
+                self.clock.observe(rid, time.time() - flight.launched_at)
+            self.arrived[rid] = flight
+        if len(self.failed) > lost:
+            host.reconcile()
+        if stopped or len(self.failed) > lost:
+            self._launch_idle(host)
+
+    def _finished(self, host, wait: float, server_alive: bool) -> list[tuple[int, Flight]]:
+        """Wait up to ``wait`` for reports; returns the periods whose every rank has
+        reported (taken out of ``flights``). Replicas that died or stayed frozen past their
+        abort are lost on the way."""
         refs = [ref for f in self.flights.values() for ref in f.pending]
         ready = set(self.calls.ready(refs, wait)) if refs else set()
         if not refs:
             time.sleep(wait)
         if self.steps is not None:
             self.steps.poll()
-        lost = False
+        done = []
         for rid, flight in list(self.flights.items()):
-            for ref in list(flight.pending & ready):
-                flight.pending.discard(ref)
-                try:
+            try:
+                for ref in list(flight.pending & ready):
+                    flight.pending.discard(ref)
                     flight.stats.append(self.calls.get(ref))
-                except (RayActorError, RayTaskError) as e:
-                    if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
-                        raise
-                    self._lose(host, rid, "failed", e)
-                    lost = True
-                    break
-            if rid in self.flights and not flight.pending:
+            except (RayActorError, RayTaskError) as e:
+                if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
+                    raise
+                self._lose(host, rid, "failed", e, server_alive)
+                continue
+            if not flight.pending:
                 del self.flights[rid]
-                if flight.due is None:  # a period cut short by a takeover says nothing of its full length
-                    self.clock.observe(rid, time.time() - flight.launched_at)
                 flight.stats.sort(key=lambda s: s.rank)
-                self.arrived[rid] = flight
+                done.append((rid, flight))
+        self._stop_stalled(host, server_alive)
+        return done
+
+    def _stop_stalled(self, host, server_alive: bool) -> None:
+        """Tell a replica that has shown no step for ``stall_timeout_s`` to stop (one that
+        never sends, ``drop_link``, answers and trains on); drop one that has not answered
+        within ``abort_grace_s`` of being told (frozen)."""
+        now = time.time()
         for rid in self._stalled():
-            self._lose(host, rid, "unresponsive")
-            lost = True
-        if lost:
-            host.reconcile()
-            self._launch_idle(host)
+            flight = self.flights[rid]
+            flight.launch.replica.abort(flight.attempt)
+            flight.abort_by = now + self.config.abort_grace_s
+        for rid, flight in list(self.flights.items()):
+            if flight.abort_by is not None and now > flight.abort_by:
+                self._lose(host, rid, "unresponsive", None, server_alive)
 
     def _steps_run(self, flight: Flight) -> int:
         """Inner steps a period in flight has run, from its ranks' reports or step beats."""
@@ -215,7 +317,7 @@ class DecoupledLoop(RoundLoop):
         beat = max((b[1] for (r, _), b in beats.items() if r == rid and b[0] == flight.attempt), default=0)
         return max([s.inner_steps for s in flight.stats] + [beat])
 
-    def _lose(self, host, rid: int, why: str, error: Exception | None = None) -> None:
+    def _lose(self, host, rid: int, why: str, error: Exception | None, server_alive: bool = True) -> None:
         self.losses += 1
         if self.losses > GIVE_UP_AFTER_LOSSES:
             # Every replacement fails too (a bug, a bad node): stop, as a synchronous run
@@ -226,16 +328,18 @@ class DecoupledLoop(RoundLoop):
             ) from error
         flight = self.flights.pop(rid)
         self.wasted_steps += self._steps_run(flight)
-        host.server.release_plan(rid)
-        due = flight.due or self.clock.expected(rid, flight.launched_at)
-        if due is not None:
-            self.takeovers.append(due)
+        if server_alive:
+            self._on_server(lambda: host.server.release_plan(rid))
+            due = flight.due or self.clock.expected(rid, flight.launched_at)
+            if due is not None:
+                self.takeovers.append(due)
         self.clock.forget(rid)
         self.failed.add(rid)
         host.members.remove(flight.launch.replica, why)
 
     def _stalled(self) -> list[int]:
-        """Replicas whose period has shown no step beat for ``stall_timeout_s`` (frozen)."""
+        """Replicas whose period has shown no step beat for ``stall_timeout_s`` (frozen, or
+        waiting to send), not yet told to stop."""
         if self.steps is None or not self.flights:
             return []
         beats = self.steps.beats()
@@ -247,7 +351,7 @@ class DecoupledLoop(RoundLoop):
                 [at for (r, _), (attempt, _, at) in beats.items() if r == rid and attempt == f.attempt]
                 + [f.launched_at]
             )
-            if now - last > self.config.stall_timeout_s:
+            if f.abort_by is None and now - last > self.config.stall_timeout_s:
                 out.append(rid)
         return out
 
@@ -258,28 +362,15 @@ class DecoupledLoop(RoundLoop):
         # the merge is then the synchronous round to the bit (a sum's order moves its last bits).
         self.arrived = dict(sorted(self.arrived.items()))
         merged = {rid: f.stats for rid, f in self.arrived.items()}
-        cfg = self.config
-        tokens = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in merged.items()}
-        full = {
-            rid: decoupled.full_period_tokens(tokens[rid], stats[0].inner_steps, cfg.max_steps)
-            for rid, stats in merged.items()
-        }
-        self.rank_periods += sum(cfg.ranks_of(rid) for rid in merged)
-        self.rank_tokens += sum(full.values())
-        absent = sum(cfg.ranks_of(rep.id) for rep in host.members.active if rep.id not in merged)
-        divisor = decoupled.merge_divisor(full.values(), absent, self.rank_tokens / self.rank_periods)
-        weights, shares = {}, {}
-        for rid, f in self.arrived.items():
-            weights[rid] = decoupled.staleness_weight(tokens[rid], version - f.version, self.config.staleness_power)
-            shares[rid] = tokens[rid] / divisor
+        weighting = self._weighting(host, merged)
         contributions = [
-            [Contribution(rid, f.launch.buffers[s], weights[rid]) for rid, f in self.arrived.items()]
+            [Contribution(rid, f.launch.buffers[s], weighting.weights[rid]) for rid, f in self.arrived.items()]
             for s in range(len(host.server))
         ]
         unused = {rid: f.stats[0].unused for rid, f in self.arrived.items() if f.stats[0].unused}
         plans = {rid: f.plan for rid, f in self.arrived.items()}
-        refs = host.server.sync(0, contributions, plans, unused, merge=(divisor, shares))
-        applied = self.calls.get(refs.commits)[0]
+        refs = host.server.sync(0, contributions, plans, unused, merge=(weighting.divisor, weighting.shares))
+        applied = self._on_server(lambda: self.calls.get(refs.commits)[0])
         self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.startswith(NON_FINITE)}
         self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
         self.work_before = self.work
@@ -287,14 +378,36 @@ class DecoupledLoop(RoundLoop):
             self.losses = 0
             self.handout = Handout(refs.weights, full=False, version=version + 1)
             self.work = applied.work
-        self._staleness = {rid: version - f.version for rid, f in self.arrived.items()}
+        self._applied_share = sum(weighting.weights[rid] for rid in applied.accepted) / weighting.divisor
         return applied, merged
 
-    def _merge_facts(self, applied, merged: dict, merge_seconds: float) -> dict:
+    def _weighting(self, host, merged: dict) -> decoupled.Weighting:
+        """Each contribution's weight (the tokens it trained on, discounted by its
+        staleness) and one round's worth of tokens to divide by."""
+        cfg = self.config
+        tokens = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in merged.items()}
+        self.rank_periods += sum(cfg.ranks_of(rid) for rid in merged)
+        self.rank_tokens += sum(tokens.values())
+        now = self._mark()
+        self._staleness = {rid: now - f.mark for rid, f in self.arrived.items()}
+        absent = sum(cfg.ranks_of(rep.id) for rep in host.members.active if rep.id not in merged)
+        per_rank = self.rank_tokens / self.rank_periods
+        return decoupled.merge_weighting(tokens, self._staleness, absent, per_rank, cfg.staleness_power)
+
+    @staticmethod
+    def _on_server(call):
+        """``call()``, a server call: a dead server abandons the merge (see :meth:`_recover`)."""
+        try:
+            return call()
+        except RayActorError as e:
+            raise ServerLost(str(e).splitlines()[0] if str(e) else "a parameter server died") from e
+
+    def _merge_facts(self, applied, merge_seconds: float) -> dict:
         """What a decoupled record adds: who was merged, how stale, the work so far."""
         return {
             "sync_mode": "decoupled",
             "staleness": {str(rid): self._staleness[rid] for rid in applied.accepted},
+            "applied_weight": self._applied_share,
             "in_flight": sorted(self.flights),
             "work": applied.work if applied.applied else self.work,
             "merge_seconds": merge_seconds,

@@ -64,13 +64,15 @@ def attempt_verdict(applied: bool, streaming: bool) -> Optional[RoundOutcome]:
 
 
 def checkpoint_due(
-    round_index: int, last_checkpoint_round: Optional[int], every_steps: Optional[int], max_steps: int
+    progress: float, last_checkpoint_progress: Optional[float], every_steps: Optional[int], max_steps: int
 ) -> bool:
-    """Whether to checkpoint now, with ``round_index`` rounds applied: every
-    ``checkpoint_steps`` inner steps (rounded up to whole rounds; None: never)."""
+    """Whether to checkpoint now, with ``progress`` rounds' worth of inner steps done (rounds
+    applied; in decoupled mode, rounds' worth of tokens merged, whatever the merge count):
+    every ``checkpoint_steps`` inner steps (rounded up to whole rounds; None: never)."""
     if every_steps is None:
         return False
-    return (round_index - (last_checkpoint_round or 0)) * max_steps >= every_steps
+    # A merge's share of a round is a fraction of tokens: allow its round-off.
+    return (progress - (last_checkpoint_progress or 0.0)) * max_steps >= every_steps - 1e-6
 
 
 @dataclass(frozen=True)

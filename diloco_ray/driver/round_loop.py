@@ -84,6 +84,7 @@ class RoundLoop:
         self.resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
         self.attempt = 0  # launches so far: keys aborts, so a re-run is not stopped by an old abort
         self.wasted_steps = 0  # replica inner steps this round whose work reached no applied update
+        self.in_round = False  # a round has started and not yet been applied (see unmerged)
 
     @property
     def streaming(self) -> bool:
@@ -106,11 +107,13 @@ class RoundLoop:
         same data plan: the cursor only moves when a round is applied.
         """
         self.wasted_steps = 0
+        self.in_round = True
         attempts = 0
         while True:
             attempts += 1
             outcome = give_up_after(self.attempt_round(host), attempts, self.round_index)
             if outcome.action == "proceed":
+                self.in_round = False
                 return outcome.record
             if outcome.action == "stop":
                 raise RuntimeError(outcome.why)
@@ -228,6 +231,17 @@ class RoundLoop:
     def finished(self) -> bool:
         """Whether the run has trained what it was asked to (``diloco_loops`` rounds)."""
         return self.round_index >= self.config.diloco_loops
+
+    def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
+        """Replica id -> (launch attempt, round) of its period whose work is not in the
+        weights yet: between rounds none; inside a round (told to stop in it) every
+        replica's, which a stop rewinds to the round's start."""
+        return {rep.id: (self.attempt, self.round_index) for rep in replicas} if self.in_round else {}
+
+    @property
+    def progress(self) -> float:
+        """Rounds applied so far: what checkpoints fall due by (``checkpoint_steps``)."""
+        return float(self.round_index)
 
     def _job(self, host, rep, slot: int, fragment: int, plan: list) -> SyncPeriod:
         """What every rank of ``rep`` gets for one sync period (see RankWorker.run_period)."""

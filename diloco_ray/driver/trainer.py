@@ -204,7 +204,7 @@ class DilocoFSDPTrainer:
         token_data = start_token_data(cfg)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
-        self._inner_state_from = resume[0] if resume and not self._decoupled else None
+        self._inner_state_from = resume[0] if resume else None
         self.members = Membership(
             cfg,
             self.device,
@@ -256,6 +256,7 @@ class DilocoFSDPTrainer:
         self.records = [r for r in self.records if r["round"] < self.round_index]
         # A restarted server is behind what the replicas hold: they reload everything.
         self._after_restore(reset=reason == "server_restart")
+        self.checkpointer.last_progress = self.loop.progress
         self._log(CheckpointEvent(reason, path=path, round=self.round_index))
 
     def _connect_ray(self) -> None:
@@ -279,7 +280,7 @@ class DilocoFSDPTrainer:
         self.records.append(record)
         self._log(record)
         self.ray_metrics.record(record)
-        self.checkpointer.maybe_save(self.server, self._checkpointed_replicas, self.round_index)
+        self.checkpointer.maybe_save(self.server, self._checkpointed_replicas, self.round_index, self.loop.progress)
         self.run_dir.publish()
         self.notify("on_round_end", record)
         self.reconcile()
@@ -349,26 +350,24 @@ class DilocoFSDPTrainer:
 
     def save_checkpoint(self, timeout_s: Optional[float] = None) -> Optional[str]:
         """Checkpoint the current round now (see :meth:`Checkpointer.save`); its path, or None."""
-        return self.checkpointer.save(self.server, self._checkpointed_replicas, self.round_index, timeout_s)
+        return self.checkpointer.save(
+            self.server, self._checkpointed_replicas, self.round_index, timeout_s, self.loop.progress
+        )
 
     @property
-    def _decoupled(self) -> bool:
-        return self.config.sync_mode == "decoupled"
-
-    @property
-    def _checkpointed_replicas(self) -> list:
-        """Whose inner state a checkpoint holds: every replica's at a synchronous round
-        boundary. In decoupled mode there is no moment when all are between periods, so a
-        checkpoint is the servers' state alone (weights, momentum, work, the cursor with
-        in-flight plans given back) and a resumed run's replicas start a fresh inner state."""
-        return [] if self._decoupled else self.replicas
+    def _checkpointed_replicas(self) -> dict:
+        """Slot -> replica, whose inner state a checkpoint holds: the replicas between
+        periods (every one at a synchronous round boundary; in decoupled mode the ones just
+        merged). One still training has no state that goes with these weights: its slot is
+        left out and it resumes fresh."""
+        busy = self.loop.unmerged(self.replicas)
+        return {slot: rep for slot, rep in enumerate(self.replicas) if rep.id not in busy}
 
     def _checkpoint_on_stop(self) -> Optional[str]:
-        if self._decoupled:
-            if self.config.checkpoint_steps is None or self.server is None:
-                return None
-            return self.checkpointer.save(self.server, [], self.round_index, self.config.shutdown_grace_s)
-        return self.checkpointer.on_stop(self.server, self.replicas, self.round_index, self.loop.attempt)
+        unmerged = self.loop.unmerged(self.replicas)
+        return self.checkpointer.on_stop(
+            self.server, dict(enumerate(self.replicas)), self.round_index, self.loop.progress, unmerged
+        )
 
     def recover_server(self) -> None:
         """The server died: start a new one from the latest good checkpoint."""
@@ -383,9 +382,10 @@ class DilocoFSDPTrainer:
         self.server = ServerGroup(self.config, self.server_cls)
         was_at = self.round_index
         self._load_server(path, skipped, reason="server_restart")
-        if self.round_index < was_at:
-            # The checkpoint is older than the round the replicas were at: their state at
-            # that round's start is the checkpoint's, not the one they keep in memory.
+        if self.round_index < was_at or self.config.sync_mode == "decoupled":
+            # The checkpoint is older than the round the replicas were at (or, decoupled, they
+            # finished periods that were thrown away): their state is the checkpoint's, not
+            # the one they keep in memory.
             for slot, rep in enumerate(list(self.replicas)):
                 try:
                     ray.get(rep.load_inner_state(path, slot), timeout=self.config.call_timeout_s)

@@ -409,8 +409,10 @@ class RankWorker(RankBatches, RankState, RankOutput):
 
     def _stop_requested(self, attempt: int) -> bool:
         stop = self._abort_attempt == attempt
-        if self.world_size > 1 and self.config.round_timeout_s is not None:
-            # Every rank must stop at the same step, or FSDP's collectives hang.
+        cfg = self.config
+        if self.world_size > 1 and (cfg.round_timeout_s is not None or cfg.sync_mode == "decoupled"):
+            # Every rank must stop at the same step, or FSDP's collectives hang. Without a
+            # round deadline only decoupled mode stops a period (a stalled one, or on SIGTERM).
             import torch.distributed as dist
 
             flag = torch.tensor([float(stop)], device=self.device)

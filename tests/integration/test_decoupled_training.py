@@ -32,6 +32,21 @@ def merged(rounds, rid: int) -> list:
     return [r for r in rounds if rid in r["replica_ids"]]
 
 
+def test_a_poll_collects_every_report_that_is_ready(ray_local):
+    """Once one report is ready, every report ready by then comes back in the same poll (bug:
+    one per poll, so a replica that finished with another missed the merge and was merged
+    one outer step stale, at half weight)."""
+    from diloco_ray.driver.calls import RayCalls
+
+    ready = [ray.put(i) for i in range(3)]
+    never = ray.remote(num_cpus=0)(lambda: __import__("time").sleep(600)).remote()
+    try:
+        assert set(RayCalls().ready(ready + [never], 5.0)) == set(ready)
+        assert RayCalls().ready([never], 0.01) == []
+    finally:
+        ray.cancel(never, force=True)
+
+
 def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_tokens(ray_local, tmp_path):
     """min_quorum = replicas: each merge holds both replicas, none stale, and the run
     merges exactly diloco_loops rounds' worth of tokens, each position once, to the same
@@ -114,6 +129,12 @@ def test_a_resumed_run_trains_the_in_flight_data_again_and_keeps_the_weights(ray
         **{**DECOUPLED, "diloco_loops": 2, "checkpoint_steps": 4, "grace_window_s": 0.0, "fault_plan": SLOW_1},
     )
     first = DilocoFSDPTrainer(first_cfg).train().rounds
+    # Checkpoints fall due by the work merged (checkpoint_steps = one round's worth), not by
+    # the merge count (bug: one per merge): the one at the start, then one per round's worth.
+    saved = [e["round"] for e in read_events(str(tmp_path / "a"), "checkpoint") if e["action"] == "saved"]
+    works = [0.0] + [r["work"] for r in first]
+    crossed = [r["round"] + 1 for r, before in zip(first, works) if int(r["work"] + 1e-9) > int(before + 1e-9)]
+    assert len(crossed) < len(first) and saved == [0] + crossed
     # The newest checkpoint taken while replica 1 (slow, never waited for) was in flight.
     last = max((c for c in (tmp_path / "a" / "checkpoints").glob("round-*") if given_back(c)), key=lambda c: c.name)
     saved_round = int(last.name.split("-")[1])
@@ -121,6 +142,7 @@ def test_a_resumed_run_trains_the_in_flight_data_again_and_keeps_the_weights(ray
     second_cfg = tiny_config(tmp_path / "b", **{**DECOUPLED, "diloco_loops": 4, "resume_from": str(last)})
     second = DilocoFSDPTrainer(second_cfg).train().rounds
     assert second[0]["round"] == saved_round
+    assert set(second[0]["staleness"].values()) == {0}  # started from the restored weights: none stale
     assert second[0]["work"] > kept[-1]["work"] >= 2.0 - 1e-9
     positions = applied_positions(kept) + applied_positions(second)
     assert len(positions) == len(set(positions))
@@ -149,10 +171,11 @@ def test_replicas_of_different_sizes_with_a_time_budget_contribute_every_step(ra
     )
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     assert all(sorted(r["replica_ids"]) == [0, 1] for r in rounds)
-    if mode == "sync":
-        assert len(rounds) == 2
-    else:  # a merge of a shortened period is less than a round's worth: the run goes on to 2
-        assert rounds[-1]["work"] >= 2.0 - 1e-9 and rounds[-2]["work"] < 2.0
+    # A merge of every replica is a round's worth, whatever steps fitted the budget (bug:
+    # decoupled counted full periods, so shortened ones made a merge less than a round).
+    assert len(rounds) == 2
+    if mode == "decoupled":
+        assert [r["work"] for r in rounds] == pytest.approx([1.0, 2.0])
     for r in rounds:
         for rid in (0, 1):
             trained = sum(count for _, count in r["data_ranges"][str(rid)])

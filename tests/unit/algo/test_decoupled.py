@@ -57,14 +57,29 @@ def test_cycles_end_when_a_whole_round_has_been_merged():
     assert decoupled.cycle_ends(0.5, 2.5)  # one big merge past a boundary
 
 
-def test_divisor_is_a_round_of_every_active_replica():
-    assert decoupled.full_period_tokens(300, 3, 8) == 800
-    # Both replicas merged after full periods: the sum of their tokens (the synchronous mean).
-    assert decoupled.merge_divisor([800.0, 780.0], 0, 790.0) == 1580.0
-    # One merged, a 2-rank replica still training: estimated at 2 ranks' full periods.
-    assert decoupled.merge_divisor([800.0], 2, 790.0) == 800.0 + 1580.0
+def test_a_merge_divides_by_a_round_of_the_tokens_trained():
+    # Both replicas merged (inner_time_s cut their periods short): the divisor is the tokens
+    # they trained on, so the merge is the synchronous token-weighted mean (bug: it was the
+    # tokens of full periods, and the update 0.75x the synchronous one).
+    w = decoupled.merge_weighting({0: 300.0, 1: 150.0}, {0: 0, 1: 0}, 0, 999.0, 1.0)
+    assert (w.weights, w.divisor, w.shares) == ({0: 300.0, 1: 150.0}, 450.0, {0: 300 / 450, 1: 150 / 450})
+    assert w.applied == pytest.approx(1.0) and sum(w.shares.values()) == pytest.approx(1.0)
+    # One merged, a 2-rank replica still training: it stands in at 2 ranks' tokens per period.
+    w = decoupled.merge_weighting({0: 300.0}, {0: 0}, 2, 290.0, 1.0)
+    assert w.divisor == 300.0 + 580.0 and w.shares == {0: 300.0 / 880.0}
+    # A stale contribution: its weight is discounted, its share of the work is not.
+    w = decoupled.merge_weighting({0: 300.0, 1: 300.0}, {0: 0, 1: 1}, 0, 300.0, 1.0)
+    assert w.weights == {0: 300.0, 1: 150.0} and w.shares == {0: 0.5, 1: 0.5} and w.applied == 0.75
     with pytest.raises(ValueError):
-        decoupled.merge_divisor([], 0, 800.0)
+        decoupled.merge_weighting({}, {}, 0, 0.0, 1.0)
+
+
+def test_staleness_counts_outer_momentum_steps():
+    # every_step: one momentum step per merge (the version); delayed: one per whole round's worth.
+    assert decoupled.momentum_steps(7, 2.5, "every_step") == 7
+    assert [decoupled.momentum_steps(7, w, "delayed") for w in (0.0, 0.5, 0.999, 1.0, 2.5)] == [0, 0, 0, 1, 2]
+    # Shares adding up to a whole round with round-off end the cycle (as cycle_ends does).
+    assert decoupled.momentum_steps(0, 0.1 + 0.2 + 0.3 + 0.4 - 1e-12, "delayed") == 1
 
 
 def test_grace_window_waits_for_replicas_predicted_within_the_cap():

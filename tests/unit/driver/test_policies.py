@@ -22,6 +22,12 @@ from diloco_ray.driver.policies import (
         (2, None, 6, True),  # ...so the second round (8 >= 6)
         (3, 2, 6, False),  # counted from the last checkpoint
         (4, 2, 6, True),
+        # Decoupled mode counts rounds' worth of tokens merged, not merges: a merge of one
+        # replica out of two is half a round's worth of inner steps.
+        (0.5, None, 4, False),
+        (1.0, None, 4, True),
+        (1.5, 1.0, 4, False),
+        (0.1 + 0.2 + 0.3 + 0.4, None, 4, True),  # shares that add up to a round, with round-off
     ],
 )
 def test_checkpoint_every_checkpoint_steps_rounded_up_to_rounds(round_index, last, every, due):
