@@ -150,3 +150,43 @@ def peak_rss() -> int:
     """This process's peak resident memory in bytes since the last :func:`reset_peak_rss`."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def subprocess_env():
+    """A driver process's environment: it joins this module's Ray, as a driver of
+    ``ray job submit`` joins its cluster (a Ray of its own would cost seconds to start);
+    when its process dies, Ray ends its job's actors."""
+    import ray
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address if ray.is_initialized() else "local"
+    return env
+
+
+def resume_cli(cfg):
+    """``diloco-ray train OUTPUT_DIR/config.yaml --set resume_from=OUTPUT_DIR``, as a user
+    would (without the fault plan that stopped it)."""
+    import subprocess
+    import sys
+
+    out = cfg.output_dir
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "diloco_ray",
+            "train",
+            os.path.join(out, "config.yaml"),
+            "--set",
+            f"resume_from={out}",
+            "--set",
+            "fault_plan=null",
+        ],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return resumed

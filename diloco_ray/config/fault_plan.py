@@ -25,8 +25,16 @@ round ``round``, once (a re-run of the round does not fire it again):
 
 A ``server`` fault (``kill``; ``index`` picks the server actor) and a ``driver`` fault
 (``kill``: SIGKILL, or ``term``: SIGTERM) fire on the driver while round ``round`` runs,
-after the replicas have started it. This module only parses and matches the plan (pure
-functions); :mod:`diloco_ray.runtime.rank` and :mod:`diloco_ray.driver.trainer` carry the faults out.
+after the replicas have started it.
+
+In decoupled mode (``sync_mode: decoupled``) ``round`` is a merge index: a server or driver
+fault fires in that merge once its replicas have started, and a replica fault in the first
+period the replica launches at or after that merge (a replica merged every other merge
+launches only every other index, so an exact match could never come). Every fault fires in
+both modes; a fault that could never fire (a step past ``max_steps``, a rank the replica
+does not have, a round past ``diloco_loops`` in a synchronous run) is refused with the
+config. This module only parses and matches the plan (pure functions);
+:mod:`diloco_ray.runtime.rank` and :mod:`diloco_ray.driver.faults` carry the faults out.
 """
 
 from __future__ import annotations
@@ -133,14 +141,40 @@ def due(
     step: Optional[int] = None,
     fired: frozenset = frozenset(),
     target: str = "replica",
+    at_or_after: bool = False,
 ) -> list[Fault]:
-    """The faults of ``target`` that fire now: at ``round_index`` (and, for replica faults,
-    at inner step ``step``), and not fired before."""
+    """The faults of ``target`` that fire now: at ``round_index`` (or, with ``at_or_after``,
+    at any round up to it: decoupled mode's first period at or after the fault's merge),
+    at inner step ``step`` for replica faults, and not fired before."""
     return [
         f
         for f in plan
-        if f.target == target and f.round == round_index and f.key not in fired and (step is None or f.step == step)
+        if f.target == target
+        and (f.round <= round_index if at_or_after else f.round == round_index)
+        and f.key not in fired
+        and (step is None or f.step == step)
     ]
+
+
+def check_reachable(plan: list[Fault], config) -> None:
+    """Refuse a fault that could never fire in this job (configured but silently ignored)."""
+    for i, fault in enumerate(plan):
+        where = f"fault_plan[{i}]"
+        if fault.target != "replica":
+            pass
+        elif fault.step >= config.max_steps:
+            raise ConfigError(
+                f"{where}.step: {fault.step} is never reached; a period runs inner steps 0..{config.max_steps - 1}"
+            )
+        elif fault.rank >= config.ranks_of(fault.replica):
+            raise ConfigError(
+                f"{where}.rank: replica {fault.replica} has {config.ranks_of(fault.replica)} rank(s); "
+                f"expected 0..{config.ranks_of(fault.replica) - 1}"
+            )
+        if config.sync_mode == "sync" and fault.round >= config.diloco_loops:
+            raise ConfigError(
+                f"{where}.round: {fault.round} is never reached; the run has rounds 0..{config.diloco_loops - 1}"
+            )
 
 
 class RankFaults:
@@ -148,10 +182,12 @@ class RankFaults:
 
     Args:
         plan: the faults aimed at this rank (:func:`for_rank`).
+        at_or_after: fire a fault in the first period at or after its round (decoupled
+            mode, see the module docstring), not only in that round.
     """
 
-    def __init__(self, plan: list[Fault]):
-        self.plan = plan
+    def __init__(self, plan: list[Fault], at_or_after: bool = False):
+        self.plan, self.at_or_after = plan, at_or_after
         self.fired: set = set()
         self.extra_seconds = 0.0  # slow: added to each remaining step of the round
         self.drop_link = False  # drop_link: the pseudo-gradient of this period never leaves
@@ -171,7 +207,7 @@ class RankFaults:
         import time
 
         poison = False
-        for fault in due(self.plan, round_index, step, frozenset(self.fired)):
+        for fault in due(self.plan, round_index, step, frozenset(self.fired), at_or_after=self.at_or_after):
             self.fired.add(fault.key)
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)

@@ -190,7 +190,7 @@ def _validate_sync(cfg: TrainerConfig) -> None:
         )
     from diloco_ray.config import fault_plan as faults
 
-    faults.parse(cfg.fault_plan)
+    faults.check_reachable(faults.parse(cfg.fault_plan), cfg)
     streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
     if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
         raise ConfigError(

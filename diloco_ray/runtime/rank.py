@@ -58,7 +58,8 @@ class RankWorker(RankBatches, RankState, RankOutput):
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.model = None
         self._abort_attempt = -1  # set from another thread by abort()
-        self.faults = faults.RankFaults(faults.for_rank(faults.parse(self.config.fault_plan), replica_id, rank))
+        plan = faults.for_rank(faults.parse(self.config.fault_plan), replica_id, rank)
+        self.faults = faults.RankFaults(plan, at_or_after=self.config.sync_mode == "decoupled")
         # The optimizer, RNG and residual at the start of the current round (on local
         # disk), so a re-run of the round starts exactly where the first attempt did.
         self._round_start = RoundStart()

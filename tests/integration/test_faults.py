@@ -1,7 +1,7 @@
 """Faults from outside the fault plan, each checked against the round records and the
-final state: the driver SIGKILLed (between rounds and mid-round) and resumed, scaling
+final state: the driver SIGKILLed mid-round and resumed from an in-flight snapshot, scaling
 from a callback and from another process, a lost step board; and every stream position
-trained on exactly once. The fault plan's faults are in test_chaos.py."""
+trained on exactly once. The fault plan's faults are in test_fault_kinds.py and test_chaos.py."""
 
 import json
 import os
@@ -11,23 +11,13 @@ import sys
 
 import pytest
 import ray
-from conftest import ROOT, applied_positions, max_abs_diff, tiny_config
+from conftest import ROOT, applied_positions, max_abs_diff, resume_cli, subprocess_env, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.observe.metrics import read_events
-from diloco_ray.persist import checkpoint
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-
-
-def subprocess_env():
-    """A driver process's environment: it joins this module's Ray, as a driver of
-    ``ray job submit`` joins its cluster (a Ray of its own would cost seconds to start);
-    when its process dies, Ray ends its job's actors."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address if ray.is_initialized() else "local"
-    return env
 
 
 def run_until_killed(script, cfg, *args):
@@ -40,69 +30,6 @@ def run_until_killed(script, cfg, *args):
         timeout=300,
     )
     assert run.returncode == -signal.SIGKILL, run.stderr[-2000:]
-
-
-def resume_cli(cfg):
-    """``diloco-ray train OUTPUT_DIR/config.yaml --set resume_from=OUTPUT_DIR``, as a user
-    would (without the fault plan that stopped it)."""
-    out = cfg.output_dir
-    resumed = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diloco_ray",
-            "train",
-            os.path.join(out, "config.yaml"),
-            "--set",
-            f"resume_from={out}",
-            "--set",
-            "fault_plan=null",
-        ],
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return resumed
-
-
-KILL_SCRIPT = """
-import json, sys
-from diloco_ray import DilocoFSDPTrainer, TrainerConfig
-DilocoFSDPTrainer(TrainerConfig(**json.loads(sys.argv[1]))).train()
-"""
-
-
-def test_sigkill_driver_then_resume_equals_uninterrupted(ray_local, tmp_path):
-    common = dict(diloco_loops=5, max_steps=3, checkpoint_steps=3, eval_batches=1)
-    reference = tiny_config(tmp_path / "reference", **common)
-    DilocoFSDPTrainer(reference).train()
-
-    # The fault plan SIGKILLs the driver while round 3 trains (no clean-up of any kind).
-    killed = tiny_config(tmp_path / "killed", **common, fault_plan=[{"kind": "kill", "target": "driver", "round": 3}])
-    run_until_killed(KILL_SCRIPT, killed)
-    assert [r["round"] for r in read_events(killed.output_dir, "round")] == [0, 1, 2]
-    assert not os.path.exists(os.path.join(killed.output_dir, "final"))
-    root = os.path.join(killed.output_dir, "checkpoints")
-    assert [os.path.basename(p) for p in checkpoint.list_checkpoints(root)][-1] == "round-00000003"
-
-    # The newest checkpoint is damaged: resume must notice and use the one before.
-    newest = checkpoint.list_checkpoints(root)[-1]
-    with open(os.path.join(newest, "global.safetensors"), "r+b") as f:
-        f.seek(-8, os.SEEK_END)
-        f.write(b"\x00" * 8)
-
-    resumed = resume_cli(killed)
-    assert "round-00000003" in resumed.stderr and "unusable" in resumed.stderr
-
-    rounds = read_events(killed.output_dir, "round")
-    assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]  # round 2 rerun once, contiguous
-    worst = max_abs_diff(killed.output_dir, reference.output_dir)
-    assert worst <= 1e-5, f"resumed run differs from the uninterrupted one by {worst}"
-    positions = applied_positions(rounds)
-    assert sorted(positions) == list(range(len(positions)))  # the resumed stream neither repeats nor skips
 
 
 def test_scale_two_three_two(ray_local, tmp_path):

@@ -81,3 +81,29 @@ def test_a_slowdown_multiplies_every_later_step_and_outlasts_the_period(monkeypa
     rank.start_period()  # the gap between periods is not a step
     rank.at_step(1, 0)  # uses the last step's 0.5 s
     assert slept == [0.0, 1.0, 1.0, 1.0]
+
+
+def test_in_decoupled_mode_a_replica_fault_fires_in_the_first_period_at_or_after_its_merge():
+    """A replica merged every other merge launches periods at merge 0, 2, 4: a fault at merge 1
+    fires in its period of merge 2 (an exact match would never come), and only once."""
+    plan = faults.parse([{"kind": "nan", "replica": 0, "round": 1, "step": 2}])
+    rank = faults.RankFaults(plan, at_or_after=True)
+    assert [rank.at_step(0, 2), rank.at_step(2, 2), rank.at_step(4, 2)] == [False, True, False]
+    assert faults.RankFaults(plan).at_step(2, 2) is False  # synchronous rounds match exactly
+
+
+@pytest.mark.parametrize(
+    "entry, mode, says",
+    [
+        ({"kind": "kill", "round": 0, "step": 4}, "sync", "fault_plan[0].step: 4 is never reached"),
+        ({"kind": "kill", "round": 0, "step": 4}, "decoupled", "fault_plan[0].step: 4 is never reached"),
+        ({"kind": "nan", "round": 0, "rank": 1}, "decoupled", "fault_plan[0].rank: replica 0 has 1 rank(s)"),
+        ({"kind": "kill", "target": "server", "round": 3}, "sync", "fault_plan[0].round: 3 is never reached"),
+    ],
+)
+def test_a_fault_that_could_never_fire_is_refused(tmp_path, entry, mode, says):
+    from conftest import tiny_config
+
+    with pytest.raises(ConfigError, match=__import__("re").escape(says)):
+        tiny_config(tmp_path, sync_mode=mode, max_steps=4, diloco_loops=3, fault_plan=[entry])
+    tiny_config(tmp_path, sync_mode="decoupled", diloco_loops=3, fault_plan=[{"kind": "kill", "round": 7}])  # a merge
