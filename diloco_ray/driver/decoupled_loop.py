@@ -33,17 +33,16 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayActorError
 
 from diloco_ray.algo import decoupled
 from diloco_ray.algo.aggregate import NON_FINITE
+from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.policies import MAX_ROUND_RETRIES
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.driver.round_loop import Handout, Period, RoundLoop
-from diloco_ray.errors import UserInputError, unwrap
 from diloco_ray.runtime.messages import Contribution, Launch
 
 GIVE_UP_AFTER_LOSSES = 8  # periods lost in a row, with no merge between, before the run stops
@@ -51,42 +50,6 @@ GIVE_UP_AFTER_LOSSES = 8  # periods lost in a row, with no merge between, before
 
 class ServerLost(Exception):
     """A parameter server died during a merge's calls: the merge is abandoned as a unit."""
-
-
-@dataclass
-class Flight:
-    """One replica's sync period in flight.
-
-    Args:
-        launch: its :class:`Launch` (buffer and stats refs).
-        plan: the stream ranges reserved for it.
-        version: the global version it started from.
-        round: the merge index it was launched in (its ranks key their period-start state by it).
-        mark: the outer momentum steps taken when it started (its staleness is counted
-            from it, see :func:`~diloco_ray.algo.decoupled.momentum_steps`).
-        launched_at: wall-clock launch time.
-        attempt: the launch counter its beats carry (an abort names it).
-        due: when its time budget ends, for a replica stepping into a lost one's period
-            (None: it runs a full period).
-        abort_by: set once it was told to stop (it stalled): when it is dropped as
-            unresponsive if it has not answered.
-    """
-
-    launch: Launch
-    plan: list
-    version: int
-    round: int
-    mark: int
-    launched_at: float
-    attempt: int
-    due: Optional[float] = None
-    abort_by: Optional[float] = None
-    stats: list = field(default_factory=list)
-    pending: set = field(default_factory=set)
-
-    @property
-    def aborted(self) -> bool:
-        return any(s.aborted for s in self.stats)
 
 
 class DecoupledLoop(RoundLoop):
@@ -180,7 +143,7 @@ class DecoupledLoop(RoundLoop):
             # The run ends here: the periods still in flight are never merged. Goodput counts them.
             if self.steps is not None:
                 self.steps.beats()
-            record["abandoned_steps"] = sum(self._steps_run(f) for f in self.flights.values())
+            record["abandoned_steps"] = sum(self._flight_poll().steps_run(f) for f in self.flights.values())
         self.arrived = {}
         return record
 
@@ -207,9 +170,12 @@ class DecoupledLoop(RoundLoop):
         servers from the last checkpoint, and have every replica reload the weights."""
         self.wasted_steps += sum(f.stats[0].inner_steps for f in self.arrived.values())
         self.arrived, self.takeovers = {}, []
+        poll = self._flight_poll()
         while self.flights:  # their plans went with the dead servers; the restored cursor has them
-            for rid, flight in self._finished(host, STEP_POLL_S, server_alive=False):
-                self.wasted_steps += self._steps_run(flight)
+            done, lost = poll.poll(self.flights, STEP_POLL_S)
+            self.wasted_steps += sum(poll.steps_run(flight) for _, flight in done)
+            for gone in lost:
+                self._lose(host, gone, server_alive=False)
         host.recover_server()  # restore() follows, with reset: every replica reloads
 
     # ---- the steps of a merge ----------------------------------------------------------
@@ -254,80 +220,42 @@ class DecoupledLoop(RoundLoop):
         """Move finished periods to ``arrived``; a period stopped after a stall gives its
         plan back (the replica trains on from the newest weights); a lost replica is
         replaced at once (a spare, or a new replica)."""
-        lost, stopped = len(self.failed), False
-        for rid, flight in self._finished(host, wait, server_alive=True):
+        done, lost = self._flight_poll().poll(self.flights, wait)
+        for gone in lost:
+            self._lose(host, gone)
+        stopped = False
+        for rid, flight in done:
             if flight.aborted:  # told to stop: its work is lost, its data goes back
-                self.wasted_steps += self._steps_run(flight)
+                self.wasted_steps += self._flight_poll().steps_run(flight)
                 self._on_server(lambda: host.server.release_plan(rid))
                 stopped = True
                 continue
             if flight.due is None:  # a period cut short by a takeover says nothing of its full length
                 self.clock.observe(rid, time.time() - flight.launched_at)
             self.arrived[rid] = flight
-        if len(self.failed) > lost:
+        if lost:
             host.reconcile()
-        if stopped or len(self.failed) > lost:
+        if stopped or lost:
             self._launch_idle(host)
 
-    def _finished(self, host, wait: float, server_alive: bool) -> list[tuple[int, Flight]]:
-        """Wait up to ``wait`` for reports; returns the periods whose every rank has
-        reported (taken out of ``flights``). Replicas that died or stayed frozen past their
-        abort are lost on the way."""
-        refs = [ref for f in self.flights.values() for ref in f.pending]
-        ready = set(self.calls.ready(refs, wait)) if refs else set()
-        if not refs:
-            time.sleep(wait)
-        if self.steps is not None:
-            self.steps.poll()
-        done = []
-        for rid, flight in list(self.flights.items()):
-            try:
-                for ref in list(flight.pending & ready):
-                    flight.pending.discard(ref)
-                    flight.stats.append(self.calls.get(ref))
-            except (RayActorError, RayTaskError) as e:
-                if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
-                    raise
-                self._lose(host, rid, "failed", e, server_alive)
-                continue
-            if not flight.pending:
-                del self.flights[rid]
-                flight.stats.sort(key=lambda s: s.rank)
-                done.append((rid, flight))
-        self._stop_stalled(host, server_alive)
-        return done
+    def _flight_poll(self) -> FlightPoll:
+        cfg = self.config
+        return FlightPoll(self.calls, self.steps, cfg.stall_timeout_s, cfg.abort_grace_s)
 
-    def _stop_stalled(self, host, server_alive: bool) -> None:
-        """Tell a replica that has shown no step for ``stall_timeout_s`` to stop (one that
-        never sends, ``drop_link``, answers and trains on); drop one that has not answered
-        within ``abort_grace_s`` of being told (frozen)."""
-        now = time.time()
-        for rid in self._stalled():
-            flight = self.flights[rid]
-            flight.launch.replica.abort(flight.attempt)
-            flight.abort_by = now + self.config.abort_grace_s
-        for rid, flight in list(self.flights.items()):
-            if flight.abort_by is not None and now > flight.abort_by:
-                self._lose(host, rid, "unresponsive", None, server_alive)
-
-    def _steps_run(self, flight: Flight) -> int:
-        """Inner steps a period in flight has run, from its ranks' reports or step beats."""
-        beats = self.steps.last_beats if self.steps is not None else {}
-        rid = flight.launch.replica.id
-        beat = max((b[1] for (r, _), b in beats.items() if r == rid and b[0] == flight.attempt), default=0)
-        return max([s.inner_steps for s in flight.stats] + [beat])
-
-    def _lose(self, host, rid: int, why: str, error: Exception | None, server_alive: bool = True) -> None:
+    def _lose(self, host, gone: Lost, server_alive: bool = True) -> None:
+        """A replica's period will never report: its steps are wasted, its plan goes back
+        and its unfinished time is offered to whoever joins next (a spare), and it leaves."""
         self.losses += 1
         if self.losses > GIVE_UP_AFTER_LOSSES:
             # Every replacement fails too (a bug, a bad node): stop, as a synchronous run
             # stops after a round fails GIVE_UP_AFTER_LOSSES times.
+            error = gone.error
+            last = f" ({type(error).__name__}: {str(error).splitlines()[-1] if str(error) else ''})" if error else ""
             raise RuntimeError(
-                f"{self.losses} replica periods were lost in a row without a merge; the last: {why}"
-                + (f" ({type(error).__name__}: {str(error).splitlines()[-1] if str(error) else ''})" if error else "")
+                f"{self.losses} replica periods were lost in a row without a merge; the last: {gone.why}{last}"
             ) from error
-        flight = self.flights.pop(rid)
-        self.wasted_steps += self._steps_run(flight)
+        rid, flight = gone.replica_id, gone.flight
+        self.wasted_steps += self._flight_poll().steps_run(flight)
         if server_alive:
             self._on_server(lambda: host.server.release_plan(rid))
             due = flight.due or self.clock.expected(rid, flight.launched_at)
@@ -335,25 +263,7 @@ class DecoupledLoop(RoundLoop):
                 self.takeovers.append(due)
         self.clock.forget(rid)
         self.failed.add(rid)
-        host.members.remove(flight.launch.replica, why)
-
-    def _stalled(self) -> list[int]:
-        """Replicas whose period has shown no step beat for ``stall_timeout_s`` (frozen, or
-        waiting to send), not yet told to stop."""
-        if self.steps is None or not self.flights:
-            return []
-        beats = self.steps.beats()
-        if beats is None:
-            return []
-        now, out = time.time(), []
-        for rid, f in self.flights.items():
-            last = max(
-                [at for (r, _), (attempt, _, at) in beats.items() if r == rid and attempt == f.attempt]
-                + [f.launched_at]
-            )
-            if f.abort_by is None and now - last > self.config.stall_timeout_s:
-                out.append(rid)
-        return out
+        host.members.remove(flight.launch.replica, gone.why)
 
     def _merge(self, host):
         """One outer step from the contributions that arrived."""
