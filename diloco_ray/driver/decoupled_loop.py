@@ -220,13 +220,14 @@ class DecoupledLoop(RoundLoop):
         """Move finished periods to ``arrived``; a period stopped after a stall gives its
         plan back (the replica trains on from the newest weights); a lost replica is
         replaced at once (a spare, or a new replica)."""
-        done, lost = self._flight_poll().poll(self.flights, wait)
+        poll = self._flight_poll()
+        done, lost = poll.poll(self.flights, wait)
         for gone in lost:
             self._lose(host, gone)
         stopped = False
         for rid, flight in done:
             if flight.aborted:  # told to stop: its work is lost, its data goes back
-                self.wasted_steps += self._flight_poll().steps_run(flight)
+                self.wasted_steps += poll.steps_run(flight)
                 self._on_server(lambda: host.server.release_plan(rid))
                 stopped = True
                 continue
@@ -256,14 +257,14 @@ class DecoupledLoop(RoundLoop):
             ) from error
         rid, flight = gone.replica_id, gone.flight
         self.wasted_steps += self._flight_poll().steps_run(flight)
-        if server_alive:
-            self._on_server(lambda: host.server.release_plan(rid))
-            due = flight.due or self.clock.expected(rid, flight.launched_at)
-            if due is not None:
-                self.takeovers.append(due)
+        due = flight.due or self.clock.expected(rid, flight.launched_at)
         self.clock.forget(rid)
         self.failed.add(rid)
         host.members.remove(flight.launch.replica, gone.why)
+        if server_alive:  # (a dead server's plans are gone with it: the restored cursor has them)
+            if due is not None:
+                self.takeovers.append(due)
+            self._on_server(lambda: host.server.release_plan(rid))
 
     def _merge(self, host):
         """One outer step from the contributions that arrived."""
