@@ -30,8 +30,9 @@ def build_model(
     """The causal LM in fp32, identically initialised on every rank that calls this.
 
     ``model_name`` loads pretrained weights (hub id or folder); ``model_config`` builds a
-    fresh model of that architecture, seeded by ``config.seed``, with the vocabulary
-    sized to the tokenizer. Either way the model is built on the meta device, handed to
+    fresh model of that architecture, with the vocabulary sized to the tokenizer and the
+    values ``torch.manual_seed(config.seed)`` and ``AutoModelForCausalLM.from_config``
+    give (a PEFT adapter: seeded per module). Either way the model is built on the meta device, handed to
     ``shard`` (FSDP's ``fully_shard``) before any storage exists, and only then are its
     rows allocated on ``device`` and filled, one parameter at a time (see
     :mod:`diloco_ray.model.meta_init`): no rank ever holds the whole model.
@@ -56,7 +57,10 @@ def build_model(
         live = _adapt(model_init.meta_model(build), config)
     except ValueError as e:
         raise ConfigError(f"attn_implementation: {first_line(e)}") from None
-    template = _adapt(model_init.meta_model(build), config)
+    # From a config, the template also records the draws transformers makes building it,
+    # so that the values are those of torch.manual_seed(seed) and from_config on the host.
+    bare, schedule = model_init.recorded_meta_model(build) if reader is None else (model_init.meta_model(build), None)
+    template = _adapt(bare, config)
     if reader is not None:
         reader.prefix = getattr(_base(template), "base_model_prefix", "")
     if shard is not None:
@@ -64,7 +68,7 @@ def build_model(
     live.to_empty(device=device)
     if hasattr(_base(live), "tie_weights"):
         _base(live).tie_weights()  # to_empty may have replaced a tied parameter
-    model_init.fill(live, template, config.seed, reader, world_size, rank)
+    model_init.fill(live, template, config.seed, reader, world_size, rank, schedule)
     return live
 
 
