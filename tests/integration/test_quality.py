@@ -1,0 +1,47 @@
+"""The embedded default's quality, guarded cheaply: a shorter ``configs/tiny.yaml`` (5 rounds
+instead of 10, everything else as shipped) over seeds 1, 2 and 3 ends with a median final
+eval loss under a bound (``bench/quality.py`` measures the full default over 5 seeds).
+
+Only the median over the seeds is asserted, never one seed: on this task a seed's final
+loss depends on its initial draw (some draws reach the floor later than others), so one
+seed moves a lot with any change of order while the median moves little.
+
+The bound was set from measurement on 2 CPU cores (2026-11-25). With the initial weights
+transformers itself gives for the seed (``diloco_ray.model.meta_init``): 0.9027 / 0.9139 /
+0.9186, median 0.9139. A synchronous run is deterministic for its seed (the same losses to
+the last digit on every run), and perturbing the runs (int8 pseudo-gradients with error
+feedback, or ``sync_mode: decoupled``) moved single seeds by up to 0.017 and the median to
+0.9110-0.9139. The bound, 0.95, leaves 0.036 (twice that) of margin. The per-module seeded
+draw of 0137b71 (which made the default end at median 0.827 over seeds 1-5 instead of
+0.774) ends these runs at 1.0138 / 0.9251 / 1.1169, median 1.0138: over the bound.
+About 45-60 s here (one Ray instance, three trainers of ~13 s each).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+
+pytestmark = pytest.mark.integration
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+SEEDS = (1, 2, 3)
+ROUNDS = 5
+MEDIAN_BOUND = 0.95
+
+
+def test_median_final_eval_loss_of_the_default_over_three_seeds(ray_local, tmp_path):
+    losses = []
+    for seed in SEEDS:
+        overrides = {"output_dir": str(tmp_path / f"seed{seed}"), "seed": seed, "diloco_loops": ROUNDS}
+        result = DilocoFSDPTrainer(TrainerConfig.from_yaml(TINY, overrides=overrides)).train()
+        assert len(result.rounds) == ROUNDS
+        losses.append(result.final_eval_loss)
+    median = statistics.median(losses)
+    each = " / ".join(f"{loss:.4f}" for loss in losses)
+    assert median <= MEDIAN_BOUND, f"median final eval loss {median:.4f} over seeds {SEEDS} ({each}) > {MEDIAN_BOUND}"
