@@ -16,6 +16,7 @@ from torch import nn
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError, first_line
+from diloco_ray.model import hf_init
 from diloco_ray.model import meta_init as model_init
 
 
@@ -59,7 +60,7 @@ def build_model(
         raise ConfigError(f"attn_implementation: {first_line(e)}") from None
     # From a config, the template also records the draws transformers makes building it,
     # so that the values are those of torch.manual_seed(seed) and from_config on the host.
-    bare, schedule = model_init.recorded_meta_model(build) if reader is None else (model_init.meta_model(build), None)
+    bare, schedule = hf_init.recorded_meta_model(build) if reader is None else (model_init.meta_model(build), None)
     template = _adapt(bare, config)
     if reader is not None:
         reader.prefix = getattr(_base(template), "base_model_prefix", "")

@@ -1,6 +1,6 @@
-"""Unit tests for diloco_ray.model.meta_init: a model built from a config, one module at a
-time on the meta device, holds exactly the values transformers gives it after
-``torch.manual_seed(seed)`` (no Ray, tiny models made in the test)."""
+"""Unit tests for diloco_ray.model.hf_init through meta_init.fill: a model built from a
+config, one module at a time from the meta device, holds exactly the values transformers
+gives it after ``torch.manual_seed(seed)`` (no Ray, tiny models made in the test)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data.tokenization import char_tokenizer
-from diloco_ray.model import loading, meta_init
+from diloco_ray.model import hf_init, loading
 
 SMALL = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
 ARCHS = {
@@ -62,9 +62,9 @@ def test_base_model_under_a_lora_adapter_is_transformers_own():
 def test_schedule_places_each_post_init_after_its_draws():
     tok = char_tokenizer()
     build, _ = loading._factory(make(ARCHS["llama_untied"], seed=0), tok)
-    model, schedule = meta_init.recorded_meta_model(build)
-    models = [i for i, step in enumerate(schedule) if not isinstance(step, meta_init.Draw)]
+    model, schedule = hf_init.recorded_meta_model(build)
+    models = [i for i, step in enumerate(schedule) if not isinstance(step, hf_init.Draw)]
     # LlamaModel's post_init runs before lm_head is built (its draw), the outer model's last.
     assert [type(schedule[i]).__name__ for i in models] == ["LlamaModel", "LlamaForCausalLM"]
-    assert models[1] == len(schedule) - 1 and isinstance(schedule[models[1] - 1], meta_init.Draw)
+    assert models[1] == len(schedule) - 1 and isinstance(schedule[models[1] - 1], hf_init.Draw)
     assert schedule[models[1] - 1].written() is model.lm_head.weight

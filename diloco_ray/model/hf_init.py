@@ -1,0 +1,208 @@
+"""transformers' own initial values for a seed, one module at a time.
+
+``torch.manual_seed(seed)`` followed by ``AutoModelForCausalLM.from_config(config)`` draws
+every value from the one global generator: first the draws the modules' constructors make
+(values it then overwrites), then ``_init_weights`` on each module in transformers' own
+order (children before parents; a sub-model's ``post_init`` before the modules built after
+it, e.g. Llama's body before its ``lm_head``). :func:`recorded_meta_model` builds the model
+on the meta device and records that schedule (the constructors' draws, caught with a
+dispatch mode, and where each ``post_init`` falls); :func:`initialise` replays it on the
+host: each constructor draw is made again into a scratch tensor and dropped, and each
+module is materialised alone, given to ``_init_weights`` with the generator where
+transformers had it, handed over and freed. The values equal transformers' own build bit
+for bit (tests/unit/model/test_meta_init.py: Llama tied and untied, GPT-2, Qwen2,
+GPT-NeoX, OPT), while the host holds one module (or one tensor) at a time.
+
+Why this draw and not a seed per module (0137b71 to 2026-11-25): both give every tensor
+the same distribution, and over seeds 1-20 of ``configs/tiny.yaml`` both end at the same
+median (0.772 and 0.766), each with 4-5 seeds still above 0.82 at the end; but a run's
+final loss depends on its particular draw, so only transformers' draw keeps a run
+comparable, seed for seed, with the model transformers itself builds and with the runs
+measured before sharded building (over seeds 1-7 alone the per-module draw ended at
+median 0.827, transformers' draw at 0.790). The per-module seeds also missed initialisers
+that reach into children: GPT-2's output projections got std 0.02 instead of
+0.02 / sqrt(2 x layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+@dataclass(frozen=True)
+class Draw:
+    """One random draw a module's constructor made (``func(*args, **kwargs)``, an aten op
+    that consumes the generator), recorded on the meta device: ``args`` hold the meta
+    tensors, so only their shapes, strides and dtypes are known."""
+
+    func: object
+    args: tuple
+    kwargs: dict
+
+    def replay(self) -> None:
+        """Make the same draw on the host into scratch tensors and drop the values: the
+        global generator moves on exactly as it did when the module was built there."""
+
+        def host(x):
+            if isinstance(x, torch.Tensor):
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cpu").zero_()
+            return torch.device("cpu") if isinstance(x, torch.device) else x
+
+        self.func(*[host(a) for a in self.args], **{k: host(v) for k, v in self.kwargs.items()})
+
+    def written(self) -> torch.Tensor | None:
+        """The (meta) tensor the draw wrote into, or None for a draw that made a new one."""
+        return next(iter(_written(self.func, self.args, self.kwargs)), None)
+
+
+def recorded_meta_model(build: Callable[[], nn.Module]) -> tuple[nn.Module, list]:
+    """``build()`` on the meta device, and the schedule of what transformers would have
+    done with the generator building it on the host: the constructors' :class:`Draw` s in
+    the order they were made, with each Hugging Face (sub-)model, whose ``post_init``
+    initialises its modules, placed after the last draw of the modules built before it
+    finished (construction follows registration order)."""
+    recorder = _DrawRecorder()
+    with torch.random.fork_rng(devices=[]), torch.device("meta"), recorder:  # a host draw leaves no trace
+        model = build()
+    return model, _schedule(model, recorder.draws)
+
+
+class _DrawRecorder(TorchDispatchMode):
+    """Keeps every aten op that consumes the random generator."""
+
+    def __init__(self):
+        super().__init__()
+        self.draws: list[Draw] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            self.draws.append(Draw(func, tuple(args), dict(kwargs)))
+        return func(*args, **kwargs)
+
+
+class _WriteRecorder(TorchDispatchMode):
+    """Keeps the tensors (views resolved to their base) that ops write into."""
+
+    def __init__(self):
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.tensors.extend(_written(func, args, kwargs))
+        return func(*args, **kwargs)
+
+
+def _written(func, args, kwargs) -> list[torch.Tensor]:
+    out = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            t = args[i] if i < len(args) else kwargs.get(arg.name)
+            if isinstance(t, torch.Tensor):
+                out.append(t._base if t._base is not None else t)
+    return out
+
+
+def _schedule(model: nn.Module, draws: list[Draw]) -> list:
+    from transformers import PreTrainedModel
+
+    order = list(model.modules())
+    built_at = {}  # tensor id -> position in registration order of the first module holding it
+    for i, module in enumerate(order):
+        for t in list(module._parameters.values()) + list(module._buffers.values()):
+            if t is not None:
+                built_at.setdefault(id(t), i)
+    last_of = {id(m): i + sum(1 for _ in m.modules()) - 1 for i, m in enumerate(order)}  # end of its subtree
+    placed = []
+    for i, module in enumerate(order):
+        if isinstance(module, PreTrainedModel):
+            end = last_of[id(module)]
+            if module is model:
+                at = len(draws)  # the outermost post_init runs last, after every draw
+            else:
+                mine = [k for k, d in enumerate(draws) if built_at.get(id(d.written()), len(order)) <= end]
+                at = max(mine) + 1 if mine else 0
+            placed.append((at, end, -i, module))  # a nested model finishes first
+    placed.sort(key=lambda p: p[:3])
+    steps: list = []
+    k = 0
+    for at, _, _, module in placed:
+        steps.extend(draws[k:at])
+        k = max(k, at)
+        steps.append(module)
+    return steps
+
+
+def initialise(template: nn.Module, schedule: list, seed: int, put: Callable, tuner: type | None = None) -> None:
+    """Give ``put(name, tensor)`` every value transformers' own initialisation gives
+    ``template``'s Hugging Face model after ``torch.manual_seed(seed)``, one module at a
+    time: the constructors' draws are replayed into scratch tensors, and each sub-model's
+    ``post_init`` calls ``_init_weights`` on its modules, children before parents, each
+    module once (as ``PreTrainedModel.initialize_weights`` does). A PEFT tuner layer
+    (an instance of ``tuner``) stands for the layer it wraps; its adapter is left to the
+    caller (:func:`diloco_ray.model.meta_init.fill`)."""
+    names = {id(m): n for n, m in template.named_modules()}
+    done: set[int] = set()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for step in schedule:
+            if isinstance(step, Draw):
+                step.replay()
+                continue
+            for module, hf in _post_order(step, step, tuner):
+                if id(module) not in done:
+                    done.add(id(module))
+                    _init_module(module, hf, names, put)
+
+
+def _post_order(module: nn.Module, hf, tuner) -> Iterator[tuple[nn.Module, object]]:
+    """``(module, the Hugging Face model whose _init_weights it gets)`` in the order of
+    transformers' ``smart_apply``: children first, a sub-model using its own."""
+    from transformers import PreTrainedModel
+
+    if tuner is not None and isinstance(module, tuner):
+        module = module.get_base_layer()
+    for child in module.children():
+        yield from _post_order(child, child if isinstance(child, PreTrainedModel) else hf, tuner)
+    yield module, hf
+
+
+def _init_module(module: nn.Module, hf, names: dict, put: Callable) -> None:
+    """``hf._init_weights(module)`` on the host, with only the tensors it writes
+    materialised (its own, or a child's: GPT-2 scales its blocks' output projections
+    from the block), then handed to ``put`` and freed."""
+    recorder = _WriteRecorder()
+    try:
+        with torch.random.fork_rng(devices=[]), recorder:  # a dry run on the meta device
+            hf._init_weights(module)
+        written = {id(t) for t in recorder.tensors}
+    except Exception:  # an initialiser that cannot run on meta: it writes its module's own tensors
+        written = {id(t) for t in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False))}
+    owners = [
+        (sub, n)
+        for sub in module.modules()
+        for n, t in list(sub._parameters.items()) + list(sub._buffers.items())
+        if t is not None and id(t) in written
+    ]
+    if not owners:
+        return
+    subs = list({id(sub): sub for sub, _ in owners}.values())
+    for sub in subs:
+        sub.to_empty(device="cpu", recurse=False)
+        for t in list(sub.parameters(recurse=False)) + list(sub.buffers(recurse=False)):
+            if t.is_floating_point():
+                t.data.fill_(float("nan"))  # so a value the initialiser left unset is caught
+            if hasattr(t, "_is_hf_initialized"):
+                del t._is_hf_initialized
+    hf._init_weights(module)
+    for sub, n in owners:
+        t = sub._parameters[n] if n in sub._parameters else sub._buffers[n]
+        put(f"{names[id(sub)]}.{n}" if names[id(sub)] else n, t)
+    for sub in subs:  # back to shapes only: the host copy is freed
+        sub.to("meta")
