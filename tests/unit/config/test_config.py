@@ -65,7 +65,8 @@ def test_tiny_yaml_values():
     cfg = TrainerConfig.from_yaml(str(path[0]))
     assert cfg.model_config["model_type"] == "llama"
     assert cfg.dataset_name == "builtin:arithmetic"
-    assert cfg.lr == pytest.approx(3e-3) and isinstance(cfg.lr, float)
+    assert cfg.lr == pytest.approx(2e-3) and isinstance(cfg.lr, float)
+    assert cfg.warmup_steps == 30
     assert isinstance(cfg.cpus_per_rank, float) and cfg.cpus_per_rank == 1.0
 
 
