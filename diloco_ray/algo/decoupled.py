@@ -1,9 +1,9 @@
-"""The math of decoupled mode, as plain functions: merge weights, staleness, the grace
-window, and delayed Nesterov momentum.
+"""The math of decoupled mode, as plain functions: merge weights, staleness and delayed
+Nesterov momentum.
 
 In decoupled mode (``sync_mode: decoupled``) replicas run on their own clocks and the
 server merges whatever has arrived (see :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`).
-Three rules make that converge like synchronous DiLoCo:
+Two rules make that converge like synchronous DiLoCo:
 
 * **Token weights, staleness discount, a fixed divisor** (:func:`merge_weighting`). A
   contribution's weight is the loss tokens it trained on times ``(1 + s) ** -staleness_power``,
@@ -28,9 +28,7 @@ Three rules make that converge like synchronous DiLoCo:
   synchronous round (unit-tested at the defaults against ``torch.optim.SGD(nesterov=True)``).
   One buffer per parameter holds ``beta * m`` plus the cycle's gradients so far, so it costs
   what plain Nesterov costs.
-* **An adaptive grace window.** Once ``min_quorum`` contributions are in, the server waits
-  for the others that are predicted (from each replica's recent period times) to arrive
-  within ``grace_window_s``; a replica predicted later is not waited for.
+When to merge and how long each period runs is :mod:`diloco_ray.algo.merge_timing`'s.
 
 ``work``, the rounds' worth of tokens merged (a merged contribution's tokens over its
 merge's divisor, summed), drives the run's end, both lr schedules and the delayed cycles;
@@ -42,7 +40,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping
 
 import torch
 
@@ -134,62 +132,3 @@ def delayed_nesterov_(
     if cycle_end:
         param.sub_(buffer, alpha=lr * beta)
         buffer.mul_(beta)
-
-
-def grace_deadline(now: float, quorum_met: bool, predicted: Mapping[int, float], cap_s: float) -> Optional[float]:
-    """When to merge: None while the quorum is not met; else the latest predicted arrival
-    (wall-clock) among the replicas expected within ``cap_s`` of ``now``, or ``now``.
-
-    Args:
-        now: the current time.
-        quorum_met: at least ``min_quorum`` contributions are in.
-        predicted: replica id -> predicted arrival time of each replica still training
-            (its launch plus its recent period time, see :class:`PeriodClock`).
-        cap_s: the longest the server waits past the quorum.
-    """
-    if not quorum_met:
-        return None
-    within = [t for t in predicted.values() if now <= t <= now + cap_s]
-    return max(within, default=now)
-
-
-class PeriodClock:
-    """Each replica's recent period time (launch to report), for the grace window.
-
-    Args:
-        smoothing: weight of the newest period in the running average.
-        slack: a prediction is the average times this, plus ``margin_s``, so a replica a
-            little slower than usual is still waited for (measured on the default: with 1.1
-            and no margin, the first merge often missed a replica that came 0.2 s later and
-            its contribution was merged a step stale).
-        margin_s: seconds added to every prediction.
-    """
-
-    def __init__(self, smoothing: float = 0.5, slack: float = 1.25, margin_s: float = 0.25):
-        self.smoothing, self.slack, self.margin_s = smoothing, slack, margin_s
-        self.average: dict[int, float] = {}
-
-    def observe(self, replica_id: int, seconds: float) -> None:
-        old = self.average.get(replica_id)
-        self.average[replica_id] = seconds if old is None else old + self.smoothing * (seconds - old)
-
-    def predict(self, launched_at: Mapping[int, float]) -> dict[int, float]:
-        """Replica id -> predicted arrival (with slack). A replica with no history yet (its
-        first period) is predicted from the others' mean: the replicas run the same job."""
-        if not self.average:
-            return {}
-        return {rid: t + self.slack * self._period(rid) + self.margin_s for rid, t in launched_at.items()}
-
-    def expected(self, replica_id: int, launched_at: float) -> Optional[float]:
-        """When a period of ``replica_id`` launched at ``launched_at`` should end, by its
-        average alone (no slack); None before anything was seen."""
-        return launched_at + self._period(replica_id) if self.average else None
-
-    def _period(self, replica_id: int) -> float:
-        """The replica's average period, or the mean of the others' for a new one."""
-        if replica_id in self.average:
-            return self.average[replica_id]
-        return sum(self.average.values()) / len(self.average)
-
-    def forget(self, replica_id: int) -> None:
-        self.average.pop(replica_id, None)

@@ -1,14 +1,15 @@
 """How the driver waits on the actors' answers: the few Ray calls the round loop makes.
 
 The round loop holds object refs and asks three things of them: which are ready, their
-values, and all of a list within a deadline. :class:`RayCalls` does that with Ray;
-tests hand the loop an object with the same three methods over plain values, as Ray
-Train tests its controller with a dummy worker group, so the loop's decisions run
-without a cluster.
+values, and all of a list within a deadline; the decoupled loop also asks the time.
+:class:`RayCalls` does that with Ray and the wall clock; tests hand the loop an object
+with the same methods over plain values (and a fake clock), as Ray Train tests its
+controller with a dummy worker group, so the loop's decisions run without a cluster.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 
@@ -42,3 +43,10 @@ class RayCalls:
         import ray
 
         return ray.get(refs, timeout=timeout_s)
+
+    def now(self) -> float:
+        """Wall-clock seconds (what launch times, arrivals and deadlines are measured in)."""
+        return time.time()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)

@@ -6,14 +6,17 @@ and its own starting point. One call of :meth:`DecoupledLoop.run_round` is one o
 step (a *merge*):
 
 1. launch every active replica that is not training (new ones, and the ones just merged),
-   from the newest weights, then carry out the fault plan's server and driver faults due
-   in this merge (as a synchronous round does once its replicas have started);
+   from the newest weights, a period that would end well after others' arrivals cut to
+   land with them (:meth:`~diloco_ray.algo.merge_timing.MergeTiming.plan_launches`), then
+   carry out the fault plan's server and driver faults due in this merge (as a
+   synchronous round does once its replicas have started);
 2. collect every report that is ready at each poll; a replica that dies gives its plan
    back and the membership is reconciled at once (a hot spare steps in without waiting for
    a merge); one that shows no step for ``stall_timeout_s`` is told to stop, and dropped
    as unresponsive if it cannot within ``abort_grace_s`` (a frozen process);
-3. once ``min_quorum`` contributions are in, wait for the replicas predicted to arrive
-   within ``grace_window_s`` (:func:`~diloco_ray.algo.decoupled.grace_deadline`), then merge:
+3. once ``min_quorum`` contributions are in, wait for the replicas expected within the
+   grace window (``grace_fraction`` of a period, at most ``grace_window_s``:
+   :meth:`~diloco_ray.algo.merge_timing.MergeTiming.merge_deadline`), then merge:
    each contribution weighted by its tokens and discounted by its staleness, divided by
    one round's worth of tokens (:func:`~diloco_ray.algo.decoupled.merge_weighting`);
 4. when the merge completes a round's worth of tokens (and at the end), evaluate on a
@@ -33,11 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Optional
 
 from ray.exceptions import RayActorError
 
 from diloco_ray.algo import decoupled
+from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
 from diloco_ray.algo.aggregate import NON_FINITE
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.policies import MAX_ROUND_RETRIES
@@ -58,7 +61,7 @@ class DecoupledLoop(RoundLoop):
     Args:
         config: the job (``sync_mode: decoupled``).
         inflight_root: unused in this mode (no in-flight snapshots); kept for one signature.
-        calls: how refs are waited on (Ray's by default).
+        calls: how refs are waited on and the time read (Ray's and the wall clock by default).
         steps: the step feed, or None.
     """
 
@@ -66,7 +69,8 @@ class DecoupledLoop(RoundLoop):
         super().__init__(config, inflight_root, calls, steps)
         self.flights: dict[int, Flight] = {}
         self.arrived: dict[int, Flight] = {}
-        self.clock = decoupled.PeriodClock()
+        self.pace = Pace(config.max_steps)
+        self.timing = MergeTiming(self.pace, config.grace_fraction, config.grace_window_s, config.align_periods)
         # Tokens merged and the rank-periods they came from: their ratio stands in for a
         # rank not in a merge (the merge divisor's unit).
         self.rank_tokens, self.rank_periods = 0.0, 0
@@ -77,9 +81,6 @@ class DecoupledLoop(RoundLoop):
         self._staleness: dict[int, int] = {}
         self._applied_share = 0.0
         self.losses = 0  # periods lost since the last merge
-        # When the periods of lost replicas would have ended: a replica joining next (a spare)
-        # takes one over and trains only what remained, so it is merged with that cohort.
-        self.takeovers: list[float] = []
 
     def finished(self) -> bool:
         return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
@@ -151,14 +152,12 @@ class DecoupledLoop(RoundLoop):
         """Collect reports until the quorum is in and the grace window has passed."""
         deadline = None
         while True:
-            self._poll(host, STEP_POLL_S if deadline is None else max(0.0, min(STEP_POLL_S, deadline - time.time())))
+            wait = STEP_POLL_S if deadline is None else min(STEP_POLL_S, deadline - self.calls.now())
+            self._poll(host, max(0.0, wait))
             quorum = min(self.config.min_quorum, max(1, len(host.members.active)))
-            now = time.time()
-            training = {rid: f for rid, f in self.flights.items() if f.abort_by is None}
-            predicted = self.clock.predict({rid: f.launched_at for rid, f in training.items()})
-            # A replica on a time budget arrives when its budget ends.
-            predicted.update({rid: f.due + self.clock.margin_s for rid, f in training.items() if f.due})
-            deadline = decoupled.grace_deadline(now, len(self.arrived) >= quorum, predicted, self.config.grace_window_s)
+            now = self.calls.now()
+            training = self._training()
+            deadline = self.timing.merge_deadline(now, len(self.arrived) >= quorum, training)
             if deadline is not None and (now >= deadline or not training):
                 return
             if not self.flights and not self.arrived:
@@ -169,7 +168,7 @@ class DecoupledLoop(RoundLoop):
         """A server died: let every period in flight finish and throw it away, restore the
         servers from the last checkpoint, and have every replica reload the weights."""
         self.wasted_steps += sum(f.stats[0].inner_steps for f in self.arrived.values())
-        self.arrived, self.takeovers = {}, []
+        self.arrived = {}
         poll = self._flight_poll()
         while self.flights:  # their plans went with the dead servers; the restored cursor has them
             done, lost = poll.poll(self.flights, STEP_POLL_S)
@@ -183,14 +182,16 @@ class DecoupledLoop(RoundLoop):
         """Start a sync period on every active replica that is not training."""
         if self.reset:  # the servers were restored: the weights replicas hold are not theirs
             self.reload = {rep.id for rep in host.members.active}
-        for slot, rep in enumerate(host.members.active):
-            if rep.id in self.flights or rep.id in self.arrived:
-                continue
+        idle = [(slot, rep) for slot, rep in enumerate(host.members.active) if rep.id not in self.flights]
+        idle = [(slot, rep) for slot, rep in idle if rep.id not in self.arrived]
+        now = self.calls.now()
+        aims = self.timing.plan_launches(now, self._training(), [rep.id for _, rep in idle])
+        for slot, rep in idle:
             plan = self._on_server(lambda: host.server.reserve_plan(rep.id))
             self.attempt += 1
-            job, due = self._job(host, rep, slot, 0, plan), self._takeover(rep.id)
+            job, due = self._job(host, rep, slot, 0, plan), aims[rep.id]
             if due is not None:
-                job = dataclasses.replace(job, time_budget_s=due - time.time())
+                job = dataclasses.replace(job, time_budget_s=self.timing.budget_s(rep.id, now, due))
             launch = Launch(rep, *rep.run_period(job))
             self.flights[rep.id] = Flight(
                 launch,
@@ -198,7 +199,7 @@ class DecoupledLoop(RoundLoop):
                 self.handout.version,
                 self.round_index,
                 self._mark(),
-                time.time(),
+                now,
                 self.attempt,
                 due,
                 pending=set(launch.stats),
@@ -207,19 +208,14 @@ class DecoupledLoop(RoundLoop):
             self.reload.discard(rep.id)
         self.reset = self.restart = False
 
-    def _takeover(self, rid: int) -> Optional[float]:
-        """For a replica that never trained here (a spare, a replacement): when the period of
-        a lost replica it steps into would have ended, if that is still ahead."""
-        now = time.time()
-        self.takeovers = [due for due in self.takeovers if due > now]
-        if rid in self.clock.average or not self.takeovers:
-            return None
-        return self.takeovers.pop(0)
+    def _training(self) -> dict[int, InFlight]:
+        """The periods in flight that may still report, as merge timing sees them."""
+        return {rid: InFlight(f.launched_at, f.due) for rid, f in self.flights.items() if f.abort_by is None}
 
     def _poll(self, host, wait: float) -> None:
-        """Move finished periods to ``arrived``; a period stopped after a stall gives its
-        plan back (the replica trains on from the newest weights); a lost replica is
-        replaced at once (a spare, or a new replica)."""
+        """Move finished periods to ``arrived`` (their pace learned); a period stopped after
+        a stall gives its plan back (the replica trains on from the newest weights); a lost
+        replica is replaced at once (a spare, or a new replica, cut to land with the others)."""
         poll = self._flight_poll()
         done, lost = poll.poll(self.flights, wait)
         for gone in lost:
@@ -231,8 +227,8 @@ class DecoupledLoop(RoundLoop):
                 self._on_server(lambda: host.server.release_plan(rid))
                 stopped = True
                 continue
-            if flight.due is None:  # a period cut short by a takeover says nothing of its full length
-                self.clock.observe(rid, time.time() - flight.launched_at)
+            compute = max(s.compute_seconds for s in flight.stats)
+            self.pace.observe(rid, self.calls.now() - flight.launched_at, compute, flight.stats[0].inner_steps)
             self.arrived[rid] = flight
         if lost:
             host.reconcile()
@@ -244,8 +240,8 @@ class DecoupledLoop(RoundLoop):
         return FlightPoll(self.calls, self.steps, cfg.stall_timeout_s, cfg.abort_grace_s)
 
     def _lose(self, host, gone: Lost, server_alive: bool = True) -> None:
-        """A replica's period will never report: its steps are wasted, its plan goes back
-        and its unfinished time is offered to whoever joins next (a spare), and it leaves."""
+        """A replica's period will never report: its steps are wasted, its plan goes back,
+        and it leaves."""
         self.losses += 1
         if self.losses > GIVE_UP_AFTER_LOSSES:
             # Every replacement fails too (a bug, a bad node): stop, as a synchronous run
@@ -257,13 +253,10 @@ class DecoupledLoop(RoundLoop):
             ) from error
         rid, flight = gone.replica_id, gone.flight
         self.wasted_steps += self._flight_poll().steps_run(flight)
-        due = flight.due or self.clock.expected(rid, flight.launched_at)
-        self.clock.forget(rid)
+        self.pace.forget(rid)
         self.failed.add(rid)
         host.members.remove(flight.launch.replica, gone.why)
         if server_alive:  # (a dead server's plans are gone with it: the restored cursor has them)
-            if due is not None:
-                self.takeovers.append(due)
             self._on_server(lambda: host.server.release_plan(rid))
 
     def _merge(self, host):

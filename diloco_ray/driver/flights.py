@@ -13,7 +13,6 @@ waiting goes through :class:`~diloco_ray.driver.calls.RayCalls` (or a test's fak
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -36,8 +35,8 @@ class Flight:
             from it, see :func:`~diloco_ray.algo.decoupled.momentum_steps`).
         launched_at: wall-clock launch time.
         attempt: the launch counter its beats carry (an abort names it).
-        due: when its time budget ends, for a replica stepping into a lost one's period
-            (None: it runs a full period).
+        due: the arrival its time budget aims at, for a period cut to land with others
+            (None: it runs a full period; see :mod:`diloco_ray.algo.merge_timing`).
         abort_by: set once it was told to stop (it stalled): when it is lost as
             unresponsive if it has not answered.
     """
@@ -74,7 +73,7 @@ class FlightPoll:
     """Waits on the flights of a decoupled run.
 
     Args:
-        calls: the driver's calls (``ready``, ``get``).
+        calls: the driver's calls (``ready``, ``get``, ``now``, ``sleep``).
         steps: the step feed (``poll()``, ``beats()``, ``last_beats``), or None.
         stall_timeout_s: a replica whose period has shown no step beat for this long is told to stop.
         abort_grace_s: how long it then has to answer before it is lost.
@@ -90,7 +89,7 @@ class FlightPoll:
         refs = [ref for f in flights.values() for ref in f.pending]
         ready = set(self.calls.ready(refs, wait)) if refs else set()
         if not refs:
-            time.sleep(wait)
+            self.calls.sleep(wait)
         if self.steps is not None:
             self.steps.poll()
         done, lost = [], []
@@ -119,7 +118,7 @@ class FlightPoll:
     def _stop_stalled(self, flights: dict[int, Flight]) -> list[Lost]:
         """Tell a replica that has shown no step for ``stall_timeout_s`` to stop; lose one
         that has not answered within ``abort_grace_s`` of being told."""
-        now = time.time()
+        now = self.calls.now()
         for rid in self._stalled(flights, now):
             flight = flights[rid]
             flight.launch.replica.abort(flight.attempt)

@@ -80,30 +80,3 @@ def test_staleness_counts_outer_momentum_steps():
     assert [decoupled.momentum_steps(7, w, "delayed") for w in (0.0, 0.5, 0.999, 1.0, 2.5)] == [0, 0, 0, 1, 2]
     # Shares adding up to a whole round with round-off end the cycle (as cycle_ends does).
     assert decoupled.momentum_steps(0, 0.1 + 0.2 + 0.3 + 0.4 - 1e-12, "delayed") == 1
-
-
-def test_grace_window_waits_for_replicas_predicted_within_the_cap():
-    now = 100.0
-    assert decoupled.grace_deadline(now, False, {1: 101.0}, 5.0) is None  # no quorum yet
-    assert decoupled.grace_deadline(now, True, {}, 5.0) == now  # nobody predicted: merge now
-    assert decoupled.grace_deadline(now, True, {1: 101.5, 2: 103.0}, 5.0) == 103.0
-    assert decoupled.grace_deadline(now, True, {1: 101.5, 2: 110.0}, 5.0) == 101.5  # 2 is past the cap
-    assert decoupled.grace_deadline(now, True, {1: 101.5}, 0.0) == now  # no grace window
-
-
-def test_period_clock_learns_each_replicas_period():
-    clock = decoupled.PeriodClock(smoothing=0.5, slack=1.0, margin_s=0.0)
-    clock.observe(0, 2.0)
-    clock.observe(0, 4.0)
-    clock.observe(1, 10.0)
-    # 2 has no history yet: it runs the same job, so the others' mean stands in.
-    assert clock.predict({0: 50.0, 1: 50.0, 2: 50.0}) == {0: 53.0, 1: 60.0, 2: 56.5}
-    clock.forget(1)
-    assert clock.predict({1: 0.0}) == {1: 3.0}
-    assert decoupled.PeriodClock().predict({0: 1.0}) == {}  # nothing seen yet
-    # When a period should end, without slack: a spare taking a lost one's over gets the rest.
-    assert clock.expected(0, 50.0) == 53.0 and clock.expected(9, 50.0) == 53.0
-    assert decoupled.PeriodClock().expected(0, 1.0) is None
-    padded = decoupled.PeriodClock(smoothing=0.5, slack=1.5, margin_s=0.25)
-    padded.observe(0, 2.0)
-    assert padded.predict({0: 10.0}) == {0: 13.25}

@@ -54,6 +54,12 @@ class Calls:
     def all_ready(self, refs, timeout_s):
         return self.ready(refs, timeout_s)
 
+    def now(self):
+        return time.time()
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+
     def get(self, refs, timeout_s=None):
         if isinstance(refs, list):
             return [self.get(r) for r in refs]
