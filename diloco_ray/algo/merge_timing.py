@@ -185,9 +185,9 @@ class MergeTiming:
         pace, period = self.pace.of(rid), self.pace.period(rid)
         if pace is None or not arrivals:
             return None
-        own_end, tolerance = now + period, self.tolerance(rid)
-        if any(abs(own_end - t) <= tolerance for t in arrivals.values()):
-            return None  # it lands with a cohort already (the merge waits for it)
+        own_end, window = now + period, self.window()
+        if any(abs(own_end - t) <= window for t in arrivals.values()):
+            return None  # it lands with a cohort already: the merge waits for it (or it for them)
         # The others' next arrivals, and the ones after (they relaunch once merged): a
         # cohort due too soon to reach with a useful period may be reached a period later.
         # An overdue replica's is unknown (it is late by an unknown amount): no aim.

@@ -65,7 +65,8 @@ def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_toke
 
 
 def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local, tmp_path):
-    """Replica 1 is 4x slower and the grace window is too short to wait for it: replica 0
+    """Replica 1 is 4x slower, its periods are not cut to land with replica 0's
+    (``align_periods: false``) and the grace window is too short to wait for it: replica 0
     is merged alone several times while 1 trains, and 1's work arrives stale, counted
     with its staleness (and replica 0's, when 1 was merged while 0 trained); nothing is
     trained twice. The inner lr schedule follows the tokens merged, not the merges: no
@@ -73,11 +74,15 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
     cfg = tiny_config(
         tmp_path / "run",
         **{**DECOUPLED, "diloco_loops": 4, "grace_window_s": 0.05, "fault_plan": SLOW_1, "logging_steps": 1},
+        align_periods=False,
     )
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     fast, slow = merged(rounds, 0), merged(rounds, 1)
     assert len(fast) >= 2 * len(slow) >= 2
-    assert all(r["staleness"]["1"] >= 1 for r in slow)  # replica 0 was merged while it trained
+    # The first merge waits for replica 1 (nothing is known of its pace: replica 0's stands
+    # in, and it is expected within the window); after that replica 0 was merged while it trained.
+    assert sorted(rounds[0]["replica_ids"]) == [0, 1]
+    assert all(r["staleness"]["1"] >= 1 for r in slow[1:])
     assert rounds[-1]["work"] >= 4.0 - 1e-9
     assert no_position_twice(rounds)
     steps = read_events(str(tmp_path / "run"), "step")
@@ -89,10 +94,13 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
 
 
 def test_the_grace_window_waits_for_a_replica_predicted_soon(ray_local, tmp_path):
-    """The same slow replica, with a grace window long enough for it: once its period time
-    is known, a merge waits for it, so it is merged fresh (staleness 0) with replica 0."""
+    """The same slow replica, its periods whole (``align_periods: false``), with a grace
+    window of a whole period (``grace_fraction: 1``): once its pace is known, a merge
+    waits for it, so it is merged fresh (staleness 0) with replica 0."""
     cfg = tiny_config(
-        tmp_path / "run", **{**DECOUPLED, "diloco_loops": 4, "grace_window_s": 30.0, "fault_plan": SLOW_1}
+        tmp_path / "run",
+        **{**DECOUPLED, "diloco_loops": 4, "grace_fraction": 1.0, "fault_plan": SLOW_1},
+        align_periods=False,
     )
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     together = [r for r in rounds if sorted(r["replica_ids"]) == [0, 1]]
@@ -187,10 +195,10 @@ def test_replicas_of_different_sizes_with_a_time_budget_contribute_every_step(ra
 
 def test_a_spare_takes_over_the_rest_of_a_lost_replicas_period(ray_local, tmp_path):
     """spare_replicas: 1, min_quorum 2, 8 steps a period. A replica's ranks are killed part
-    way through its period after merge 0; the spare steps into that period: it trains only
-    the time that remained (fewer steps than a period; the rest of its plan goes back to
-    the cursor) and is merged with the survivor at merge 1, neither stale. Nothing is
-    trained twice, and with nothing in flight at the end, every position once."""
+    way through its period after merge 0; the spare starts at once, cut to land with the
+    survivor (when a whole period would end past the grace window; its untrained plan goes
+    back to the cursor), and is merged with the survivor at merge 1, neither stale. Nothing
+    is trained twice, and with nothing in flight at the end, every position once."""
 
     class KillPartWayThroughAPeriod:
         def on_round_end(self, trainer, record):
@@ -216,6 +224,6 @@ def test_a_spare_takes_over_the_rest_of_a_lost_replicas_period(ray_local, tmp_pa
     assert rounds[1]["dropped"] == [killer.victim]
     assert sorted(rounds[1]["replica_ids"]) == sorted([survivor, killer.spare])
     assert rounds[1]["staleness"] == {str(survivor): 0, str(killer.spare): 0}
-    assert 1 <= rounds[1]["replica_steps"][str(killer.spare)] < cfg.max_steps
+    assert 1 <= rounds[1]["replica_steps"][str(killer.spare)] <= cfg.max_steps
     positions = applied_positions(rounds)
     assert sorted(positions) == list(range(len(positions)))

@@ -80,7 +80,7 @@ def test_a_replica_out_of_phase_is_cut_to_land_with_the_cohort():
     cohort = {r: InFlight(launched_at=40.0) for r in range(3)}  # expected at 50
     # Replica 3 relaunched at 44 would end at 54: cut to land at 50 with the others.
     assert timing.plan_launches(44.0, cohort, [3]) == {3: pytest.approx(50.0)}
-    # Relaunched at 41.5 it lands 1.5 s after them, within the tolerance (2.5 s): the merge waits.
+    # Relaunched at 41.5 it lands 1.5 s after them, within the window (2.5 s): the merge waits.
     assert timing.plan_launches(41.5, cohort, [3]) == {3: None}
     # Relaunched at 48.5, a budget to 50 is under a quarter of a period: it runs a full one.
     assert timing.plan_launches(48.5, cohort, [3]) == {3: None}
