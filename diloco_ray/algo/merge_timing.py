@@ -123,7 +123,9 @@ class MergeTiming:
         min_share: the shortest budget given, as a share of a full period's inner steps.
     """
 
-    def __init__(self, pace: Pace, grace_fraction: float, grace_cap_s: float, align: bool = True, min_share: float = 0.25):
+    def __init__(
+        self, pace: Pace, grace_fraction: float, grace_cap_s: float, align: bool = True, min_share: float = 0.25
+    ):
         self.pace, self.fraction, self.cap_s = pace, grace_fraction, grace_cap_s
         self.align, self.min_share = align, min_share
 
@@ -159,7 +161,9 @@ class MergeTiming:
                 waits.append(expected + self.tolerance(rid))
         return max(waits, default=now)
 
-    def plan_launches(self, now: float, training: Mapping[int, InFlight], launching: list[int]) -> dict[int, Optional[float]]:
+    def plan_launches(
+        self, now: float, training: Mapping[int, InFlight], launching: list[int]
+    ) -> dict[int, Optional[float]]:
         """Replica id -> the arrival its budget aims at (None: a full period) for each
         replica launched ``now``, while ``training`` are in flight. The fastest are planned
         first, so a slower one launched beside them aims at their arrival."""

@@ -40,8 +40,8 @@ import time
 from ray.exceptions import RayActorError
 
 from diloco_ray.algo import decoupled
-from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
 from diloco_ray.algo.aggregate import NON_FINITE
+from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.policies import MAX_ROUND_RETRIES
 from diloco_ray.driver.poll import STEP_POLL_S
