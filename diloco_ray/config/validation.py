@@ -272,7 +272,7 @@ def _check_decoupled(cfg, streamed: bool) -> None:
         kwargs = cfg.outer_opt_kwargs or {}
         if cfg.outer_opt != "SGD" or kwargs.get("nesterov", True) is False or kwargs.get("dampening", 0):
             raise ConfigError(
-                f"decoupled_momentum: delayed is Nesterov momentum (outer_momentum) applied once per round; "
-                f"it needs outer_opt: SGD with Nesterov and no dampening (got {cfg.outer_opt} "
-                f"{kwargs or ''}); use decoupled_momentum: every_step for other outer optimizers"
+                f"decoupled_momentum: delayed (the default) is Nesterov momentum (outer_momentum) applied "
+                f"once per round; it needs outer_opt: SGD with Nesterov and no dampening (got {cfg.outer_opt}"
+                f"{' ' + str(kwargs) if kwargs else ''}); set decoupled_momentum: every_step for other outer optimizers"
             )
