@@ -132,3 +132,29 @@ def delayed_nesterov_(
     if cycle_end:
         param.sub_(buffer, alpha=lr * beta)
         buffer.mul_(beta)
+
+
+@torch.no_grad()
+def correct_stale_(delta: torch.Tensor, momentum: torch.Tensor) -> float:
+    """Correct a stale pseudo-gradient against the outer momentum, in place; returns the
+    cosine between them before the correction.
+
+    A contribution that started ``s`` outer steps ago was computed from weights the
+    trajectory has since left. The outer momentum says where the trajectory goes (HeLoCo,
+    Al Asif et al. 2026, uses it as the reference): a tensor whose pseudo-gradient agrees
+    with it (cosine >= 0) is kept; one that points against it has the component along the
+    momentum removed (its projection onto the momentum's orthogonal complement), so a stale
+    contribution cannot pull the weights back along the path already taken, while what it
+    says about other directions is kept. HeLoCo scales the removal by agreement and
+    confidence; this is its simplest form, with no parameters. ``momentum`` all zero (no
+    step taken yet) leaves ``delta`` as it is.
+    """
+    m_sq = float(momentum.double().pow(2).sum())
+    d_sq = float(delta.double().pow(2).sum())
+    if m_sq == 0.0 or d_sq == 0.0:
+        return 0.0
+    dot = float((delta.double() * momentum.double()).sum())
+    cosine = dot / math.sqrt(m_sq * d_sq)
+    if cosine < 0.0:
+        delta.sub_(momentum.to(delta.dtype), alpha=dot / m_sq)
+    return cosine

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -274,6 +274,11 @@ class OuterOptimizer:
             p.grad = g * clip_coef if clip_coef != 1.0 else g  # never scale the caller's tensor
         self._optimizer.step()
         self._optimizer.zero_grad(set_to_none=True)
+
+    def momentum(self, name: str) -> Optional[Tensor]:
+        """The outer momentum buffer of parameter ``name`` (SGD with momentum), or None
+        before the first step or for an optimizer that keeps none."""
+        return self._optimizer.state.get(self._params[name], {}).get("momentum_buffer")
 
     def apply_delayed(self, mean: dict, lr: float, clip_coef: float, cycle_end: bool) -> None:
         """Decoupled mode's delayed-Nesterov step (:func:`~diloco_ray.algo.decoupled.delayed_nesterov_`)

@@ -218,6 +218,11 @@ def _validate_sync(cfg: TrainerConfig) -> None:
         )
     if cfg.sync_mode == "decoupled":
         _check_decoupled(cfg, streamed)
+    elif cfg.stale_correction != "none":
+        raise ConfigError(
+            f"stale_correction: {cfg.stale_correction} corrects stale contributions, which only "
+            "sync_mode: decoupled merges; use stale_correction: none in sync mode"
+        )
     resources = cfg.server_resources
     if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
         raise ConfigError(
@@ -267,6 +272,11 @@ def _check_decoupled(cfg, streamed: bool) -> None:
         raise ConfigError(
             f"min_quorum: {cfg.min_quorum} is more than the {cfg.replica_bounds[1]} replicas that may run; "
             "it must be at most num_replicas (or max_replicas)"
+        )
+    if cfg.stale_correction == "momentum" and (cfg.outer_opt != "SGD" or cfg.outer_momentum == 0):
+        raise ConfigError(
+            f"stale_correction: momentum needs the outer momentum of outer_opt: SGD with outer_momentum > 0 "
+            f"(got {cfg.outer_opt}, outer_momentum {cfg.outer_momentum}); use stale_correction: none"
         )
     if cfg.decoupled_momentum == "delayed":
         kwargs = cfg.outer_opt_kwargs or {}

@@ -268,7 +268,10 @@ class DecoupledLoop(RoundLoop):
         merged = {rid: f.stats for rid, f in self.arrived.items()}
         weighting = self._weighting(host, merged)
         contributions = [
-            [Contribution(rid, f.launch.buffers[s], weighting.weights[rid]) for rid, f in self.arrived.items()]
+            [
+                Contribution(rid, f.launch.buffers[s], weighting.weights[rid], self._staleness[rid])
+                for rid, f in self.arrived.items()
+            ]
             for s in range(len(host.server))
         ]
         unused = {rid: f.stats[0].unused for rid, f in self.arrived.items() if f.stats[0].unused}

@@ -122,11 +122,14 @@ class Contribution:
             buffer of that rank's rows for this server. Wrapped in a list so Ray hands
             the refs over unresolved and the server fetches them itself.
         weight: its weight in the mean (tokens it trained on).
+        staleness: decoupled mode: the outer momentum steps taken since it started (a
+            stale one may be corrected, ``stale_correction``); 0 in sync mode.
     """
 
     replica_id: int
     refs: list
     weight: float
+    staleness: int = 0
 
 
 @dataclass

@@ -246,7 +246,7 @@ class ParameterServer(ServerSlice):
         reasons, valid, arrivals = {}, [], []
         for c in contributions:
             try:
-                arrived = self._accumulate(acc, resolve(c.refs), target, float(c.weight))
+                arrived = self._accumulate(acc, resolve(c.refs), target, float(c.weight), self._reference(c))
             except ValueError as e:
                 reasons[c.replica_id] = str(e)
                 if e.args[0].startswith(NON_FINITE):  # added part-way: sum the valid ones again
@@ -271,8 +271,15 @@ class ParameterServer(ServerSlice):
         acc = self._zeroed_sum(target)
         for c in contributions:
             if c.replica_id in ids:
-                self._accumulate(acc, resolve(c.refs), target, float(c.weight))
+                self._accumulate(acc, resolve(c.refs), target, float(c.weight), self._reference(c))
         return acc
+
+    def _reference(self, c: Contribution):
+        """What a stale contribution is corrected against (``stale_correction: momentum``):
+        name -> the outer momentum of its slice; None for a fresh one, or with no correction."""
+        if c.staleness <= 0 or self.config.stale_correction != "momentum":
+            return None
+        return lambda name: self.optimizer.momentum(self.pieces[(name, 0)])
 
     def reduce(self, *prepared: Prepared) -> Reduced:
         """Agree on the accepted replicas (rejected anywhere means rejected everywhere),

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, links, partition
+from diloco_ray.algo import compression, decoupled, links, partition
 from diloco_ray.algo.aggregate import add_weighted, check_finite
 
 
@@ -112,17 +112,38 @@ class ServerSlice:
             partition.put(out[name], span, self._values(name, piece), offset=target[name][0])
         return out, arrived
 
-    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float) -> float:
+    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float, reference=None) -> float:
         """Add one replica's checked pieces, times ``weight``, straight into ``acc``, a
         piece at a time (never a decoded copy of the whole message); returns its arrival
         time. Raises ValueError when a check fails: a non-finite piece found part-way
-        leaves ``acc`` holding the pieces before it (the caller rebuilds it)."""
+        leaves ``acc`` holding the pieces before it (the caller rebuilds it).
+
+        ``reference`` (a stale contribution under ``stale_correction``): name -> the outer
+        momentum of that slice, or None; each tensor is then assembled whole (one tensor's
+        copy at a time) and corrected against it (:func:`~diloco_ray.algo.decoupled.correct_stale_`)
+        before it is added."""
         found, arrived = self._decode(buffers, target)
+        if reference is not None:
+            self._accumulate_corrected(acc, found, target, weight, reference)
+            return arrived
         for name, span, piece in found:
             flat = partition.take(acc[name], span, target[name][0]).view(-1)  # rows are contiguous
             for lo, values in piece.chunks():
                 add_weighted(flat[lo : lo + values.numel()], values, weight, name)
         return arrived
+
+    def _accumulate_corrected(self, acc: dict, found: list, target: partition.Rows, weight: float, reference) -> None:
+        by_name: dict[str, list] = {}
+        for name, span, piece in found:
+            by_name.setdefault(name, []).append((span, piece))
+        for name, parts in by_name.items():
+            whole = torch.empty(self._piece_shape(name, target[name]))
+            for span, piece in parts:
+                partition.put(whole, span, self._values(name, piece), offset=target[name][0])
+            momentum = reference(name)
+            if momentum is not None:
+                decoupled.correct_stale_(whole, momentum.view(whole.shape))
+            add_weighted(acc[name].view(-1), whole.view(-1), weight, name)
 
     def _zeroed_sum(self, target: partition.Rows) -> dict[str, torch.Tensor]:
         """Zeroed fp32 tensors covering ``target``: views of one buffer kept from sync

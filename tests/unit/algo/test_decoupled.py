@@ -3,6 +3,8 @@ per cycle, staleness weights, the cycle count, and the adaptive grace window."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -80,3 +82,16 @@ def test_staleness_counts_outer_momentum_steps():
     assert [decoupled.momentum_steps(7, w, "delayed") for w in (0.0, 0.5, 0.999, 1.0, 2.5)] == [0, 0, 0, 1, 2]
     # Shares adding up to a whole round with round-off end the cycle (as cycle_ends does).
     assert decoupled.momentum_steps(0, 0.1 + 0.2 + 0.3 + 0.4 - 1e-12, "delayed") == 1
+
+
+def test_a_stale_pseudo_gradient_against_the_momentum_loses_its_component_along_it():
+    m = torch.tensor([1.0, 0.0, 0.0])
+    aligned = torch.tensor([0.5, 2.0, 0.0])
+    assert decoupled.correct_stale_(aligned, m) == pytest.approx(0.5 / math.sqrt(4.25))
+    assert aligned.tolist() == [0.5, 2.0, 0.0]  # agrees with the trajectory: kept
+    against = torch.tensor([-3.0, 1.0, 2.0])
+    cosine = decoupled.correct_stale_(against, m)
+    assert cosine == pytest.approx(-3.0 / math.sqrt(14.0))
+    assert against.tolist() == [0.0, 1.0, 2.0]  # the part along the momentum removed, the rest kept
+    untouched = torch.tensor([-1.0, 1.0, 0.0])
+    assert decoupled.correct_stale_(untouched, torch.zeros(3)) == 0.0 and untouched.tolist() == [-1.0, 1.0, 0.0]
