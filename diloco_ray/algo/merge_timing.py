@@ -13,20 +13,21 @@ arriving together:
   merge the first arrival's pace stands in for the others (they run the same job), so it
   waits for them too.
 * **Periods cut to land with a cohort** (:meth:`MergeTiming.plan_launches`). A replica
-  launched while others are in flight whose full period would end well after one of their
-  arrivals (a replica that arrived just after a merge, a spare joining mid-period, a
-  replica slower than the rest) gets a time budget that ends at the latest such arrival it
-  can reach with at least ``min_share`` of a period's steps (an arrival, or the one a
-  period after it, when the others will have been merged and relaunched); a persistently
-  slower replica
-  so runs a shorter H every period and is merged fresh with the others, never stale. The
-  rank stops its inner steps when the next would not fit the budget (``time_budget_s``).
+  launched while others are in flight whose full period would end outside the grace
+  window of all their arrivals (a replica that arrived just after a merge, a spare joining
+  mid-period, a replica slower than the rest) gets a time budget that ends at the latest
+  arrival it can reach with at least ``min_share`` of a period's steps: one of theirs, or
+  the one a period after it (when they will have been merged and relaunched). A
+  persistently slower replica so runs a shorter H every period: at 2x slower exactly, half
+  of one (merged fresh with the others each time); a little slower than 2x, nearly all of
+  one, landing with the others' second period (merged one step stale every second merge).
+  The rank stops its inner steps when the next would not fit the budget (``time_budget_s``).
 
 A replica's pace is its seconds per inner step and its seconds outside the inner steps
 (receiving weights, sending its pseudo-gradient), each the median of its last few periods
 (:class:`Pace`): a period cut short still teaches the pace, and a one-off delay does not
-(a running average took a 8 s hiccup for a 4 s slower replica for several periods, and
-cut its next period too little to land with the others).
+(a running average took an 8 s hiccup for a slower pace for several periods, and cut the
+replica's next period too little to land with the others).
 """
 
 from __future__ import annotations
