@@ -18,20 +18,20 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.config import fault_plan
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
-from tests.unit.driver.test_decoupled_loop import Host, Members, Replica, Servers, make_config
+from tests.unit.driver.test_decoupled_loop import Calls, Host, Members, Replica, Servers, make_config
 
 STEPS = 20
 STEP_S = 0.5  # 10 s of inner steps a period
 OVERHEAD_S = 0.4  # receiving weights and sending the pseudo-gradient
 
 
-class FakeClock:
+class FakeClock(Calls):
     """The loop's calls over fake refs whose reports arrive at a time (``at``); waiting
     moves the clock to the first report due or to the end of the wait."""
 
     def __init__(self):
+        super().__init__()  # (its poll count is unused here: refs carry a time instead)
         self.t = 1000.0
-        self.polls = 0  # (the base replica's poll-keyed refs are not used here)
 
     def now(self) -> float:
         return self.t
@@ -44,16 +44,6 @@ class FakeClock:
         if not any(r.at <= self.t for r in refs):
             self.t = min([self.t + (timeout_s or 0.0)] + due)
         return [r for r in refs if r.at <= self.t]
-
-    def all_ready(self, refs, timeout_s):
-        return self.ready(refs, timeout_s)
-
-    def get(self, refs, timeout_s=None):
-        if isinstance(refs, list):
-            return [self.get(r) for r in refs]
-        if refs.error is not None:
-            raise refs.error
-        return refs.value
 
 
 class PacedReplica(Replica):
