@@ -185,7 +185,9 @@ class DecoupledLoop(RoundLoop):
         idle = [(slot, rep) for slot, rep in enumerate(host.members.active) if rep.id not in self.flights]
         idle = [(slot, rep) for slot, rep in idle if rep.id not in self.arrived]
         now = self.calls.now()
-        aims = self.timing.plan_launches(now, self._training(), [rep.id for _, rep in idle])
+        aims = dict.fromkeys((rep.id for _, rep in idle), None)
+        if self.config.min_quorum < len(host.members.active):  # (in lockstep every merge waits for all)
+            aims = self.timing.plan_launches(now, self._training(), list(aims))
         for slot, rep in idle:
             plan = self._on_server(lambda: host.server.reserve_plan(rep.id))
             self.attempt += 1
