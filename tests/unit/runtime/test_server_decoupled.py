@@ -22,6 +22,19 @@ def merge(sim: Sim, rid: int, buffers, weight: float, divisor: float, plan, unus
     return applied
 
 
+def start_both(sim: Sim) -> tuple[dict, dict]:
+    """Replicas 0 and 1 reserve a plan, take in the global weights and train one period
+    from them: rid -> plan, rid -> [server][rank] buffers."""
+    srv = sim.servers[0]
+    plans = {rid: srv.reserve_plan(rid) for rid in (0, 1)}
+    bufs = {}
+    for rid in (0, 1):
+        sim.receive(rid)
+        sim.train(rid, 0, 0)
+        bufs[rid] = sim.outgoing(rid, 0)
+    return plans, bufs
+
+
 @pytest.mark.parametrize("momentum", ["delayed", "every_step"])
 def test_two_merges_from_one_start_make_the_synchronous_round(momentum):
     """Two replicas start from the same weights and are merged one at a time (no staleness
@@ -31,12 +44,7 @@ def test_two_merges_from_one_start_make_the_synchronous_round(momentum):
     ref.round(0)
     dec = Sim(1, 1, 1, 2, sync_mode="decoupled", staleness_power=0.0, decoupled_momentum=momentum)
     srv = dec.servers[0]
-    plans = {rid: srv.reserve_plan(rid) for rid in (0, 1)}
-    bufs = {}
-    for rid in (0, 1):
-        dec.receive(rid)
-        dec.train(rid, 0, 0)
-        bufs[rid] = dec.outgoing(rid, 0)
+    plans, bufs = start_both(dec)
     weights = {0: 1.0, 1: 2.0}  # Sim's synchronous round weights replica r by 1 + r
     first = merge(dec, 0, bufs[0], weights[0], 3.0, plans[0])
     second = merge(dec, 1, bufs[1], weights[1], 3.0, plans[1])
@@ -134,12 +142,7 @@ def test_a_stale_contribution_is_corrected_against_the_outer_momentum(correction
     )
     srv = dec.servers[0]
     start = dec.global_weights()
-    plans = {rid: srv.reserve_plan(rid) for rid in (0, 1)}
-    bufs = {}
-    for rid in (0, 1):
-        dec.receive(rid)
-        dec.train(rid, 0, 0)
-        bufs[rid] = dec.outgoing(rid, 0)
+    plans, bufs = start_both(dec)
     for rid, staleness in ((0, 0), (1, 1)):
         prepared = srv.prepare(0, [Contribution(rid, bufs[rid][0], 1.0, staleness)], 2.0)
         srv.commit({rid: plans[rid]}, srv.reduce(prepared), unused={}, shares={rid: 0.5})
