@@ -1,7 +1,9 @@
-"""The value codecs: how one flat fp32 tensor becomes bytes and back (fp16, bf16, int8, int4).
+"""The value codecs: how one flat fp32 tensor becomes bytes and back (fp16, bf16, int8,
+int4, and the sparse ``topk`` of :mod:`diloco_ray.algo.topk`).
 
-int8/int4 scale each block of ``block`` consecutive values by its absmax; NaN/Inf never
-decode finite (a block holding one gets a NaN scale), so the server can reject them.
+int8/int4 scale each block of ``block`` consecutive values by its absmax; ``topk`` keeps a
+``fraction`` of each block. NaN/Inf never decode finite (a block holding one gets a NaN
+scale), so the server can reject them.
 Bytes are little-endian and viewed zero-copy where the dtype allows. The buffer layout
 that holds many encoded tensors is :mod:`diloco_ray.algo.compression`'s.
 """
@@ -14,8 +16,11 @@ import warnings
 import numpy as np
 import torch
 
-CODECS = ("none", "fp16", "bf16", "int8", "int4")
+from diloco_ray.algo import topk
+
+CODECS = ("none", "fp16", "bf16", "int8", "int4", "topk")
 DEFAULT_BLOCK = 2048  # values per absmax scale for int8/int4: ~0.2% overhead in scales
+DEFAULT_FRACTION = 1 / 64  # topk: values kept per block (0.219 bits per value at block 2048)
 _QMAX = {"int8": 127, "int4": 7}
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -26,18 +31,37 @@ def _check_codec(codec: str) -> None:
         raise ValueError(f"unknown codec {codec!r}; allowed: {', '.join(CODECS)}")
 
 
-def codec_nbytes(numel: int, codec: str, block: int = DEFAULT_BLOCK) -> int:
-    """Bytes of payload plus scales for one tensor (no header, no alignment padding).
+def sections(numel: int, codec: str, block: int = DEFAULT_BLOCK, fraction: float = DEFAULT_FRACTION) -> tuple[int, int]:
+    """``(scales bytes, payload bytes)`` of one tensor (no header, no alignment padding).
 
     Args:
         numel: number of values in the tensor (0 for an empty tensor, 1 for a 0-d one).
         codec: one of :data:`CODECS`.
-        block: values per scale for int8/int4 (ignored by the other codecs).
+        block: values per scale for int8/int4/topk (ignored by the other codecs).
+        fraction: values kept per block by topk (ignored by the other codecs).
     """
     _check_codec(codec)
+    if codec == "topk":
+        return topk.sections(numel, block, fraction)
     scales = 4 * -(-numel // block) if codec in _QMAX else 0
     payload = {"none": 4 * numel, "fp16": 2 * numel, "bf16": 2 * numel, "int8": numel, "int4": -(-numel // 2)}[codec]
-    return payload + scales
+    return scales, payload
+
+
+def codec_nbytes(numel: int, codec: str, block: int = DEFAULT_BLOCK, fraction: float = DEFAULT_FRACTION) -> int:
+    """Bytes of payload plus scales for one tensor (see :func:`sections`)."""
+    return sum(sections(numel, codec, block, fraction))
+
+
+def chunk_step(numel: int, codec: str, block: int, fraction: float) -> int:
+    """Values encoded or decoded at a time: whole blocks whose bytes start on a byte
+    boundary (an even count of int4 blocks; a multiple of 8 topk blocks)."""
+    if codec == "topk":
+        width = topk.shape_of(numel, block, fraction)[0] or 1
+        return topk.blocks_per_chunk(numel, block, fraction, _CHUNK) * width
+    if codec in _QMAX:
+        return max(2, (_CHUNK // block) // 2 * 2) * block
+    return _CHUNK
 
 
 def _as_le_bytes(array: np.ndarray, le_dtype: str) -> np.ndarray:
@@ -88,13 +112,22 @@ _VALUE_BYTES = {"none": 4, "fp16": 2, "bf16": 2, "int8": 1}
 _CHUNK = 1 << 17  # values encoded at a time: bounds the codec's scratch memory (~3 MB)
 
 
-def _encode_into(flat: torch.Tensor, codec: str, block: int, scales: np.ndarray, payload: np.ndarray) -> None:
+def _encode_into(
+    flat: torch.Tensor, codec: str, block: int, scales: np.ndarray, payload: np.ndarray, fraction: float
+) -> None:
     """:func:`_encode` written into the sections ``scales`` and ``payload``, a chunk of
-    whole blocks at a time (an even number of them, so int4 chunks start on a byte)."""
-    blocks_per_chunk = max(2, (_CHUNK // block) // 2 * 2) if codec in _QMAX else None
-    step = blocks_per_chunk * block if blocks_per_chunk else _CHUNK
-    for lo in range(0, flat.numel(), step):
+    whole blocks at a time (see :func:`chunk_step`)."""
+    n = flat.numel()
+    step = chunk_step(n, codec, block, fraction)
+    for lo in range(0, n, step):
         part = flat[lo : lo + step]
+        if codec == "topk":
+            s, p = topk.encode(part, n, block, fraction)
+            first = lo // topk.shape_of(n, block, fraction)[0]
+            scales[4 * first : 4 * first + s.nbytes] = s
+            start = topk.payload_offset(n, block, fraction, first)
+            payload[start : start + p.nbytes] = p
+            continue
         s, p = _encode(part, codec, block)
         if codec in _QMAX:
             first = lo // block
@@ -114,16 +147,23 @@ def _view(data: np.ndarray, offset: int, length: int, le_dtype: str) -> torch.Te
         return torch.from_numpy(array)
 
 
-def _decode(data: np.ndarray, entry: list, codec: str, block: int) -> torch.Tensor:
+def _decode(data: np.ndarray, entry: list, codec: str, block: int, fraction: float) -> torch.Tensor:
     """One tensor, fp32, in its original shape, from its header entry."""
     shape = entry[1]
-    return _decode_range(data, entry, codec, block, 0, math.prod(shape)).view(shape)
+    return _decode_range(data, entry, codec, block, 0, math.prod(shape), fraction).view(shape)
 
 
-def _decode_range(data: np.ndarray, entry: list, codec: str, block: int, lo: int, hi: int) -> torch.Tensor:
+def _decode_range(
+    data: np.ndarray, entry: list, codec: str, block: int, lo: int, hi: int, fraction: float
+) -> torch.Tensor:
     """Values ``[lo, hi)`` of one flattened tensor, fp32 (a view for codec ``none``).
-    For int8/int4, ``lo`` must start a block (and, for int4, a byte: an even value)."""
+    For int8/int4/topk, ``lo`` must start a chunk (see :func:`chunk_step`)."""
     _, shape, scales_off, scales_len, payload_off, payload_len = entry
+    if codec == "topk":
+        if hi <= lo:
+            return torch.zeros(0)
+        scales, payload = data[scales_off : scales_off + scales_len], data[payload_off : payload_off + payload_len]
+        return topk.decode(scales, payload, math.prod(shape), block, fraction, lo, hi)
     if codec == "none":
         return _view(data, payload_off, payload_len, "<f4")[lo:hi]
     if codec in ("fp16", "bf16"):

@@ -10,7 +10,7 @@ Wire format (all integers little-endian)::
 
     offset 0   4 bytes   magic b"DLZ1" (a new layout gets a new magic)
     offset 4   u32       H = length of the JSON header in bytes
-    offset 8   H bytes   UTF-8 JSON: {"codec": str, "block": int, "meta": {...},
+    offset 8   H bytes   UTF-8 JSON: {"codec": str, "block": int, ["fraction": float,] "meta": {...},
                           "tensors": [[name, shape, scales_off, scales_len,
                                        payload_off, payload_len], ...]}
     D = 8 + H rounded up to a multiple of 8: the data area, holding every section.
@@ -24,7 +24,10 @@ and int4 only, else empty) and ``payload`` the encoded values:
 * ``bf16``  bfloat16 bits, RNE         * ``int8``  q in [-127, 127], scale = absmax/127
 * ``int4``  q in [-7, 7] stored as q+8 in nibbles, first value in the low nibble
 
-int8/int4 scale each block of ``block`` consecutive values (of the flattened tensor).
+int8/int4 scale each block of ``block`` consecutive values (of the flattened tensor);
+* ``topk``  per block, the ``fraction`` of values largest in magnitude, 2 bits each, with
+  their indices (layout: :mod:`diloco_ray.algo.topk`); ``fraction`` is in the header.
+
 NaN/Inf never decode finite: the server rejects non-finite pseudo-gradients, so the codec
 must not hide them (a block holding one gets a NaN scale).
 """
@@ -40,14 +43,14 @@ import numpy as np
 import torch
 
 from diloco_ray.algo.codecs import (
-    _CHUNK,
-    _QMAX,
     DEFAULT_BLOCK,
+    DEFAULT_FRACTION,
     _check_codec,
     _decode,
     _decode_range,
     _encode_into,
-    codec_nbytes,
+    chunk_step,
+    sections,
 )
 
 MAGIC = b"DLZ1"
@@ -60,7 +63,11 @@ def _align(n: int) -> int:
 
 
 def pack(
-    tensors: Mapping[str, torch.Tensor], codec: str, meta: Optional[dict] = None, block: int = DEFAULT_BLOCK
+    tensors: Mapping[str, torch.Tensor],
+    codec: str,
+    meta: Optional[dict] = None,
+    block: int = DEFAULT_BLOCK,
+    fraction: float = DEFAULT_FRACTION,
 ) -> np.ndarray:
     """Encode every tensor with ``codec`` into one contiguous ``np.uint8`` buffer.
 
@@ -69,14 +76,20 @@ def pack(
             any device. Values are cast to fp32 first.
         codec: one of :data:`CODECS`.
         meta: JSON-serialisable dict carried in the header (round, replica, ...).
-        block: values per absmax scale for int8/int4.
+        block: values per absmax scale for int8/int4, per kept fraction for topk.
+        fraction: topk only: the share of each block's values sent.
 
     Returns:
         The buffer (see the module docstring); ``len`` is exactly the bytes that travel.
     """
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     buf, _ = pack_filled(
-        shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)), codec, meta, block
+        shapes,
+        lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
+        codec,
+        meta,
+        block,
+        fraction=fraction,
     )
     return buf
 
@@ -89,6 +102,7 @@ def pack_filled(
     block: int = DEFAULT_BLOCK,
     residual: Optional[Mapping[str, torch.Tensor]] = None,
     allocate: Optional[Callable[[int], np.ndarray]] = None,
+    fraction: float = DEFAULT_FRACTION,
 ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """:func:`pack` whose values are written by ``fill``, with the buffer the only
     full-size allocation: the layout follows from the shapes alone, so the buffer is
@@ -99,7 +113,7 @@ def pack_filled(
     Args:
         shapes: name -> shape of each tensor, in message order.
         fill: ``fill(name, out)`` writes that tensor's values into the fp32 tensor ``out``.
-        codec, meta, block: as for :func:`pack`.
+        codec, meta, block, fraction: as for :func:`pack`.
         residual: error feedback (lossy codecs only): name -> fp32 tensor of that shape,
             added to the values before encoding and overwritten in place with what the
             codec dropped (zeros for a non-finite tensor, so NaN/Inf is never carried).
@@ -119,13 +133,15 @@ def pack_filled(
         if not isinstance(name, str):
             raise ValueError(f"tensor names must be str, got {name!r}")
         numel = math.prod(shape)
-        scales_len = 4 * -(-numel // block) if codec in _QMAX else 0
-        payload_len = codec_nbytes(numel, codec, block) - scales_len
+        scales_len, payload_len = sections(numel, codec, block, fraction)
         payload_off = _align(offset + scales_len)
         entries.append([name, list(shape), offset, scales_len, payload_off, payload_len])
         offset = _align(payload_off + payload_len)
+    head = {"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries}
+    if codec == "topk":
+        head["fraction"] = float(fraction)
     header = json.dumps(
-        {"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries},
+        head,
         separators=(",", ":"),
         ensure_ascii=False,
     ).encode("utf-8")
@@ -159,11 +175,12 @@ def pack_filled(
             block,
             body[scales_off : scales_off + scales_len],
             body[payload_off : payload_off + payload_len],
+            fraction,
         )
         if feedback is not None:  # what the codec dropped, decoded a chunk at a time
             entry = [name, shape, scales_off, scales_len, payload_off, payload_len]
             finite = True
-            for lo, values in Encoded(body, entry, codec, block).chunks():
+            for lo, values in Encoded(body, entry, codec, block, fraction).chunks():
                 dropped = flat[lo : lo + values.numel()].sub_(values)
                 finite = finite and bool(torch.isfinite(dropped).all())
             feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
@@ -214,6 +231,9 @@ def _parse_header(buf) -> tuple[np.ndarray, dict, int]:
             raise ValueError("bad field types")
         if not isinstance(header["block"], int) or header["block"] < 1:
             raise ValueError(f"bad block {header['block']!r}")
+        fraction = header.get("fraction", DEFAULT_FRACTION)
+        if not isinstance(fraction, float) or not 0.0 < fraction <= 1.0:
+            raise ValueError(f"bad fraction {fraction!r}")
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"corrupt pack() header: {exc}") from exc
     return data, header, _align(_PREFIX + length)
@@ -233,8 +253,8 @@ class Encoded:
     values from :meth:`decode` (so a reader can check a message's layout first and
     then decode one tensor at a time, never holding the whole message decoded)."""
 
-    def __init__(self, body: np.ndarray, entry: list, codec: str, block: int):
-        self._args = (body, entry, codec, block)
+    def __init__(self, body: np.ndarray, entry: list, codec: str, block: int, fraction: float = DEFAULT_FRACTION):
+        self._args = (body, entry, codec, block, fraction)
         self.shape = torch.Size(entry[1])
 
     def decode(self) -> torch.Tensor:
@@ -243,11 +263,11 @@ class Encoded:
     def chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first value, fp32 values)`` of the flattened tensor, a bounded chunk at a
         time (whole blocks, an even count): a reader never holds the tensor decoded."""
-        body, entry, codec, block = self._args
+        body, entry, codec, block, fraction = self._args
         n = math.prod(entry[1])
-        step = max(2, (_CHUNK // block) // 2 * 2) * block if codec in _QMAX else _CHUNK
+        step = chunk_step(n, codec, block, fraction)
         for lo in range(0, n, step):
-            yield lo, _decode_range(body, entry, codec, block, lo, min(n, lo + step))
+            yield lo, _decode_range(body, entry, codec, block, lo, min(n, lo + step), fraction)
 
 
 def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
@@ -263,7 +283,7 @@ def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
         ValueError: ``buf`` is not a pack() buffer (bad magic, corrupt header, truncated).
     """
     data, header, start = _parse_header(buf)
-    codec, block = header["codec"], header["block"]
+    codec, block, fraction = header["codec"], header["block"], header.get("fraction", DEFAULT_FRACTION)
     body = data[start:]
     out = {}
     for entry in header["tensors"]:
@@ -272,14 +292,15 @@ def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
             if not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise ValueError(f"bad shape {shape!r}")
             numel = math.prod(shape)
-            expected = codec_nbytes(numel, codec, block)
+            expected = sum(sections(numel, codec, block, fraction))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"corrupt pack() header entry {entry!r}: {exc}") from exc
         if scales_len + payload_len != expected or scales_off % _ALIGN or payload_off % _ALIGN:
             raise ValueError(f"corrupt pack() header: tensor {name!r} sections do not match its shape")
         if max(scales_off + scales_len, payload_off + payload_len) > len(body):
             raise ValueError(f"truncated pack() buffer: tensor {name!r} ends past {len(data)} bytes")
-        out[name] = Encoded(body, entry, codec, block) if lazy else _decode(body, entry, codec, block)
+        encoded = Encoded(body, entry, codec, block, fraction)
+        out[name] = encoded if lazy else encoded.decode()
     return out, header["meta"]
 
 
@@ -289,6 +310,7 @@ def compress(
     residual: Optional[dict[str, torch.Tensor]],
     meta: Optional[dict] = None,
     block: int = DEFAULT_BLOCK,
+    fraction: float = DEFAULT_FRACTION,
 ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """Pack with error feedback: what the codec drops this round is sent in the next one.
 
@@ -296,7 +318,7 @@ def compress(
         tensors: name -> tensor to send (any float dtype; see :func:`pack`).
         codec: one of :data:`CODECS`.
         residual: the previous call's new residual, or None (a missing name counts as zeros).
-        meta, block: as for :func:`pack`.
+        meta, block, fraction: as for :func:`pack`.
 
     Returns:
         ``(buf, new_residual)`` where ``buf = pack(tensors + residual)`` and
@@ -322,7 +344,13 @@ def compress(
         }
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     return pack_filled(
-        shapes, lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)), codec, meta, block, new
+        shapes,
+        lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
+        codec,
+        meta,
+        block,
+        new,
+        fraction=fraction,
     )
 
 
@@ -340,6 +368,7 @@ def pack_pieces(
     meta: Optional[dict] = None,
     residual: Optional[dict[str, torch.Tensor]] = None,
     block: int = DEFAULT_BLOCK,
+    fraction: float = DEFAULT_FRACTION,
 ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """:func:`compress` of parameter row pieces: ``(buffer, new residual by name)``.
 
@@ -347,13 +376,13 @@ def pack_pieces(
         pieces: name -> rows of that parameter.
         starts: name -> the first row's index in the full parameter.
         names: every parameter name in model order (both ends use the same list).
-        codec, meta, residual, block: as for :func:`compress` (residual keyed by name).
+        codec, meta, residual, block, fraction: as for :func:`compress` (residual keyed by name).
     """
     index = {n: i for i, n in enumerate(names)}
     keyed = {str(index[n]): t for n, t in pieces.items()}
     res = {str(index[n]): r for n, r in residual.items() if n in pieces} if residual is not None else None
     full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in pieces]}
-    buf, left = compress(keyed, codec, res, full_meta, block=block)
+    buf, left = compress(keyed, codec, res, full_meta, block=block, fraction=fraction)
     by_name = {names[int(k)]: v for k, v in left.items()} if left is not None else None
     return buf, by_name
 
@@ -368,6 +397,7 @@ def pack_pieces_filled(
     residual: Optional[Mapping[str, torch.Tensor]] = None,
     block: int = DEFAULT_BLOCK,
     allocate: Optional[Callable[[int], np.ndarray]] = None,
+    fraction: float = DEFAULT_FRACTION,
 ) -> np.ndarray:
     """:func:`pack_filled` of parameter row pieces (the message :func:`unpack_pieces` reads).
 
@@ -376,7 +406,7 @@ def pack_pieces_filled(
         starts: name -> the first row's index in the full parameter.
         names: every parameter name in model order.
         fill: ``fill(name, out)`` writes those rows, fp32, into ``out``.
-        codec, meta, block: as for :func:`pack`.
+        codec, meta, block, fraction: as for :func:`pack`.
         residual: name -> error-feedback residual of those rows, updated in place.
         allocate: as for :func:`pack_filled`.
     """
@@ -384,7 +414,9 @@ def pack_pieces_filled(
     keyed = {str(index[n]): tuple(s) for n, s in shapes.items()}
     res = {str(index[n]): r for n, r in residual.items() if n in shapes} if residual is not None else None
     full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in shapes]}
-    buf, _ = pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res, allocate)
+    buf, _ = pack_filled(
+        keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res, allocate, fraction
+    )
     return buf
 
 

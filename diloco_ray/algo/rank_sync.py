@@ -43,9 +43,10 @@ class RankSync:
         servers: ``num_param_servers``.
         fragments: ``sync_fragments``.
         codec: ``pseudo_grad_compression``.
-        error_feedback: keep residuals.
+        error_feedback: keep residuals (always with ``topk``, which drops most values).
         alpha: ``fragment_alpha``, used by :meth:`apply` with ``merge=True``.
         block: ``compression_block``.
+        fraction: ``topk_fraction``.
         anchor_on_host: keep the anchor in (pinned, when a GPU is there) host memory.
     """
 
@@ -61,13 +62,14 @@ class RankSync:
         alpha: float = 0.5,
         block: int = codecs.DEFAULT_BLOCK,
         anchor_on_host: bool = False,
+        fraction: float = codecs.DEFAULT_FRACTION,
     ):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.names = list(self.shapes)
         self.world_size, self.rank = world_size, rank
-        self.codec, self.alpha, self.block = codec, alpha, block
+        self.codec, self.alpha, self.block, self.fraction = codec, alpha, block, fraction
         self.anchor_on_host = anchor_on_host
-        self.error_feedback = error_feedback and codec != "none"
+        self.error_feedback = (error_feedback or codec == "topk") and codec != "none"
         # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
         self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
         mine = partition.rank_rows(self.shapes, world_size, rank)
@@ -152,7 +154,8 @@ class RankSync:
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
         link_bytes = self.world_size * sum(
-            codecs.codec_nbytes(partition.numel(rows, self.shapes), self.codec, self.block) for rows in plan
+            codecs.codec_nbytes(partition.numel(rows, self.shapes), self.codec, self.block, self.fraction)
+            for rows in plan
         )
         stamp = links.stamp(link, link_bytes)
         out = []
@@ -182,6 +185,7 @@ class RankSync:
                     stamp,
                     residual,
                     self.block,
+                    fraction=self.fraction,
                 )
             )
         return out

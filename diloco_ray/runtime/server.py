@@ -222,8 +222,9 @@ class ParameterServer(ServerSlice):
         params = self.optimizer.params
         delta = {n: self.rows(params, n, iv) - self.rows(self.held, n, iv) for n, iv in target.items()}
         meta = {"delta": True, "fragment": fragment, "version": self.version, "sent_at": time.time()}
+        starts, cfg = {n: iv[0] for n, iv in target.items()}, self.config
         buf, _ = compression.pack_pieces(
-            delta, {n: iv[0] for n, iv in target.items()}, self.names, codec, meta, block=self.config.compression_block
+            delta, starts, self.names, codec, meta, block=cfg.compression_block, fraction=cfg.topk_fraction
         )
         decoded, _ = compression.unpack_pieces(buf, self.names)
         for n, iv in target.items():

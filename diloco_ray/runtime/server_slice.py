@@ -180,7 +180,10 @@ class ServerSlice:
                 allocate=self._message_space,
             )
         pieces = {n: self.rows(tensors, n, iv) for n, iv in target.items()}
-        buf, _ = compression.pack_pieces(pieces, starts, self.names, codec, meta, block=self.config.compression_block)
+        cfg = self.config
+        buf, _ = compression.pack_pieces(
+            pieces, starts, self.names, codec, meta, block=cfg.compression_block, fraction=cfg.topk_fraction
+        )
         return buf
 
     def _message_space(self, nbytes: int) -> np.ndarray:

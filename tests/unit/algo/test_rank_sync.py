@@ -307,6 +307,15 @@ def test_error_feedback_removes_the_bias(codec):
     assert sync_plain.residual == {}
 
 
+def test_topk_always_carries_a_residual():
+    # topk drops most values: without feedback they would never be sent, so it is always on.
+    mean, sync, g = run_constant("topk", False, rounds=200)
+    assert sync.error_feedback is True and float(sync.residual["w"].abs().max()) > 0
+    once, _, _ = run_constant("topk", False, rounds=1)
+    assert float((once - g).abs().max()) > 0.5 * float(g.abs().max())  # one message sends little
+    assert float((mean - g).abs().max()) < 0.1 * float(g.abs().max())  # in the long run, all of it
+
+
 def test_error_feedback_is_off_for_a_lossless_codec():
     mean, sync, g = run_constant("none", True, rounds=3)
     assert sync.error_feedback is False and sync.residual == {}

@@ -344,6 +344,22 @@ def test_weights_compression_tracks_held(codec):
     assert max_diff(sim.global_weights(), fp32.global_weights()) <= 1e-6
 
 
+def test_topk_weights_track_what_replicas_hold():
+    # A sparse delta leaves most of each change behind; the servers carry it (held lags
+    # the weights) and replicas hold exactly what the servers think they hold.
+    sim = Sim(2, 2, 2, 2, weights_compression="topk", compression_block=16, topk_fraction=0.25)
+    for r in range(3):
+        for f in range(2):
+            sim.sync(r, f, dict(zip(sim.replicas, sim.servers[0].data_plan([0, 1]))))
+    weights, held = sim.global_weights(), sim.held()
+    for rid in sim.replicas:
+        sim.receive(rid)
+        anchors = sim.anchors(rid)
+        for n in SHAPES:
+            np.testing.assert_array_equal(anchors[n].numpy(), held[n])
+    assert max_diff(held, weights) > 0
+
+
 def test_weights_compression_messages_are_deltas():
     sim = Sim(1, 1, 1, 1, weights_compression="int8", compression_block=16)
     sim.round(0)

@@ -1,0 +1,133 @@
+"""The ``topk`` codec: per block, the largest values by magnitude, 2 bits each.
+
+A flattened tensor is cut into blocks of ``width = min(block, numel)`` values (the last
+one padded with zeros). Each block keeps its ``k = ceil(fraction * width)`` entries of
+largest magnitude (SparseLoCo's recipe: top-k, 2-bit values, error feedback). A block
+sends:
+
+* two fp16 scales (in the tensor's scales section): ``lo`` and ``hi``, the smallest and
+  largest magnitude it keeps;
+* ``k`` indices of ``ceil(log2(width))`` bits each, then ``k`` 2-bit codes: the sign, and
+  whether the magnitude is nearer ``hi`` (decoded ``lo + 0.75 (hi - lo)``) or ``lo``
+  (decoded ``lo + 0.25 (hi - lo)``).
+
+Bits, least significant first, run on across blocks with no padding, so a block costs
+``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 and ``fraction`` 1/64 that is
+0.219 bits per value. What a block does not send is what error feedback carries to the
+next round (:func:`diloco_ray.algo.compression.pack_filled`), which is why ``topk`` always
+runs with it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+_FP16_MAX = float(torch.finfo(torch.float16).max)
+_SCALE_BYTES = 4  # two fp16 scales per block
+
+
+def shape_of(numel: int, block: int, fraction: float) -> tuple[int, int, int]:
+    """``(width, k, index_bits)`` of a tensor of ``numel`` values (width 0: empty)."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"topk fraction must be in (0, 1], got {fraction!r}")
+    width = min(block, numel)
+    if width == 0:
+        return 0, 0, 0
+    k = min(width, max(1, math.ceil(fraction * width - 1e-9)))
+    return width, k, max(1, math.ceil(math.log2(width)))
+
+
+def sections(numel: int, block: int, fraction: float) -> tuple[int, int]:
+    """``(scales bytes, payload bytes)`` of one tensor."""
+    width, k, bits = shape_of(numel, block, fraction)
+    if width == 0:
+        return 0, 0
+    blocks = -(-numel // width)
+    return _SCALE_BYTES * blocks, -(-blocks * k * (bits + 2) // 8)
+
+
+def payload_offset(numel: int, block: int, fraction: float, first_block: int) -> int:
+    """The payload byte where block ``first_block`` starts (a multiple of 8 blocks)."""
+    _, k, bits = shape_of(numel, block, fraction)
+    return first_block * k * (bits + 2) // 8
+
+
+def blocks_per_chunk(numel: int, block: int, fraction: float, chunk_values: int) -> int:
+    """Blocks encoded at a time: a multiple of 8, so every chunk's bits start on a byte."""
+    width = shape_of(numel, block, fraction)[0] or 1
+    return max(8, chunk_values // width // 8 * 8)
+
+
+def _bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
+    """(..., n) ints -> (..., n * nbits) bits, least significant first."""
+    shifts = torch.arange(nbits, dtype=torch.int64)
+    return ((values.to(torch.int64)[..., None] >> shifts) & 1).flatten(-2).to(torch.uint8)
+
+
+def _ints(bits: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Inverse of :func:`_bits` over the last dimension."""
+    weights = torch.tensor([1 << i for i in range(nbits)], dtype=torch.int64)
+    return (bits.to(torch.int64).unflatten(-1, (-1, nbits)) * weights).sum(-1)
+
+
+def _levels(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, high) decoded magnitudes per block from its fp16 ``(lo, hi)`` pair."""
+    lo, hi = scales[:, 0].float(), scales[:, 1].float()
+    return lo + 0.25 * (hi - lo), lo + 0.75 * (hi - lo)
+
+
+def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values.
+
+    Args:
+        flat: fp32 values of some whole blocks (the tensor's last block may be short).
+        numel: the whole tensor's size (it fixes the block width and k).
+        block, fraction: ``compression_block`` and ``topk_fraction``.
+    """
+    width, k, nbits = shape_of(numel, block, fraction)
+    blocks = -(-flat.numel() // width)
+    padded = torch.nn.functional.pad(flat, (0, blocks * width - flat.numel())).view(blocks, width)
+    finite = torch.isfinite(padded).all(dim=1)
+    clean = torch.where(torch.isfinite(padded), padded, torch.zeros(()))
+    index = clean.abs().topk(k, dim=1, sorted=False).indices
+    kept = clean.gather(1, index)
+    size = kept.abs()
+    scales = torch.stack([size.amin(1), size.amax(1)], dim=1).clamp(max=_FP16_MAX)
+    scales = torch.where(finite[:, None], scales, torch.full((), math.nan)).to(torch.float16)
+    low, high = _levels(scales)
+    # Nearer hi or lo, judged against the midpoint of the two decoded levels.
+    code = (kept < 0).to(torch.int64) * 2 + (size >= (low + high)[:, None] / 2).to(torch.int64)
+    stream = torch.cat([_bits(index, nbits), _bits(code, 2)], dim=1).reshape(-1).numpy()
+    scale_bytes = np.ascontiguousarray(scales.view(torch.int16).numpy().astype("<i2")).view(np.uint8)
+    return scale_bytes.reshape(-1), np.packbits(stream, bitorder="little")
+
+
+def decode(
+    scales: np.ndarray, payload: np.ndarray, numel: int, block: int, fraction: float, lo: int, hi: int
+) -> torch.Tensor:
+    """Values ``[lo, hi)`` of the flattened tensor, fp32; ``lo`` must start a block.
+
+    Args:
+        scales: the tensor's whole scales section (uint8, fp16 pairs).
+        payload: the tensor's whole payload section (uint8 bits).
+        numel, block, fraction: as for :func:`encode`.
+    """
+    width, k, nbits = shape_of(numel, block, fraction)
+    first, last = lo // width, -(-hi // width)
+    per_block = k * (nbits + 2)
+    start, stop = first * per_block, last * per_block
+    raw = np.unpackbits(payload[start // 8 : -(-stop // 8)], bitorder="little")
+    bits = torch.from_numpy(raw[start % 8 : start % 8 + stop - start]).view(last - first, per_block)
+    index, code = _ints(bits[:, : k * nbits], nbits), _ints(bits[:, k * nbits :], 2)
+    pairs = torch.from_numpy(scales[4 * first : 4 * last].copy().view("<f2").astype(np.float16)).view(-1, 2)
+    low, high = _levels(pairs)
+    size = torch.where(code % 2 == 1, high[:, None], low[:, None])
+    values = torch.where(code >= 2, -size, size)
+    out = torch.zeros(last - first, width)
+    # A block with index >= width cannot come from encode(); clamp so a corrupt message
+    # decodes to garbage values, not an out-of-range write.
+    out.scatter_(1, index.clamp_(0, width - 1), values)
+    return out.view(-1)[lo - first * width : hi - first * width]
