@@ -236,6 +236,7 @@ class DilocoFSDPTrainer:
         """Point replicas at the servers' state (see :meth:`RoundLoop.restore`)."""
         self.loop.restore(self.server, reset)
         self._global_refs = None  # fetched when eval or final/ needs them
+        self.eval_bytes_down = 0  # bytes of global weights the last eval fetched to a replica
 
     def _restore_inner(self, rep: Replica, slot: int) -> None:
         """A replica about to join: with set-up resuming a checkpoint, its inner state."""
@@ -306,15 +307,19 @@ class DilocoFSDPTrainer:
             self._global_refs = self.server.global_weights()
         return self._global_refs
 
-    def evaluate(self, among: Optional[list] = None) -> Optional[float]:
+    def evaluate(self, among: Optional[list] = None, weights: Optional[list] = None) -> Optional[float]:
         """Eval loss of the new global weights on a live replica (None: no eval, or none left);
-        with ``among`` (replica ids), on one of those first (decoupled mode: an idle one)."""
-        self._global_refs = None  # the weights moved: fetched when eval or final/ needs them
+        with ``among`` (replica ids), on one of those first (decoupled mode: an idle one);
+        ``weights``: refs holding them already (the loop's next handout), not another copy."""
+        self._global_refs, self.eval_bytes_down = None, 0  # the weights moved: fetched on demand
         if self.config.eval_batches == 0:
             return None
-        results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()), among)
+        results = self.members.first_answer(lambda rep: rep.evaluate(weights or self._current_globals()), among)
         if results is None:
             return None  # every replica died since the update; the next boundary replaces them
+        # A replica's ranks share its node's object store; reused handout objects are
+        # counted where the next period uses them, as its bytes_down.
+        self.eval_bytes_down = 0 if weights else max(r[2] for r in results)
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
         return total / count if count else None
 

@@ -22,18 +22,19 @@ class RankOutput:
     ``config``, ``model``, ``params``, ``sync``, ``tokens``, ``tokenizer`` and ``device``)."""
 
     @torch.no_grad()
-    def evaluate(self, weights: list) -> tuple[float, int]:
-        """Summed token loss and loss-token count over this rank's share of the eval batches, for
-        the global weights ``weights`` (one packed buffer or ref per server). The rank's
-        own training state is left as it was.
+    def evaluate(self, weights: list) -> tuple[float, int, int]:
+        """Summed token loss, loss-token count over this rank's share of the eval batches, and
+        the bytes of ``weights`` it read, for the global weights ``weights`` (one packed
+        buffer or ref per server). The rank's own training state is left as it was.
 
         Every rank runs the same number of forwards (FSDP's collectives need it); a rank
         with no batch left scores a repeat with weight 0.
         """
         kept = {n: t.detach().to("cpu", copy=True) for n, t in self._local_rows().items()} if self.streamed else None
-        self._copy_in(resolve(weights))
+        buffers = resolve(weights)
+        self._copy_in(buffers)
         try:
-            return self._evaluate()
+            return (*self._evaluate(), sum(b.nbytes for b in buffers))
         finally:
             if kept is not None:
                 for n, t in self._local_rows().items():

@@ -186,6 +186,7 @@ class Host:
     faults: list = field(default_factory=list)
     fired: list = field(default_factory=list)
     calls: list = field(default_factory=list)
+    eval_bytes_down: int = 0  # what the trainer's last eval fetched
 
     def notify(self, hook, *args):
         self.calls.append(hook)
