@@ -23,9 +23,10 @@ per run:
 * ``train_s``, ``merges``, ``wasted``: training seconds, outer steps, and the share of
   inner steps not merged (lost, aborted, or in flight at the end).
 
-``--set KEY=VALUE`` applies to every run (e.g. ``decoupled_momentum=delayed``);
+``--set KEY=VALUE`` applies to every run (e.g. ``decoupled_momentum=every_step``);
 ``--modes``, ``--speeds``, ``--seeds``, ``--rounds`` pick runs; ``--out FILE`` writes
-every run's figures and records as JSON. About 3-4 minutes a run here (a ``slow``
+every run's figures and records as JSON, and ``--sync-from FILE`` reuses such a file's
+synchronous runs (compare decoupled variants without running sync again). About 3-4 minutes a run here (a ``slow``
 synchronous run more): the default 12 runs take 45-60 minutes.
 """
 
@@ -129,6 +130,16 @@ def run_one(seed: int, mode: str, speed: str, args, extra: dict) -> dict:
     return out
 
 
+def stored_syncs(path: str | None) -> dict:
+    """(seed, speed) -> the synchronous run an earlier ``--out`` file holds, so variants of
+    decoupled mode can be compared with one set of synchronous runs."""
+    if path is None:
+        return {}
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    return {(r["seed"], r["speed"]): r for r in runs if r["mode"] == "sync"}
+
+
 def table(runs: list[dict]) -> str:
     head = (
         "| seed | speed | mode | final | vs sync | max rise | all-replica merges | reach 1.01x sync (s) | vs sync "
@@ -168,6 +179,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=16)
     parser.add_argument("--set", action="append", default=[], help="config field=value (YAML) for every run")
     parser.add_argument("--out", default=None, help="write the runs (figures and records) as JSON here")
+    parser.add_argument(
+        "--sync-from", default=None, help="take the synchronous twins from an earlier --out FILE, not new runs"
+    )
     args = parser.parse_args()
     extra = {}
     for item in args.set:
@@ -175,12 +189,15 @@ def main() -> int:
         extra[key] = yaml.safe_load(value)
     text_corpus.build()
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    runs = []
+    runs, stored = [], stored_syncs(args.sync_from)
     for seed in [int(s) for s in args.seeds.split(",")]:
         for speed in args.speeds.split(","):
             twins = {}
             for mode in args.modes.split(","):
-                twins[mode] = run_one(seed, mode, speed, args, extra)
+                if mode == "sync" and (seed, speed) in stored:
+                    twins[mode] = stored[seed, speed]
+                else:
+                    twins[mode] = run_one(seed, mode, speed, args, extra)
                 if mode != "sync" and "sync" in twins:
                     compare(twins[mode], twins["sync"])
                 f = twins[mode]["figures"]
