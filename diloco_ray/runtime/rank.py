@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, links, loss
+from diloco_ray.algo import loss
 from diloco_ray.algo.inner_schedule import inner_lr_at, sync_period
 from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.algo.rank_sync import RankSync
@@ -26,13 +26,12 @@ from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import samples, tokenization
 from diloco_ray.model import loading as modeling
 from diloco_ray.observe.events import StepEvent
-from diloco_ray.runtime import host_memory
+from diloco_ray.runtime import host_memory, transport
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 from diloco_ray.runtime.rank_batches import RankBatches
 from diloco_ray.runtime.rank_output import RankOutput
 from diloco_ray.runtime.rank_state import RankState, local_rows_of
 from diloco_ray.runtime.round_start import RoundStart
-from diloco_ray.runtime.server import resolve
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
@@ -308,26 +307,22 @@ class RankWorker(RankBatches, RankState, RankOutput):
     def _receive(self, job: SyncPeriod, merge: bool, full_only: bool = False) -> int:
         """Bring this rank up to the weights of the job's sync version: skip messages it
         already holds, load everything after a gap, else apply them (blending them in
-        with ``merge``). Waits out the simulated downlink. Returns the bytes received."""
+        with ``merge``). The transport waits out a simulated downlink. Returns the bytes received."""
         version = job.version
         decision = self.sync.decide_load(version, fragment_message=not job.full)
         received = 0
         if decision == "full":
-            received += self._apply(resolve([s.full_weights.remote() for s in job.servers]), job, merge=False)
+            full = transport.receive([s.full_weights.remote() for s in job.servers], job.link)
+            received += self._apply(full, merge=False)
             decision = self.sync.decide_load(version, fragment_message=not job.full)
         if decision == "apply" and not full_only:
-            received += self._apply(resolve(job.messages), job, merge=merge)
+            received += self._apply(transport.receive(job.messages, job.link), merge=merge)
         return received
 
     @torch.no_grad()
-    def _apply(self, buffers: list, job: SyncPeriod, merge: bool) -> int:
-        nbytes = sum(len(b) for b in buffers)
-        link = job.link
-        if link is not None:
-            sent = max(compression.packed_meta(b).get("sent_at", 0.0) for b in buffers)
-            links.wait_for([sent + link.seconds(nbytes)])
+    def _apply(self, buffers: list, merge: bool) -> int:
         self.sync.apply(buffers, self._local_rows(), merge=merge)
-        return nbytes
+        return sum(len(b) for b in buffers)
 
     def _replica_total(self, count: int) -> int:
         """``count`` summed over the replica's ranks (one small all-reduce per step)."""

@@ -14,7 +14,7 @@ import torch
 from diloco_ray.algo import compression, loss, partition
 from diloco_ray.data import plan as data
 from diloco_ray.model import loading as modeling
-from diloco_ray.runtime.server import resolve
+from diloco_ray.runtime.transport import resolve
 
 
 class RankOutput:

@@ -31,7 +31,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, decoupled, links, partition
+from diloco_ray.algo import compression, decoupled, partition
 from diloco_ray.algo.aggregate import (
     NON_FINITE,
     mean_in_place,
@@ -43,9 +43,10 @@ from diloco_ray.algo.outer import OuterOptimizer, clip_coefficient, sync_advance
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
-from diloco_ray.runtime import host_memory
+from diloco_ray.runtime import host_memory, transport
 from diloco_ray.runtime.messages import AppliedRound, Contribution, Prepared, Reduced
 from diloco_ray.runtime.server_slice import ServerSlice
+from diloco_ray.runtime.transport import resolve
 
 
 @dataclass
@@ -121,7 +122,7 @@ class ParameterServer(ServerSlice):
         """Seed this slice of the global weights from one replica's rank buffers (fp32
         pieces, as :meth:`~diloco_ray.runtime.rank.RankWorker.seed_pieces` packs them)."""
         self.layout(shapes)
-        params, _ = self._receive(resolve(buffer_refs), self.owned)
+        params = self._receive(resolve(buffer_refs), self.owned)
         self.optimizer = OuterOptimizer(self.split(params), self.config)
         self.reset_held()
 
@@ -244,10 +245,10 @@ class ParameterServer(ServerSlice):
         started = time.time()
         target = self._target(fragment)
         acc = self._zeroed_sum(target)
-        reasons, valid, arrivals = {}, [], []
+        reasons, valid = {}, []
         for c in contributions:
             try:
-                arrived = self._accumulate(acc, resolve(c.refs), target, float(c.weight), self._reference(c))
+                self._accumulate(acc, transport.receive(c.refs), target, float(c.weight), self._reference(c))
             except ValueError as e:
                 reasons[c.replica_id] = str(e)
                 if e.args[0].startswith(NON_FINITE):  # added part-way: sum the valid ones again
@@ -256,9 +257,7 @@ class ParameterServer(ServerSlice):
             except ray.exceptions.RayError as e:  # its node went down after it reported
                 reasons[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
                 continue
-            arrivals.append(arrived)
             valid.append(c.replica_id)
-        links.wait_for(arrivals)  # a simulated slow uplink delivers the pieces only now
         self._pending = PendingSync(fragment, contributions, valid, started, acc=acc, divisor=divisor)
         return Prepared(
             order=[c.replica_id for c in contributions],
@@ -436,13 +435,3 @@ class ParameterServer(ServerSlice):
         from diloco_ray.persist import server_state
 
         server_state.load(self, where)
-
-
-def resolve(items: list) -> list:
-    """Buffers from object refs (fetched in one call) or buffers (tests drive the server
-    in-process)."""
-    import ray
-
-    refs = [i for i in items if isinstance(i, ray.ObjectRef)]
-    got = iter(ray.get(refs)) if refs else iter(())
-    return [next(got) if isinstance(i, ray.ObjectRef) else i for i in items]

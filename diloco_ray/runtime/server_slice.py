@@ -17,7 +17,7 @@ import time
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, decoupled, links, partition
+from diloco_ray.algo import compression, decoupled, partition
 from diloco_ray.algo.aggregate import add_weighted, check_finite
 
 
@@ -77,12 +77,11 @@ class ServerSlice:
         """Decode one replica's per-rank buffers and check them against ``target``:
         every row covered once, shapes right, every value finite. Returns ``[(name,
         rows, piece)]`` (views into the buffers where the codec allows: nothing is
-        copied) and when the last of them arrived over its (simulated) link."""
-        found, arrived = [], 0.0
+        copied)."""
+        found = []
         covered = dict.fromkeys(target, 0)
         for r, buf in enumerate(buffers):
             pieces, meta = compression.unpack_pieces(buf, self.names, lazy=True)
-            arrived = max(arrived, links.arrival(meta) or 0.0)
             for name, (start, piece) in pieces.items():
                 span = (start, start + partition.num_rows(piece.shape))
                 if name not in target or partition.intersect({name: span}, target) != {name: span}:
@@ -97,40 +96,39 @@ class ServerSlice:
         for name, (a, b) in target.items():
             if covered[name] != b - a:
                 raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
-        return found, arrived
+        return found
 
     @staticmethod
     def _values(name: str, piece: compression.Encoded) -> torch.Tensor:
         """A piece decoded (a view into the message when uncompressed) and checked finite."""
         return check_finite(piece.decode(), name)
 
-    def _receive(self, buffers: list, target: partition.Rows) -> tuple[dict[str, torch.Tensor], float]:
+    def _receive(self, buffers: list, target: partition.Rows) -> dict[str, torch.Tensor]:
         """Like :meth:`_decode`, assembled into tensors covering ``target`` exactly."""
-        found, arrived = self._decode(buffers, target)
+        found = self._decode(buffers, target)
         out = {n: torch.empty(self._piece_shape(n, iv)) for n, iv in target.items()}
         for name, span, piece in found:
             partition.put(out[name], span, self._values(name, piece), offset=target[name][0])
-        return out, arrived
+        return out
 
-    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float, reference=None) -> float:
+    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, weight: float, reference=None) -> None:
         """Add one replica's checked pieces, times ``weight``, straight into ``acc``, a
-        piece at a time (never a decoded copy of the whole message); returns its arrival
-        time. Raises ValueError when a check fails: a non-finite piece found part-way
-        leaves ``acc`` holding the pieces before it (the caller rebuilds it).
+        piece at a time (never a decoded copy of the whole message). Raises ValueError
+        when a check fails: a non-finite piece found part-way leaves ``acc`` holding the
+        pieces before it (the caller rebuilds it).
 
         ``reference`` (a stale contribution under ``stale_correction``): name -> the outer
         momentum of that slice, or None; each tensor is then assembled whole (one tensor's
         copy at a time) and corrected against it (:func:`~diloco_ray.algo.decoupled.correct_stale_`)
         before it is added."""
-        found, arrived = self._decode(buffers, target)
+        found = self._decode(buffers, target)
         if reference is not None:
             self._accumulate_corrected(acc, found, target, weight, reference)
-            return arrived
+            return
         for name, span, piece in found:
             flat = partition.take(acc[name], span, target[name][0]).view(-1)  # rows are contiguous
             for lo, values in piece.chunks():
                 add_weighted(flat[lo : lo + values.numel()], values, weight, name)
-        return arrived
 
     def _accumulate_corrected(self, acc: dict, found: list, target: partition.Rows, weight: float, reference) -> None:
         by_name: dict[str, list] = {}
