@@ -66,8 +66,9 @@ def stamp(link: Optional[Link], link_bytes: int, clock: Callable[[], float] = ti
 
 
 def arrival(meta: dict) -> Optional[float]:
-    """When a message stamped by :func:`stamp` is fully received (None: not simulated)."""
-    if "sent_at" not in meta:
+    """When a message stamped by :func:`stamp` is fully received (None: not simulated; a
+    bare ``sent_at``, which the servers put on every weights message, is not a link stamp)."""
+    if "link_bytes" not in meta:
         return None
     link = Link(meta.get("mbps"), meta.get("latency_ms", 0.0))
     return meta["sent_at"] + link.seconds(meta["link_bytes"])
