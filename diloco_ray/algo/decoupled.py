@@ -15,9 +15,9 @@ Two rules make that converge like synchronous DiLoCo:
   of being normalised away, and a merge of every replica is the synchronous round's
   token-weighted mean, also when ``inner_time_s`` cut the periods short.
 * **Outer momentum** (``decoupled_momentum``) and what staleness counts. With ``every_step``
-  (the default) each merge is one step of the outer optimizer, as each synchronous round
-  is, and a contribution's staleness is the merges applied since it started. With
-  **delayed Nesterov** (Liu et al., "Asynchronous Local-SGD", 2024) each merge applies its
+  each merge is one step of the outer optimizer, as each synchronous round is, and a
+  contribution's staleness is the merges applied since it started. With
+  **delayed Nesterov** (the default) (Liu et al., "Asynchronous Local-SGD", 2024) each merge applies its
   gradient part at once, ``theta -= lr * g``, and adds ``g`` to the momentum; once a round's
   worth of tokens has been merged (a *cycle*) the momentum part is applied,
   ``m = beta * m + sum(g)``, ``theta -= lr * beta * m``; staleness counts the cycles ended
