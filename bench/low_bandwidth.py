@@ -12,11 +12,22 @@ baseline, all measured from the runs' metrics.jsonl and final/ weights:
   link: plain, int8, and F=4 with overlap (how much the codec and overlap hide).
 
 Run: ``python bench/low_bandwidth.py [--quick]`` (prints "NAME VALUE" lines).
+
+``--frontier`` instead measures each codec's bits per parameter against its loss, over
+seeds (:func:`frontier`): up bits per parameter per replica-round (``bytes_up`` over the
+rounds: payload, indices, scales and headers), down bits likewise (round 0's full load
+left out), and final eval loss over the uncompressed run's of the same seed. ``--setting
+tiny`` is the embedded default (seeds 1-3); ``--setting text`` is ``bench/decoupled.py``'s
+model still learning English text (2 replicas, synchronous; seeds 0-2), where DiLoCo
+itself keeps improving to the end, so a codec's loss shows. Writes
+``bench/frontier_<setting>.json`` and ``bench/frontier_<setting>.png``.
 """
 
 import argparse
 import json
 import os
+import statistics
+import sys
 import tempfile
 
 from safetensors.torch import load_file
@@ -34,11 +45,127 @@ def run(seed: int, loops: int, **overrides) -> tuple[list[dict], dict]:
     return result.rounds, load_file(os.path.join(result.final_path, "model.safetensors"))
 
 
+# name -> (pseudo-gradient codec, weights codec, extra fields); topk's down is int8 (a sparse
+# weights delta leaves replicas training from stale weights: 1.47 vs 1.04 at seed 1 on tiny).
+FRONTIER = {
+    "none": ("none", "none", {}),
+    "fp16": ("fp16", "fp16", {}),
+    "int8": ("int8", "int8", {}),
+    "int4+EF": ("int4", "int4", {"error_feedback": True}),
+    "topk 1/16": ("topk", "int8", {"topk_fraction": 1 / 16}),
+    "topk 1/32": ("topk", "int8", {"topk_fraction": 1 / 32}),
+    "topk 1/64": ("topk", "int8", {"topk_fraction": 1 / 64}),
+    "topk 1/64, topk down": ("topk", "topk", {"topk_fraction": 1 / 64}),
+}
+
+
+def setting_config(setting: str, seed: int, fields: dict):
+    if setting == "tiny":
+        out = tempfile.mkdtemp()
+        return TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "seed": seed, **fields})
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import decoupled  # the text model and corpus of bench/decoupled.py
+
+    return decoupled.config(seed, "sync", "equal", 16, {"num_replicas": 2, **fields})
+
+
+def frontier(setting: str, seeds: list[int], names: list[str]) -> list[dict]:
+    """One row per (codec, seed): bits per parameter up and down, final loss, its ratio."""
+    rows, base = [], {}
+    for name in names:
+        up_codec, down_codec, extra = FRONTIER[name]
+        for seed in seeds:
+            fields = {"pseudo_grad_compression": up_codec, "weights_compression": down_codec, **extra}
+            cfg = setting_config(setting, seed, fields)
+            result = DilocoFSDPTrainer(cfg).train()
+            params = sum(t.numel() for t in load_file(os.path.join(result.final_path, "model.safetensors")).values())
+            rounds, later = result.rounds, result.rounds[1:]
+            per = params * cfg.num_replicas
+            row = {
+                "codec": name,
+                "seed": seed,
+                "bits_up": 8 * sum(r["bytes_up"] for r in rounds) / (per * len(rounds)),
+                "bits_down": 8 * sum(r["bytes_down"] for r in later) / (per * max(1, len(later))),
+                "final_eval_loss": rounds[-1]["eval_loss"],
+            }
+            if name == "none":  # the reference: run first
+                base[seed] = row["final_eval_loss"]
+            row["loss_ratio"] = row["final_eval_loss"] / base[seed] if seed in base else None
+            print("# " + json.dumps(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def frontier_summary(rows: list[dict]) -> list[dict]:
+    out = []
+    for name in dict.fromkeys(r["codec"] for r in rows):
+        mine = [r for r in rows if r["codec"] == name and r["loss_ratio"] is not None]
+        ratios = [r["loss_ratio"] for r in mine]
+        out.append(
+            {
+                "codec": name,
+                "bits_up": statistics.median(r["bits_up"] for r in mine),
+                "bits_down": statistics.median(r["bits_down"] for r in mine),
+                "loss_ratio_median": statistics.median(ratios),
+                "loss_ratio_max": max(ratios),
+            }
+        )
+    return out
+
+
+def draw(summary: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for s in summary:
+        ax.errorbar(
+            s["bits_up"],
+            s["loss_ratio_median"],
+            yerr=[[0], [s["loss_ratio_max"] - s["loss_ratio_median"]]],
+            fmt="o",
+            capsize=3,
+        )
+        ax.annotate(f"{s['codec']} (down {s['bits_down']:.2g} b)", (s["bits_up"], s["loss_ratio_median"]), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xlabel("bits per parameter per replica-round, up (log)")
+    ax.set_ylabel("final eval loss / uncompressed (median; bar: max)")
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer rounds (4 instead of 10)")
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--frontier", action="store_true", help="bits per parameter vs loss, over seeds")
+    parser.add_argument("--setting", choices=("tiny", "text"), default="tiny")
+    parser.add_argument("--seeds", default=None, help="comma-separated (default: tiny 1,2,3; text 0,1,2)")
+    parser.add_argument("--codecs", default=",".join(FRONTIER), help="frontier codecs, comma-separated")
     args = parser.parse_args()
+    if args.frontier:
+        seeds = [int(s) for s in (args.seeds or ("1,2,3" if args.setting == "tiny" else "0,1,2")).split(",")]
+        import ray
+
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        rows = frontier(args.setting, seeds, args.codecs.split(","))
+        ray.shutdown()
+        summary = frontier_summary(rows)
+        stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"frontier_{args.setting}")
+        with open(stem + ".json", "w") as f:
+            json.dump({"setting": args.setting, "seeds": seeds, "rows": rows, "summary": summary}, f, indent=1)
+        draw(summary, stem + ".png", f"codec frontier, {args.setting} ({len(seeds)} seeds)")
+        print("| codec | bits/param up | bits/param down | loss vs none, median | max |\n|---|---|---|---|---|")
+        for s in summary:
+            print(
+                f"| {s['codec']} | {s['bits_up']:.3g} | {s['bits_down']:.3g} | "
+                f"{s['loss_ratio_median']:.4f} | {s['loss_ratio_max']:.4f} |"
+            )
+        return 0
     loops = 4 if args.quick else 10
     base, w_base = run(args.seed, loops)
     up = sum(r["bytes_up"] for r in base)
