@@ -227,18 +227,7 @@ class RoundLoop:
         return record
 
     def _evaluate(self, host):
-        return host.evaluate(weights=self._exact_handout())
-
-    def _exact_handout(self) -> Optional[list]:
-        """The next period's weights messages when they are the exact global weights
-        (fp32, every parameter), else None. Eval then reads the very objects the replicas
-        load next, so over a slow link the weights cross once per round, not twice (a
-        replica's node keeps the object it pulled for eval)."""
-        if self.config.weights_compression != "none":
-            return None
-        if self.handout.full or self.config.sync_fragments == 1:
-            return list(self.handout.messages)
-        return None
+        return host.evaluate()
 
     def finished(self) -> bool:
         """Whether the run has trained what it was asked to (``diloco_loops`` rounds)."""

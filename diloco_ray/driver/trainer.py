@@ -307,19 +307,19 @@ class DilocoFSDPTrainer:
             self._global_refs = self.server.global_weights()
         return self._global_refs
 
-    def evaluate(self, among: Optional[list] = None, weights: Optional[list] = None) -> Optional[float]:
+    def evaluate(self, among: Optional[list] = None) -> Optional[float]:
         """Eval loss of the new global weights on a live replica (None: no eval, or none left);
-        with ``among`` (replica ids), on one of those first (decoupled mode: an idle one);
-        ``weights``: refs holding them already (the loop's next handout), not another copy."""
+        with ``among`` (replica ids), on one of those first (decoupled mode: an idle one)."""
         self._global_refs, self.eval_bytes_down = None, 0  # the weights moved: fetched on demand
         if self.config.eval_batches == 0:
             return None
-        results = self.members.first_answer(lambda rep: rep.evaluate(weights or self._current_globals()), among)
+        results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()), among)
         if results is None:
             return None  # every replica died since the update; the next boundary replaces them
-        # A replica's ranks share its node's object store; reused handout objects are
-        # counted where the next period uses them, as its bytes_down.
-        self.eval_bytes_down = 0 if weights else max(r[2] for r in results)
+        # The eval replica's ranks share its node's object store: the weights crossed once.
+        # (Evaluating the next round's weights message instead saves nothing over a star of
+        # links: the other replicas then pull it from the eval replica, up its link.)
+        self.eval_bytes_down = max(r[2] for r in results)
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
         return total / count if count else None
 

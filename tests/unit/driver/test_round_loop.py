@@ -155,7 +155,7 @@ class Host:
     def notify(self, hook, *args):
         self.calls.append(hook)
 
-    def evaluate(self, weights=None):
+    def evaluate(self):
         return 1.5
 
     def inject_faults(self):
