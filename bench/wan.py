@@ -1,0 +1,229 @@
+"""Regions over real rate-limited links: ``sudo python bench/wan.py [--quick] [--out FILE]``.
+
+Builds one network namespace per region on this machine (the servers' region, which also
+runs the Ray head and the driver, and one per replica), joins them through a bridge by
+veth pairs shaped with ``tc tbf`` in both directions (:mod:`wan_links`), starts a raylet
+in each, and runs a config (default ``configs/tiny.yaml``) the way a user would: the CLI in
+the head's region with ``RAY_ADDRESS`` set, servers and replicas pinned to their regions
+with ``server_resources`` / ``replica_resources``. ``netem`` is not available here, so a
+link has a rate and no added delay (latency rehearsals use the simulated link of
+:mod:`diloco_ray.algo.links`, ``link_latency_ms``).
+
+For every run it reports what crossed each replica's link, from the interface counters,
+beside what the round records report:
+
+* ``wire_bytes_up`` / ``wire_bytes_down``: bytes the replica regions sent / received in the
+  steady state (counters sampled every 0.25 s; from the second round's start to the last
+  round's record: round 0 also loads the initial weights, and one replica seeds the
+  servers just before it), summed over replicas; ``job_wire_bytes_*`` the same over the
+  whole job (worker start-up and the final save included);
+* ``reported_bytes_up`` / ``reported_bytes_down``: the sum of the same rounds' records'
+  ``bytes_up`` / ``bytes_down`` + ``eval_bytes_down`` (the messages' lengths; eval reads
+  the global weights on one replica, which crosses its link unless the next round's
+  weights message is those weights exactly);
+* ``control_bytes``: Ray's idle traffic over the replica links (measured on the same
+  cluster with no job, in bytes per second) times the rounds' seconds: what would have
+  crossed anyway;
+* ``wire_packets_up`` / ``wire_packets_down``: packets, same window (most packets up while
+  the weights come down are TCP's acknowledgements of them: 66 bytes each);
+* ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control / 2) / reported;
+* ``exposed_sync_fraction``: summed ``sync_seconds`` over summed ``round_seconds``;
+* ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``.
+
+It runs 100, 20 and 5 Mbit/s with codecs ``none``, ``int8`` and ``topk`` (weights down:
+``none``, ``int8``, ``int8``),
+overlap off (one fragment) and on (3 fragments, ``overlap_communication``); ``--quick``
+runs 20 Mbit/s with ``none`` and with ``topk`` + overlap. Everything is torn down on
+exit, Ctrl-C included. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import wan_links  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "configs", "tiny.yaml")
+RATES = (100.0, 20.0, 5.0)
+CODECS = ("none", "int8", "topk")
+# The weights' codec beside each pseudo-gradient codec: a sparse weights delta leaves replicas
+# training from stale weights (bench/low_bandwidth.py --frontier), so topk's down is int8.
+DOWN = {"none": "none", "int8": "int8", "topk": "int8"}
+IDLE_SECONDS = 20.0
+
+
+def variants(quick: bool) -> list[tuple[float, str, bool]]:
+    if quick:
+        return [(20.0, "none", False), (20.0, "topk", True)]
+    return [(rate, codec, overlap) for rate in RATES for codec in CODECS for overlap in (False, True)]
+
+
+def replica_traffic(before: dict, after: dict, what: tuple = ("up", "down")) -> tuple[int, ...]:
+    """Counters (default: bytes up, bytes down) summed over the replica regions between
+    two reads."""
+    regions = [r for r in after if r != "srv"]
+    return tuple(sum(after[r][key] - before[r][key] for r in regions) for key in what)
+
+
+def idle_rate(cluster: wan_links.Regions, seconds: float) -> float:
+    """Bytes per second Ray's control traffic puts on the replica links, both ways, idle."""
+    before = cluster.counters()
+    time.sleep(seconds)
+    up, down = replica_traffic(before, cluster.counters())
+    return (up + down) / seconds
+
+
+def overrides(cluster: wan_links.Regions, replicas: int, codec: str, overlap: bool, out: str) -> list[str]:
+    fields = {
+        "output_dir": out,
+        "server_resources": {cluster.head.resource: 0.001},
+        "replica_resources": [{r.resource: 0.001} for r in cluster.regions[1 : replicas + 1]],
+        "pseudo_grad_compression": codec,
+        "weights_compression": DOWN[codec],
+        "sync_fragments": 3 if overlap else 1,
+        "overlap_communication": overlap,
+    }
+    return [a for key, value in fields.items() for a in ("--set", f"{key}={json.dumps(value)}")]
+
+
+def read_rounds(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f if line.strip()]
+    return [r for r in lines if r.get("event") == "round"]
+
+
+class CounterLog:
+    """The links' counters read every ``period`` seconds in a thread, wall-clock stamped,
+    so the bytes of any time window (the training rounds) can be read off afterwards."""
+
+    def __init__(self, cluster: wan_links.Regions, period: float = 0.25):
+        self.cluster, self.period = cluster, period
+        self.samples: list[tuple[float, dict]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "CounterLog":
+        self.samples.append((time.time(), self.cluster.counters()))
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.samples.append((time.time(), self.cluster.counters()))
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period):
+            self.samples.append((time.time(), self.cluster.counters()))
+
+    def between(self, start: float, end: float, what: tuple = ("up", "down")) -> tuple[int, ...]:
+        """Replica-link (up, down) bytes from the last sample at or before ``start`` to the
+        first at or after ``end`` (the window widened by at most one period each side)."""
+        first = max((s for s in self.samples if s[0] <= start), key=lambda s: s[0], default=self.samples[0])
+        last = min((s for s in self.samples if s[0] >= end), key=lambda s: s[0], default=self.samples[-1])
+        return replica_traffic(first[1], last[1], what)
+
+
+def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) -> dict:
+    out = tempfile.mkdtemp(prefix="wan-run-")
+    fields = overrides(cluster, args.replicas, codec, overlap, out)
+    cmd = [sys.executable, "-m", "diloco_ray", "train", args.config, *fields, *(f"--set={kv}" for kv in args.set)]
+    with CounterLog(cluster) as log:
+        done = cluster.run(*cmd)
+    if done.returncode:
+        raise RuntimeError(f"run {rate} Mbit/s {codec} overlap={overlap} failed:\n{done.stderr[-3000:]}")
+    every = read_rounds(out)
+    # The steady-state window: from the second round's start to the last record. Round 0
+    # also loads the initial weights, and just before it one replica seeds the servers
+    # with them (fp32, up); start-up and the final save lie outside too. The job's totals
+    # are kept beside it.
+    rounds = every[1:]
+    start, end = rounds[0]["time"] - rounds[0]["round_seconds"], rounds[-1]["time"]
+    up, down = log.between(start, end)
+    up_packets, down_packets = log.between(start, end, ("up_packets", "down_packets"))
+    job_up, job_down = replica_traffic(log.samples[0][1], log.samples[-1][1])
+    reported_up = sum(r["bytes_up"] for r in rounds)
+    reported_down = sum(r["bytes_down"] + r.get("eval_bytes_down", 0) for r in rounds)
+    control = idle * (end - start)
+    # Ray's idle traffic runs both ways; it is charged half to each direction.
+    return {
+        "rate_mbit": rate,
+        "codec": codec,
+        "overlap": overlap,
+        "wire_bytes_up": up,
+        "wire_bytes_down": down,
+        "reported_bytes_up": reported_up,
+        "reported_bytes_down": reported_down,
+        "control_bytes": round(control),
+        "wire_packets_up": up_packets,
+        "wire_packets_down": down_packets,
+        "wire_ratio_up": (up - control / 2) / reported_up,
+        "wire_ratio_down": (down - control / 2) / reported_down,
+        "job_wire_bytes_up": job_up,
+        "job_wire_bytes_down": job_down,
+        "exposed_sync_fraction": sum(r["sync_seconds"] for r in every) / sum(r["round_seconds"] for r in every),
+        "round_seconds": statistics.median(r["round_seconds"] for r in every),
+        "final_eval_loss": every[-1]["eval_loss"],
+        "wall_seconds": log.samples[-1][0] - log.samples[0][0],
+    }
+
+
+def table(runs: list[dict]) -> str:
+    lines = [
+        "| Mbit/s | codec | overlap | wire up MB | reported up MB | wire/reported up | wire down MB | "
+        "reported down MB | wire/reported down | exposed sync | round s | final eval loss |",
+        "|" + "---|" * 12,
+    ]
+    for r in runs:
+        ratio_up, ratio_down = r["wire_ratio_up"], r["wire_ratio_down"]
+        lines.append(
+            f"| {r['rate_mbit']:g} | {r['codec']} | {'on' if r['overlap'] else 'off'} | "
+            f"{r['wire_bytes_up'] / 1e6:.3f} | {r['reported_bytes_up'] / 1e6:.3f} | "
+            f"{ratio_up:.2f} | {r['wire_bytes_down'] / 1e6:.3f} | {r['reported_bytes_down'] / 1e6:.3f} | "
+            f"{ratio_down:.2f} | {r['exposed_sync_fraction']:.1%} | {r['round_seconds']:.1f} | "
+            f"{r['final_eval_loss']:.4f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?", default=TINY)
+    parser.add_argument("--quick", action="store_true", help="20 Mbit/s: none, and topk with overlap")
+    parser.add_argument("--out", default=None, help="write {'runs': [...], ...} as JSON here")
+    parser.add_argument("--replicas", type=int, default=2, help="replica regions (the config's num_replicas)")
+    parser.add_argument("--set", action="append", default=[], help="config FIELD=VALUE for every run")
+    parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS, help="how long idle traffic is measured")
+    args = parser.parse_args()
+    reason = wan_links.why_not_available()
+    if reason:
+        print(f"bench/wan.py: {reason}", file=sys.stderr)
+        return 2
+    print("links: tc tbf, rate only (tc netem is not available here: no added delay)", flush=True)
+    runs = []
+    with wan_links.Regions(args.replicas, cpus=1, head_cpus=1) as cluster:
+        for rate, codec, overlap in variants(args.quick):
+            if cluster.rate_mbit != rate:
+                cluster.shape(rate)
+                idle = idle_rate(cluster, args.idle_seconds)
+                print(f"# {rate:g} Mbit/s: Ray's idle traffic {idle:.0f} B/s over the replica links", flush=True)
+            runs.append(one_run(cluster, args, rate, codec, overlap, idle))
+            print("# " + json.dumps(runs[-1]), flush=True)
+    print(table(runs))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"idle_bytes_per_second": idle, "delay_emulated": False, "runs": runs}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

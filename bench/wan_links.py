@@ -1,0 +1,264 @@
+"""Regions on one machine, joined by real rate-limited links (used by ``bench/wan.py``).
+
+Each region is a Linux network namespace joined to one bridge by a veth pair. Both
+directions of each pair are shaped with ``tc`` ``tbf`` to the region's rate: the root end's
+egress is what flows *into* the region (down), the namespace end's egress what flows *out*
+(up). ``netem`` is not available here, so links have a rate but no added delay. A Ray head
+runs in the servers' region and one raylet in each replica's region, each advertising a
+custom resource named after its region, so ``server_resources`` / ``replica_resources`` pin
+actors to regions and every byte between them crosses two shaped links.
+
+Bytes are read from the root ends' interface counters (``/sys/class/net/*/statistics``):
+``rx`` there is what the region sent, ``tx`` what it received. Everything built is torn
+down by :meth:`Regions.close` (namespaces and their processes, the bridge, this cluster's
+Ray processes and temp dir), which ``with Regions(...)`` calls on any exit; SIGINT, SIGTERM
+and SIGHUP are turned into exceptions so they take the same path. Needs root and ``ip``/``tc``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+PREFIX = "dlw"  # every namespace, link and bridge this module makes starts with it
+BRIDGE = f"{PREFIX}br0"
+SUBNET = "10.213.7"
+HEAD_PORT = 6397
+LOCK = f"/tmp/{PREFIX}-wan.lock"
+
+
+def sh(*cmd: str, check: bool = True) -> str:
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if check and out.returncode:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
+    return out.stdout
+
+
+def why_not_available() -> str | None:
+    """None when regions can be built here, else the reason (for a skip message)."""
+    if not sys.platform.startswith("linux"):
+        return "needs Linux network namespaces"
+    if os.geteuid() != 0:
+        return "needs root (network namespaces, veth pairs and tc)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"needs the {tool!r} command"
+    return None
+
+
+@dataclass(frozen=True)
+class Region:
+    """One region: its namespace, the two ends of its veth pair and its address."""
+
+    name: str
+    index: int
+
+    @property
+    def netns(self) -> str:
+        return f"{PREFIX}-{self.name}"
+
+    @property
+    def host_end(self) -> str:
+        return f"{PREFIX}{self.index}h"
+
+    @property
+    def ns_end(self) -> str:
+        return f"{PREFIX}{self.index}n"
+
+    @property
+    def ip(self) -> str:
+        return f"{SUBNET}.{10 + self.index}"
+
+    @property
+    def resource(self) -> str:
+        return f"region-{self.name}"
+
+
+def leftovers() -> list[str]:
+    """Namespaces, links and Ray processes of this module still on the machine."""
+    names = [line.split()[0] for line in sh("ip", "netns", "list", check=False).splitlines() if line.strip()]
+    found = [f"netns {n}" for n in names if n.startswith(f"{PREFIX}-")]
+    for line in sh("ip", "-o", "link", "show", check=False).splitlines():
+        link = line.split(":")[1].strip().split("@")[0]
+        if link.startswith(PREFIX):
+            found.append(f"link {link}")
+    procs = sh("pgrep", "-af", f"/tmp/{PREFIX}ray", check=False).splitlines()
+    return found + [f"process {p[:80]}" for p in procs if "pgrep" not in p]
+
+
+class _Interrupted(BaseException):
+    """SIGTERM/SIGHUP, raised so ``finally`` blocks run as they do for Ctrl-C."""
+
+
+def _raise_interrupted(signum, frame):
+    raise _Interrupted(f"signal {signum}")
+
+
+class Regions:
+    """A Ray cluster of regions joined by shaped links; a context manager.
+
+    Args:
+        replicas: replica regions to make (``r0``, ``r1``, ...), besides ``srv``.
+        cpus: logical CPUs each replica region's raylet advertises.
+        head_cpus: logical CPUs of the head (servers and driver region).
+    """
+
+    def __init__(self, replicas: int, cpus: float = 2, head_cpus: float = 2):
+        self.regions = [Region("srv", 0)] + [Region(f"r{i}", i + 1) for i in range(replicas)]
+        self.cpus, self.head_cpus = cpus, head_cpus
+        self.temp = ""
+        self.rate_mbit: float | None = None
+
+    @property
+    def head(self) -> Region:
+        return self.regions[0]
+
+    @property
+    def address(self) -> str:
+        return f"{self.head.ip}:{HEAD_PORT}"
+
+    def __enter__(self) -> "Regions":
+        # One rehearsal at a time: the names are fixed, and set-up clears what a killed run left.
+        self._lock = open(LOCK, "w")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.close()
+            raise RuntimeError(f"another bench/wan.py holds {LOCK}; wait for it to finish") from None
+        self._old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+        # A background job of a non-interactive shell starts with SIGINT ignored: take it back.
+        self._old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            self.close()  # what an earlier, killed run may have left
+            self._build_links()
+            self._start_ray()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self.close()
+        finally:
+            for sig, handler in self._old.items():
+                signal.signal(sig, handler)
+            self._lock.close()  # releases the lock
+
+    # ---- links ------------------------------------------------------------------------
+    def _build_links(self) -> None:
+        sh("ip", "link", "add", BRIDGE, "type", "bridge")
+        sh("ip", "addr", "add", f"{SUBNET}.1/24", "dev", BRIDGE)
+        sh("ip", "link", "set", BRIDGE, "up")
+        for r in self.regions:
+            sh("ip", "netns", "add", r.netns)
+            sh("ip", "link", "add", r.host_end, "type", "veth", "peer", "name", r.ns_end)
+            sh("ip", "link", "set", r.ns_end, "netns", r.netns)
+            sh("ip", "link", "set", r.host_end, "master", BRIDGE)
+            sh("ip", "link", "set", r.host_end, "up")
+            inside = ("ip", "netns", "exec", r.netns)
+            sh(*inside, "ip", "addr", "add", f"{r.ip}/24", "dev", r.ns_end)
+            sh(*inside, "ip", "link", "set", r.ns_end, "up")
+            sh(*inside, "ip", "link", "set", "lo", "up")
+
+    def shape(self, rate_mbit: float) -> None:
+        """Every link, both directions, to ``rate_mbit`` Mbit/s (tbf: rate, no delay)."""
+        burst = max(16_000, int(rate_mbit * 1e6 / 8 / 100))  # >= 10 ms of traffic
+        for r in self.regions:
+            spec = ("root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "200ms")
+            sh("tc", "qdisc", "replace", "dev", r.host_end, *spec)
+            sh("ip", "netns", "exec", r.netns, "tc", "qdisc", "replace", "dev", r.ns_end, *spec)
+        self.rate_mbit = rate_mbit
+
+    def counters(self) -> dict[str, dict[str, int]]:
+        """Region name -> bytes (``up``, ``down``) and packets (``up_packets``,
+        ``down_packets``) it has sent and received so far."""
+        out = {}
+        for r in self.regions:
+            stats = f"/sys/class/net/{r.host_end}/statistics"
+            read = {}
+            for key, name in (("up", "rx_bytes"), ("down", "tx_bytes"), ("up_packets", "rx_packets")):
+                with open(f"{stats}/{name}") as f:
+                    read[key] = int(f.read())
+            with open(f"{stats}/tx_packets") as f:
+                read["down_packets"] = int(f.read())
+            out[r.name] = read
+        return out
+
+    # ---- Ray -----------------------------------------------------------------------------
+    def in_region(self, region: Region, *cmd: str) -> list[str]:
+        return ["ip", "netns", "exec", region.netns, *cmd]
+
+    def env(self) -> dict:
+        """The environment of a process that talks to this cluster (Ray's token, address)."""
+        return {**os.environ, "RAY_ADDRESS": self.address, "RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+
+    def _start_ray(self) -> None:
+        self.temp = tempfile.mkdtemp(prefix=f"{PREFIX}ray", dir="/tmp")  # short: Ray's socket paths
+        env = self.env()
+        if env["RAY_AUTH_MODE"] == "token" and not (env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH")):
+            subprocess.run(["ray", "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
+        common = ["--temp-dir", self.temp, "--disable-usage-stats", "--object-store-memory", "200000000"]
+        ray = [sys.executable, "-m", "ray.scripts.scripts", "start"]
+        for r in self.regions:
+            where = (
+                ["--head", "--port", str(HEAD_PORT), "--include-dashboard", "false", "--num-cpus", str(self.head_cpus)]
+                if r is self.head
+                else ["--address", self.address, "--num-cpus", str(self.cpus)]
+            )
+            cmd = [*ray, *where, "--node-ip-address", r.ip, "--resources", json.dumps({r.resource: 1}), *common]
+            done = subprocess.run(self.in_region(r, *cmd), env=env, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"ray start in {r.netns} failed: {done.stderr.strip()[-2000:]}")
+
+    def run(self, *cmd: str, timeout: float = 900) -> subprocess.CompletedProcess:
+        """Run ``cmd`` in the head's region against this cluster, as a user's driver runs."""
+        return subprocess.run(
+            self.in_region(self.head, *cmd), env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
+
+    # ---- teardown ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop this cluster's processes and remove every namespace and link it made."""
+        for r in self.regions:
+            pids = sh("ip", "netns", "pids", r.netns, check=False).split()
+            _kill(pids)
+        if self.temp:
+            _kill(sh("pgrep", "-f", self.temp, check=False).split())
+            shutil.rmtree(self.temp, ignore_errors=True)
+        _kill([p.split()[0] for p in sh("pgrep", "-af", f"/tmp/{PREFIX}ray", check=False).splitlines()])
+        for r in self.regions:
+            sh("ip", "netns", "del", r.netns, check=False)
+            sh("ip", "link", "del", r.host_end, check=False)
+        sh("ip", "link", "del", BRIDGE, check=False)
+        for name in sh("ip", "netns", "list", check=False).split():
+            if name.startswith(f"{PREFIX}-"):
+                sh("ip", "netns", "del", name, check=False)
+
+
+def _kill(pids: list[str]) -> None:
+    """SIGTERM, up to 10 s to exit, then SIGKILL (raylets stop their workers on SIGTERM)."""
+    pids = [int(p) for p in pids if p.isdigit() and int(p) != os.getpid()]
+    for pid in pids:
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + 10
+    while pids and time.monotonic() < deadline:
+        pids = [p for p in pids if os.path.exists(f"/proc/{p}")]
+        time.sleep(0.2)
+    for pid in pids:
+        _signal(pid, signal.SIGKILL)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,75 @@
+"""bench/wan.py over real rate-limited links: bytes on the wire agree with the round records,
+topk with overlap sends little and hides more of its sync, and nothing is left behind,
+Ctrl-C included.
+
+Needs root (network namespaces, veth pairs, tc); skipped with the reason otherwise.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import wan_links  # noqa: E402
+
+REASON = wan_links.why_not_available()
+SHORT = ["--set", "diloco_loops=4", "--idle-seconds", "10"]  # the suite's time: 4 rounds, not 10
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"bench/wan.py {REASON}")
+
+
+def env():
+    venv_bin = os.path.dirname(sys.executable)  # `ray` and the interpreter of this suite
+    return {**os.environ, "PATH": venv_bin + os.pathsep + os.environ.get("PATH", "")}
+
+
+def test_quick_rehearsal_counts_the_bytes_and_hides_topk_sync(tmp_path):
+    out = tmp_path / "wan.json"
+    done = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "wan.py"), "--quick", "--out", str(out), *SHORT],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env(),
+        cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "netem is not available" in done.stdout  # the output says links have no delay
+    runs = {(r["codec"], r["overlap"]): r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {("none", False), ("topk", True)}
+    none, topk = runs[("none", False)], runs[("topk", True)]
+    # What the round records report is what crossed: both ways when the payload dominates,
+    # and down always (the weights, and the global weights an eval fetched).
+    assert 0.9 <= none["wire_ratio_up"] <= 1.5, none
+    for run in runs.values():
+        assert 0.9 <= run["wire_ratio_down"] <= 1.5, run
+    # topk sends under 2% of fp32's bytes up and hides more of its sync.
+    assert topk["reported_bytes_up"] < 0.02 * none["reported_bytes_up"]
+    assert topk["exposed_sync_fraction"] < none["exposed_sync_fraction"]
+    assert wan_links.leftovers() == []
+
+
+def test_ctrl_c_tears_everything_down(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "bench", "wan.py"), "--quick", "--out", str(tmp_path / "x.json"), *SHORT],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env(),
+        cwd=ROOT,
+    )
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:  # interrupt once the cluster is up and a job runs
+        if any(line.startswith("process") for line in wan_links.leftovers()):
+            time.sleep(8)
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert wan_links.leftovers() == []
