@@ -55,7 +55,7 @@ FRONTIER = {
     "topk 1/16": ("topk", "int8", {"topk_fraction": 1 / 16}),
     "topk 1/32": ("topk", "int8", {"topk_fraction": 1 / 32}),
     "topk 1/64": ("topk", "int8", {"topk_fraction": 1 / 64}),
-    "topk 1/64, topk down": ("topk", "topk", {"topk_fraction": 1 / 64}),
+    "topk 1/64 both ways": ("topk", "topk", {"topk_fraction": 1 / 64}),
 }
 
 
@@ -69,9 +69,19 @@ def setting_config(setting: str, seed: int, fields: dict):
     return decoupled.config(seed, "sync", "equal", 16, {"num_replicas": 2, **fields})
 
 
-def frontier(setting: str, seeds: list[int], names: list[str]) -> list[dict]:
-    """One row per (codec, seed): bits per parameter up and down, final loss, its ratio."""
-    rows, base = [], {}
+def earlier_rows(log: str | None) -> list[dict]:
+    """The ``# {...}`` rows an earlier ``--frontier`` run printed (to finish a cut-short run)."""
+    if log is None:
+        return []
+    with open(log) as f:
+        rows = [json.loads(line[2:]) for line in f if line.startswith("# {")]
+    return list({(r["codec"], r["seed"]): r for r in rows}.values())  # a codec run twice: once
+
+
+def frontier(setting: str, seeds: list[int], names: list[str], done: list[dict] = ()) -> list[dict]:
+    """One row per (codec, seed): bits per parameter up and down, final loss, its ratio
+    (to ``none``'s run of the same seed, here or in ``done``)."""
+    rows, base = [], {r["seed"]: r["final_eval_loss"] for r in done if r["codec"] == "none"}
     for name in names:
         up_codec, down_codec, extra = FRONTIER[name]
         for seed in seeds:
@@ -146,13 +156,16 @@ def main() -> int:
     parser.add_argument("--setting", choices=("tiny", "text"), default="tiny")
     parser.add_argument("--seeds", default=None, help="comma-separated (default: tiny 1,2,3; text 0,1,2)")
     parser.add_argument("--codecs", default=",".join(FRONTIER), help="frontier codecs, comma-separated")
+    parser.add_argument("--rows-from", default=None, help="add the rows an earlier --frontier run printed (its log)")
     args = parser.parse_args()
     if args.frontier:
         seeds = [int(s) for s in (args.seeds or ("1,2,3" if args.setting == "tiny" else "0,1,2")).split(",")]
         import ray
 
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-        rows = frontier(args.setting, seeds, args.codecs.split(","))
+        rows = earlier_rows(args.rows_from)
+        done = {r["codec"] for r in rows}
+        rows += frontier(args.setting, seeds, [c for c in args.codecs.split(",") if c not in done], rows)
         ray.shutdown()
         summary = frontier_summary(rows)
         stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"frontier_{args.setting}")

@@ -76,7 +76,7 @@ def pack(
             any device. Values are cast to fp32 first.
         codec: one of :data:`CODECS`.
         meta: JSON-serialisable dict carried in the header (round, replica, ...).
-        block: values per absmax scale for int8/int4, per kept fraction for topk.
+        block: values per absmax scale for int8/int4, per top-k selection for topk.
         fraction: topk only: the share of each block's values sent.
 
     Returns:
