@@ -12,8 +12,8 @@ sends:
   (decoded ``lo + 0.25 (hi - lo)``).
 
 Bits, least significant first, run on across blocks with no padding, so a block costs
-``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 and ``fraction`` 1/64 that is
-0.219 bits per value. What a block does not send is what error feedback carries to the
+``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 that is 0.84 bits per value with
+``fraction`` 1/16 (the default) and 0.22 with 1/64. What a block does not send is what error feedback carries to the
 next round (:func:`diloco_ray.algo.compression.pack_filled`), which is why ``topk`` always
 runs with it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
 """

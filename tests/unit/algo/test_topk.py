@@ -36,12 +36,22 @@ def test_keeps_each_blocks_largest_values_with_their_signs(numel, block, fractio
         assert ((got[idx] - part[idx]).abs() <= (big - small) / 4 * 1.01 + 1e-3 * big).all()
 
 
-def test_bits_per_value_at_the_defaults():
-    _, k, bits = topk.shape_of(1 << 20, 2048, 1 / 64)
-    assert (k, bits) == (32, 11)
-    assert codec_nbytes(1 << 20, "topk") == 512 * 4 + 512 * 32 * 13 // 8
-    buf = pack({"w": torch.randn(1 << 20)}, "topk")
-    assert len(buf) * 8 / (1 << 20) <= 0.22  # header and scales included
+@pytest.mark.parametrize("fraction,k,most", [(1 / 64, 32, 0.22), (1 / 16, 128, 0.845)])
+def test_bits_per_value(fraction, k, most):
+    assert topk.shape_of(1 << 20, 2048, fraction)[1:] == (k, 11)
+    assert codec_nbytes(1 << 20, "topk", fraction=fraction) == 512 * 4 + 512 * k * 13 // 8
+    buf = pack({"w": torch.randn(1 << 20)}, "topk", fraction=fraction)
+    assert len(buf) * 8 / (1 << 20) <= most  # header and scales included
+
+
+def test_the_default_fraction_is_the_configs():
+    import dataclasses
+
+    from diloco_ray.algo.codecs import DEFAULT_FRACTION
+    from diloco_ray.config.schema import TrainerConfig
+
+    field = {f.name: f for f in dataclasses.fields(TrainerConfig)}["topk_fraction"]
+    assert field.default == DEFAULT_FRACTION == 1 / 16
 
 
 @pytest.mark.parametrize("shape", [(1,), (3,), (7, 5), (2049,), (4097,), (), (0,)])
@@ -62,7 +72,7 @@ def test_constant_and_zero_blocks():
     y = unpack(pack({"x": x}, "topk"))[0]["x"]
     assert torch.equal(y[2048:], torch.zeros(2048))  # a zero block sends zeros
     kept = y[:2048][y[:2048] != 0]
-    assert kept.numel() == 32 and torch.equal(kept, torch.full((32,), 0.5))  # lo == hi: exact
+    assert kept.numel() == 128 and torch.equal(kept, torch.full((128,), 0.5))  # lo == hi: exact
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
