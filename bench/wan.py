@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -142,6 +143,7 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
     if done.returncode:
         raise RuntimeError(f"run {rate} Mbit/s {codec} overlap={overlap} failed:\n{done.stderr[-3000:]}")
     every = read_rounds(out)
+    shutil.rmtree(out, ignore_errors=True)  # the run's folder: only its records were needed
     # The steady-state window: from the second round's start to the last record. Round 0
     # also loads the initial weights, and just before it one replica seeds the servers
     # with them (fp32, up); start-up and the final save lie outside too. The job's totals
