@@ -48,8 +48,8 @@ def test_quick_rehearsal_counts_the_bytes_and_hides_topk_sync(tmp_path):
     assert 0.9 <= none["wire_ratio_up"] <= 1.5, none
     for run in runs.values():
         assert 0.9 <= run["wire_ratio_down"] <= 1.5, run
-    # topk sends under 2% of fp32's bytes up and hides more of its sync.
-    assert topk["reported_bytes_up"] < 0.02 * none["reported_bytes_up"]
+    # topk (1/16, 0.84 bits a parameter) sends under 4% of fp32's bytes up and hides more of its sync.
+    assert topk["reported_bytes_up"] < 0.04 * none["reported_bytes_up"]
     assert topk["exposed_sync_fraction"] < none["exposed_sync_fraction"]
     assert wan_links.leftovers() == []
 
