@@ -51,6 +51,11 @@ def why_not_available() -> str | None:
     for tool in ("ip", "tc"):
         if shutil.which(tool) is None:
             return f"needs the {tool!r} command"
+    probe = f"{PREFIX}-probe-{os.getpid()}"  # root in a container may still lack CAP_NET_ADMIN
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    if made.returncode:
+        return f"cannot make a network namespace here ({made.stderr.strip() or made.returncode})"
     return None
 
 
