@@ -60,8 +60,7 @@ def chunk_step(numel: int, codec: str, block: int, fraction: float) -> int:
     """Values encoded or decoded at a time: whole blocks whose bytes start on a byte
     boundary (an even count of int4 blocks; a multiple of 8 topk blocks)."""
     if codec == "topk":
-        width = topk.shape_of(numel, block, fraction)[0] or 1
-        return topk.blocks_per_chunk(numel, block, fraction, _CHUNK) * width
+        return topk.chunk_values(numel, block, fraction, _CHUNK)
     if codec in _QMAX:
         return max(2, (_CHUNK // block) // 2 * 2) * block
     return _CHUNK
@@ -125,11 +124,7 @@ def _encode_into(
     for lo in range(0, n, step):
         part = flat[lo : lo + step]
         if codec == "topk":
-            s, p = topk.encode(part, n, block, fraction)
-            first = lo // topk.shape_of(n, block, fraction)[0]
-            scales[4 * first : 4 * first + s.nbytes] = s
-            start = topk.payload_offset(n, block, fraction, first)
-            payload[start : start + p.nbytes] = p
+            topk.encode_into(part, lo, n, block, fraction, scales, payload)
             continue
         s, p = _encode(part, codec, block)
         if codec in _QMAX:

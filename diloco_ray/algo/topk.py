@@ -49,16 +49,24 @@ def sections(numel: int, block: int, fraction: float) -> tuple[int, int]:
     return _SCALE_BYTES * blocks, -(-blocks * k * (bits + 2) // 8)
 
 
-def payload_offset(numel: int, block: int, fraction: float, first_block: int) -> int:
-    """The payload byte where block ``first_block`` starts (a multiple of 8 blocks)."""
-    _, k, bits = shape_of(numel, block, fraction)
-    return first_block * k * (bits + 2) // 8
-
-
-def blocks_per_chunk(numel: int, block: int, fraction: float, chunk_values: int) -> int:
-    """Blocks encoded at a time: a multiple of 8, so every chunk's bits start on a byte."""
+def chunk_values(numel: int, block: int, fraction: float, chunk: int) -> int:
+    """Values encoded at a time: whole blocks, a multiple of 8 of them, so every chunk's
+    bits start on a byte (about ``chunk`` values, at least 8 blocks)."""
     width = shape_of(numel, block, fraction)[0] or 1
-    return max(8, chunk_values // width // 8 * 8)
+    return max(8, chunk // width // 8 * 8) * width
+
+
+def encode_into(
+    part: torch.Tensor, lo: int, numel: int, block: int, fraction: float, scales: np.ndarray, payload: np.ndarray
+) -> None:
+    """:func:`encode` of the chunk ``part`` (values ``lo...`` of the tensor; ``lo`` from
+    :func:`chunk_values`' steps), written where it belongs in the tensor's sections."""
+    width, k, bits = shape_of(numel, block, fraction)
+    first = lo // width
+    s, p = encode(part, numel, block, fraction)
+    scales[_SCALE_BYTES * first : _SCALE_BYTES * first + s.nbytes] = s
+    start = first * k * (bits + 2) // 8
+    payload[start : start + p.nbytes] = p
 
 
 def _bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
