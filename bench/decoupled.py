@@ -26,8 +26,9 @@ per run:
 ``--set KEY=VALUE`` applies to every run (e.g. ``decoupled_momentum=every_step``);
 ``--modes``, ``--speeds``, ``--seeds``, ``--rounds`` pick runs; ``--out FILE`` writes
 every run's figures and records as JSON, and ``--sync-from FILE`` reuses such a file's
-synchronous runs (compare decoupled variants without running sync again). About 3-4 minutes a run here (a ``slow``
-synchronous run more): the default 12 runs take 45-60 minutes.
+synchronous runs (compare decoupled variants without running sync again). About 3-4
+minutes a run here (a ``slow`` synchronous run more): the default 12 runs take 45-60
+minutes.
 """
 
 from __future__ import annotations

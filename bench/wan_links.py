@@ -186,17 +186,12 @@ class Regions:
     def counters(self) -> dict[str, dict[str, int]]:
         """Region name -> bytes (``up``, ``down``) and packets (``up_packets``,
         ``down_packets``) it has sent and received so far."""
-        out = {}
-        for r in self.regions:
-            stats = f"/sys/class/net/{r.host_end}/statistics"
-            read = {}
-            for key, name in (("up", "rx_bytes"), ("down", "tx_bytes"), ("up_packets", "rx_packets")):
-                with open(f"{stats}/{name}") as f:
-                    read[key] = int(f.read())
-            with open(f"{stats}/tx_packets") as f:
-                read["down_packets"] = int(f.read())
-            out[r.name] = read
-        return out
+        # The root end's rx is what the region sent, its tx what the region received.
+        names = {"up": "rx_bytes", "down": "tx_bytes", "up_packets": "rx_packets", "down_packets": "tx_packets"}
+        return {
+            r.name: {key: _read_int(f"/sys/class/net/{r.host_end}/statistics/{name}") for key, name in names.items()}
+            for r in self.regions
+        }
 
     # ---- Ray -----------------------------------------------------------------------------
     def in_region(self, region: Region, *cmd: str) -> list[str]:
@@ -247,6 +242,11 @@ class Regions:
         for name in sh("ip", "netns", "list", check=False).split():
             if name.startswith(f"{PREFIX}-"):
                 sh("ip", "netns", "del", name, check=False)
+
+
+def _read_int(path: str) -> int:
+    with open(path) as f:
+        return int(f.read())
 
 
 def _kill(pids: list[str]) -> None:
