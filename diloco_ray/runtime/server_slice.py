@@ -81,7 +81,7 @@ class ServerSlice:
         found = []
         covered = dict.fromkeys(target, 0)
         for r, buf in enumerate(buffers):
-            pieces, meta = compression.unpack_pieces(buf, self.names, lazy=True)
+            pieces, _ = compression.unpack_pieces(buf, self.names, lazy=True)
             for name, (start, piece) in pieces.items():
                 span = (start, start + partition.num_rows(piece.shape))
                 if name not in target or partition.intersect({name: span}, target) != {name: span}:
