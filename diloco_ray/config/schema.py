@@ -150,6 +150,7 @@ class TrainerConfig:
     output_dir: str = _f("outputs/diloco", "where config.yaml, metrics.jsonl, checkpoints/ and final/ go")
     overwrite_output_dir: bool = _f(False, "allow a new run into an output_dir that already holds one")
     eval_batches: int = _f(10, "eval batches after each outer update (0: no eval)", ge=0)
+    eval_every: int = _f(1, "evaluate after every this many outer rounds and after the last (decoupled: rounds' worth of merged tokens); each eval sends the fp32 weights down one replica's link", ge=1)
     early_stopping_patience: Optional[int] = _f(None, "stop after this many rounds without eval loss improving (null: never)", ge=1)
     early_stopping_threshold: float = _f(0.0, "how much eval loss must fall to count as improving", ge=0.0)
     checkpoint_steps: Optional[int] = _f(None, "checkpoint at the first round boundary after this many inner steps (decoupled: at the first merge after this many rounds' worth of merged inner steps; null: never)", ge=1)

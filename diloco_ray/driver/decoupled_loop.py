@@ -19,7 +19,7 @@ step (a *merge*):
    :meth:`~diloco_ray.algo.merge_timing.MergeTiming.merge_deadline`), then merge:
    each contribution weighted by its tokens and discounted by its staleness, divided by
    one round's worth of tokens (:func:`~diloco_ray.algo.decoupled.merge_weighting`);
-4. when the merge completes a round's worth of tokens (and at the end), evaluate on a
+4. when the merge completes ``eval_every`` rounds' worth of tokens (and at the end), evaluate on a
    replica that was merged (it is idle; the others keep training), and return the
    merge's record. Evaluating at every merge would keep merged replicas idle more often,
    and these points line up with a synchronous run's rounds (equal tokens).
@@ -43,7 +43,7 @@ from diloco_ray.algo import decoupled
 from diloco_ray.algo.aggregate import NON_FINITE
 from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
-from diloco_ray.driver.policies import MAX_ROUND_RETRIES
+from diloco_ray.driver.policies import MAX_ROUND_RETRIES, eval_due
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.driver.round_loop import Handout, Period, RoundLoop
 from diloco_ray.runtime.messages import Contribution, Launch
@@ -113,10 +113,10 @@ class DecoupledLoop(RoundLoop):
 
     def _evaluate(self, host):
         """On a replica just merged: it is idle, while the others go on training. Only when
-        this merge completed a round's worth of tokens, or ended the run (None otherwise)."""
-        if not (decoupled.cycle_ends(self.work_before, self.work) or self.finished()):
-            return None
-        return host.evaluate(among=list(self.arrived))
+        this merge completed ``eval_every`` rounds' worth of tokens, or ended the run (None
+        otherwise)."""
+        due = eval_due(self.work_before, self.work, self.config.eval_every, self.finished())
+        return host.evaluate(among=list(self.arrived), due=due)
 
     # ---- one merge, recovered as a unit ------------------------------------------------
     def run_round(self, host) -> dict:

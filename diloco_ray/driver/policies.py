@@ -8,10 +8,12 @@ trainer ask, these answer, and the caller acts. Each is unit-tested on plain val
 * :func:`attempt_verdict` -- whether a sync's result lets plain DiLoCo proceed.
 * :func:`checkpoint_due` -- whether the round just applied is checkpointed.
 * :func:`early_stop` -- whether eval loss has stopped improving.
+* :func:`eval_due` -- whether the global weights are evaluated after this update.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
@@ -95,3 +97,14 @@ def early_stop(
     if min(losses[-patience:]) < best_before - threshold:
         return None
     return EarlyStop(best=min(losses), patience=patience)
+
+
+def eval_due(rounds_before: float, rounds_after: float, every: int, finished: bool) -> bool:
+    """Whether the update that moved the rounds done (decoupled mode: rounds' worth of merged
+    tokens) from ``rounds_before`` to ``rounds_after`` is evaluated: when it passes a multiple
+    of ``every`` (``eval_every``), or ends the run.
+
+    An eval fetches the fp32 global weights to a replica, a whole model down its link each
+    time (40x what ``topk`` sends up), so over slow links a user evaluates less often."""
+    eps = 1e-9  # fractions of a round that add up to a whole one, with round-off
+    return finished or math.floor((rounds_after + eps) / every) > math.floor((rounds_before + eps) / every)

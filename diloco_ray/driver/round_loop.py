@@ -29,7 +29,7 @@ from diloco_ray.algo.aggregate import NON_FINITE
 from diloco_ray.algo.outer import sync_advances
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver.calls import RayCalls
-from diloco_ray.driver.policies import RoundOutcome, attempt_verdict, give_up_after, too_few_reported
+from diloco_ray.driver.policies import RoundOutcome, attempt_verdict, eval_due, give_up_after, too_few_reported
 from diloco_ray.driver.poll import PeriodPoll
 from diloco_ray.observe.records import round_record
 from diloco_ray.persist import snapshot
@@ -227,7 +227,10 @@ class RoundLoop:
         return record
 
     def _evaluate(self, host):
-        return host.evaluate()
+        """After the round just applied (``round_index`` is the next one), when ``eval_every``
+        says so (None otherwise)."""
+        due = eval_due(self.round_index - 1, self.round_index, self.config.eval_every, self.finished())
+        return host.evaluate(due=due)
 
     def finished(self) -> bool:
         """Whether the run has trained what it was asked to (``diloco_loops`` rounds)."""

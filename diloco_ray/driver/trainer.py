@@ -307,11 +307,11 @@ class DilocoFSDPTrainer:
             self._global_refs = self.server.global_weights()
         return self._global_refs
 
-    def evaluate(self, among: Optional[list] = None) -> Optional[float]:
-        """Eval loss of the new global weights on a live replica (None: no eval, or none left);
-        with ``among`` (replica ids), on one of those first (decoupled mode: an idle one)."""
+    def evaluate(self, among: Optional[list] = None, due: bool = True) -> Optional[float]:
+        """After every update: eval loss of the new global weights on a live replica when ``due``
+        (None: not due, no eval, or none left); ``among``: ids to try first (decoupled: idle ones)."""
         self._global_refs, self.eval_bytes_down = None, 0  # the weights moved: fetched on demand
-        if self.config.eval_batches == 0:
+        if not due or self.config.eval_batches == 0:
             return None
         results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()), among)
         if results is None:

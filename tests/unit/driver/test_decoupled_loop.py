@@ -191,8 +191,8 @@ class Host:
     def notify(self, hook, *args):
         self.calls.append(hook)
 
-    def evaluate(self, among=None):
-        return 1.0
+    def evaluate(self, among=None, due=True):
+        return 1.0 if due else None
 
     def inject_faults(self):
         self.calls.append(("inject_faults", self.loop.round_index, sorted(self.loop.flights)))
@@ -258,6 +258,16 @@ def test_a_delayed_cycle_of_single_merges_is_the_synchronous_round_at_the_defaul
     cfg = host.loop.config
     reference = synchronous_step(cfg, [(reps[0].jobs[0].plan, 40.0), (reps[1].jobs[0].plan, 40.0)])
     assert max_diff(host.server.weights(), reference) < 1e-6
+
+
+@pytest.mark.parametrize("every, evaluated", [(1, [False, True, False, True]), (2, [False, False, False, True])])
+def test_merges_are_evaluated_every_eval_every_rounds_worth(tmp_path, every, evaluated):
+    """Single merges of half a round each: an eval at each round's worth by default, at
+    every second one with eval_every 2."""
+    host, reps = make(tmp_path, eval_every=every, delays={0: [0, 9, 0, 9], 1: [1, 0, 1, 0]})
+    merged = [host.merge() for _ in range(4)]
+    assert [r["work"] for r in merged] == pytest.approx([0.5, 1.0, 1.5, 2.0])
+    assert [r["eval_loss"] is not None for r in merged] == evaluated
 
 
 @pytest.mark.parametrize("rule, stale", [("delayed", 1), ("every_step", 2)])

@@ -8,6 +8,7 @@ from diloco_ray.driver.policies import (
     attempt_verdict,
     checkpoint_due,
     early_stop,
+    eval_due,
     give_up_after,
     too_few_reported,
 )
@@ -32,6 +33,23 @@ from diloco_ray.driver.policies import (
 )
 def test_checkpoint_every_checkpoint_steps_rounded_up_to_rounds(round_index, last, every, due):
     assert checkpoint_due(round_index, last, every, max_steps=4) is due
+
+
+@pytest.mark.parametrize(
+    "before, after, every, finished, due",
+    [
+        (0, 1, 1, False, True),  # the default: after every round
+        (0, 1, 3, False, False),
+        (2, 3, 3, False, True),  # after rounds 3, 6, ...
+        (3, 4, 3, True, True),  # and after the last, whatever the count
+        # Decoupled mode counts rounds' worth of merged tokens: half-round merges.
+        (1.5, 2.0, 2, False, True),
+        (2.0, 2.5, 2, False, False),
+        (0.1 + 0.2 + 0.3, 0.1 + 0.2 + 0.3 + 0.4, 1, False, True),  # shares that add up, with round-off
+    ],
+)
+def test_eval_after_every_eval_every_rounds_and_the_last(before, after, every, finished, due):
+    assert eval_due(before, after, every, finished) is due
 
 
 def test_early_stop_after_patience_rounds_without_improvement():

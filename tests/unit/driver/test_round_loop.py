@@ -155,8 +155,8 @@ class Host:
     def notify(self, hook, *args):
         self.calls.append(hook)
 
-    def evaluate(self):
-        return 1.5
+    def evaluate(self, due=True):
+        return 1.5 if due else None
 
     def inject_faults(self):
         fired = frozenset(c for c in self.calls if isinstance(c, tuple))
@@ -189,6 +189,12 @@ def test_every_replica_reports_and_the_round_is_applied(tmp_path):
     assert loop.round_index == 1 and loop.handout.version == 1 == host.server.version
     assert loop.handout.messages == ["weights v1"] and not loop.handout.full
     assert [job.version for job in reps[0].jobs] == [0]
+
+
+def test_eval_every_evaluates_every_nth_round_and_the_last(tmp_path):
+    loop, host, reps = make(tmp_path, eval_every=2, diloco_loops=5)
+    losses = [loop.run_round(host)["eval_loss"] for _ in range(5)]
+    assert losses == [None, 1.5, None, 1.5, 1.5]  # after rounds 2 and 4, and the last (5)
 
 
 def test_a_killed_replica_is_dropped_and_the_others_are_applied(tmp_path):
