@@ -20,7 +20,8 @@ values.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+import hashlib
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -213,6 +214,19 @@ class RankSync:
             )
             out.append(buf)
         return out
+
+    def adopt(self, local: Mapping[str, torch.Tensor], expected: Optional[list]) -> tuple[list[str], bool]:
+        """Take the freshly built ``local`` as the servers' version 0 when its digests are
+        ``expected`` (the seeding rank's of the same rank index and world size): equal
+        digests mean the same fp32 bytes, so the round-0 full load would bring nothing and
+        is skipped. Returns (this rank's digest of what :meth:`seed` packs, per server;
+        whether it was adopted)."""
+        digests = [hashlib.blake2b(memoryview(buf), digest_size=16).hexdigest() for buf in self.seed(local)]
+        held = digests == expected
+        if held:
+            self.anchor = {n: self._new_anchor(t) for n, t in local.items()}
+            self.versions = [0] * len(self.versions)
+        return digests, held
 
     # ---- state that a checkpoint keeps ---------------------------------------------------
     def state_dict(self, with_anchor: bool) -> dict:

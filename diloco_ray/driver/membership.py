@@ -195,6 +195,23 @@ class Membership:
                 self.remove(rep, "unresponsive")
         return None
 
+    def adopt_initial(self, seed: Replica) -> list[int]:
+        """Let each active replica whose ranks built the seeding replica's weights (same
+        world size, equal digests rank by rank) take them as the servers' version 0, so the
+        round-0 full load does not send them back down its link; the ids that did (the
+        rest, and any that fail to answer, load them as before)."""
+        wait, adopted = self.config.call_timeout_s, []
+        expected = [digests for digests, _ in ray.get(seed.adopt_initial(None), timeout=wait)]
+        for rep in self.active:
+            if rep.world_size != seed.world_size:
+                continue
+            try:
+                if all(held for _, held in ray.get(rep.adopt_initial(expected), timeout=wait)):
+                    adopted.append(rep.id)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                pass  # its first period finds it dead or slow, as any other
+        return adopted
+
     def reconcile(self, target: int, wait_s: float = 0.0) -> None:
         """Apply :func:`decide` (spares first), then admit starting replicas that are
         ready, waiting up to ``wait_s`` seconds for as many as the target still lacks."""

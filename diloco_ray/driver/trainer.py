@@ -224,9 +224,9 @@ class DilocoFSDPTrainer:
                 if step is not None:
                     self.loop.resume_steps[slot] = step
         else:
-            seed = self.replicas[0]  # every rank builds the same initial model
-            self.shapes = seed.shapes
+            seed, self.shapes = self.replicas[0], self.replicas[0].shapes  # every rank builds the same model
             self.server.initialize(seed.seed_pieces(), seed.shapes)
+            log.info("replicas %s built the initial weights: no round-0 load", self.members.adopt_initial(seed))
             self.round_index = 0
             self._after_restore(reset=False)
             if cfg.checkpoint_steps is not None:

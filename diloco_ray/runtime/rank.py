@@ -165,6 +165,10 @@ class RankWorker(RankBatches, RankState, RankOutput):
         buffers = self.sync.seed(self._local_rows())
         return buffers[0] if len(buffers) == 1 else buffers
 
+    def adopt_initial(self, expected: list | None) -> tuple[list[str], bool]:
+        """:meth:`~diloco_ray.algo.rank_sync.RankSync.adopt` of this rank's freshly built rows."""
+        return self.sync.adopt(self._local_rows(), expected)
+
     def _local_rows(self) -> dict[str, torch.Tensor]:
         return {n: local_rows_of(p) for n, p in self.params}
 

@@ -112,6 +112,11 @@ class Replica:
         refs = [[ref] if servers == 1 else ref for ref in refs]
         return [[per_rank[s] for per_rank in refs] for s in range(servers)]
 
+    def adopt_initial(self, expected: list | None) -> list:
+        """Refs to each rank's (digests, adopted) of its freshly built weights, given the
+        seeding replica's per-rank digests (None: only report them)."""
+        return [r.adopt_initial.remote(None if expected is None else expected[i]) for i, r in enumerate(self.ranks)]
+
     def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:
         """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
         buffer refs; the ranks' stats refs)."""

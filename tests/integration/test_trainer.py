@@ -66,6 +66,9 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
         after = trainer.global_weights()
 
         assert first["replicas"] == 2 and first["dropped"] == []
+        # Every rank built the seeded weights (equal digests): nothing came down in round 0,
+        # and the pseudo-gradients below are still exactly against them.
+        assert first["bytes_down"] == 0
         pseudo_grads, weights = [], []
         for _, weight, rank_pieces in recorded:
             assert len(rank_pieces) == 2  # each FSDP rank sent its own rows
@@ -86,6 +89,7 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
             torch.testing.assert_close(torch.from_numpy(value), expected[name], rtol=0, atol=1e-6)
 
         later = [trainer.run_round() for _ in range(2)]
+        assert later[0]["bytes_down"] > 0  # the first update comes down
         assert later[-1]["eval_loss"] < first["eval_loss"]
         assert later[-1]["train_loss"] < first["train_loss"]
     finally:

@@ -113,6 +113,29 @@ def test_already_held_version_is_skipped():
     assert sync.versions == [1]
 
 
+@pytest.mark.parametrize("world_size, servers", [(1, 1), (2, 2)])
+def test_a_rank_that_built_the_seeded_weights_adopts_them_as_version_0(world_size, servers):
+    """Equal digests, rank by rank: the rank holds exactly what the round-0 full load would
+    bring (anchor and versions), so it skips it; other weights, or no digests, change nothing."""
+    weights = full(1, WITH_SCALAR)
+    for rank in range(world_size):
+        seeder = RankSync(WITH_SCALAR, world_size=world_size, rank=rank, servers=servers)
+        expected, held = seeder.adopt(local_of(weights, world_size, rank), None)
+        assert not held and seeder.versions == [-1] * servers and seeder.anchor == {}
+        same = RankSync(WITH_SCALAR, world_size=world_size, rank=rank, servers=servers)
+        local = local_of(weights, world_size, rank)
+        assert same.adopt(local, expected) == (expected, True)
+        assert same.decide_load(0, fragment_message=False) == "skip" and same.versions == [0] * servers
+        loaded = RankSync(WITH_SCALAR, world_size=world_size, rank=rank, servers=servers)
+        loaded.apply([message(weights, 0)] * servers, local_of(full(3, WITH_SCALAR), world_size, rank))
+        for n in WITH_SCALAR:  # what a full load of the seeded weights would have left
+            assert torch.equal(same.anchor[n], loaded.anchor[n])
+            assert same.anchor[n].data_ptr() != local[n].data_ptr()  # a copy: training moves local
+        other = RankSync(WITH_SCALAR, world_size=world_size, rank=rank, servers=servers)
+        assert other.adopt(local_of(full(2, WITH_SCALAR), world_size, rank), expected)[1] is False
+        assert other.versions == [-1] * servers
+
+
 def test_gap_needs_a_full_load():
     sync = RankSync(SHAPES, world_size=1, rank=0)
     local = local_of(full(3), 1, 0)
