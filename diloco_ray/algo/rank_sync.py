@@ -64,6 +64,7 @@ class RankSync:
         block: int = codecs.DEFAULT_BLOCK,
         anchor_on_host: bool = False,
         fraction: float = codecs.DEFAULT_FRACTION,
+        overlap: bool = False,
     ):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.names = list(self.shapes)
@@ -82,6 +83,11 @@ class RankSync:
         self.anchor: dict[str, torch.Tensor] = {}
         self.residual: dict[str, torch.Tensor] = {}
         self.versions = [-1] * servers
+        # Overlap with error feedback: per fragment in flight, this rank's local rows of it
+        # as they were sent (name -> (first row, rows)), for the merge (see apply).
+        self.fragment_rows = partition.fragments(self.shapes, fragments)
+        self.keeps_sent = overlap and self.error_feedback
+        self.sent_local: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
 
     # ---- what comes down ---------------------------------------------------------------
     def decide_load(self, version: int, fragment_message: bool) -> str:
@@ -101,7 +107,11 @@ class RankSync:
         A full message (no ``fragment``) replaces both. A fragment message moves the
         anchor to the new global rows and either replaces the local rows too or, with
         ``merge`` (overlapping communication), blends them:
-        ``local = alpha * local + (1 - alpha) * global``.
+        ``local = alpha * local + (1 - alpha) * global``. With error feedback the blend would
+        count twice what the codec left out (``alpha`` of it stays in ``local``, all of it in
+        the residual: with ``topk`` most of the update), so the rows become the new global
+        rows plus only the steps run since the fragment was sent:
+        ``local = global + (local - local as sent)``.
 
         Args:
             buffers: one packed message per server, in server order.
@@ -111,9 +121,14 @@ class RankSync:
         Raises:
             NeedsFullLoad: a fragment message does not follow the version held.
         """
+        sent: dict = {}
         for s, buf in enumerate(buffers):
             pieces, meta = compression.unpack_pieces(buf, self.names)
             full = meta.get("fragment") is None
+            if full:
+                self.sent_local = {}  # replaced: nothing in flight is merged any more
+            elif merge:
+                sent = self.sent_local.get(meta["fragment"], {})
             if meta["version"] <= self.versions[s]:
                 continue
             if not full and meta["version"] != self.versions[s] + 1:
@@ -133,11 +148,16 @@ class RankSync:
                 else:
                     anchor.copy_(new)
                 rows = partition.take(local[name], mine, offset)
-                if merge and not full:
+                if merge and not full and name in sent:
+                    first, as_sent = sent[name]
+                    rows.add_((anchor - partition.take(as_sent, mine, first)).to(rows.device, rows.dtype))
+                elif merge and not full:
                     rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
                 else:
                     rows.copy_(anchor)
             self.versions[s] = meta["version"]
+        if merge and not full:
+            self.sent_local.pop(meta["fragment"], None)
 
     def _new_anchor(self, local: torch.Tensor) -> torch.Tensor:
         """An fp32 copy of ``local`` where the anchor lives: beside it, or on the host."""
@@ -159,6 +179,12 @@ class RankSync:
             for rows in plan
         )
         stamp = links.stamp(link, link_bytes)
+        if self.keeps_sent:
+            held = partition.intersect(self.fragment_rows[fragment], self.held)
+            self.sent_local[fragment] = {
+                n: (iv[0], partition.take(local[n], iv, self.held[n][0]).detach().float().clone())
+                for n, iv in held.items()
+            }
         out = []
         for rows in plan:
             residual = self._residual_rows(rows) if self.error_feedback else None
@@ -225,7 +251,7 @@ class RankSync:
         held = digests == expected
         if held:
             self.anchor = {n: self._new_anchor(t) for n, t in local.items()}
-            self.versions = [0] * len(self.versions)
+            self.versions, self.sent_local = [0] * len(self.versions), {}
         return digests, held
 
     # ---- state that a checkpoint keeps ---------------------------------------------------
@@ -234,7 +260,7 @@ class RankSync:
         they may differ from the global weights at a round boundary)."""
         state = {"residual": dict(self.residual)}
         if with_anchor:
-            state.update(anchor=dict(self.anchor), versions=list(self.versions))
+            state.update(anchor=dict(self.anchor), versions=list(self.versions), sent_local=dict(self.sent_local))
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -242,6 +268,8 @@ class RankSync:
         if "anchor" in state:
             self.anchor = {n: t.clone() for n, t in state["anchor"].items()}
             self.versions = list(state["versions"])
+            sent = state.get("sent_local") or {}
+            self.sent_local = {f: {n: (r, t.clone()) for n, (r, t) in rows.items()} for f, rows in sent.items()}
 
 
 def _span(s: slice) -> tuple[int, int]:

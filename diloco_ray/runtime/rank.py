@@ -126,6 +126,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
             cfg.compression_block,
             cfg.anchor_on_host,
             cfg.topk_fraction,
+            cfg.overlap_communication,
         )
         self.tokens = self._token_data(token_data)
         self._batches: tuple | None = None

@@ -232,6 +232,51 @@ def test_merge_blends_fragment_messages(alpha):
         assert torch.equal(sync.anchor[n], new_global[r]), n
 
 
+@pytest.mark.parametrize("world_size, rank", [(1, 0), (2, 1)])
+def test_with_error_feedback_a_returning_fragment_keeps_only_the_steps_since_its_send(world_size, rank):
+    """Overlap + topk: the rows become the new global rows plus the steps run while the
+    fragment travelled; what topk left out is in the residual alone, so the next
+    pseudo-gradient plus the residual counts it once (the alpha blend kept half of it in
+    the rows as well: counted 1.5 times)."""
+    shapes = WITH_SCALAR
+    sync = RankSync(shapes, world_size, rank, fragments=2, codec="topk", fraction=1 / 8, overlap=True)
+    a, g = full(1, shapes), full(2, shapes)
+    local = local_of(full(4, shapes), world_size, rank)
+    sync.apply([message(a, 0)], local)
+    as_sent = {n: t.clone() for n, t in local_of(full(3, shapes), world_size, rank).items()}
+    for n in shapes:
+        local[n].copy_(as_sent[n])
+    sync.outgoing(0, local)  # fragment 0 leaves; what topk kept out goes to the residual
+    steps = {n: 0.01 * torch.randn(t.shape, generator=torch.Generator().manual_seed(5)) for n, t in local.items()}
+    for n in shapes:
+        local[n].add_(steps[n])  # the next period's steps, while fragment 0 travels
+    target = fragment_rows(0, shapes=shapes)
+    sync.apply([message(g, 1, fragment=0, target=target)], local, merge=True)
+    for n, shape in shapes.items():
+        expect = as_sent[n] + steps[n]  # rows of the other fragment: untouched
+        if n in target and not shape:  # a 0-d tensor: every rank holds it
+            expect = g[n] + steps[n]
+        elif n in target:
+            lo, hi = target[n]
+            mine = shard_rows(shape[0], world_size, rank)
+            for row in range(max(lo, mine.start), min(hi, mine.stop)):
+                expect[row - mine.start] = g[n][row] + steps[n][row - mine.start]
+        torch.testing.assert_close(local[n], expect, rtol=0, atol=1e-6)
+    assert sync.sent_local == {}  # used once
+    # A full load replaces everything: a snapshot left in flight is not merged later.
+    sync.outgoing(1, local)
+    sync.apply([message(a, 2)], local)
+    assert sync.sent_local == {}
+
+
+def test_without_error_feedback_overlap_keeps_the_alpha_blend():
+    sync = RankSync(SHAPES, 1, 0, fragments=2, codec="int8", overlap=True)
+    assert not sync.keeps_sent  # int8 without error_feedback: nothing left out to count twice
+    sync.apply([message(full(1), 0)], local := local_of(full(4), 1, 0))
+    sync.outgoing(0, local)
+    assert sync.sent_local == {}
+
+
 # ------------------------------------------------------------------------------ outgoing
 
 
@@ -403,6 +448,20 @@ def test_state_dict_round_trip_with_anchor():
     other.load_state_dict(sync.state_dict(with_anchor=True))
     for mine, theirs in zip(sync.outgoing(1, local), other.outgoing(1, local)):
         assert mine.tobytes() == theirs.tobytes()
+
+
+def test_state_dict_keeps_the_fragment_in_flight():
+    """A checkpoint taken while a fragment travels (overlap + error feedback) keeps its rows as
+    sent, so a resumed rank merges it by the same rule."""
+    sync = RankSync(SHAPES, 1, 0, fragments=2, codec="topk", overlap=True)
+    local = local_of(full(4), 1, 0)
+    sync.apply([message(full(1), 0)], local)
+    sync.outgoing(1, local)
+    other = RankSync(SHAPES, 1, 0, fragments=2, codec="topk", overlap=True)
+    other.load_state_dict(sync.state_dict(with_anchor=True))
+    assert set(other.sent_local) == {1}
+    for n, (first, rows_as_sent) in sync.sent_local[1].items():
+        assert other.sent_local[1][n][0] == first and torch.equal(other.sent_local[1][n][1], rows_as_sent)
 
 
 def test_state_dict_without_anchor_keeps_residuals_only():
