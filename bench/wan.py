@@ -30,7 +30,8 @@ beside what the round records report:
   the weights come down are TCP's acknowledgements of them: 66 bytes each);
 * ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control / 2) / reported;
 * ``exposed_sync_fraction``: summed ``sync_seconds`` over summed ``round_seconds``;
-* ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``.
+* ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``; ``rounds``: each
+  round's seconds (round, sync, compute, eval) and reported bytes.
 
 It runs 100, 20 and 5 Mbit/s with codecs ``none``, ``int8`` and ``topk`` (weights down:
 ``none``, ``int8``, ``int8``),
@@ -62,6 +63,8 @@ CODECS = ("none", "int8", "topk")
 # training from stale weights (bench/low_bandwidth.py --frontier), so topk's down is int8.
 DOWN = {"none": "none", "int8": "int8", "topk": "int8"}
 IDLE_SECONDS = 20.0
+# Each round's figures kept in --out, to see where a run's seconds and bytes went.
+ROUND_KEYS = ("round", "round_seconds", "sync_seconds", "compute_seconds", "eval_seconds", "bytes_up", "bytes_down")
 
 
 def variants(quick: bool) -> list[tuple[float, str, bool]]:
@@ -178,6 +181,7 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
         "round_seconds": statistics.median(r["round_seconds"] for r in every),
         "final_eval_loss": every[-1]["eval_loss"],
         "wall_seconds": log.samples[-1][0] - log.samples[0][0],
+        "rounds": [{key: r.get(key) for key in ROUND_KEYS} for r in every],
     }
 
 
