@@ -65,6 +65,7 @@ class RankSync:
         anchor_on_host: bool = False,
         fraction: float = codecs.DEFAULT_FRACTION,
         overlap: bool = False,
+        decay: float = 1.0,
     ):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.names = list(self.shapes)
@@ -72,6 +73,7 @@ class RankSync:
         self.codec, self.alpha, self.block, self.fraction = codec, alpha, block, fraction
         self.anchor_on_host = anchor_on_host
         self.error_feedback = (error_feedback or codec == "topk") and codec != "none"
+        self.decay = decay  # the residual's weight in the next sync (error_feedback_decay)
         # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
         self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
         mine = partition.rank_rows(self.shapes, world_size, rank)
@@ -188,6 +190,9 @@ class RankSync:
         out = []
         for rows in plan:
             residual = self._residual_rows(rows) if self.error_feedback else None
+            if residual is not None and self.decay != 1.0:
+                for view in residual.values():
+                    view.mul_(self.decay)
 
             def fill(name: str, into: torch.Tensor, rows=rows) -> None:
                 # anchor - local, written straight into the message: no full-size temporary.

@@ -122,6 +122,7 @@ class TrainerConfig:
     # --- sync over slow links -----------------------------------------------------------
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales; topk: per block the topk_fraction largest values, 2 bits each, with error feedback always on)")
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none; always on with topk)")
+    error_feedback_decay: float = _f(1.0, "with error feedback, each sync sends the codec's share of pseudo-gradient + decay x residual (SparseLoCo: 0.95 with outer_momentum 0, the residual standing in for outer momentum)", ge=0.0, le=1.0)
     anchor_on_host: bool = _f(False, "on GPU, keep each rank's anchor (its rows of the global weights, 4 bytes per parameter over the replica's ranks) in pinned host memory instead of GPU memory, as torchft does; the pseudo-gradient is then taken on the host")
     weights_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
     compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs, and per top-k selection for topk", ge=16)

@@ -115,18 +115,9 @@ class RankWorker(RankBatches, RankState, RankOutput):
         self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
         self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
         self.sync = RankSync(
-            self.shapes,
-            self.world_size,
-            self.rank,
-            cfg.num_param_servers,
-            cfg.sync_fragments,
-            cfg.pseudo_grad_compression,
-            cfg.error_feedback,
-            cfg.fragment_alpha,
-            cfg.compression_block,
-            cfg.anchor_on_host,
-            cfg.topk_fraction,
-            cfg.overlap_communication,
+            *(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments),
+            *(cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block),
+            *(cfg.anchor_on_host, cfg.topk_fraction, cfg.overlap_communication, cfg.error_feedback_decay),
         )
         self.tokens = self._token_data(token_data)
         self._batches: tuple | None = None
@@ -198,6 +189,8 @@ class RankWorker(RankBatches, RankState, RankOutput):
         if job.reset:  # the servers were restored from a checkpoint: reload everything
             self.sync.versions = [-1] * len(self.sync.versions)
         received = self._receive(job, merge=False, full_only=late_merge)
+        if late_merge:
+            transport.prefetch(job.messages)  # it downloads while the steps run
         restarted = False
         if fragment == 0:
             restarted = self._begin_round(job, resuming=bool(snapshots and snapshots.resume_step))

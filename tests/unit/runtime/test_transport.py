@@ -44,3 +44,18 @@ def test_the_readers_own_downlink_counts_every_byte_it_reads(slept):
     transport.receive(bufs, link)
     expected = sum(len(b) for b in bufs) / 1e6  # bytes at 1 MB/s
     assert len(slept) == 1 and expected * 0.95 < slept[0] <= expected
+
+
+def test_prefetch_starts_the_download_of_refs_without_waiting(monkeypatch):
+    """An overlapped merge reads its message after the next inner steps; prefetch asks Ray to
+    bring the objects here at once (fetch_local, no wait), so the download runs beside the
+    steps over a real link. Buffers already in hand are left alone."""
+    import ray
+
+    asked = []
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: asked.append((refs, kw)) or (refs, []))
+    refs = [ray.ObjectRef(b"\x01" * 28), ray.ObjectRef(b"\x02" * 28)]
+    transport.prefetch([refs[0], b"buffer", refs[1]])
+    assert asked == [(refs, {"num_returns": 2, "timeout": 0, "fetch_local": True})]
+    transport.prefetch([b"buffer"])  # nothing to fetch: Ray is not asked
+    assert len(asked) == 1
