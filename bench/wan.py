@@ -28,6 +28,9 @@ beside what the round records report:
   crossed anyway;
 * ``wire_packets_up`` / ``wire_packets_down``: packets, same window (most packets up while
   the weights come down are TCP's acknowledgements of them: 66 bytes each);
+* ``wire_up_tcp_payload``, ``wire_up_acks``, ``wire_up_ack_bytes`` (and ``wire_down_*``):
+  what the frames were, same window (:mod:`wan_capture`): TCP payload (the messages and
+  Ray's calls around them) and pure acknowledgements; the rest is frame headers;
 * ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control / 2) / reported;
 * ``exposed_sync_fraction``: summed ``sync_seconds`` over summed ``round_seconds``;
 * ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``; ``rounds``: each
@@ -53,6 +56,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import wan_capture  # noqa: E402
 import wan_links  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -63,6 +67,7 @@ CODECS = ("none", "int8", "topk")
 # training from stale weights (bench/low_bandwidth.py --frontier), so topk's down is int8.
 DOWN = {"none": "none", "int8": "int8", "topk": "int8"}
 IDLE_SECONDS = 20.0
+FRAME_KEYS = tuple(f"{way}_{key}" for way in ("up", "down") for key in wan_capture.KEYS)
 # Each round's figures kept in --out, to see where a run's seconds and bytes went.
 ROUND_KEYS = ("round", "round_seconds", "sync_seconds", "compute_seconds", "eval_seconds", "bytes_up", "bytes_down")
 
@@ -108,28 +113,36 @@ def read_rounds(out: str) -> list[dict]:
 
 
 class CounterLog:
-    """The links' counters read every ``period`` seconds in a thread, wall-clock stamped,
-    so the bytes of any time window (the training rounds) can be read off afterwards."""
+    """The links' counters, and what the frames on them were (:mod:`wan_capture`), read every
+    ``period`` seconds in a thread, wall-clock stamped, so the bytes of any time window (the
+    training rounds) can be read off afterwards."""
 
     def __init__(self, cluster: wan_links.Regions, period: float = 0.25):
         self.cluster, self.period = cluster, period
+        self.capture = wan_capture.Capture({r.name: r.host_end for r in cluster.regions[1:]})
         self.samples: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> "CounterLog":
-        self.samples.append((time.time(), self.cluster.counters()))
+        self.capture.start()
+        self.samples.append((time.time(), self._read()))
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append((time.time(), self.cluster.counters()))
+        self.samples.append((time.time(), self._read()))
+        self.capture.stop()
+
+    def _read(self) -> dict:
+        frames = self.capture.totals()
+        return {r: {**c, **frames.get(r, {})} for r, c in self.cluster.counters().items()}
 
     def _loop(self) -> None:
         while not self._stop.wait(self.period):
-            self.samples.append((time.time(), self.cluster.counters()))
+            self.samples.append((time.time(), self._read()))
 
     def between(self, start: float, end: float, what: tuple = ("up", "down")) -> tuple[int, ...]:
         """Replica-link (up, down) bytes from the last sample at or before ``start`` to the
@@ -157,6 +170,7 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
     start, end = rounds[0]["time"] - rounds[0]["round_seconds"], rounds[-1]["time"]
     up, down = log.between(start, end)
     up_packets, down_packets = log.between(start, end, ("up_packets", "down_packets"))
+    frames = dict(zip(FRAME_KEYS, log.between(start, end, FRAME_KEYS)))
     job_up, job_down = replica_traffic(log.samples[0][1], log.samples[-1][1])
     reported_up = sum(r["bytes_up"] for r in rounds)
     reported_down = sum(r["bytes_down"] + r.get("eval_bytes_down", 0) for r in rounds)
@@ -173,6 +187,7 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
         "control_bytes": round(control),
         "wire_packets_up": up_packets,
         "wire_packets_down": down_packets,
+        **{f"wire_{key}": value for key, value in frames.items()},
         "wire_ratio_up": (up - control / 2) / reported_up,
         "wire_ratio_down": (down - control / 2) / reported_down,
         "job_wire_bytes_up": job_up,
