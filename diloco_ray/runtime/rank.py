@@ -189,8 +189,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
         if job.reset:  # the servers were restored from a checkpoint: reload everything
             self.sync.versions = [-1] * len(self.sync.versions)
         received = self._receive(job, merge=False, full_only=late_merge)
-        if late_merge:
-            transport.prefetch(job.messages)  # it downloads while the steps run
+        fetched = transport.prefetch(job.messages) if late_merge else None  # downloads while the steps run
         restarted = False
         if fragment == 0:
             restarted = self._begin_round(job, resuming=bool(snapshots and snapshots.resume_step))
@@ -245,7 +244,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
                 break
         t2 = time.perf_counter()
         if late_merge and not aborted:
-            received += self._receive(job, merge=True)
+            received += self._receive(job, merge=True, fetched=fetched)
         t3 = time.perf_counter()
         if self.faults.drop_link and not aborted:
             self._wait_for_abort(attempt)  # the message never leaves; the driver gives up on it
@@ -302,7 +301,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
         """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""
         return self.sync.outgoing(fragment, self._local_rows(), link)
 
-    def _receive(self, job: SyncPeriod, merge: bool, full_only: bool = False) -> int:
+    def _receive(self, job: SyncPeriod, merge: bool, full_only: bool = False, fetched=None) -> int:
         """Bring this rank up to the weights of the job's sync version: skip messages it
         already holds, load everything after a gap, else apply them (blending them in
         with ``merge``). The transport waits out a simulated downlink. Returns the bytes received."""
@@ -314,7 +313,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
             received += self._apply(full, merge=False)
             decision = self.sync.decide_load(version, fragment_message=not job.full)
         if decision == "apply" and not full_only:
-            received += self._apply(transport.receive(job.messages, job.link), merge=merge)
+            received += self._apply(transport.receive(fetched or job.messages, job.link), merge=merge)
         return received
 
     @torch.no_grad()

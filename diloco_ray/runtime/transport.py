@@ -11,6 +11,8 @@ rate-limited links between real nodes are ``bench/wan.py``'s.
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import Future
 from typing import Optional
 
 from diloco_ray.algo import compression, links
@@ -26,24 +28,33 @@ def resolve(items: list) -> list:
     return [next(got) if isinstance(i, ray.ObjectRef) else i for i in items]
 
 
-def prefetch(items: list) -> None:
-    """Start bringing ``items``' objects to this node without waiting for them, so a
-    :func:`receive` later (an overlapped merge, at the end of the next inner steps) finds
-    them here: a ref nested in a task's argument is otherwise fetched only when read, and
-    over a real link that download would sit between the steps and the next send."""
-    import ray
+def prefetch(items: list) -> Future:
+    """Start bringing ``items``' objects to this node and return a future of their buffers,
+    for :func:`receive` to take later (an overlapped merge, at the end of the next inner
+    steps). A ref nested in a task's argument is otherwise fetched only when read, and over
+    a real link that download would sit between the steps and the next send. A thread
+    holds the fetch: Ray drops the pull of an object not yet made when a ``ray.wait`` ends.
+    A thread of its own per fetch, so one that never ends (a frozen server) holds up no
+    later one."""
+    future: Future = Future()
 
-    refs = [i for i in items if isinstance(i, ray.ObjectRef)]
-    if refs:
-        ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=True)
+    def fetch(items=list(items)) -> None:
+        try:
+            future.set_result(resolve(items))
+        except BaseException as error:  # handed to whoever reads the future
+            future.set_exception(error)
+
+    threading.Thread(target=fetch, daemon=True, name="diloco-prefetch").start()
+    return future
 
 
-def receive(items: list, link: Optional[links.Link] = None) -> list:
-    """:func:`resolve`, then wait until the buffers would have arrived over a simulated link:
+def receive(items, link: Optional[links.Link] = None) -> list:
+    """:func:`resolve` (or a :func:`prefetch`'s result), then wait until the buffers would
+    have arrived over a simulated link:
     the reader's own ``link`` (the weights a replica reads: sent at the servers' ``sent_at``
     stamp, all of them over that one link), or else each sender's stamp (pseudo-gradients).
     Unstamped buffers on no link are returned at once."""
-    buffers = resolve(items)
+    buffers = items.result() if isinstance(items, Future) else resolve(items)
     metas = [compression.packed_meta(b) for b in buffers]
     if link is not None:
         sent = max((m.get("sent_at", 0.0) for m in metas), default=0.0)
