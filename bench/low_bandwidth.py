@@ -56,6 +56,12 @@ FRONTIER = {
     "topk 1/32": ("topk", "int8", {"topk_fraction": 1 / 32}),
     "topk 1/64": ("topk", "int8", {"topk_fraction": 1 / 64}),
     "topk 1/64 both ways": ("topk", "topk", {"topk_fraction": 1 / 64}),
+    # SparseLoCo's outer step: no outer momentum, the decayed residual stands in for it.
+    "topk 1/64 SparseLoCo": (
+        "topk",
+        "int8",
+        {"topk_fraction": 1 / 64, "outer_momentum": 0.0, "outer_lr": 1.0, "error_feedback_decay": 0.95},
+    ),
 }
 
 

@@ -31,7 +31,10 @@ beside what the round records report:
 * ``wire_up_tcp_payload``, ``wire_up_acks``, ``wire_up_ack_bytes`` (and ``wire_down_*``):
   what the frames were, same window (:mod:`wan_capture`): TCP payload (the messages and
   Ray's calls around them) and pure acknowledgements; the rest is frame headers;
-* ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control / 2) / reported;
+* ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control / 2) / reported; ``*_net``: the
+  same less that direction's pure acknowledgements (TCP's answer to the other direction:
+  with int8 weights down and topk up, about 2% of the down bytes crossing up, a quarter
+  of topk's payload);
 * ``exposed_sync_fraction``: summed ``sync_seconds`` over summed ``round_seconds``;
 * ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``; ``rounds``: each
   round's seconds (round, sync, compute, eval) and reported bytes.
@@ -190,6 +193,9 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
         **{f"wire_{key}": value for key, value in frames.items()},
         "wire_ratio_up": (up - control / 2) / reported_up,
         "wire_ratio_down": (down - control / 2) / reported_down,
+        # Less the pure TCP acknowledgements each way (mostly of what flows the other way).
+        "wire_ratio_up_net": (up - frames["up_ack_bytes"] - control / 2) / reported_up,
+        "wire_ratio_down_net": (down - frames["down_ack_bytes"] - control / 2) / reported_down,
         "job_wire_bytes_up": job_up,
         "job_wire_bytes_down": job_down,
         "exposed_sync_fraction": sum(r["sync_seconds"] for r in every) / sum(r["round_seconds"] for r in every),
@@ -202,16 +208,17 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
 
 def table(runs: list[dict]) -> str:
     lines = [
-        "| Mbit/s | codec | overlap | wire up MB | reported up MB | wire/reported up | wire down MB | "
-        "reported down MB | wire/reported down | exposed sync | round s | final eval loss |",
-        "|" + "---|" * 12,
+        "| Mbit/s | codec | overlap | wire up MB | reported up MB | wire/reported up | of it acks | "
+        "wire down MB | reported down MB | wire/reported down | exposed sync | round s | final eval loss |",
+        "|" + "---|" * 13,
     ]
     for r in runs:
         ratio_up, ratio_down = r["wire_ratio_up"], r["wire_ratio_down"]
         lines.append(
             f"| {r['rate_mbit']:g} | {r['codec']} | {'on' if r['overlap'] else 'off'} | "
             f"{r['wire_bytes_up'] / 1e6:.3f} | {r['reported_bytes_up'] / 1e6:.3f} | "
-            f"{ratio_up:.2f} | {r['wire_bytes_down'] / 1e6:.3f} | {r['reported_bytes_down'] / 1e6:.3f} | "
+            f"{ratio_up:.2f} | {ratio_up - r['wire_ratio_up_net']:.2f} | "
+            f"{r['wire_bytes_down'] / 1e6:.3f} | {r['reported_bytes_down'] / 1e6:.3f} | "
             f"{ratio_down:.2f} | {r['exposed_sync_fraction']:.1%} | {r['round_seconds']:.1f} | "
             f"{r['final_eval_loss']:.4f} |"
         )

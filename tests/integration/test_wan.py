@@ -1,6 +1,6 @@
-"""bench/wan.py over real rate-limited links: bytes on the wire agree with the round records,
-topk with overlap sends little and hides more of its sync, and nothing is left behind,
-Ctrl-C included.
+"""bench/wan.py over real rate-limited links (configs/wan.yaml): bytes on the wire agree with
+the round records, topk with overlap sends little and hides its sync, and nothing is left
+behind, Ctrl-C included.
 
 Needs root (network namespaces, veth pairs, tc); skipped with the reason otherwise.
 """
@@ -48,9 +48,14 @@ def test_quick_rehearsal_counts_the_bytes_and_hides_topk_sync(tmp_path):
     assert 0.9 <= none["wire_ratio_up"] <= 1.5, none
     for run in runs.values():
         assert 0.9 <= run["wire_ratio_down"] <= 1.5, run
-    # topk (1/16, 0.84 bits a parameter) sends under 4% of fp32's bytes up and hides more of its sync.
+    # topk's payload up is a tenth of int8's down: TCP's acknowledgements of the down traffic
+    # (counted frame by frame) are the largest share of what else crosses up.
+    assert 0.9 <= topk["wire_ratio_up_net"] <= 1.5, topk
+    assert topk["wire_up_acks"] > 0 and topk["wire_up_tcp_payload"] >= topk["reported_bytes_up"]
+    # topk (1/16, 0.84 bits a parameter) sends under 4% of fp32's bytes up, and with overlap
+    # (the merged message prefetched beside the steps) at most 10% of its wall time is sync.
     assert topk["reported_bytes_up"] < 0.04 * none["reported_bytes_up"]
-    assert topk["exposed_sync_fraction"] < none["exposed_sync_fraction"]
+    assert topk["exposed_sync_fraction"] <= 0.10 < none["exposed_sync_fraction"]
     assert wan_links.leftovers() == []
 
 
