@@ -151,6 +151,12 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         raise ConfigError("early_stopping_patience: needs eval_batches > 0 (it watches the eval loss)")
     if cfg.merge_adapter and not cfg.use_peft:
         raise ConfigError("merge_adapter: there is no adapter to merge without use_peft: true")
+    feedback = cfg.pseudo_grad_compression == "topk" or (cfg.error_feedback and cfg.pseudo_grad_compression != "none")
+    if cfg.error_feedback_decay != 1.0 and not feedback:
+        raise ConfigError(
+            f"error_feedback_decay: {cfg.error_feedback_decay} weighs a residual this run does not keep; "
+            "it needs pseudo_grad_compression: topk, or a lossy codec with error_feedback: true"
+        )
     _validate_sync(cfg)
 
 

@@ -363,6 +363,26 @@ def run_constant(codec: str, error_feedback: bool, rounds: int = 40):
     return total / rounds, sync, g
 
 
+@pytest.mark.parametrize("decay", [1.0, 0.5, 0.0])
+def test_error_feedback_decay_weighs_the_residual_in_each_sync(decay):
+    """Each sync sends the codec's share of ``pseudo-gradient + decay x residual`` and keeps
+    the rest: sent + new residual == g + decay x old residual (SparseLoCo's e = b e + g)."""
+    shapes = {"w": (8, 16)}
+    g = full(7, shapes)["w"] * 0.1
+    anchor = {"w": full(8, shapes)["w"]}
+    sync = RankSync(shapes, 1, 0, codec="topk", fraction=1 / 8, block=16, decay=decay)
+    old = torch.zeros_like(g)
+    for version in range(3):
+        local = {"w": torch.zeros(8, 16)}
+        sync.apply([message(anchor, version)], local)
+        local["w"].sub_(g)
+        (buf,) = sync.outgoing(0, local)
+        sent = decode(buf, shapes)[0]["w"][1]
+        torch.testing.assert_close(sent + sync.residual["w"], g + decay * old, rtol=0, atol=1e-6)
+        old = sync.residual["w"].clone()
+    assert float(old.abs().max()) > 0  # topk left most of it out
+
+
 @pytest.mark.parametrize("codec", ["int4", "int8"])
 def test_error_feedback_removes_the_bias(codec):
     mean_ef, sync_ef, g = run_constant(codec, True)
