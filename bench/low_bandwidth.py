@@ -60,7 +60,7 @@ FRONTIER = {
     "topk 1/64 SparseLoCo": (
         "topk",
         "int8",
-        {"topk_fraction": 1 / 64, "outer_momentum": 0.0, "outer_lr": 1.0, "error_feedback_decay": 0.95},
+        {"topk_fraction": 1 / 64, "outer_momentum": 0.0, "outer_lr": 1.3, "error_feedback_decay": 0.95},
     ),
 }
 
