@@ -33,6 +33,11 @@ BRIDGE = f"{PREFIX}br0"
 SUBNET = "10.213.7"
 HEAD_PORT = 6397
 LOCK = f"/tmp/{PREFIX}-wan.lock"
+# Ray pulls an object again (from its first byte) when it is not local 10 s after the pull
+# began (RAY_object_manager_pull_timeout_ms): a 10.9 MB message to two replicas over a
+# 5 Mbit/s link takes 35 s, so every such transfer crossed the link twice (measured:
+# wire/reported down 1.98). Slow links need a timeout above their longest transfer.
+PULL_TIMEOUT_MS = 300_000
 
 
 def sh(*cmd: str, check: bool = True) -> str:
@@ -203,7 +208,7 @@ class Regions:
 
     def _start_ray(self) -> None:
         self.temp = tempfile.mkdtemp(prefix=f"{PREFIX}ray", dir="/tmp")  # short: Ray's socket paths
-        env = self.env()
+        env = {**self.env(), "RAY_object_manager_pull_timeout_ms": str(PULL_TIMEOUT_MS)}
         if env["RAY_AUTH_MODE"] == "token" and not (env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH")):
             subprocess.run(["ray", "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
         common = ["--temp-dir", self.temp, "--disable-usage-stats", "--object-store-memory", "200000000"]
