@@ -134,6 +134,17 @@ class KillOnceTheSpareIsReady:
             ray.kill(rank, no_restart=True)
 
 
+class CrashAfter:
+    """A callback that fails the driver after round ``after`` (its checkpoint is already written)."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def on_round_end(self, trainer, record):
+        if record["round"] == self.after:
+            raise RuntimeError("injected driver failure")
+
+
 def applied_positions(rounds) -> list:
     """Every stream position the applied replicas trained on, over all round records."""
     return [p for r in rounds for plan in r["data_ranges"].values() for s, c in plan for p in range(s, s + c)]

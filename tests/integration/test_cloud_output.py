@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import s3_server
-from conftest import tiny_config
+from conftest import CrashAfter, tiny_config
 from safetensors.numpy import load_file
 
 from diloco_ray import DilocoFSDPTrainer
@@ -33,17 +33,6 @@ def staging(tmp_path_factory):
         os.environ["DILOCO_RAY_STAGING"] = old
 
 
-class Crash:
-    """Fails the driver after round ``after`` (its checkpoint is already written)."""
-
-    def __init__(self, after: int):
-        self.after = after
-
-    def on_round_end(self, trainer, record):
-        if record["round"] == self.after:
-            raise RuntimeError("injected driver failure")
-
-
 def final_weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
@@ -65,7 +54,7 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
     uri = s3_bucket.uri("runs", "tiny")
     cfg = tiny_config(uri, **COMMON)
     with pytest.raises(RuntimeError, match="injected"):
-        DilocoFSDPTrainer(cfg, callbacks=[Crash(after=1)]).train()
+        DilocoFSDPTrainer(cfg, callbacks=[CrashAfter(1)]).train()
     keys = s3_bucket.keys("runs/tiny/")
     # Checkpoints after rounds 0 (start), 1 and 2, pruned to the newest two; each complete.
     rounds = sorted({k.split("/")[3] for k in keys if k.startswith("runs/tiny/checkpoints/round-")})

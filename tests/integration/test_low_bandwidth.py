@@ -5,7 +5,7 @@ import os
 
 import pytest
 import torch
-from conftest import folder_weights, tiny_config
+from conftest import CrashAfter, folder_weights, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
 
@@ -114,17 +114,6 @@ def test_topk_trains_in_decoupled_mode(ray_local, tmp_path, plain):
         return sum(r["bytes_up"] for r in result.rounds) / sum(r["tokens"] for r in result.rounds)
 
     assert per_token(sparse) <= 0.04 * per_token(plain)
-
-
-class CrashAfter:
-    """Fails the driver after round ``after`` (its checkpoint is already written)."""
-
-    def __init__(self, after: int):
-        self.after = after
-
-    def on_round_end(self, trainer, record):
-        if record["round"] == self.after:
-            raise RuntimeError("injected driver failure")
 
 
 def test_topk_with_overlap_resumes_to_the_uninterrupted_weights(ray_local, tmp_path):
