@@ -226,8 +226,8 @@ class DilocoFSDPTrainer:
         else:
             seed, self.shapes = self.replicas[0], self.replicas[0].shapes  # every rank builds the same model
             self.server.initialize(seed.seed_pieces(), seed.shapes)
-            log.info("replicas %s built the initial weights: no round-0 load", self.members.adopt_initial(seed))
-            self.round_index = 0
+            adopted, self.round_index = self.members.adopt_initial(seed), 0
+            log.info("replicas %s built the initial weights: no round-0 load", adopted)
             self._after_restore(reset=False)
             if cfg.checkpoint_steps is not None:
                 self.save_checkpoint()  # so a lost server can always be recreated
