@@ -3,13 +3,14 @@
 Builds one network namespace per region on this machine (the servers' region, which also
 runs the Ray head and the driver, and one per replica), joins them through a bridge by
 veth pairs shaped with ``tc tbf`` in both directions (:mod:`wan_links`), starts a raylet
-in each, and runs a config (default ``configs/wan.yaml``: the default task on a 1.4M-parameter
-model, eval every 5 rounds; on the 354k-parameter tiny default topk's payload, 38 kB a
-replica-round, is smaller than Ray's calls and TCP's acknowledgements around it) the way a user would: the CLI in
-the head's region with ``RAY_ADDRESS`` set, servers and replicas pinned to their regions
+in each, and runs a config the way a user would: the CLI in the head's region with
+``RAY_ADDRESS`` set, servers and replicas pinned to their regions
 with ``server_resources`` / ``replica_resources``. ``netem`` is not available here, so a
 link has a rate and no added delay (latency rehearsals use the simulated link of
-:mod:`diloco_ray.algo.links`, ``link_latency_ms``).
+:mod:`diloco_ray.algo.links`, ``link_latency_ms``). The default config is
+``configs/wan.yaml``, the default task on a 1.4M-parameter model with an eval every 5
+rounds: on the 354k-parameter tiny default, topk's 38 kB a replica-round is smaller than
+Ray's calls and TCP's acknowledgements around it.
 
 For every run it reports what crossed each replica's link, from the interface counters,
 beside what the round records report:

@@ -304,7 +304,8 @@ class RankWorker(RankBatches, RankState, RankOutput):
     def _receive(self, job: SyncPeriod, merge: bool, full_only: bool = False, fetched=None) -> int:
         """Bring this rank up to the weights of the job's sync version: skip messages it
         already holds, load everything after a gap, else apply them (blending them in
-        with ``merge``). The transport waits out a simulated downlink. Returns the bytes received."""
+        with ``merge``; ``fetched``: the messages' prefetch, if one was started). The transport
+        waits out a simulated downlink. Returns the bytes received."""
         version = job.version
         decision = self.sync.decide_load(version, fragment_message=not job.full)
         received = 0
