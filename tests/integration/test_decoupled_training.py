@@ -210,10 +210,12 @@ def test_a_spare_takes_over_the_rest_of_a_lost_replicas_period(ray_local, tmp_pa
             threading.Timer(0.3, lambda: [ray.kill(r, no_restart=True) for r in victim.ranks]).start()
 
     killer = KillPartWayThroughAPeriod()
-    # Steps 8x slower (about 0.1 s), so that a period is long against its fixed costs and
-    # the time left of it matters. Which id ends up the spare depends on set-up order, so
-    # every id is slowed from its first period (round 0, or round 1 for the spare).
-    slow = [{"kind": "slowdown", "replica": r, "round": n, "factor": 8} for r in (0, 1, 2) for n in (0, 1)]
+    # Steps 0.1 s longer (a period of 8 is then at least 0.8 s, whatever this machine's step
+    # time: a factor on a 4 ms step left periods of 0.28 s, over before the kill), so that a
+    # period is long against its fixed costs and the time left of it matters. Which id ends
+    # up the spare depends on set-up order, so every id is slowed in its periods launched
+    # at merges 0 and 1 (the spare's first launch is at merge 1).
+    slow = [{"kind": "slow", "replica": r, "round": n, "seconds": 0.1} for r in (0, 1, 2) for n in (0, 1)]
     cfg = tiny_config(
         tmp_path / "run",
         **{**DECOUPLED, "diloco_loops": 3, "max_steps": 8, "spare_replicas": 1, "min_quorum": 2},
