@@ -24,6 +24,8 @@ order) unless a function says otherwise. Nothing here touches Ray or torch.distr
 
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import math
 import re
 from typing import Mapping, Sequence
@@ -90,71 +92,102 @@ def cut(
     order = list(order)
     if len(order) != len(shapes) or set(order) != set(shapes) or len(set(order)) != len(order):
         raise ValueError("order is not a permutation of the parameter names")
-
-    # Tensors with rows, in layout order: name, first global row, first element, elements per row.
-    names, row_start, elem_start, per_row = [], [], [], []
-    rows_total = elems_total = 0
-    for name in order:
-        rows = num_rows(shapes[name])
-        if rows <= 0:
-            continue
-        names.append(name)
-        row_start.append(rows_total)
-        elem_start.append(elems_total)
-        per_row.append(row_numel(shapes[name]))
-        rows_total += rows
-        elems_total += rows * per_row[-1]
-    if rows_total == 0:
+    line = _Line.lay_out(shapes, order)
+    if line.rows_total == 0:
         return [{} for _ in range(parts)]
+    bounds = _cut_bounds(line, parts, weights)
+    pieces = [line.rows_between(bounds[k], bounds[k + 1]) for k in range(parts)]
+    return [{name: piece[name] for name in shapes if name in piece} for piece in pieces]
 
-    def tensor_at(g: int) -> int:
-        """Index of the tensor holding global row ``g`` (the last one for ``g == rows_total``)."""
-        lo, hi = 0, len(names) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if row_start[mid] <= g:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
 
-    def position(g: int) -> int:
+@dataclasses.dataclass(frozen=True)
+class _Line:
+    """The tensors with rows laid end to end: for each, its name, first global row, first
+    element, rows and elements per row (row boundaries are global row indices on this line).
+
+    Args:
+        names: the tensors with rows, in layout order.
+        row_start: each tensor's first global row.
+        elem_start: the elements laid before each tensor.
+        rows: each tensor's rows.
+        per_row: each tensor's elements per row.
+    """
+
+    names: list[str]
+    row_start: list[int]
+    elem_start: list[int]
+    rows: list[int]
+    per_row: list[int]
+
+    @classmethod
+    def lay_out(cls, shapes: Mapping[str, Sequence[int]], order: Sequence[str]) -> _Line:
+        """The tensors of ``shapes`` with rows, in ``order``."""
+        line = cls([], [], [], [], [])
+        rows_total = elems_total = 0
+        for name in order:
+            rows = num_rows(shapes[name])
+            if rows <= 0:
+                continue
+            line.names.append(name)
+            line.row_start.append(rows_total)
+            line.elem_start.append(elems_total)
+            line.rows.append(rows)
+            line.per_row.append(row_numel(shapes[name]))
+            rows_total += rows
+            elems_total += rows * line.per_row[-1]
+        return line
+
+    @property
+    def rows_total(self) -> int:
+        return self.row_start[-1] + self.rows[-1] if self.names else 0
+
+    @property
+    def elems_total(self) -> int:
+        return self.position(self.rows_total) if self.names else 0
+
+    def position(self, g: int) -> int:
         """Elements before global row boundary ``g`` (monotone non-decreasing in ``g``)."""
-        i = tensor_at(g)
-        return elem_start[i] + (g - row_start[i]) * per_row[i]
+        i = bisect.bisect_right(self.row_start, g) - 1  # the tensor holding row g (the last at the end)
+        return self.elem_start[i] + (g - self.row_start[i]) * self.per_row[i]
 
-    share = np.cumsum(weights if weights is not None else [1.0] * parts, dtype=np.float64)
-    bounds = [0]
-    for k in range(parts - 1):
-        target = round(share[k] / share[-1] * elems_total)
-        lo, hi = 0, rows_total  # smallest boundary g with position(g) >= target
+    def nearest_boundary(self, target: int) -> int:
+        """The row boundary whose position is nearest ``target`` elements (ties to the lower)."""
+        lo, hi = 0, self.rows_total  # smallest boundary g with position(g) >= target
         while lo < hi:
             mid = (lo + hi) // 2
-            if position(mid) >= target:
+            if self.position(mid) >= target:
                 hi = mid
             else:
                 lo = mid + 1
-        best = lo
-        if lo > 0 and target - position(lo - 1) <= position(lo) - target:
-            best = lo - 1
+        if lo > 0 and target - self.position(lo - 1) <= self.position(lo) - target:
+            return lo - 1
+        return lo
+
+    def rows_between(self, a: int, b: int) -> Rows:
+        """Each tensor's local rows between global boundaries ``a`` and ``b``, in layout order."""
+        piece = {}
+        for name, start, rows in zip(self.names, self.row_start, self.rows):
+            lo = max(a, start) - start
+            hi = min(b, start + rows) - start
+            if hi > lo:
+                piece[name] = (lo, hi)
+        return piece
+
+
+def _cut_bounds(line: _Line, parts: int, weights: Sequence[float] | None) -> list[int]:
+    """The ``parts + 1`` row boundaries of :func:`cut`, from 0 to the line's last row."""
+    share = np.cumsum(weights if weights is not None else [1.0] * parts, dtype=np.float64)
+    rows_total, elems_total = line.rows_total, line.elems_total
+    bounds = [0]
+    for k in range(parts - 1):
+        best = line.nearest_boundary(round(share[k] / share[-1] * elems_total))
         if weights is None and rows_total >= parts:  # at least one row to this piece and each after
             first, last = bounds[-1] + 1, rows_total - (parts - 1 - k)
         else:
             first, last = bounds[-1], rows_total
         bounds.append(min(max(best, first), last))
     bounds.append(rows_total)
-
-    pieces: list[Rows] = []
-    for k in range(parts):
-        a, b = bounds[k], bounds[k + 1]
-        piece = {}
-        for i, name in enumerate(names):
-            lo = max(a, row_start[i]) - row_start[i]
-            hi = min(b, row_start[i] + num_rows(shapes[name])) - row_start[i]
-            if hi > lo:
-                piece[name] = (lo, hi)
-        pieces.append({name: piece[name] for name in shapes if name in piece})
-    return pieces
+    return bounds
 
 
 def layer_index(name: str) -> int | None:

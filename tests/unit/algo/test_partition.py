@@ -329,3 +329,14 @@ def test_more_fragments_than_layers_are_byte_balanced_runs():
     assert_tiles(frags, TINY)
     sizes = [P.numel(f, TINY) for f in frags]
     assert max(sizes) / (sum(sizes) / 4) < 1.05
+
+
+def test_the_line_finds_the_nearest_row_boundary_ties_to_the_lower():
+    # Rows of 4, then of 1, then of 6 elements: boundaries at elements 0 4 8 9 10 16 22.
+    line = P._Line.lay_out({"a": (2, 4), "b": (2,), "c": (2, 6)}, ["a", "b", "c"])
+    assert (line.rows_total, line.elems_total) == (6, 22)
+    assert [line.position(g) for g in range(7)] == [0, 4, 8, 9, 10, 16, 22]
+    assert line.nearest_boundary(6) == 1  # 4 and 8 tie: the lower
+    assert line.nearest_boundary(13) == 4  # 10 and 16 tie: the lower
+    assert line.nearest_boundary(14) == 5
+    assert line.rows_between(1, 5) == {"a": (1, 2), "b": (0, 2), "c": (0, 1)}
