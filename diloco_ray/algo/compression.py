@@ -83,14 +83,7 @@ def pack(
         The buffer (see the module docstring); ``len`` is exactly the bytes that travel.
     """
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    buf, _ = pack_filled(
-        shapes,
-        lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
-        codec,
-        meta,
-        block,
-        fraction=fraction,
-    )
+    buf, _ = pack_filled(shapes, _copy_from(tensors), codec, meta, block, fraction=fraction)
     return buf
 
 
@@ -128,6 +121,27 @@ def pack_filled(
     _check_codec(codec)
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
+    entries = _layout(shapes, codec, block, fraction)
+    buf, start = _start_message(entries, _header(entries, codec, block, meta, fraction), allocate)
+    body = buf[start:]
+    if codec == "none":  # straight into the message
+        for name, shape, _, _, payload_off, payload_len in entries:
+            fill(name, _writable_view(body, payload_off, payload_len).view(tuple(shape)))
+        return buf, None
+    # One scratch tensor, reused: allocating one per tensor costs more, as freed blocks
+    # are not always handed back to the OS.
+    scratch = torch.empty(max((math.prod(e[1]) for e in entries), default=0))
+    for entry in entries:
+        flat = scratch[: math.prod(entry[1])]
+        fill(entry[0], flat.view(tuple(entry[1])))
+        feedback = residual.get(entry[0]) if residual is not None else None
+        _encode_entry(body, entry, flat, feedback, codec, block, fraction)
+    return buf, residual
+
+
+def _layout(shapes: Mapping[str, Sequence[int]], codec: str, block: int, fraction: float) -> list[list]:
+    """Each tensor's header entry ``[name, shape, scales_off, scales_len, payload_off,
+    payload_len]``: its sections laid one after the other, each at a multiple of 8."""
     entries, offset = [], 0
     for name, shape in shapes.items():
         if not isinstance(name, str):
@@ -137,14 +151,22 @@ def pack_filled(
         payload_off = _align(offset + scales_len)
         entries.append([name, list(shape), offset, scales_len, payload_off, payload_len])
         offset = _align(payload_off + payload_len)
+    return entries
+
+
+def _header(entries: list[list], codec: str, block: int, meta: Optional[dict], fraction: float) -> bytes:
+    """The JSON header, UTF-8 and compact."""
     head = {"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries}
     if codec == "topk":
         head["fraction"] = float(fraction)
-    header = json.dumps(
-        head,
-        separators=(",", ":"),
-        ensure_ascii=False,
-    ).encode("utf-8")
+    return json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def _start_message(
+    entries: list[list], header: bytes, allocate: Optional[Callable[[int], np.ndarray]]
+) -> tuple[np.ndarray, int]:
+    """``(buffer, start of its data area)``: the buffer holds the prefix and ``header``, and
+    zeros wherever no section of ``entries`` will write."""
     start = _align(_PREFIX + len(header))
     end = max((e[4] + e[5] for e in entries), default=0)
     if allocate is None:
@@ -156,35 +178,39 @@ def pack_filled(
         _zero_gaps(buf[start:], written)
     buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
     buf[_PREFIX : _PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
-    body = buf[start:]
-    # One scratch tensor, reused: allocating one per tensor costs more, as freed blocks
-    # are not always handed back to the OS.
-    scratch = torch.empty(0 if codec == "none" else max((math.prod(e[1]) for e in entries), default=0))
-    for name, shape, scales_off, scales_len, payload_off, payload_len in entries:
-        if codec == "none":  # straight into the message
-            fill(name, _writable_view(body, payload_off, payload_len).view(tuple(shape)))
-            continue
-        flat = scratch[: math.prod(shape)]
-        fill(name, flat.view(tuple(shape)))
-        feedback = residual.get(name) if residual is not None else None
-        if feedback is not None:
-            flat.add_(feedback.reshape(-1))
-        _encode_into(
-            flat,
-            codec,
-            block,
-            body[scales_off : scales_off + scales_len],
-            body[payload_off : payload_off + payload_len],
-            fraction,
-        )
-        if feedback is not None:  # what the codec dropped, decoded a chunk at a time
-            entry = [name, shape, scales_off, scales_len, payload_off, payload_len]
-            finite = True
-            for lo, values in Encoded(body, entry, codec, block, fraction).chunks():
-                dropped = flat[lo : lo + values.numel()].sub_(values)
-                finite = finite and bool(torch.isfinite(dropped).all())
-            feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
-    return buf, residual if codec != "none" else None
+    return buf, start
+
+
+def _encode_entry(
+    body: np.ndarray,
+    entry: list,
+    flat: torch.Tensor,
+    feedback: Optional[torch.Tensor],
+    codec: str,
+    block: int,
+    fraction: float,
+) -> None:
+    """Encode the fp32 values ``flat`` into ``entry``'s sections of ``body``; with
+    ``feedback``, add it first and overwrite it with what the codec dropped (zeros if
+    that is not finite). ``flat`` is scratch: it is left holding the dropped values."""
+    _, shape, scales_off, scales_len, payload_off, payload_len = entry
+    if feedback is not None:
+        flat.add_(feedback.reshape(-1))
+    _encode_into(
+        flat,
+        codec,
+        block,
+        body[scales_off : scales_off + scales_len],
+        body[payload_off : payload_off + payload_len],
+        fraction,
+    )
+    if feedback is None:
+        return
+    finite = True
+    for lo, values in Encoded(body, entry, codec, block, fraction).chunks():  # a chunk at a time
+        dropped = flat[lo : lo + values.numel()].sub_(values)
+        finite = finite and bool(torch.isfinite(dropped).all())
+    feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
 
 
 def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
@@ -333,25 +359,22 @@ def compress(
             raise ValueError(
                 f"residual {name!r} has shape {tuple(residual[name].shape)}, tensor has {tuple(tensor.shape)}"
             )
-    if codec == "none":  # lossless: no residual to build
-        new = None
-    else:
-        new = {
-            name: residual[name].detach().to(torch.float32, copy=True)
-            if name in residual
-            else torch.zeros(tuple(t.shape))
-            for name, t in tensors.items()
-        }
+    new = None if codec == "none" else _fp32_copies(tensors, residual)  # none is lossless: no residual
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    return pack_filled(
-        shapes,
-        lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape)),
-        codec,
-        meta,
-        block,
-        new,
-        fraction=fraction,
-    )
+    return pack_filled(shapes, _copy_from(tensors), codec, meta, block, new, fraction=fraction)
+
+
+def _fp32_copies(tensors: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A new fp32 residual per name in ``tensors``: a copy of the old one, or zeros."""
+    return {
+        name: residual[name].detach().to(torch.float32, copy=True) if name in residual else torch.zeros(tuple(t.shape))
+        for name, t in tensors.items()
+    }
+
+
+def _copy_from(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, torch.Tensor], object]:
+    """A :func:`pack_filled` ``fill`` that copies each named tensor's values."""
+    return lambda name, out: out.copy_(tensors[name].detach().reshape(out.shape))
 
 
 # ---- row pieces of named parameters -------------------------------------------------------
