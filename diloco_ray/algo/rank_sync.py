@@ -131,35 +131,61 @@ class RankSync:
                 self.sent_local = {}  # replaced: nothing in flight is merged any more
             elif merge:
                 sent = self.sent_local.get(meta["fragment"], {})
-            if meta["version"] <= self.versions[s]:
+            if not self._is_next(s, meta["version"], full):
                 continue
-            if not full and meta["version"] != self.versions[s] + 1:
-                raise NeedsFullLoad(f"server {s} sent version {meta['version']} on top of {self.versions[s]}")
+            blend = sent if merge and not full else None
             for name, (start, piece) in pieces.items():
-                span = (start, start + partition.num_rows(piece.shape))
-                mine = partition.intersect({name: span}, {name: self.held[name]}).get(name)
-                if mine is None:
-                    continue
-                new = partition.take(piece, mine, start).float()
-                offset = self.held[name][0]
-                if name not in self.anchor:
-                    self.anchor[name] = self._new_anchor(local[name])
-                anchor = partition.take(self.anchor[name], mine, offset)
-                if meta.get("delta"):
-                    anchor.add_(new)
-                else:
-                    anchor.copy_(new)
-                rows = partition.take(local[name], mine, offset)
-                if merge and not full and name in sent:
-                    first, as_sent = sent[name]
-                    rows.add_((anchor - partition.take(as_sent, mine, first)).to(rows.device, rows.dtype))
-                elif merge and not full:
-                    rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
-                else:
-                    rows.copy_(anchor)
+                self._apply_piece(name, start, piece, local[name], bool(meta.get("delta")), blend)
             self.versions[s] = meta["version"]
         if merge and not full:
             self.sent_local.pop(meta["fragment"], None)
+
+    def _is_next(self, server: int, version: int, full: bool) -> bool:
+        """Whether ``server``'s message of ``version`` is to be applied (False: held already).
+
+        Raises:
+            NeedsFullLoad: a fragment message skips a version.
+        """
+        if version <= self.versions[server]:
+            return False
+        if not full and version != self.versions[server] + 1:
+            raise NeedsFullLoad(f"server {server} sent version {version} on top of {self.versions[server]}")
+        return True
+
+    def _apply_piece(
+        self,
+        name: str,
+        start: int,
+        piece: torch.Tensor,
+        local: torch.Tensor,
+        delta: bool,
+        blend: Optional[Mapping[str, tuple[int, torch.Tensor]]],
+    ) -> None:
+        """Apply the rows of ``name`` from ``start`` that this rank holds to the anchor
+        (``delta``: added, else copied) and to ``local``: copied when ``blend`` is None;
+        else the new rows plus the steps since the send when ``blend`` holds the rows as
+        sent, and the ``alpha`` blend when it does not (see :meth:`apply`)."""
+        span = (start, start + partition.num_rows(piece.shape))
+        mine = partition.intersect({name: span}, {name: self.held[name]}).get(name)
+        if mine is None:
+            return
+        new = partition.take(piece, mine, start).float()
+        offset = self.held[name][0]
+        if name not in self.anchor:
+            self.anchor[name] = self._new_anchor(local)
+        anchor = partition.take(self.anchor[name], mine, offset)
+        if delta:
+            anchor.add_(new)
+        else:
+            anchor.copy_(new)
+        rows = partition.take(local, mine, offset)
+        if blend is None:
+            rows.copy_(anchor)
+        elif name in blend:
+            first, as_sent = blend[name]
+            rows.add_((anchor - partition.take(as_sent, mine, first)).to(rows.device, rows.dtype))
+        else:
+            rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
 
     def _new_anchor(self, local: torch.Tensor) -> torch.Tensor:
         """An fp32 copy of ``local`` where the anchor lives: beside it, or on the host."""
@@ -187,40 +213,32 @@ class RankSync:
                 n: (iv[0], partition.take(local[n], iv, self.held[n][0]).detach().float().clone())
                 for n, iv in held.items()
             }
-        out = []
-        for rows in plan:
-            residual = self._residual_rows(rows) if self.error_feedback else None
-            if residual is not None and self.decay != 1.0:
-                for view in residual.values():
-                    view.mul_(self.decay)
+        return [self._pack_difference(rows, local, stamp) for rows in plan]
 
-            def fill(name: str, into: torch.Tensor, rows=rows) -> None:
-                # anchor - local, written straight into the message: no full-size temporary.
-                offset = self.held[name][0]
-                anchor = partition.take(self.anchor[name], rows[name], offset)
-                local_rows = partition.take(local[name], rows[name], offset)
-                if local_rows.device == into.device:
-                    torch.sub(anchor, local_rows, out=into.view(anchor.shape))
-                elif anchor.device == into.device:  # anchor on the host: the rows come down first
-                    into.view(anchor.shape).copy_(local_rows)
-                    torch.sub(anchor, into.view(anchor.shape), out=into.view(anchor.shape))
-                else:  # rows on a GPU: one tensor's difference there, then to the host
-                    into.view(anchor.shape).copy_(anchor - local_rows.float())
+    def _pack_difference(self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict) -> np.ndarray:
+        """``anchor - local`` of ``rows`` packed for one server, with its residual decayed
+        and fed back when error feedback is on."""
+        residual = self._residual_rows(rows) if self.error_feedback else None
+        if residual is not None and self.decay != 1.0:
+            for view in residual.values():
+                view.mul_(self.decay)
 
-            out.append(
-                compression.pack_pieces_filled(
-                    {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
-                    {n: iv[0] for n, iv in rows.items()},
-                    self.names,
-                    fill,
-                    self.codec,
-                    stamp,
-                    residual,
-                    self.block,
-                    fraction=self.fraction,
-                )
-            )
-        return out
+        def fill(name: str, into: torch.Tensor) -> None:
+            offset = self.held[name][0]
+            anchor = partition.take(self.anchor[name], rows[name], offset)
+            _difference_into(anchor, partition.take(local[name], rows[name], offset), into.view(anchor.shape))
+
+        return compression.pack_pieces_filled(
+            {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
+            {n: iv[0] for n, iv in rows.items()},
+            self.names,
+            fill,
+            self.codec,
+            meta,
+            residual,
+            self.block,
+            fraction=self.fraction,
+        )
 
     def _residual_rows(self, rows: partition.Rows) -> dict[str, torch.Tensor]:
         """Views of the error-feedback residual of ``rows`` (zeros for a new parameter),
@@ -275,6 +293,18 @@ class RankSync:
             self.versions = list(state["versions"])
             sent = state.get("sent_local") or {}
             self.sent_local = {f: {n: (r, t.clone()) for n, (r, t) in rows.items()} for f, rows in sent.items()}
+
+
+def _difference_into(anchor: torch.Tensor, local_rows: torch.Tensor, into: torch.Tensor) -> None:
+    """Write ``anchor - local_rows`` into ``into`` (of the anchor's shape), straight into the
+    message: no full-size temporary, wherever the three tensors live."""
+    if local_rows.device == into.device:
+        torch.sub(anchor, local_rows, out=into)
+    elif anchor.device == into.device:  # anchor on the host: the rows come down first
+        into.copy_(local_rows)
+        torch.sub(anchor, into, out=into)
+    else:  # rows on a GPU: one tensor's difference there, then to the host
+        into.copy_(anchor - local_rows.float())
 
 
 def _span(s: slice) -> tuple[int, int]:
