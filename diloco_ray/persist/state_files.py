@@ -54,56 +54,80 @@ def flatten_state(state: Any, prefix: str = "") -> tuple[dict[str, Tensor], Any]
     Raises:
         TypeError: a value or dict key of an unsupported type, named by its path.
     """
-    tensors: dict[str, Tensor] = {}
+    flattener = _Flattener(prefix)
+    skeleton = flattener.walk(state, [])
+    return flattener.tensors, skeleton
 
-    def key_for(path: list[str]) -> str:
-        parts = ([prefix] if prefix else []) + path
+
+class _Flattener:
+    """One :func:`flatten_state` walk: the skeleton it returns, the tensors it collects.
+
+    Args:
+        prefix: as for :func:`flatten_state`.
+    """
+
+    def __init__(self, prefix: str):
+        self.prefix = prefix
+        self.tensors: dict[str, Tensor] = {}
+
+    def walk(self, obj: Any, path: list[str]) -> Any:
+        """The skeleton of ``obj`` found at ``path``, its tensors added on the way."""
+        if isinstance(obj, Tensor):
+            return {_TENSOR: self._add(obj, path)}
+        if obj is None or isinstance(obj, (bool, int, float, str)):
+            return _leaf(obj)
+        if isinstance(obj, tuple):
+            return {_TUPLE: [self.walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
+        if isinstance(obj, list):
+            return [self.walk(v, path + [str(i)]) for i, v in enumerate(obj)]
+        if isinstance(obj, Mapping):
+            return self._mapping(obj, path)
+        raise TypeError(f"cannot checkpoint {_where(path)}: a {type(obj).__name__} is not a supported type")
+
+    def _add(self, tensor: Tensor, path: list[str]) -> str:
+        """Keep ``tensor`` under a key of its own, spelled from ``path``; the key."""
+        if tensor.is_sparse or tensor.layout != torch.strided:
+            raise TypeError(f"cannot checkpoint {_where(path)}: {tensor.layout} tensors are not supported")
+        parts = ([self.prefix] if self.prefix else []) + path
         key = ".".join(parts) if parts else "root"
-        if key in tensors:
+        if key in self.tensors:
             n = 1
-            while f"{key}#{n}" in tensors:
+            while f"{key}#{n}" in self.tensors:
                 n += 1
             key = f"{key}#{n}"
+        self.tensors[key] = tensor
         return key
 
-    def walk(obj: Any, path: list[str]) -> Any:
-        where = ".".join(path) or "<root>"
-        if isinstance(obj, Tensor):
-            if obj.is_sparse or obj.layout != torch.strided:
-                raise TypeError(f"cannot checkpoint {where}: {obj.layout} tensors are not supported")
-            key = key_for(path)
-            tensors[key] = obj
-            return {_TENSOR: key}
-        # bool before int: bool is an int subclass and must come back as a bool.
-        if obj is None or isinstance(obj, bool):
-            return obj
-        if isinstance(obj, int):
-            return int(obj)
-        if isinstance(obj, float):
-            value = float(obj)
-            if math.isfinite(value):
-                return value
-            return {_FLOAT: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
-        if isinstance(obj, str):
-            return str(obj)
-        if isinstance(obj, tuple):
-            return {_TUPLE: [walk(v, path + [str(i)]) for i, v in enumerate(obj)]}
-        if isinstance(obj, list):
-            return [walk(v, path + [str(i)]) for i, v in enumerate(obj)]
-        if isinstance(obj, Mapping):
-            for k in obj:
-                if not isinstance(k, (str, int)):
-                    raise TypeError(
-                        f"cannot checkpoint {where}: dict key {k!r} is a {type(k).__name__}, "
-                        "only str and int keys are supported"
-                    )
-            if all(isinstance(k, str) for k in obj):
-                return {_DICT: {k: walk(v, path + [k]) for k, v in obj.items()}}
-            return {_ITEMS: [[k, walk(v, path + [str(k)])] for k, v in obj.items()]}
-        raise TypeError(f"cannot checkpoint {where}: a {type(obj).__name__} is not a supported type")
+    def _mapping(self, obj: Mapping, path: list[str]) -> dict:
+        """A dict's skeleton: ``$dict`` when every key is a str, else ``$items`` (int keys kept)."""
+        for k in obj:
+            if not isinstance(k, (str, int)):
+                raise TypeError(
+                    f"cannot checkpoint {_where(path)}: dict key {k!r} is a {type(k).__name__}, "
+                    "only str and int keys are supported"
+                )
+        if all(isinstance(k, str) for k in obj):
+            return {_DICT: {k: self.walk(v, path + [k]) for k, v in obj.items()}}
+        return {_ITEMS: [[k, self.walk(v, path + [str(k)])] for k, v in obj.items()]}
 
-    skeleton = walk(state, [])
-    return tensors, skeleton
+
+def _leaf(obj: None | bool | int | float | str) -> Any:
+    """A scalar's skeleton: itself as the plain JSON type, a tag for a non-finite float."""
+    # bool before int: bool is an int subclass and must come back as a bool.
+    if obj is None or isinstance(obj, bool):
+        return obj
+    if isinstance(obj, int):
+        return int(obj)
+    if isinstance(obj, str):
+        return str(obj)
+    value = float(obj)
+    if math.isfinite(value):
+        return value
+    return {_FLOAT: "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")}
+
+
+def _where(path: list[str]) -> str:
+    return ".".join(path) or "<root>"
 
 
 def unflatten_state(tensors: Mapping[str, Tensor], skeleton: Any) -> Any:
@@ -119,35 +143,36 @@ def unflatten_state(tensors: Mapping[str, Tensor], skeleton: Any) -> Any:
     Raises:
         DataError: the skeleton is malformed or names a tensor that ``tensors`` lacks.
     """
+    return _rebuild(skeleton, tensors)
 
-    def walk(node: Any) -> Any:
-        if node is None or isinstance(node, (bool, int, float, str)):
-            return node
-        if isinstance(node, list):
-            return [walk(v) for v in node]
-        if not (isinstance(node, dict) and len(node) == 1):
-            raise DataError(f"malformed checkpoint skeleton: unexpected {type(node).__name__} {_short(node)}")
-        ((tag, body),) = node.items()
-        if tag == _TENSOR and isinstance(body, str):
-            if body not in tensors:
-                raise DataError(f"checkpoint skeleton refers to tensor {body!r}, missing from the tensor file")
-            return tensors[body]
-        if tag == _DICT and isinstance(body, dict):
-            return {k: walk(v) for k, v in body.items()}
-        if tag == _ITEMS and isinstance(body, list):
-            out: dict[Any, Any] = {}
-            for item in body:
-                if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))):
-                    raise DataError(f"malformed checkpoint skeleton: bad dict item {_short(item)}")
-                out[item[0]] = walk(item[1])
-            return out
-        if tag == _TUPLE and isinstance(body, list):
-            return tuple(walk(v) for v in body)
-        if tag == _FLOAT and body in ("inf", "-inf", "nan"):
-            return float(body)
-        raise DataError(f"malformed checkpoint skeleton: unknown node {_short(node)}")
 
-    return walk(skeleton)
+def _rebuild(node: Any, tensors: Mapping[str, Tensor]) -> Any:
+    """The value a skeleton ``node`` stands for (see :func:`unflatten_state`)."""
+    if node is None or isinstance(node, (bool, int, float, str)):
+        return node
+    if isinstance(node, list):
+        return [_rebuild(v, tensors) for v in node]
+    if not (isinstance(node, dict) and len(node) == 1):
+        raise DataError(f"malformed checkpoint skeleton: unexpected {type(node).__name__} {_short(node)}")
+    ((tag, body),) = node.items()
+    if tag == _TENSOR and isinstance(body, str):
+        if body not in tensors:
+            raise DataError(f"checkpoint skeleton refers to tensor {body!r}, missing from the tensor file")
+        return tensors[body]
+    if tag == _DICT and isinstance(body, dict):
+        return {k: _rebuild(v, tensors) for k, v in body.items()}
+    if tag == _ITEMS and isinstance(body, list):
+        out: dict[Any, Any] = {}
+        for item in body:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], (str, int))):
+                raise DataError(f"malformed checkpoint skeleton: bad dict item {_short(item)}")
+            out[item[0]] = _rebuild(item[1], tensors)
+        return out
+    if tag == _TUPLE and isinstance(body, list):
+        return tuple(_rebuild(v, tensors) for v in body)
+    if tag == _FLOAT and body in ("inf", "-inf", "nan"):
+        return float(body)
+    raise DataError(f"malformed checkpoint skeleton: unknown node {_short(node)}")
 
 
 def _short(obj: Any, limit: int = 80) -> str:
