@@ -1,4 +1,5 @@
-"""The README's config table, generated from TrainerConfig so it never drifts.
+"""The README's config table, generated from the field table (:mod:`diloco_ray.config.fields`)
+so it never drifts.
 
 ``python -m diloco_ray.config.docs`` rewrites the table between the markers in README.md;
 a unit test fails when the committed README differs from what this renders.
@@ -8,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from diloco_ray.config.schema import field_help
+from diloco_ray.config.fields import field_help
 
 START, END = "<!-- fields:start -->", "<!-- fields:end -->"
 

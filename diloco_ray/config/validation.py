@@ -1,24 +1,25 @@
-"""Validation of a TrainerConfig: each field's type and range, then the rules between fields.
+"""Validation of a config: each field's type and range, then the rules between fields.
 
 Every problem is one :class:`~diloco_ray.errors.ConfigError` naming the field, the value and
-what is allowed. The rules read the field table's metadata (``ge``, ``gt``, ``le``, ``lt``)
-and types, so this module never imports the schema (which calls :func:`validate` from
-``__post_init__``).
+what is allowed. The checks read the field table (:mod:`diloco_ray.config.fields`: types and
+the ``ge``, ``gt``, ``le``, ``lt`` metadata); the rules between fields are small functions run
+in the order of :data:`RULES`, the first problem winning. This module never imports the
+schema, which calls :func:`validate` from ``TrainerConfig.__post_init__``.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import math
 import types
 import typing
-from typing import TYPE_CHECKING, Any, Literal, Union
+from typing import Any, Callable, Literal, Union
 
+from diloco_ray.config import fault_plan as faults
+from diloco_ray.config.fields import FIELDS, ConfigFields
 from diloco_ray.errors import ConfigError
 
-if TYPE_CHECKING:
-    from diloco_ray.config.schema import TrainerConfig
+# Each field's declared type, resolved once (the table's annotations are strings).
+HINTS = typing.get_type_hints(ConfigFields)
 
 
 def _describe(tp: Any) -> str:
@@ -72,39 +73,43 @@ def _coerce(value: Any, tp: Any) -> tuple[bool, Any]:
     return isinstance(value, tp), value
 
 
-@functools.lru_cache(maxsize=None)
-def _fields_and_hints(cls: type) -> tuple[dict, dict]:
-    """The dataclass fields of the config class and their resolved types (once per class)."""
-    return {f.name: f for f in dataclasses.fields(cls)}, typing.get_type_hints(cls, include_extras=False)
+def validate(cfg: ConfigFields) -> None:
+    """Check types, ranges and the rules between fields; raise ConfigError on the first problem.
 
-
-def validate(cfg: TrainerConfig) -> None:
-    """Check types, ranges and cross-field rules; raise ConfigError on the first problem."""
+    ``cfg`` is normalised in place: numbers written as ints or strings become floats, a
+    lone string becomes a list where a list is expected, and the rules clear what another
+    field overrides (see :func:`_choose_sources`) and normalise ``log_with`` and ``link_mbps``.
+    """
     if cfg.mixed_precision is False:  # YAML 1.1 reads a bare `no` as false
         cfg.mixed_precision = "no"
-    fields, hints = _fields_and_hints(type(cfg))
-    for name, f in fields.items():
-        value = getattr(cfg, name)
-        ok, value = _coerce(value, hints[name])
-        if not ok:
-            raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(hints[name])}")
-        setattr(cfg, name, value)
-        if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            m = f.metadata
-            for rule, op, word in (
-                ("ge", float.__ge__, ">="),
-                ("gt", float.__gt__, ">"),
-                ("le", float.__le__, "<="),
-                ("lt", float.__lt__, "<"),
-            ):
-                if rule in m and not op(float(value), float(m[rule])):
-                    raise ConfigError(f"{name}: {value!r} is not allowed; must be {word} {m[rule]}")
-    _validate_cross_field(cfg)
+    for name, f in FIELDS.items():
+        setattr(cfg, name, _checked_value(name, getattr(cfg, name), f.metadata))
+    for rule in RULES:
+        rule(cfg)
 
 
-def _validate_cross_field(cfg: TrainerConfig) -> None:
+_BOUNDS = (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"), ("le", float.__le__, "<="), ("lt", float.__lt__, "<"))
+
+
+def _checked_value(name: str, value: Any, bounds: typing.Mapping[str, Any]) -> Any:
+    """``value`` of field ``name`` after its type and range checks (converted as :func:`_coerce` does)."""
+    ok, value = _coerce(value, HINTS[name])
+    if not ok:
+        raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(HINTS[name])}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        for rule, op, word in _BOUNDS:
+            if rule in bounds and not op(float(value), float(bounds[rule])):
+                raise ConfigError(f"{name}: {value!r} is not allowed; must be {word} {bounds[rule]}")
+    return value
+
+
+# --- the rules between fields, in the order they run ----------------------------------------
+
+
+def _choose_sources(cfg: ConfigFields) -> None:
+    """The model and the data each need a source; the one that takes precedence wins."""
     # Precedence, so that overlaying a recipe with --set model_name=... or
     # --set json_file_path=... switches the source cleanly; the loser is cleared, so the
     # resolved config.yaml shows what was used.
@@ -118,9 +123,16 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         raise ConfigError("model_config: needs a model_type (e.g. llama) naming a transformers architecture")
     if cfg.dataset_name is None and cfg.json_file_path is None:
         raise ConfigError("dataset_name: not set; give a data set name or folder, or json_file_path")
+
+
+def _check_replica_count(cfg: ConfigFields) -> None:
     lo, hi = cfg.replica_bounds
     if not lo <= cfg.num_replicas <= hi:
         raise ConfigError(f"num_replicas: {cfg.num_replicas} is outside [min_replicas={lo}, max_replicas={hi}]")
+
+
+def _check_logging(cfg: ConfigFields) -> None:
+    """``log_with`` names known trackers (normalised to a list); tracker settings need their tracker."""
     if cfg.log_with is not None:
         names = [cfg.log_with] if isinstance(cfg.log_with, str) else cfg.log_with
         bad = [n for n in names if n not in ("tensorboard", "wandb")]
@@ -137,6 +149,10 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         )
     if not all(isinstance(t, str) for t in cfg.wandb_tags):
         raise ConfigError(f"wandb_tags: {cfg.wandb_tags!r} is not allowed; expected a list of strings")
+
+
+def _check_prompts_and_adapters(cfg: ConfigFields) -> None:
+    """PEFT target names, and the prompt/completion formatting pairs."""
     if cfg.target_modules is not None and not all(isinstance(m, str) for m in cfg.target_modules):
         raise ConfigError(f"target_modules: {cfg.target_modules!r} is not allowed; expected a list of module names")
     if (cfg.prompt_template is None) != (cfg.completion_template is None):
@@ -147,6 +163,11 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
         raise ConfigError("completion_func: prompt_func and completion_func go together; set both or neither")
     if cfg.prompt_func is not None and cfg.prompt_template is not None:
         raise ConfigError("prompt_func: set together with prompt_template; use templates or functions")
+
+
+def _check_what_needs_another_field(cfg: ConfigFields) -> None:
+    """Settings that only mean something with another one: early stopping, adapter merging,
+    the error-feedback decay."""
     if cfg.early_stopping_patience is not None and cfg.eval_batches == 0:
         raise ConfigError("early_stopping_patience: needs eval_batches > 0 (it watches the eval loss)")
     if cfg.merge_adapter and not cfg.use_peft:
@@ -157,10 +178,111 @@ def _validate_cross_field(cfg: TrainerConfig) -> None:
             f"error_feedback_decay: {cfg.error_feedback_decay} weighs a residual this run does not keep; "
             "it needs pseudo_grad_compression: topk, or a lossy codec with error_feedback: true"
         )
-    _validate_sync(cfg)
 
 
-def _check_resources(field: str, value) -> None:
+def _streamed(cfg: ConfigFields) -> bool:
+    """Whether a round syncs in fragments or overlaps its sync (Streaming DiLoCo)."""
+    return cfg.sync_fragments > 1 or cfg.overlap_communication
+
+
+def _check_fragments(cfg: ConfigFields) -> None:
+    """Streaming DiLoCo's fragments and overlap."""
+    if cfg.sync_fragments > cfg.max_steps:
+        raise ConfigError(
+            f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
+            "each fragment needs at least one inner step of its own"
+        )
+    if cfg.overlap_communication and cfg.sync_fragments == 1:
+        # Overlap merges a fragment's new weights one sync period late; with one fragment
+        # that merge would land just before the same fragment's next pseudo-gradient is
+        # taken, scaling every update by fragment_alpha (to nothing at alpha 0).
+        raise ConfigError(
+            "overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
+            "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false"
+        )
+
+
+def _check_fault_plan(cfg: ConfigFields) -> None:
+    faults.check_reachable(faults.parse(cfg.fault_plan), cfg)
+
+
+def _check_what_streaming_rules_out(cfg: ConfigFields) -> None:
+    """In-flight snapshots and adaptive inner steps need whole-model syncs at round ends."""
+    streamed = _streamed(cfg)
+    if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+        raise ConfigError(
+            f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
+            "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps"
+        )
+    if cfg.inner_time_s is not None:
+        if streamed:
+            # A streaming round's sync periods end at fixed steps; a budget would move them.
+            raise ConfigError(
+                "inner_time_s: adaptive inner steps need sync_fragments: 1 and overlap_communication: false"
+            )
+        if cfg.round_timeout_s is not None and cfg.inner_time_s >= cfg.round_timeout_s:
+            raise ConfigError(
+                f"inner_time_s: {cfg.inner_time_s:g} must be below round_timeout_s={cfg.round_timeout_s:g}, "
+                "which must also leave time for the sync"
+            )
+
+
+def _check_ranks_list(cfg: ConfigFields) -> None:
+    ranks = cfg.ranks_per_replica
+    if isinstance(ranks, list) and (
+        not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks)
+    ):
+        raise ConfigError(
+            f"ranks_per_replica: {ranks!r} is not allowed; expected a whole number >= 1 or a non-empty "
+            "list of them (one per replica id)"
+        )
+
+
+def _check_sync_mode(cfg: ConfigFields) -> None:
+    """Decoupled mode's limits (:func:`_check_decoupled`); sync mode has no stale contributions."""
+    if cfg.sync_mode == "decoupled":
+        _check_decoupled(cfg, _streamed(cfg))
+    elif cfg.stale_correction != "none":
+        raise ConfigError(
+            f"stale_correction: {cfg.stale_correction} corrects stale contributions, which only "
+            "sync_mode: decoupled merges; use stale_correction: none in sync mode"
+        )
+
+
+def _check_placement(cfg: ConfigFields) -> None:
+    """The custom Ray resources that pin servers and replicas to nodes."""
+    resources = cfg.server_resources
+    if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
+        raise ConfigError(
+            f"server_resources: a list needs one mapping per server actor "
+            f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}"
+        )
+    for name in ("server_resources", "replica_resources"):
+        _check_resources(name, getattr(cfg, name))
+
+
+def _check_links(cfg: ConfigFields) -> None:
+    """The simulated link rates: one positive number, or one per replica slot (normalised to floats)."""
+    if cfg.link_mbps is None:
+        return
+    rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
+    if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
+        raise ConfigError(
+            f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
+            "or a list of them (one per replica slot)"
+        )
+    if isinstance(cfg.link_mbps, list):
+        cfg.link_mbps = [float(r) for r in rates]
+        if len(rates) < cfg.replica_bounds[1]:
+            raise ConfigError(
+                f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
+                "replicas may run; list one per replica slot"
+            )
+    else:
+        cfg.link_mbps = float(cfg.link_mbps)
+
+
+def _check_resources(field: str, value: Any) -> None:
     """A resources field: a mapping of resource name -> non-negative amount, or a
     non-empty list of such mappings."""
     mappings = value if isinstance(value, list) else [value]
@@ -179,83 +301,7 @@ def _check_resources(field: str, value) -> None:
         )
 
 
-def _validate_sync(cfg: TrainerConfig) -> None:
-    """Rules for the low-bandwidth settings: fragments, overlap, servers, links."""
-    if cfg.sync_fragments > cfg.max_steps:
-        raise ConfigError(
-            f"sync_fragments: {cfg.sync_fragments} is more than max_steps={cfg.max_steps}; "
-            "each fragment needs at least one inner step of its own"
-        )
-    if cfg.overlap_communication and cfg.sync_fragments == 1:
-        # Overlap merges a fragment's new weights one sync period late; with one fragment
-        # that merge would land just before the same fragment's next pseudo-gradient is
-        # taken, scaling every update by fragment_alpha (to nothing at alpha 0).
-        raise ConfigError(
-            "overlap_communication: true needs sync_fragments >= 2 (a fragment's weights are merged "
-            "while the next fragment trains); set sync_fragments: 2 or more, or overlap_communication: false"
-        )
-    from diloco_ray.config import fault_plan as faults
-
-    faults.check_reachable(faults.parse(cfg.fault_plan), cfg)
-    streamed = cfg.sync_fragments > 1 or cfg.overlap_communication
-    if streamed and cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
-        raise ConfigError(
-            f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight snapshots, "
-            "which need sync_fragments: 1 and overlap_communication: false; use a multiple of max_steps"
-        )
-    if cfg.inner_time_s is not None:
-        if streamed:
-            # A streaming round's sync periods end at fixed steps; a budget would move them.
-            raise ConfigError(
-                "inner_time_s: adaptive inner steps need sync_fragments: 1 and overlap_communication: false"
-            )
-        if cfg.round_timeout_s is not None and cfg.inner_time_s >= cfg.round_timeout_s:
-            raise ConfigError(
-                f"inner_time_s: {cfg.inner_time_s:g} must be below round_timeout_s={cfg.round_timeout_s:g}, "
-                "which must also leave time for the sync"
-            )
-    ranks = cfg.ranks_per_replica
-    if isinstance(ranks, list) and (
-        not ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1 for r in ranks)
-    ):
-        raise ConfigError(
-            f"ranks_per_replica: {ranks!r} is not allowed; expected a whole number >= 1 or a non-empty "
-            "list of them (one per replica id)"
-        )
-    if cfg.sync_mode == "decoupled":
-        _check_decoupled(cfg, streamed)
-    elif cfg.stale_correction != "none":
-        raise ConfigError(
-            f"stale_correction: {cfg.stale_correction} corrects stale contributions, which only "
-            "sync_mode: decoupled merges; use stale_correction: none in sync mode"
-        )
-    resources = cfg.server_resources
-    if isinstance(resources, list) and len(resources) != cfg.num_param_servers:
-        raise ConfigError(
-            f"server_resources: a list needs one mapping per server actor "
-            f"(num_param_servers={cfg.num_param_servers}), got {len(resources)}"
-        )
-    for name in ("server_resources", "replica_resources"):
-        _check_resources(name, getattr(cfg, name))
-    if cfg.link_mbps is not None:
-        rates = cfg.link_mbps if isinstance(cfg.link_mbps, list) else [cfg.link_mbps]
-        if not rates or not all(isinstance(r, (int, float)) and not isinstance(r, bool) and r > 0 for r in rates):
-            raise ConfigError(
-                f"link_mbps: {cfg.link_mbps!r} is not allowed; expected a positive number "
-                "or a list of them (one per replica slot)"
-            )
-        if isinstance(cfg.link_mbps, list):
-            cfg.link_mbps = [float(r) for r in rates]
-            if len(rates) < cfg.replica_bounds[1]:
-                raise ConfigError(
-                    f"link_mbps: {len(rates)} links listed but up to {cfg.replica_bounds[1]} "
-                    "replicas may run; list one per replica slot"
-                )
-        else:
-            cfg.link_mbps = float(cfg.link_mbps)
-
-
-def _check_decoupled(cfg, streamed: bool) -> None:
+def _check_decoupled(cfg: ConfigFields, streamed: bool) -> None:
     """What ``sync_mode: decoupled`` cannot be combined with, and why."""
     if streamed:
         raise ConfigError(
@@ -292,3 +338,20 @@ def _check_decoupled(cfg, streamed: bool) -> None:
                 f"once per round; it needs outer_opt: SGD with Nesterov and no dampening (got {cfg.outer_opt}"
                 f"{' ' + str(kwargs) if kwargs else ''}); set decoupled_momentum: every_step for other outer optimizers"
             )
+
+
+# The rules between fields, in order: the first problem is the one reported.
+RULES: tuple[Callable[[ConfigFields], None], ...] = (
+    _choose_sources,
+    _check_replica_count,
+    _check_logging,
+    _check_prompts_and_adapters,
+    _check_what_needs_another_field,
+    _check_fragments,
+    _check_fault_plan,
+    _check_what_streaming_rules_out,
+    _check_ranks_list,
+    _check_sync_mode,
+    _check_placement,
+    _check_links,
+)
