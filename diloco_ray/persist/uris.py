@@ -18,7 +18,7 @@ import tempfile
 import threading
 import uuid
 from typing import TYPE_CHECKING
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
 from diloco_ray.errors import ConfigError
 
@@ -96,13 +96,28 @@ def check_uri(field: str, uri: str) -> None:
     if not isinstance(uri, str):
         raise ConfigError(f"{field}: expected a string ({_ALLOWED}), got {type(uri).__name__}")
     if "://" not in uri:
-        # "s3:bucket" or "s3:/bucket" would otherwise become a local folder named "s3:...".
-        head = uri.split(":", 1)[0].lower() if ":" in uri else ""
-        if head in REMOTE_SCHEMES or head in _ALIASES:
-            raise ConfigError(f"{field}: {redact(uri)!r} is not a valid URI; expected {head}://bucket/path")
+        _check_local(field, uri)
         return
+    _check_scheme(field, uri)
+    parts = urlsplit(uri)
     scheme = uri.split("://", 1)[0].lower()
-    if scheme == "file":
+    canonical = _ALIASES.get(scheme, scheme)
+    _check_bucket(field, uri, parts.netloc, canonical)
+    _check_path(field, uri, parts, canonical)
+    _check_query(field, uri, parts.query, canonical)
+
+
+def _check_local(field: str, uri: str) -> None:
+    """A value without ``://`` is a local folder, unless it is a remote URI misspelt."""
+    # "s3:bucket" or "s3:/bucket" would otherwise become a local folder named "s3:...".
+    head = uri.split(":", 1)[0].lower() if ":" in uri else ""
+    if head in REMOTE_SCHEMES or head in _ALIASES:
+        raise ConfigError(f"{field}: {redact(uri)!r} is not a valid URI; expected {head}://bucket/path")
+
+
+def _check_scheme(field: str, uri: str) -> None:
+    """A URI's scheme is one of ours, and it has no whitespace or control character."""
+    if uri.split("://", 1)[0].lower() == "file":
         raise ConfigError(
             f"{field}: {redact(uri)!r} is not allowed; expected {_ALLOWED} "
             "(write a local folder as a plain path, without file://)"
@@ -115,22 +130,28 @@ def check_uri(field: str, uri: str) -> None:
             f"{field}: {redact(uri)!r} contains whitespace or control characters; "
             f"expected {_ALLOWED} (encode a space as %20)"
         )
-    parts = urlsplit(uri)
-    canonical = _ALIASES.get(scheme, scheme)
-    if not parts.netloc:
+
+
+def _check_bucket(field: str, uri: str, netloc: str, canonical: str) -> None:
+    """The part after ``scheme://`` is a bucket name alone: no credentials, no port."""
+    if not netloc:
         raise ConfigError(f"{field}: {redact(uri)!r} has no bucket; expected {canonical}://bucket/path")
-    if "@" in parts.netloc:
+    if "@" in netloc:
         # pyarrow would take "key:secret@bucket", but the URI is logged and saved in config.yaml.
         raise ConfigError(
             f"{field}: {redact(uri)!r} holds credentials; put them in the environment "
             f"(e.g. AWS_ACCESS_KEY_ID / GOOGLE_APPLICATION_CREDENTIALS), not in the URI"
         )
-    if not _BUCKET.match(parts.netloc):
+    if not _BUCKET.match(netloc):
         raise ConfigError(
-            f"{field}: {redact(uri)!r} has an invalid bucket name {parts.netloc!r}; expected "
+            f"{field}: {redact(uri)!r} has an invalid bucket name {netloc!r}; expected "
             f"{canonical}://bucket/path with letters, digits, '.', '-' or '_' in the "
             "bucket name (set a custom endpoint with AWS_ENDPOINT_URL, not a port)"
         )
+
+
+def _check_path(field: str, uri: str, parts: SplitResult, canonical: str) -> None:
+    """No ``#`` fragment, and no empty, ``.`` or ``..`` path segment."""
     if parts.fragment or uri.endswith("#"):
         raise ConfigError(
             f"{field}: {redact(uri)!r} has a '#' fragment, which is not allowed; expected {canonical}://bucket/path"
@@ -141,8 +162,12 @@ def check_uri(field: str, uri: str) -> None:
         raise ConfigError(
             f"{field}: {redact(uri)!r} has an empty, '.' or '..' path segment; expected {canonical}://bucket/path"
         )
+
+
+def _check_query(field: str, uri: str, query: str, canonical: str) -> None:
+    """Only the query options pyarrow takes for the scheme."""
     allowed = _QUERY_OPTIONS[canonical]
-    for key, _ in parse_qsl(parts.query, keep_blank_values=True):
+    for key, _ in parse_qsl(query, keep_blank_values=True):
         if key not in allowed:
             raise ConfigError(
                 f"{field}: {redact(uri)!r} has query option {key!r}, which is not allowed; "
