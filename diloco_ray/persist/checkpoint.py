@@ -110,7 +110,20 @@ def commit(tmp: str, root: str, round: int, meta: dict) -> str:
         json.dumps(meta, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"checkpoint meta must be JSON-serialisable with finite floats: {exc}") from exc
+    files, dirs = _sync_and_hash(tmp)
+    # The manifest goes last: its presence is what marks the file set as complete.
+    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
+        f.write(manifest_text(round, meta, files))
+        f.flush()
+        os.fsync(f.fileno())
+    for d in dirs:
+        _fsync_dir(d)
+    return _move_into_place(tmp, root, round)
 
+
+def _sync_and_hash(tmp: str) -> tuple[dict[str, str], list[str]]:
+    """``(manifest path -> SHA-256 of each file under tmp, every folder from tmp down)``,
+    each file fsynced first (a stale manifest is left out: the commit rewrites it)."""
     files: dict[str, str] = {}
     dirs = [tmp]
     for dirpath, dirnames, filenames in os.walk(tmp):
@@ -120,18 +133,14 @@ def commit(tmp: str, root: str, round: int, meta: dict) -> str:
             full = os.path.join(dirpath, fn)
             rel = os.path.relpath(full, tmp).replace(os.sep, "/")
             if rel == MANIFEST:
-                continue  # a stale manifest from an interrupted commit is rewritten below
+                continue  # a stale manifest from an interrupted commit is rewritten
             _fsync_file(full)
             files[rel] = sha256_file(full)
+    return files, dirs
 
-    # The manifest goes last: its presence is what marks the file set as complete.
-    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-        f.write(manifest_text(round, meta, files))
-        f.flush()
-        os.fsync(f.fileno())
-    for d in dirs:
-        _fsync_dir(d)
 
+def _move_into_place(tmp: str, root: str, round: int) -> str:
+    """Rename the sealed ``tmp`` to ``root/round-XXXXXXXX``, replacing one already there."""
     final = os.path.join(root, round_folder_name(round))
     old = None
     if os.path.exists(final):
@@ -187,21 +196,38 @@ def verify(path: str) -> str | None:
         file in the folder that the manifest does not list, fails too (a manifest is
         the commit of exactly the files it names).
     """
+    manifest, reason = _open_manifest(path)
+    if reason is None:
+        reason = _listing_problem(path, manifest)
+    if reason is None:
+        reason = _first_bad_file(path, manifest["files"])
+    return reason
+
+
+def _open_manifest(path: str) -> tuple[dict, None] | tuple[None, str]:
+    """``(manifest, None)`` when the folder holds a readable manifest of our format, else
+    ``(None, why not)``."""
     if not os.path.isdir(path):
-        return "not a folder"
+        return None, "not a folder"
     file = os.path.join(path, MANIFEST)
     if not os.path.isfile(file):
-        return f"no {MANIFEST} (incomplete checkpoint)"
+        return None, f"no {MANIFEST} (incomplete checkpoint)"
     try:
         with open(file, encoding="utf-8") as f:
             manifest = json.load(f)
     except (OSError, UnicodeDecodeError) as exc:
-        return f"{MANIFEST} cannot be read: {exc}"
+        return None, f"{MANIFEST} cannot be read: {exc}"
     except json.JSONDecodeError as exc:
-        return f"{MANIFEST} is not valid JSON ({exc.msg} at line {exc.lineno})"
+        return None, f"{MANIFEST} is not valid JSON ({exc.msg} at line {exc.lineno})"
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        return f"{MANIFEST} has unsupported format {got!r} (expected {FORMAT})"
+        return None, f"{MANIFEST} has unsupported format {got!r} (expected {FORMAT})"
+    return manifest, None
+
+
+def _listing_problem(path: str, manifest: dict) -> str | None:
+    """Why the manifest's file table does not describe the folder, or None: it must list
+    every file the folder holds, and the round in its name."""
     files = manifest.get("files")
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         return f"{MANIFEST} has no valid 'files' table"
@@ -213,6 +239,11 @@ def verify(path: str) -> str | None:
     named = round_of_folder(path)
     if named is not None and manifest.get("round") != named:
         return f"{MANIFEST} says round {manifest.get('round')!r} but the folder is round {named}"
+    return None
+
+
+def _first_bad_file(path: str, files: Mapping[str, str]) -> str | None:
+    """The first listed file that is unsafe, missing, unreadable or not its SHA-256, or None."""
     for rel, digest in files.items():
         parts = rel.split("/")
         if not rel or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
@@ -349,29 +380,44 @@ def resolve_resume(resume_from: str) -> tuple[str, list[tuple[str, str]]]:
             "folder, a checkpoints folder or a run's output_dir)"
         )
     path = os.path.abspath(resume_from)
-    skipped: list[tuple[str, str]] = []
-
     if os.path.isfile(os.path.join(path, MANIFEST)) or round_of_folder(path) is not None:
-        root = os.path.dirname(path)
-        reason = verify(path)
-        if reason is None:
-            return path, []
-        skipped.append((path, reason))
-        mine = round_of_folder(path)
-        if mine is None:
-            # Not named round-N: its round is only in the manifest, if that is readable.
-            try:
-                mine = int(read_manifest(path).get("round"))
-            except (DataError, TypeError, ValueError):
-                mine = None
-        older = [p for p in list_checkpoints(root) if mine is not None and round_of_folder(p) < mine]
-        found, failed = first_valid(reversed(older))
-        skipped += failed
-        if found is not None:
-            return found, skipped
-        where = f" or in an older checkpoint beside it in {root!r}" if mine is not None else ""
-        raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint{where} ({_reasons(skipped)})")
+        return _resume_checkpoint(resume_from, path)
+    return _resume_newest(resume_from, path)
 
+
+def _resume_checkpoint(resume_from: str, path: str) -> tuple[str, list[tuple[str, str]]]:
+    """:func:`resolve_resume` of a checkpoint folder: it, or the newest valid one older
+    than it beside it."""
+    reason = verify(path)
+    if reason is None:
+        return path, []
+    skipped = [(path, reason)]
+    root = os.path.dirname(path)
+    mine = _round_of_checkpoint(path)
+    older = [p for p in list_checkpoints(root) if mine is not None and round_of_folder(p) < mine]
+    found, failed = first_valid(reversed(older))
+    skipped += failed
+    if found is not None:
+        return found, skipped
+    where = f" or in an older checkpoint beside it in {root!r}" if mine is not None else ""
+    raise ConfigError(f"resume_from: {resume_from!r} holds no valid checkpoint{where} ({_reasons(skipped)})")
+
+
+def _round_of_checkpoint(path: str) -> int | None:
+    """The round in a checkpoint folder's name or, not named round-N, in its manifest if
+    that is readable."""
+    named = round_of_folder(path)
+    if named is not None:
+        return named
+    try:
+        return int(read_manifest(path).get("round"))
+    except (DataError, TypeError, ValueError):
+        return None
+
+
+def _resume_newest(resume_from: str, path: str) -> tuple[str, list[tuple[str, str]]]:
+    """:func:`resolve_resume` of a run's output_dir or a checkpoints folder: the newest
+    valid checkpoint in it."""
     root = os.path.join(path, "checkpoints") if os.path.isdir(os.path.join(path, "checkpoints")) else path
     if not list_checkpoints(root):
         raise ConfigError(
