@@ -71,7 +71,7 @@ def first_round(worker, plan, round_index=0):
         fragment=0,
         plan=plan,
         attempt=round_index,
-        messages=worker.sync.seed(worker._local_rows()),
+        messages=worker.weights.seed(),
         full=True,
         version=0,
     )

@@ -33,8 +33,9 @@ period the replica launches at or after that merge (a replica merged every other
 launches only every other index, so an exact match could never come). Every fault fires in
 both modes; a fault that could never fire (a step past ``max_steps``, a rank the replica
 does not have, a round past ``diloco_loops`` in a synchronous run) is refused with the
-config. This module only parses and matches the plan (pure functions);
-:mod:`diloco_ray.runtime.rank` and :mod:`diloco_ray.driver.faults` carry the faults out.
+config. This module only parses and matches the plan (pure functions, no signals or
+sleeps); :mod:`diloco_ray.runtime.faults` carries the faults out, at named hook points in a
+rank's inner loop and in the driver's loops.
 """
 
 from __future__ import annotations
@@ -175,58 +176,3 @@ def check_reachable(plan: list[Fault], config) -> None:
             raise ConfigError(
                 f"{where}.round: {fault.round} is never reached; the run has rounds 0..{config.diloco_loops - 1}"
             )
-
-
-class RankFaults:
-    """Carries out one rank's replica faults as its inner loop reaches them.
-
-    Args:
-        plan: the faults aimed at this rank (:func:`for_rank`).
-        at_or_after: fire a fault in the first period at or after its round (decoupled
-            mode, see the module docstring), not only in that round.
-    """
-
-    def __init__(self, plan: list[Fault], at_or_after: bool = False):
-        self.plan, self.at_or_after = plan, at_or_after
-        self.fired: set = set()
-        self.extra_seconds = 0.0  # slow: added to each remaining step of the round
-        self.drop_link = False  # drop_link: the pseudo-gradient of this period never leaves
-        self.factor = 1.0  # slowdown: every step takes this many times as long, for the rest of the run
-        self._step_seconds = 0.0  # the last step's own time, which a slowdown multiplies
-        self._since: Optional[float] = None  # when the last step began (after its slowdown sleep)
-
-    def start_period(self) -> None:
-        """A new sync period: slowness and a dropped link last one period (a slowdown lasts)."""
-        self.extra_seconds, self.drop_link, self._since = 0.0, False, None
-
-    def at_step(self, round_index: int, step: int) -> bool:
-        """Fire what is due at this step (kill and freeze never return); returns whether
-        this step's loss must be poisoned with NaN."""
-        import os
-        import signal
-        import time
-
-        poison = False
-        for fault in due(self.plan, round_index, step, frozenset(self.fired), at_or_after=self.at_or_after):
-            self.fired.add(fault.key)
-            if fault.kind == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            elif fault.kind == "freeze":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            elif fault.kind == "slow":
-                self.extra_seconds += fault.seconds
-            elif fault.kind == "slowdown":
-                self.factor = fault.factor
-            elif fault.kind == "nan":
-                poison = True
-            elif fault.kind == "drop_link":
-                self.drop_link = True
-        if self.extra_seconds:
-            time.sleep(self.extra_seconds)
-        if self.factor > 1:
-            now = time.monotonic()
-            if self._since is not None:  # the step just run (the first of a period uses the last one seen)
-                self._step_seconds = now - self._since
-            time.sleep((self.factor - 1) * self._step_seconds)
-            self._since = time.monotonic()
-        return poison

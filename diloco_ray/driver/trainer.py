@@ -23,7 +23,6 @@ from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
-from diloco_ray.driver.faults import DriverFaults
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
 from diloco_ray.driver.round_loop import RoundLoop
@@ -42,6 +41,7 @@ from diloco_ray.observe.metrics import MetricsLogger, logger_for
 from diloco_ray.observe.ray_metrics import RoundMetrics
 from diloco_ray.persist import final_save, snapshot
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
+from diloco_ray.runtime.faults import DriverFaults
 from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.replica import Replica, start_token_data
 from diloco_ray.runtime.server import ParameterServer

@@ -1,42 +1,76 @@
 """What one FSDP rank of one replica does: the inner loop.
 
-A :class:`RankWorker` owns a model shard, its inner optimizer (whose state stays with the
-replica across rounds) and its view of the data. Each round it loads its rows of the
-global weights, runs its inner steps, and returns its rows of the pseudo-gradient
-``global - local``, one packed buffer per server (see :mod:`diloco_ray.algo.rank_sync`). With
-``sync_fragments`` > 1 one call covers one fragment's sync period. It is a plain class:
-the replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process.
+A :class:`RankWorker` is a thin actor around a model shard and its named parts, built at
+set-up, each with only what it needs:
+
+* ``batches`` (:mod:`~diloco_ray.runtime.rank_batches`): its view of the data, round by round;
+* ``state`` (:mod:`~diloco_ray.runtime.rank_state`): the inner optimizer, whose state stays
+  with the replica across rounds, and its save and restore;
+* ``weights`` (:mod:`~diloco_ray.runtime.rank_weights`): the global weights in and the
+  pseudo-gradient out, around ``sync`` (:mod:`diloco_ray.algo.rank_sync`);
+* ``output`` (:mod:`~diloco_ray.runtime.rank_output`): eval, the final save, a description;
+* ``faults`` (:mod:`~diloco_ray.runtime.faults`): the fault plan's hook points.
+
+Each sync period it loads its rows of the global weights, runs its inner steps, and returns
+its rows of the pseudo-gradient ``global - local``, one packed buffer per server. With
+``sync_fragments`` > 1 one call covers one fragment's sync period. It is a plain class: the
+replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from diloco_ray.algo import loss
 from diloco_ray.algo.inner_schedule import inner_lr_at, sync_period
-from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.algo.rank_sync import RankSync
-from diloco_ray.config import fault_plan as faults
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.data import samples, tokenization
+from diloco_ray.data import tokenization
 from diloco_ray.model import loading as modeling
 from diloco_ray.observe.events import StepEvent
-from diloco_ray.runtime import host_memory, transport
-from diloco_ray.runtime.messages import RoundStats, SyncPeriod
-from diloco_ray.runtime.rank_batches import RankBatches
+from diloco_ray.runtime import fsdp, transport
+from diloco_ray.runtime.faults import RankFaults
+from diloco_ray.runtime.messages import RoundStats, SnapshotPlan, SyncPeriod
+from diloco_ray.runtime.rank_batches import RankBatches, load_tokens
 from diloco_ray.runtime.rank_output import RankOutput
-from diloco_ray.runtime.rank_state import RankState, local_rows_of
-from diloco_ray.runtime.round_start import RoundStart
+from diloco_ray.runtime.rank_state import RankState
+from diloco_ray.runtime.rank_weights import RankWeights
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
 
-class RankWorker(RankBatches, RankState, RankOutput):
+@dataclass
+class PeriodTally:
+    """What one sync period's inner steps have done so far.
+
+    Args:
+        first: the first step this attempt runs (past the steps an in-flight snapshot restored).
+        last: one past the last step it may run (moved up when the time budget runs out).
+        loss_sum: the sum of the steps' losses (on the device: read only when reported).
+        logged: (step, loss_sum) at the last step event.
+        at: the step in progress.
+    """
+
+    first: int
+    last: int
+    loss_sum: torch.Tensor
+    logged: tuple
+    at: int
+    tokens: int = 0  # tokens trained on (attention mask)
+    counted: int = 0  # tokens that carried loss
+    resumed: int = 0  # steps restored from an in-flight snapshot
+    aborted: bool = False  # stopped by abort() (or a dropped link): nothing to send
+    out_of_time: bool = False  # the time budget cut the period short
+
+
+class RankWorker:
     """One rank of one replica.
 
     Args:
@@ -56,24 +90,16 @@ class RankWorker(RankBatches, RankState, RankOutput):
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.model = None
+        self.state: RankState | None = None  # batches, state, weights and output: built by setup()
         self._abort_attempt = -1  # set from another thread by abort()
-        plan = faults.for_rank(faults.parse(self.config.fault_plan), replica_id, rank)
-        self.faults = faults.RankFaults(plan, at_or_after=self.config.sync_mode == "decoupled")
-        # The optimizer, RNG and residual at the start of the current round (on local
-        # disk), so a re-run of the round starts exactly where the first attempt did.
-        self._round_start = RoundStart()
+        decoupled = self.config.sync_mode == "decoupled"
+        self.faults = RankFaults.for_rank(self.config.fault_plan, replica_id, rank, at_or_after=decoupled)
         self._last_beat = 0.0
 
     # ---- set-up -----------------------------------------------------------------------
     def rendezvous_address(self) -> tuple[str, int]:
         """(node ip, free port) for the process group; asked of rank 0."""
-        import socket
-
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            return ray.util.get_node_ip_address(), s.getsockname()[1]
+        return fsdp.rendezvous_address()
 
     def setup(
         self, master_addr: str | None = None, master_port: int | None = None, token_data: list | None = None
@@ -92,77 +118,41 @@ class RankWorker(RankBatches, RankState, RankOutput):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            import torch.distributed as dist
-
-            # FSDP's all-gathered layers come and go every step: keep glibc from
-            # holding on to their pages (see diloco_ray.runtime.host_memory).
-            host_memory.fix_mmap_threshold(host_memory.FSDP_RANK_THRESHOLD)
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(
-                backend, init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank, world_size=self.world_size
-            )
+            fsdp.join_process_group(master_addr, master_port, self.rank, self.world_size, self.device)
         self.tokenizer = tokenization.load_tokenizer(cfg)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
-        model = modeling.build_model(
-            cfg, self.tokenizer, self.device, self._shard if self.world_size > 1 else None, self.world_size, self.rank
-        )
+        shard = functools.partial(fsdp.shard, mixed_precision=cfg.mixed_precision) if self.world_size > 1 else None
+        model = modeling.build_model(cfg, self.tokenizer, self.device, shard, self.world_size, self.rank)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
         if cfg.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
         self.model = model
         # Named as in the model itself: a compiled wrapper would prefix every name.
         self.params = modeling.trained_parameters(getattr(model, "_orig_mod", model))
-        self.optimizer = build_inner_optimizer([p for _, p in self.params], cfg)
-        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.mixed_precision == "fp16" else None
         self.sync = RankSync(
             *(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments),
             *(cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block),
             *(cfg.anchor_on_host, cfg.topk_fraction, cfg.overlap_communication, cfg.error_feedback_decay),
         )
-        self.tokens = self._token_data(token_data)
-        self._batches: tuple | None = None
-        return self.shapes
-
-    def _token_data(self, shared: list | None) -> samples.TokenData:
-        cfg = self.config
-        if cfg.streaming:  # each rank reads the stream itself, round by round
-            reader, evals = samples.open_stream(cfg, self.tokenizer)
-            empty = samples.Samples(*(np.zeros((0, cfg.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
-            return samples.TokenData(empty, evals, reader)
-        if shared is None:
-            return samples.load_token_data(cfg, self.tokenizer)
-        import ray
-
-        # Read-only arrays in the node's object store, shared by its ranks. No deadline
-        # here: the driver bounds a replica's whole start (placement_timeout_s).
-        return ray.get(shared[0])
-
-    def _shard(self, model: torch.nn.Module) -> None:
-        """FSDP2 over the replica's ranks: each decoder layer one unit, the rest the root."""
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        # bf16 compute with fp32 gradient reduction; fp16 goes through autocast + scaler.
-        policy = (
-            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-            if self.config.mixed_precision == "bf16"
-            else MixedPrecisionPolicy()
+        self.weights = RankWeights(self.sync, self.params)
+        here = (self.rank, self.world_size, self.device)
+        self.state = RankState(self.params, self.sync, cfg, *here, self.streamed)
+        self.tokens = load_tokens(cfg, self.tokenizer, token_data)
+        self.batches = RankBatches(cfg, self.tokens, *here)
+        self.output = RankOutput(
+            *(cfg, model, self.params, self.sync, self.tokens, self.tokenizer), *here, self.streamed, self._autocast
         )
-        for layer in modeling.decoder_layers(model):
-            fully_shard(layer, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        return self.shapes
 
     def seed_pieces(self):
         """This rank's rows of its freshly built weights, one fp32 buffer per server (a
         bare buffer for one server, as ``num_returns=1`` expects)."""
-        buffers = self.sync.seed(self._local_rows())
+        buffers = self.weights.seed()
         return buffers[0] if len(buffers) == 1 else buffers
 
     def adopt_initial(self, expected: list | None) -> tuple[list[str], bool]:
-        """:meth:`~diloco_ray.algo.rank_sync.RankSync.adopt` of this rank's freshly built rows."""
-        return self.sync.adopt(self._local_rows(), expected)
-
-    def _local_rows(self) -> dict[str, torch.Tensor]:
-        return {n: local_rows_of(p) for n, p in self.params}
+        """:meth:`~diloco_ray.runtime.rank_weights.RankWeights.adopt`: seeding's check."""
+        return self.weights.adopt(expected)
 
     @property
     def streamed(self) -> bool:
@@ -178,96 +168,123 @@ class RankWorker(RankBatches, RankState, RankOutput):
         Args:
             job: what the driver hands every rank of the replica for this period.
         """
-        cfg = self.config
-        round_index, fragment, plan = job.round, job.fragment, job.plan
-        snapshots, attempt = job.snapshots, job.attempt
         t0 = time.perf_counter()
         self.faults.start_period()
         # Overlap: a fragment's new weights are merged one period late, so the steps run
         # while they travel; a full load (new replica, missed sync) cannot wait.
-        late_merge = cfg.overlap_communication and not job.full
+        late_merge = self.config.overlap_communication and not job.full
         if job.reset:  # the servers were restored from a checkpoint: reload everything
-            self.sync.versions = [-1] * len(self.sync.versions)
-        received = self._receive(job, merge=False, full_only=late_merge)
+            self.weights.forget_versions()
+        received = self.weights.receive(job, merge=False, full_only=late_merge)
         fetched = transport.prefetch(job.messages) if late_merge else None  # downloads while the steps run
-        restarted = False
-        if fragment == 0:
-            restarted = self._begin_round(job, resuming=bool(snapshots and snapshots.resume_step))
+        restarted = job.fragment == 0 and self._begin_round(job, resuming=self._resuming(job))
         t1 = time.perf_counter()
-        self.model.train()
-        source, steps = self._round_batches(round_index, plan)
-        first, last = sync_period(fragment, len(steps), cfg.sync_fragments)
-        sharded = self.world_size > 1 and cfg.grad_accum > 1
-        loss_sum = torch.zeros((), device=self.device)
-        tokens, counted, aborted, resumed, t = 0, 0, False, 0, first
-        logged = (first, 0.0)  # (step, loss_sum) at the last step event
-        if snapshots and snapshots.resume_step:
-            resumed, tokens, counted = self._restore_snapshot(snapshots, plan, loss_sum)
-            first = max(first, resumed)
-        # Adaptive inner steps: stop when the next would not fit the budget (the smaller of two).
-        budget = min((b for b in (cfg.inner_time_s, job.time_budget_s) if b is not None), default=None)
-        out_of_time = False
-        schedule_start = self._schedule_start(job)
-        for t, batches in self._step_batches(source, steps[:last], first):
-            if self._stop_requested(attempt):
-                aborted = True
-                break
-            poison = self.faults.at_step(round_index, t)
-            self._beat(job, t)
-            for group in self.optimizer.param_groups:
-                group["lr"] = inner_lr_at(schedule_start + t, cfg)
-            step_tokens = [loss.loss_tokens(b["labels"]) for b in batches]
-            items = loss.items_per_rank(self._replica_total(sum(step_tokens)), self.world_size)
-            for m, batch in enumerate(batches):
-                final = m == len(batches) - 1
-                if sharded:  # reduce-scatter gradients once per step, not per micro-batch
-                    self.model.set_requires_gradient_sync(final)
-                tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
-                counted += step_tokens[m]
-                batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-                with self._autocast():
-                    # Summed over the micro-batch's loss tokens and divided by the step's
-                    # (see diloco_ray.algo.loss): one big batch's per-token mean, whatever the
-                    # padding, masking or grad_accum.
-                    step_loss = self.model(**batch, num_items_in_batch=items).loss
-                if poison:
-                    step_loss = step_loss * float("nan")  # the fault plan's poisoned step
-                (self.scaler.scale(step_loss) if self.scaler else step_loss).backward()
-                loss_sum += step_loss.detach()
-            self._optimizer_step()
-            if (t + 1) % cfg.logging_steps == 0:
-                logged = self._report_step(job, t + 1, loss_sum, logged, tokens)
-            if snapshots and (t + 1) % snapshots.every == 0 and t + 1 < len(steps):
-                self._save_snapshot(snapshots, plan, t + 1, loss_sum, (tokens, counted))
-            if budget is not None and t + 1 < last and not self._another_step_fits(t1, t + 1 - first, budget):
-                last, out_of_time = t + 1, True  # the rest of the plan goes back to the cursor
-                break
+        tally = self._run_steps(job, started=t1)
         t2 = time.perf_counter()
-        if late_merge and not aborted:
-            received += self._receive(job, merge=True, fetched=fetched)
+        if late_merge and not tally.aborted:
+            received += self.weights.receive(job, merge=True, fetched=fetched)
         t3 = time.perf_counter()
-        if self.faults.drop_link and not aborted:
-            self._wait_for_abort(attempt)  # the message never leaves; the driver gives up on it
-            aborted = True
-        buffers = [] if aborted else self._outgoing(fragment, job.link)
-        stats = RoundStats(
+        # A dropped link (fault plan): the message never leaves; the driver gives up on it.
+        if not tally.aborted and self.faults.hold_link(lambda: self._abort_attempt == job.attempt):
+            tally.aborted = True
+        buffers = [] if tally.aborted else self.weights.outgoing(job.fragment, job.link)
+        stats = self._period_stats(tally, buffers, received, restarted, compute=t2 - t1, load=(t1 - t0) + (t3 - t2))
+        if tally.aborted:  # nothing to send: an empty message per server keeps the return count fixed
+            buffers = [np.zeros(0, dtype=np.uint8)] * self.config.num_param_servers
+        return (*buffers, stats)
+
+    def _period_stats(
+        self, tally: PeriodTally, buffers: list, received: int, restarted: bool, compute: float, load: float
+    ) -> RoundStats:
+        """What the driver learns of the period: ``compute`` and ``load``: seconds spent on
+        the inner steps and on taking in weights; ``received``: weight bytes taken in."""
+        return RoundStats(
             rank=self.rank,
-            inner_steps=(t - first) if aborted else last - first,
-            tokens=tokens,
-            loss_sum=float(loss_sum),
-            compute_seconds=t2 - t1,
-            load_seconds=(t1 - t0) + (t3 - t2),
+            inner_steps=(tally.at - tally.first) if tally.aborted else tally.last - tally.first,
+            tokens=tally.tokens,
+            loss_sum=float(tally.loss_sum),
+            compute_seconds=compute,
+            load_seconds=load,
             bytes_up=sum(b.nbytes for b in buffers),
             bytes_down=received,
-            aborted=aborted,
-            resumed_step=resumed,
+            aborted=tally.aborted,
+            resumed_step=tally.resumed,
             restarted=restarted,
-            loss_tokens=counted,
-            unused=self._unused_after(last) if out_of_time else [],
+            loss_tokens=tally.counted,
+            unused=self.batches.unused_after(tally.last) if tally.out_of_time else [],
         )
-        if aborted:  # nothing to send: an empty message per server keeps the return count fixed
-            buffers = [np.zeros(0, dtype=np.uint8)] * cfg.num_param_servers
-        return (*buffers, stats)
+
+    def _run_steps(self, job: SyncPeriod, started: float) -> PeriodTally:
+        """This period's inner steps: from the first not yet run (after a snapshot's) to the
+        period's last, or until an abort, or until the next step would not fit the budget."""
+        self.model.train()
+        source, steps = self.batches.for_round(job.round, job.plan)
+        first, last = sync_period(job.fragment, len(steps), self.config.sync_fragments)
+        tally = PeriodTally(first, last, torch.zeros((), device=self.device), logged=(first, 0.0), at=first)
+        if self._resuming(job):
+            tally.resumed, tally.tokens, tally.counted = self.state.restore_snapshot(
+                job.snapshots, job.plan, tally.loss_sum
+            )
+            tally.first = max(first, tally.resumed)
+        # Adaptive inner steps: stop when the next would not fit the budget (the smaller of two).
+        budget = min((b for b in (self.config.inner_time_s, job.time_budget_s) if b is not None), default=None)
+        for t, batches in self.batches.step_batches(source, steps[:last], tally.first):
+            tally.at = t
+            if self._stop_requested(job.attempt):
+                tally.aborted = True
+                break
+            self.faults.before_step(job.round, t)
+            self._beat(job, t)
+            self._train_step(job, t, batches, tally)
+            self._after_step(job, t + 1, len(steps), tally)
+            if t + 1 < last and not self.batches.another_step_fits(started, t + 1 - tally.first, budget):
+                tally.last, tally.out_of_time = t + 1, True  # the rest of the plan goes back to the cursor
+                break
+        return tally
+
+    def _train_step(self, job: SyncPeriod, step: int, batches: list, tally: PeriodTally) -> None:
+        """One inner step over its micro-batches, gradients reduced once at its end."""
+        self.state.set_lr(inner_lr_at(self._schedule_start(job) + step, self.config.sections().inner_optim))
+        step_tokens = [loss.loss_tokens(b["labels"]) for b in batches]
+        replica_tokens = fsdp.replica_total(sum(step_tokens), self.world_size, self.device)
+        items = loss.items_per_rank(replica_tokens, self.world_size)
+        sharded = self.world_size > 1 and self.config.grad_accum > 1
+        for m, batch in enumerate(batches):
+            if sharded:  # reduce-scatter gradients once per step, not per micro-batch
+                self.model.set_requires_gradient_sync(m == len(batches) - 1)
+            tally.tokens += int(batch["attention_mask"].sum())  # on the host copy: no device sync
+            tally.counted += step_tokens[m]
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            with self._autocast():
+                # Summed over the micro-batch's loss tokens and divided by the step's
+                # (see diloco_ray.algo.loss): one big batch's per-token mean, whatever the
+                # padding, masking or grad_accum.
+                step_loss = self.model(**batch, num_items_in_batch=items).loss
+            step_loss = self.faults.poison(step_loss)  # NaN on a step the fault plan poisons
+            self.state.backward(step_loss)
+            tally.loss_sum += step_loss.detach()
+        self.state.step()
+
+    def _after_step(self, job: SyncPeriod, done: int, total: int, tally: PeriodTally) -> None:
+        """After ``done`` of the round's ``total`` steps: a step event every ``logging_steps``,
+        an in-flight snapshot every ``snapshots.every`` (not at the round's end)."""
+        if done % self.config.logging_steps == 0:
+            tally.logged = self._report_step(job, done, tally.loss_sum, tally.logged, tally.tokens)
+        snapshots = job.snapshots
+        if snapshots and done % snapshots.every == 0 and done < total:
+            self._save_snapshot(snapshots, job.plan, done, tally.loss_sum, (tally.tokens, tally.counted))
+
+    def _save_snapshot(
+        self, snapshots: SnapshotPlan, plan: list, step: int, loss_sum: torch.Tensor, tokens: tuple[int, int]
+    ) -> None:
+        """:meth:`RankState.save_snapshot` after step ``step`` (a method of the worker's
+        own, so a test's worker can act at that moment)."""
+        self.state.save_snapshot(snapshots, plan, step, loss_sum, tokens)
+
+    @staticmethod
+    def _resuming(job: SyncPeriod) -> bool:
+        """Whether the period goes on from an in-flight snapshot."""
+        return bool(job.snapshots and job.snapshots.resume_step)
 
     def _report_step(self, job: SyncPeriod, step: int, loss_sum: torch.Tensor, logged: tuple, tokens: int) -> tuple:
         """Rank 0 sends a step event (mean loss since the last one, lr, tokens) to the
@@ -285,7 +302,7 @@ class RankWorker(RankBatches, RankState, RankOutput):
                 step=step,
                 global_step=self._schedule_start(job) + step,
                 loss=(total - logged[1]) / since,
-                lr=self.optimizer.param_groups[0]["lr"],
+                lr=self.state.lr,
                 # rank 0's count for the whole replica: its ranks see equal batches
                 tokens=tokens * self.world_size,
                 time=time.time(),
@@ -296,41 +313,6 @@ class RankWorker(RankBatches, RankState, RankOutput):
     def _schedule_start(self, job: SyncPeriod) -> int:
         """The inner lr schedule's step at the period's step 0."""
         return job.round * self.config.max_steps if job.schedule_step is None else job.schedule_step
-
-    def _outgoing(self, fragment: int, link) -> list[np.ndarray]:
-        """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""
-        return self.sync.outgoing(fragment, self._local_rows(), link)
-
-    def _receive(self, job: SyncPeriod, merge: bool, full_only: bool = False, fetched=None) -> int:
-        """Bring this rank up to the weights of the job's sync version: skip messages it
-        already holds, load everything after a gap, else apply them (blending them in
-        with ``merge``; ``fetched``: the messages' prefetch, if one was started). The transport
-        waits out a simulated downlink. Returns the bytes received."""
-        version = job.version
-        decision = self.sync.decide_load(version, fragment_message=not job.full)
-        received = 0
-        if decision == "full":
-            full = transport.receive([s.full_weights.remote() for s in job.servers], job.link)
-            received += self._apply(full, merge=False)
-            decision = self.sync.decide_load(version, fragment_message=not job.full)
-        if decision == "apply" and not full_only:
-            received += self._apply(transport.receive(fetched or job.messages, job.link), merge=merge)
-        return received
-
-    @torch.no_grad()
-    def _apply(self, buffers: list, merge: bool) -> int:
-        self.sync.apply(buffers, self._local_rows(), merge=merge)
-        return sum(len(b) for b in buffers)
-
-    def _replica_total(self, count: int) -> int:
-        """``count`` summed over the replica's ranks (one small all-reduce per step)."""
-        if self.world_size == 1:
-            return count
-        import torch.distributed as dist
-
-        total = torch.tensor([count], dtype=torch.int64, device=self.device)
-        dist.all_reduce(total)
-        return int(total.item())
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
@@ -345,40 +327,20 @@ class RankWorker(RankBatches, RankState, RankOutput):
         error-feedback residual of the round's start, so the re-run trains exactly as
         the first attempt did. Returns whether this was a re-run.
         """
-        round_index, restart = job.round, job.restart
         if job.reset_inner:
-            self._reset_inner_state()
-        if restart:
-            self.rewind_round(round_index, keep=True)
+            self.state.reset()
+        if job.restart:
+            self.state.rewind(job.round, keep=True)
         elif self.config.restore_on_retry and not resuming:
-            self._round_start.save(round_index, {**self._optimizer_and_rng(), "residual": self.sync.residual})
-        return restart
+            self.state.note_round_start(job.round)
+        return job.restart
 
-    @torch.no_grad()
     def rewind_round(self, round_index: int, keep: bool = False) -> None:
         """Back to the start of ``round_index`` (a re-run of it, or the run is stopping
         and checkpoints that round's boundary): local := anchor, and the round-start
         inner state when this rank has begun the round (a rank still at the boundary
         has nothing to undo). ``keep`` keeps that state for another re-run."""
-        for name, rows in self._local_rows().items():
-            if name in self.sync.anchor:
-                rows.copy_(self.sync.anchor[name].to(rows.dtype))
-        saved = self._round_start.load(round_index)  # a fresh copy each time: load_state_dict may alias it
-        if saved is not None:
-            self._restore_optimizer_and_rng(saved)
-            self.sync.residual = {n: t.to("cpu") for n, t in saved["residual"].items()}
-            if not keep:
-                self._round_start.clear()
-
-    def _reset_inner_state(self) -> None:
-        """A fresh inner optimizer (and scaler) and no residual: what a replica whose
-        pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in
-        AdamW's moments) does not make it diverge again next round."""
-        self.optimizer = build_inner_optimizer([p for _, p in self.params], self.config)
-        if self.scaler is not None:
-            self.scaler = torch.amp.GradScaler(self.device.type)
-        self.sync.residual = {}
-        self._round_start.clear()
+        self.state.rewind(round_index, keep)
 
     def _beat(self, job: SyncPeriod, step: int) -> None:
         """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
@@ -398,10 +360,6 @@ class RankWorker(RankBatches, RankState, RankOutput):
         """
         self._abort_attempt = attempt
 
-    def _wait_for_abort(self, attempt: int) -> None:
-        while self._abort_attempt != attempt:
-            time.sleep(0.05)
-
     def _stop_requested(self, attempt: int) -> bool:
         stop = self._abort_attempt == attempt
         cfg = self.config
@@ -415,19 +373,6 @@ class RankWorker(RankBatches, RankState, RankOutput):
             stop = bool(flag.item())
         return stop
 
-    def _optimizer_step(self) -> None:
-        cfg = self.config
-        if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        if cfg.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], cfg.max_grad_norm)
-        if self.scaler:
-            self.scaler.step(self.optimizer)
-            self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-
     def _autocast(self):
         cfg = self.config
         if cfg.mixed_precision == "no" or (cfg.mixed_precision == "bf16" and self.world_size > 1):
@@ -435,9 +380,31 @@ class RankWorker(RankBatches, RankState, RankOutput):
         dtype = torch.bfloat16 if self.config.mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
+    # ---- outside the rounds: what the parts answer ---------------------------------------
+    def save_inner_state(self, folder: str, slot: int) -> dict:
+        """:meth:`RankState.save_inner_state`: this rank's part of a round checkpoint."""
+        return self.state.save_inner_state(folder, slot)
+
+    def load_inner_state(self, folder: str, slot: int) -> bool:
+        """:meth:`RankState.load_inner_state`: this rank's part of a round checkpoint."""
+        return self.state.load_inner_state(folder, slot)
+
+    def evaluate(self, weights: list) -> tuple[float, int, int]:
+        """:meth:`RankOutput.evaluate` of the global weights (one buffer or ref per server)."""
+        return self.output.evaluate(weights)
+
+    def save_final(self, weights: list, path: str, merged_path: str | None = None) -> str:
+        """:meth:`RankOutput.save_final`: ``final/`` (and the merged model), rank 0 only."""
+        return self.output.save_final(weights, path, merged_path)
+
+    def describe(self) -> dict:
+        """:meth:`RankOutput.describe`: what this rank actually built."""
+        return self.output.describe()
+
     def shutdown(self) -> None:
         import torch.distributed as dist
 
-        self._round_start.close()
+        if self.state is not None:
+            self.state.close()
         if dist.is_initialized():
             dist.destroy_process_group()

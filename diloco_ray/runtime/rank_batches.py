@@ -1,4 +1,4 @@
-"""A rank's batches for a round: the micro-batches of its share of the replica's data plan.
+"""A rank's data: the job's tokens, and the micro-batches of its share of each round's data plan.
 
 The server hands each replica stream ranges for the round (:mod:`diloco_ray.data.plan`);
 :class:`RankBatches` turns them into this rank's ``[step][micro]`` sample indices once per
@@ -16,29 +16,62 @@ import numpy as np
 import torch
 
 from diloco_ray.data import plan as data
+from diloco_ray.data import samples
+
+
+def load_tokens(config, tokenizer, shared: list | None) -> samples.TokenData:
+    """The job's tokens as this rank reads them: a stream it reads round by round
+    (``streaming``), the driver's tokenising task's arrays (``shared``: ``[ref]``), or, with
+    neither, tokenised here."""
+    if config.streaming:
+        reader, evals = samples.open_stream(config, tokenizer)
+        empty = samples.Samples(*(np.zeros((0, config.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
+        return samples.TokenData(empty, evals, reader)
+    if shared is None:
+        return samples.load_token_data(config, tokenizer)
+    import ray
+
+    # Read-only arrays in the node's object store, shared by its ranks. No deadline
+    # here: the driver bounds a replica's whole start (placement_timeout_s).
+    return ray.get(shared[0])
 
 
 class RankBatches:
-    """The batch side of :class:`~diloco_ray.runtime.rank.RankWorker` (which sets ``config``,
-    ``rank``, ``world_size``, ``device``, ``tokens`` and ``_batches``)."""
+    """One rank's view of the training data, round by round.
 
-    def _round_batches(self, round_index: int, plan: list):
+    Args:
+        config: the job's TrainerConfig (batch shape, ``grad_accum``, ``num_workers``,
+            ``dynamic_batch``, ``group_by_length``).
+        tokens: the job's tokens (:func:`load_tokens`).
+        rank: this rank's index inside the replica.
+        world_size: ranks in the replica (their agreement on a time budget is one all-reduce).
+        device: where that all-reduce's flag lives.
+    """
+
+    def __init__(self, config, tokens: samples.TokenData, rank: int, world_size: int, device: torch.device):
+        self.config, self.tokens = config, tokens
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._cached: tuple | None = None  # (round key, samples, [step][micro], positions)
+
+    def for_round(self, round_index: int, plan: list):
         """(samples, ``[step][micro] -> indices``) for this rank's round, computed once per
         round (a round's sync periods share it)."""
         key = (round_index, tuple(map(tuple, plan)))
-        if self._batches is None or self._batches[0] != key:
-            self._batches = (key, *self._plan_batches(plan))
-        return self._batches[1], self._batches[2]
+        if self._cached is None or self._cached[0] != key:
+            self._cached = (key, *self._plan_batches(plan))
+        return self._cached[1], self._cached[2]
 
-    def _unused_after(self, steps_done: int) -> list:
+    def unused_after(self, steps_done: int) -> list:
         """The ranges of the current round's plan that its first ``steps_done`` steps did
         not read (every rank of the replica computes the same)."""
-        return data.unused_ranges(self._batches[3], steps_done, self.config)
+        return data.unused_ranges(self._cached[3], steps_done, self.config)
 
-    def _another_step_fits(self, started: float, done: int, budget: float) -> bool:
-        """Whether one more inner step fits in ``budget`` seconds from ``started``, judged by
-        this rank's mean step time so far. The replica's ranks agree (the slowest decides),
-        since they step together."""
+    def another_step_fits(self, started: float, done: int, budget: float | None) -> bool:
+        """Whether one more inner step fits in ``budget`` seconds from ``started`` (always,
+        with no budget), judged by this rank's mean step time so far. The replica's ranks
+        agree (the slowest decides), since they step together."""
+        if budget is None:
+            return True
         elapsed = time.perf_counter() - started
         fits = elapsed + elapsed / done <= budget
         if self.world_size == 1:
@@ -66,7 +99,7 @@ class RankBatches:
             order = data.group_by_length(order, train.lengths, data.GROUP_WINDOW_BATCHES * cfg.batch_size)
         return train, data.split_for_rank(order, cfg, self.rank), positions[order]
 
-    def _micro_batches(self, source, steps: list, first: int):
+    def micro_batches(self, source, steps: list, first: int):
         """``(step, micro, batch)`` in order from step ``first`` on, cut from ``source``;
         by DataLoader workers when ``num_workers`` > 0, so batching overlaps the steps."""
         items = [(t, m, idx) for t in range(first, len(steps)) for m, idx in enumerate(steps[t])]
@@ -84,11 +117,11 @@ class RankBatches:
         for (t, m, _), batch in zip(items, loader):
             yield t, m, batch
 
-    def _step_batches(self, source, steps: list, first: int):
+    def step_batches(self, source, steps: list, first: int):
         """``(step, [micro-batches])`` from step ``first`` on: a step's micro-batches
         together, so its loss can be normalised by all of their loss tokens."""
         pending: list = []
-        for t, m, batch in self._micro_batches(source, steps, first):
+        for t, m, batch in self.micro_batches(source, steps, first):
             pending.append(batch)
             if m == len(steps[t]) - 1:
                 yield t, pending

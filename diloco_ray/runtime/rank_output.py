@@ -8,18 +8,56 @@ disturbed; the loss is summed over the eval set's loss tokens on every rank.
 
 from __future__ import annotations
 
+from typing import Callable, ContextManager
+
 import numpy as np
 import torch
 
 from diloco_ray.algo import compression, loss, partition
 from diloco_ray.data import plan as data
+from diloco_ray.data.samples import TokenData
 from diloco_ray.model import loading as modeling
+from diloco_ray.runtime.rank_state import local_rows_of
 from diloco_ray.runtime.transport import resolve
 
 
 class RankOutput:
-    """The eval and output side of :class:`~diloco_ray.runtime.rank.RankWorker` (which sets
-    ``config``, ``model``, ``params``, ``sync``, ``tokens``, ``tokenizer`` and ``device``)."""
+    """What one rank does with the global weights: eval, the final save, a description.
+
+    Args:
+        config: the job's TrainerConfig (eval batches, and the model to build for the save).
+        model: the rank's model (compiled or not), whose rows eval overwrites for a while.
+        params: its trained parameters, ``(name, parameter)`` in model order.
+        sync: the rank's :class:`~diloco_ray.algo.rank_sync.RankSync` (which rows it holds).
+        tokens: the job's tokens (eval samples).
+        tokenizer: the job's tokenizer (saved with the model).
+        rank: this rank's index inside the replica.
+        world_size: ranks in the replica.
+        device: where the model lives.
+        streamed: local weights may differ from the global ones (then eval puts them back).
+        autocast: the mixed-precision context a forward runs in.
+    """
+
+    def __init__(
+        self,
+        config,
+        model: torch.nn.Module,
+        params: list,
+        sync,
+        tokens: TokenData,
+        tokenizer,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        streamed: bool,
+        autocast: Callable[[], ContextManager],
+    ):
+        self.config, self.model, self.params, self.sync = config, model, params, sync
+        self.tokens, self.tokenizer, self.autocast = tokens, tokenizer, autocast
+        self.rank, self.world_size, self.device, self.streamed = rank, world_size, device, streamed
+
+    def _local_rows(self) -> dict[str, torch.Tensor]:
+        return {n: local_rows_of(p) for n, p in self.params}
 
     @torch.no_grad()
     def evaluate(self, weights: list) -> tuple[float, int, int]:
@@ -68,7 +106,7 @@ class RankOutput:
             if len(evals) == 0:
                 break
             batch = {k: v.to(self.device) for k, v in evals.batch(idx, cfg.dynamic_batch).items()}
-            with self._autocast():
+            with self.autocast():
                 mean = self.model(**batch).loss
             if real:
                 n = loss.loss_tokens(batch["labels"])
@@ -82,7 +120,8 @@ class RankOutput:
         if self.rank == 0:
             from diloco_ray.runtime.server_group import assemble_weights
 
-            full = {n: torch.from_numpy(w) for n, w in assemble_weights(resolve(weights), self.shapes).items()}
+            shapes = {n: tuple(p.shape) for n, p in self.params}
+            full = {n: torch.from_numpy(w) for n, w in assemble_weights(resolve(weights), shapes).items()}
             # An unsharded copy of the starting model supplies what DiLoCo does not train
             # (frozen weights, buffers); the global weights overwrite the rest.
             from diloco_ray.persist import staging

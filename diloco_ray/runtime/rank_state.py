@@ -1,9 +1,12 @@
-"""What a rank keeps across an interruption: its inner state in a checkpoint, and in-flight snapshots.
+"""A rank's training state: its inner optimizer and RNG, stepped, kept and brought back.
 
 A rank's inner optimizer state and RNG state must carry over for training to go on exactly
-as if never interrupted. :class:`RankState` writes them (local FSDP shards, safetensors and
-JSON, never pickle) into a round checkpoint (``replicas/slot-S-rank-R``) or an in-flight
-snapshot of a long round, and reads them back into a rank with the same ``world_size``.
+as if never interrupted. :class:`RankState` owns the inner optimizer (and fp16 gradient
+scaler) over the rank's trained parameters, steps it, and keeps that state in three places:
+a round checkpoint (``replicas/slot-S-rank-R``: local FSDP shards as safetensors and JSON,
+never pickle), an in-flight snapshot of a long round, and the round's start on local disk
+for a re-run of the round (:class:`~diloco_ray.runtime.round_start.RoundStart`). It reads
+them back into a rank with the same ``world_size``.
 """
 
 from __future__ import annotations
@@ -12,15 +15,112 @@ import os
 
 import torch
 
+from diloco_ray.algo.optimizers import build_inner_optimizer
+from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.persist import snapshot
 from diloco_ray.runtime.messages import SnapshotPlan
+from diloco_ray.runtime.round_start import RoundStart
 
 
 class RankState:
-    """The save and restore side of :class:`~diloco_ray.runtime.rank.RankWorker` (which sets
-    ``optimizer``, ``params``, ``sync``, ``rank``, ``world_size`` and ``device``)."""
+    """One rank's inner optimizer over its trained parameters, and its save and restore.
 
-    def _save_snapshot(
+    Args:
+        params: the rank's trained parameters, ``(name, parameter)`` in model order (FSDP
+            DTensors on a sharded rank).
+        sync: the rank's :class:`~diloco_ray.algo.rank_sync.RankSync`, whose anchor and
+            error-feedback residual are part of what a checkpoint and a round start keep.
+        config: the job's TrainerConfig (``inner_opt`` and its settings, ``max_grad_norm``,
+            ``mixed_precision``).
+        rank: this rank's index inside the replica.
+        world_size: ranks in the replica.
+        device: where the parameters live.
+        streamed: local weights may differ from the global ones at a round boundary (then a
+            checkpoint keeps them too).
+    """
+
+    def __init__(
+        self,
+        params: list,
+        sync: RankSync,
+        config,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        streamed: bool,
+    ):
+        self.params, self.sync, self.config = params, sync, config
+        self.rank, self.world_size, self.device, self.streamed = rank, world_size, device, streamed
+        self.optimizer = build_inner_optimizer([p for _, p in params], config.sections().inner_optim)
+        self.scaler = torch.amp.GradScaler(device.type) if config.mixed_precision == "fp16" else None
+        # The optimizer, RNG and residual at the start of the current round (on local
+        # disk), so a re-run of the round starts exactly where the first attempt did.
+        self.round_start = RoundStart()
+
+    def local_rows(self) -> dict[str, torch.Tensor]:
+        """name -> the rows of each trained parameter this rank holds."""
+        return {n: local_rows_of(p) for n, p in self.params}
+
+    # ---- one inner step -----------------------------------------------------------------
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def backward(self, step_loss: torch.Tensor) -> None:
+        """Gradients of ``step_loss`` (scaled first under fp16)."""
+        (self.scaler.scale(step_loss) if self.scaler else step_loss).backward()
+
+    def step(self) -> None:
+        """One inner optimizer step (gradients unscaled and clipped first), then no gradients."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        if self.config.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], self.config.max_grad_norm)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def reset(self) -> None:
+        """A fresh inner optimizer (and scaler) and no residual: what a replica whose
+        pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in
+        AdamW's moments) does not make it diverge again next round."""
+        self.optimizer = build_inner_optimizer([p for _, p in self.params], self.config.sections().inner_optim)
+        if self.scaler is not None:
+            self.scaler = torch.amp.GradScaler(self.device.type)
+        self.sync.residual = {}
+        self.round_start.clear()
+
+    # ---- a round's start, and a re-run of it --------------------------------------------
+    def note_round_start(self, round_index: int) -> None:
+        """Keep the inner optimizer, RNG and residual as ``round_index`` begins, for a re-run."""
+        self.round_start.save(round_index, {**self._optimizer_and_rng(), "residual": self.sync.residual})
+
+    @torch.no_grad()
+    def rewind(self, round_index: int, keep: bool = False) -> None:
+        """Back to the start of ``round_index``: local := anchor, and the round-start inner
+        state when one was kept for that round. ``keep`` keeps it for another re-run."""
+        for name, rows in self.local_rows().items():
+            if name in self.sync.anchor:
+                rows.copy_(self.sync.anchor[name].to(rows.dtype))
+        saved = self.round_start.load(round_index)  # a fresh copy each time: load_state_dict may alias it
+        if saved is not None:
+            self._restore_optimizer_and_rng(saved)
+            self.sync.residual = {n: t.to("cpu") for n, t in saved["residual"].items()}
+            if not keep:
+                self.round_start.clear()
+
+    def close(self) -> None:
+        self.round_start.close()
+
+    # ---- in-flight snapshots of a long round --------------------------------------------
+    def save_snapshot(
         self, snapshots: SnapshotPlan, plan: list, step: int, loss_sum: torch.Tensor, tokens: tuple[int, int]
     ) -> None:
         """``tokens``: (tokens, loss tokens) trained on so far this round."""
@@ -35,7 +135,7 @@ class RankState:
         snapshot.save(snapshots.folder, snapshots.slot, self.rank, step, state)
 
     @torch.no_grad()
-    def _restore_snapshot(self, snapshots: SnapshotPlan, plan: list, loss_sum: torch.Tensor) -> tuple[int, int, int]:
+    def restore_snapshot(self, snapshots: SnapshotPlan, plan: list, loss_sum: torch.Tensor) -> tuple[int, int, int]:
         """Continue a round from an in-flight snapshot: (first step to run, tokens and
         loss tokens so far). A snapshot taken with another data plan does not apply: zeros."""
         step = snapshots.resume_step
@@ -61,7 +161,7 @@ class RankState:
             "sync": self.sync.state_dict(with_anchor=self.streamed),
         }
         if self.streamed:  # local weights differ from the global ones between rounds
-            state["rows"] = {n: t.detach().cpu().clone() for n, t in self._local_rows().items()}
+            state["rows"] = {n: t.detach().cpu().clone() for n, t in self.local_rows().items()}
         sub = os.path.join(staging.scratch(folder), "replicas")
         os.makedirs(sub, exist_ok=True)
         written = state_files.save_state(sub, f"slot-{slot}-rank-{self.rank}", state)
@@ -84,7 +184,7 @@ class RankState:
         self.sync.load_state_dict(state.get("sync") or {})
         if "rows" in state and "anchor" in (state.get("sync") or {}):
             with torch.no_grad():
-                for n, t in self._local_rows().items():
+                for n, t in self.local_rows().items():
                     t.copy_(state["rows"][n])
         return True
 

@@ -201,7 +201,7 @@ def test_dynamic_batches_are_padded_to_the_batch(tmp_path, llama_folder, sums_js
     from diloco_ray.data import plan as data
 
     batches = data.rank_batches(plan, cfg, 0, len(worker.tokens.train), worker.tokens.train.lengths)
-    widths = [b["input_ids"].shape[1] for _, _, b in worker._micro_batches(worker.tokens.train, batches, 0)]
+    widths = [b["input_ids"].shape[1] for _, _, b in worker.batches.micro_batches(worker.tokens.train, batches, 0)]
     assert widths and max(widths) < cfg.seq_len  # padded to the batch, not to seq_len (DataLoader worker)
     grads, stats = first_round(worker, plan)
     assert stats.inner_steps == 2 and stats.tokens < cfg.sequences_per_replica_round * cfg.seq_len

@@ -56,7 +56,7 @@ def test_tokenizer_name_is_used(tmp_path):
 
 def test_fp16_on_cpu_with_a_gradient_scaler(tmp_path):
     w = worker(tmp_path, mixed_precision="fp16")
-    assert w.scaler is not None
+    assert w.state.scaler is not None
     plan = [(0, w.config.sequences_per_replica_round)]
     grads, stats = first_round(w, plan)
     assert stats.inner_steps == 2 and all(torch.isfinite(g).all() for g in grads.values())
