@@ -54,6 +54,22 @@ def build_model(
         if shard is not None:
             shard(model)
         return model.to(device)
+    live, template, schedule = _meta_models(build, reader, config)
+    if shard is not None:
+        shard(live)
+    live.to_empty(device=device)
+    if hasattr(_base(live), "tie_weights"):
+        _base(live).tie_weights()  # to_empty may have replaced a tied parameter
+    model_init.fill(live, template, config.seed, reader, world_size, rank, schedule)
+    return live
+
+
+def _meta_models(
+    build: Callable[[], nn.Module], reader: model_init.CheckpointRows | None, config: TrainerConfig
+) -> tuple[nn.Module, nn.Module, list | None]:
+    """``(live, template, schedule)`` on the meta device: the model to shard and fill, the
+    one :func:`meta_init.fill` takes shapes and values from, and (built from a config) the
+    draws transformers made building the template. Sets ``reader``'s name prefix."""
     try:
         live = _adapt(model_init.meta_model(build), config)
     except ValueError as e:
@@ -64,13 +80,7 @@ def build_model(
     template = _adapt(bare, config)
     if reader is not None:
         reader.prefix = getattr(_base(template), "base_model_prefix", "")
-    if shard is not None:
-        shard(live)
-    live.to_empty(device=device)
-    if hasattr(_base(live), "tie_weights"):
-        _base(live).tie_weights()  # to_empty may have replaced a tied parameter
-    model_init.fill(live, template, config.seed, reader, world_size, rank, schedule)
-    return live
+    return live, template, schedule
 
 
 def meta_model(config: TrainerConfig, tokenizer) -> nn.Module:

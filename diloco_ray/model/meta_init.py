@@ -215,60 +215,78 @@ def fill(
     Returns:
         Parameter name -> where its values came from (``"checkpoint"`` or ``"init"``).
     """
-    params = dict(live.named_parameters())
-    buffers = dict(live.named_buffers())
-    source: dict[str, str] = {}
+    filler = _Filler(live, reader, world_size, rank)
+    replayed = schedule is not None and reader is None
+    if replayed:
+        hf_init.initialise(template, schedule, seed, filler.keep, _tuner_layer_class())
+    tuner = _tuner_layer_class()
+    for name, module, parts in _owning_modules(template):
+        # Replayed, every module but a PEFT adapter has its values already or is unset.
+        must_be_set = replayed and not (tuner is not None and isinstance(module, tuner))
+        filler.fill_module(template, name, module, parts, seed, must_be_set)
+    missing = [n for n in filler.params if n not in filler.source]
+    if missing:
+        raise ValueError(f"no values for parameters {missing[:5]}")
+    return filler.source
 
-    def put(full_name: str, tensor: torch.Tensor, key: str | None = None) -> None:
+
+class _Filler:
+    """One :func:`fill`: the live model's tensors and where each one's values came from.
+
+    Args:
+        live, reader, world_size, rank: as for :func:`fill`.
+    """
+
+    def __init__(self, live: nn.Module, reader: CheckpointRows | None, world_size: int, rank: int):
+        self.params = dict(live.named_parameters())
+        self.buffers = dict(live.named_buffers())
+        self.reader, self.world_size, self.rank = reader, world_size, rank
+        self.source: dict[str, str] = {}
+
+    def put(self, full_name: str, tensor: torch.Tensor, key: str | None = None) -> None:
         """``full_name``'s rows: of ``tensor`` (initialised on the host), or read from the
         checkpoint's ``key`` (``tensor`` then gives the full shape only)."""
-        local = _local(params[full_name] if full_name in params else buffers[full_name])
-        rows = _held_rows(local, tuple(tensor.shape), world_size, rank)
+        local = _local(self.params[full_name] if full_name in self.params else self.buffers[full_name])
+        rows = _held_rows(local, tuple(tensor.shape), self.world_size, self.rank)
         if key is not None:
-            value = reader.rows(key, rows)
+            value = self.reader.rows(key, rows)
         else:
             value = tensor.data if rows is None else tensor.data[rows]
             if value.is_floating_point() and bool(torch.isnan(value).any()):
                 raise ValueError(_unset(full_name))
         local.copy_(value.reshape(local.shape))
-        source[full_name] = "init" if key is None else "checkpoint"
+        self.source[full_name] = "init" if key is None else "checkpoint"
 
-    replayed = schedule is not None and reader is None
-    if replayed:
+    def keep(self, full_name: str, tensor: torch.Tensor) -> None:
+        """:meth:`put` for the replayed build, which also offers tied copies: not kept."""
+        if full_name in self.params or full_name in self.buffers:
+            self.put(full_name, tensor)
 
-        def keep(full_name: str, tensor: torch.Tensor) -> None:
-            if full_name in params or full_name in buffers:  # not a tied copy
-                put(full_name, tensor)
-
-        hf_init.initialise(template, schedule, seed, keep, _tuner_layer_class())
-    tuner = _tuner_layer_class()
-    for name, module, parts in _owning_modules(template):
-
-        def owned():  # looked up afresh: materialising replaces the tensors
-            return [
-                (f"{name}.{n}" if name else n, t)
-                for part in parts
-                for n, t in _named_tensors(module, part)
-                if (f"{name}.{n}" if name else n) in params or (f"{name}.{n}" if name else n) in buffers
-            ]
-
-        wanted = [(n, t) for n, t in owned() if n not in source]
+    def fill_module(
+        self, template: nn.Module, name: str, module: nn.Module, parts: list[nn.Module], seed: int, must_be_set: bool
+    ) -> None:
+        """Fill the tensors of ``parts`` not filled yet: from the checkpoint where it has
+        them, else all of them initialised on the host (an error where ``must_be_set``)."""
+        wanted = self._unfilled(name, module, parts)
         if not wanted:
-            continue
-        keys = {n: reader.key_for(n) if reader is not None and n in params else None for n, _ in wanted}
+            return
+        keys = {n: self.reader.key_for(n) if self.reader is not None and n in self.params else None for n, _ in wanted}
         if any(k is None for k in keys.values()):
-            if replayed and not (tuner is not None and isinstance(module, tuner)):
+            if must_be_set:
                 raise ValueError(_unset(next(n for n, k in keys.items() if k is None)))
             _initialise(template, name, module, parts, seed)
-            wanted = [(n, t) for n, t in owned() if n not in source]
+            wanted = self._unfilled(name, module, parts)  # looked up afresh: materialising replaces them
         for full_name, tensor in wanted:
-            put(full_name, tensor, keys[full_name])
+            self.put(full_name, tensor, keys[full_name])
         for part in parts:  # back to shapes only: the host copy is freed
             part.to("meta")
-    missing = [n for n in params if n not in source]
-    if missing:
-        raise ValueError(f"no values for parameters {missing[:5]}")
-    return source
+
+    def _unfilled(self, name: str, module: nn.Module, parts: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+        """``(full name, template tensor)`` of each live tensor of ``parts`` without values yet."""
+        named = ((f"{name}.{n}" if name else n, t) for part in parts for n, t in _named_tensors(module, part))
+        return [
+            (full, t) for full, t in named if (full in self.params or full in self.buffers) and full not in self.source
+        ]
 
 
 def _unset(full_name: str) -> str:
