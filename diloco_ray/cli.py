@@ -90,8 +90,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _train(args) -> int:
-    import signal
-
     from diloco_ray.config.schema import TrainerConfig
     from diloco_ray.driver.trainer import DilocoFSDPTrainer
 
@@ -117,19 +115,26 @@ def _train(args) -> int:
             pass
         return _disk_full_exit(full, config.output_dir, resumable=True)
     except KeyboardInterrupt as e:
-        name = trainer.stopped_by or getattr(e, "signal_name", "SIGINT")
-        saved = (
-            f"checkpoint {trainer.stop_checkpoint} written; resume with --set resume_from={config.output_dir}"
-            if trainer.stop_checkpoint
-            else "no checkpoint written (set checkpoint_steps to keep one)"
-        )
-        print(f"\ndiloco-ray: stopped by {name} at round {trainer.round_index}; {saved}", file=sys.stderr)
-        return 128 + getattr(signal, name, signal.SIGINT).value
+        return _stopped_exit(trainer, e, config.output_dir)
     finally:
         shown.progress.close()
     last = result.rounds[-1] if result.rounds else {}
     print(f"done: {len(result.rounds)} rounds, eval_loss {last.get('eval_loss')}, model in {result.final_path}")
     return EXIT_OK
+
+
+def _stopped_exit(trainer, interrupt: KeyboardInterrupt, output_dir: str) -> int:
+    """Say what stopped the run and what it kept; the exit status of that signal."""
+    import signal
+
+    name = trainer.stopped_by or getattr(interrupt, "signal_name", "SIGINT")
+    saved = (
+        f"checkpoint {trainer.stop_checkpoint} written; resume with --set resume_from={output_dir}"
+        if trainer.stop_checkpoint
+        else "no checkpoint written (set checkpoint_steps to keep one)"
+    )
+    print(f"\ndiloco-ray: stopped by {name} at round {trainer.round_index}; {saved}", file=sys.stderr)
+    return 128 + getattr(signal, name, signal.SIGINT).value
 
 
 def _scale(args) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-from typing import Callable
+from typing import Any, Callable
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError, DataError, first_line
@@ -119,27 +119,7 @@ def load_stream(config: TrainerConfig):
     """
     import datasets
 
-    if config.json_file_path is not None:
-        field, source = "json_file_path", config.json_file_path
-        if not os.path.isfile(source):
-            raise DataError(f"json_file_path: '{source}' does not exist or is not a file")
-
-        def load(split):
-            return datasets.load_dataset(
-                "json", data_files=source, split="train", streaming=True, **config.dataset_kwargs
-            )
-    else:
-        field, source = "dataset_name", config.dataset_name
-        if (
-            source.startswith("builtin:")
-            or os.path.exists(os.path.join(source, "state.json"))
-            or os.path.exists(os.path.join(source, "dataset_dict.json"))
-        ):
-            raise ConfigError(f"streaming: '{source}' is already in memory or on disk; set streaming: false")
-
-        def load(split):
-            return datasets.load_dataset(source, config.subset, split=split, streaming=True, **config.dataset_kwargs)
-
+    field, source, load = _stream_opener(config)
     n = config.streaming_eval_rows
     train = _guarded(field, source, lambda: load(config.dataset_split))
     if config.eval_split is not None:
@@ -150,6 +130,36 @@ def load_stream(config: TrainerConfig):
     if not eval_rows:
         raise DataError(f"{field}: '{source}' yielded no rows to evaluate on")
     return train, datasets.Dataset.from_list(eval_rows)
+
+
+def _stream_opener(config: TrainerConfig) -> tuple[str, str, Callable[[str], Any]]:
+    """``(field, source, open)`` of a streamed dataset: the field naming it, its path or
+    hub id, and ``open(split)`` giving that split as a ``datasets.IterableDataset``."""
+    import datasets
+
+    if config.json_file_path is not None:
+        source = config.json_file_path
+        if not os.path.isfile(source):
+            raise DataError(f"json_file_path: '{source}' does not exist or is not a file")
+
+        def load_json(split):
+            return datasets.load_dataset(
+                "json", data_files=source, split="train", streaming=True, **config.dataset_kwargs
+            )
+
+        return "json_file_path", source, load_json
+    source = config.dataset_name
+    if (
+        source.startswith("builtin:")
+        or os.path.exists(os.path.join(source, "state.json"))
+        or os.path.exists(os.path.join(source, "dataset_dict.json"))
+    ):
+        raise ConfigError(f"streaming: '{source}' is already in memory or on disk; set streaming: false")
+
+    def load(split):
+        return datasets.load_dataset(source, config.subset, split=split, streaming=True, **config.dataset_kwargs)
+
+    return "dataset_name", source, load
 
 
 def _from_disk(path: str, config: TrainerConfig):

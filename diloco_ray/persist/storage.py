@@ -248,6 +248,13 @@ class Mirror:
             except FileNotFoundError:  # deleted between the two requests
                 return False
             return True
+        self._download_folder(remote, target)
+        return True
+
+    def _download_folder(self, remote: str, target: str) -> None:
+        """Copy every file below the remote folder ``remote`` to its place under ``target``."""
+        import pyarrow.fs as pafs
+
         files = [
             i for i in self.fs.get_file_info(pafs.FileSelector(remote, recursive=True)) if i.type == pafs.FileType.File
         ]
@@ -258,7 +265,6 @@ class Mirror:
                 raise ValueError(f"remote object {item.path!r} maps outside {target!r}")
             get_file(self.fs, item.path, local, item.size)
         os.makedirs(target, exist_ok=True)
-        return True
 
     # --- remote-only operations
 
