@@ -17,20 +17,22 @@ from typing import Iterable, Mapping
 import torch
 from torch import Tensor
 
-# How a rejection for NaN/Inf reads: the driver resets such a replica's inner state.
-NON_FINITE = "non-finite values"
+
+class NonFiniteError(ValueError):
+    """A pseudo-gradient holds NaN or Inf (the server rejects it as ``Rejection.NON_FINITE``,
+    and the driver resets that replica's inner state)."""
 
 
 def check_finite(values: Tensor, name: str) -> Tensor:
     """``values``, once checked finite.
 
     Raises:
-        ValueError: ``values`` hold NaN or Inf (its message starts with :data:`NON_FINITE`).
+        NonFiniteError: ``values`` hold NaN or Inf.
     """
     # A vectorised fp32 sum is finite when every value is; only when it is not (NaN/Inf,
     # or finite values large enough to overflow) is each value checked.
     if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
-        raise ValueError(f"{NON_FINITE} in '{name}'")
+        raise NonFiniteError(f"non-finite values in '{name}'")
     return values
 
 

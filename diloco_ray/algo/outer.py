@@ -13,6 +13,7 @@ communication; callers hand it tensors and get tensors back.
 from __future__ import annotations
 
 import copy
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -27,6 +28,8 @@ from diloco_ray.algo.optimizers import build_outer_optimizer
 __all__ = [
     "OuterOptimizer",
     "OuterStepInfo",
+    "Rejected",
+    "Rejection",
     "clip_coefficient",
     "find_invalid",
     "outer_lr_at",
@@ -73,7 +76,34 @@ def sync_advances(applied: bool, streaming: bool) -> bool:
     return streaming or applied
 
 
-def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> str | None:
+class Rejection(enum.Enum):
+    """Why a pseudo-gradient was not applied (what the driver acts on; the record writes
+    the :class:`Rejected` detail). A replica rejected for ``NON_FINITE`` values starts its
+    next period with a fresh inner state."""
+
+    NON_FINITE = "non-finite values"
+    MALFORMED = "malformed"  # a missing or unexpected key, not a tensor, a wrong shape, an unreadable message
+    LOST_IN_TRANSIT = "lost in transit"  # its node went down after it reported
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """One pseudo-gradient's rejection.
+
+    Args:
+        reason: the kind, for decisions.
+        detail: what a reader is told (the round record's ``rejected`` value), e.g.
+            ``non-finite values in 'w'``.
+    """
+
+    reason: Rejection
+    detail: str
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> Rejected | None:
     """Why ``pseudo_grad`` cannot be applied to ``reference_params``, or None if it can.
 
     Args:
@@ -81,23 +111,25 @@ def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, 
         reference_params: name -> tensor, the global params it must match in keys and shapes.
 
     Returns:
-        A human-readable reason (missing/unexpected key, non-tensor, shape mismatch,
-        non-finite values), or None when the pseudo-gradient is usable.
+        The rejection (non-finite values, or malformed: a missing/unexpected key, a
+        non-tensor, a shape mismatch, with a human-readable detail), or None when the
+        pseudo-gradient is usable.
     """
     missing = [k for k in reference_params if k not in pseudo_grad]
     if missing:
-        return f"missing key {missing[0]!r}"
+        return Rejected(Rejection.MALFORMED, f"missing key {missing[0]!r}")
     extra = [k for k in pseudo_grad if k not in reference_params]
     if extra:
-        return f"unexpected key {extra[0]!r}"
+        return Rejected(Rejection.MALFORMED, f"unexpected key {extra[0]!r}")
     for name, ref in reference_params.items():
         g = pseudo_grad[name]
         if not isinstance(g, Tensor):
-            return f"{name!r} is a {type(g).__name__}, not a tensor"
+            return Rejected(Rejection.MALFORMED, f"{name!r} is a {type(g).__name__}, not a tensor")
         if g.shape != ref.shape:
-            return f"shape mismatch for {name!r}: got {tuple(g.shape)}, want {tuple(ref.shape)}"
+            detail = f"shape mismatch for {name!r}: got {tuple(g.shape)}, want {tuple(ref.shape)}"
+            return Rejected(Rejection.MALFORMED, detail)
         if g.is_floating_point() and not bool(torch.isfinite(g).all()):
-            return f"non-finite values in {name!r}"
+            return Rejected(Rejection.NON_FINITE, f"non-finite values in {name!r}")
     return None
 
 
@@ -120,7 +152,7 @@ class OuterStepInfo:
         applied: whether the global params were updated.
         accepted: indices (into the pseudo_grads list) that passed validation.
         rejected: indices that failed validation.
-        reasons: index -> why it was rejected.
+        reasons: index -> why it was rejected (a :class:`Rejected`).
         grad_norm: L2 norm of the outer gradient before clipping; None if not applied.
         lr: the outer lr used (or that would have been used).
         round: 0-based round index applied (or that would have been applied).
@@ -129,7 +161,7 @@ class OuterStepInfo:
     applied: bool
     accepted: list[int] = field(default_factory=list)
     rejected: list[int] = field(default_factory=list)
-    reasons: dict[int, str] = field(default_factory=dict)
+    reasons: dict[int, Rejected] = field(default_factory=dict)
     grad_norm: float | None = None
     lr: float = 0.0
     round: int = 0

@@ -40,8 +40,8 @@ import time
 from ray.exceptions import RayActorError
 
 from diloco_ray.algo import decoupled
-from diloco_ray.algo.aggregate import NON_FINITE
 from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
+from diloco_ray.algo.outer import Rejection
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.policies import MAX_ROUND_RETRIES, eval_due
 from diloco_ray.driver.poll import STEP_POLL_S
@@ -280,7 +280,7 @@ class DecoupledLoop(RoundLoop):
         plans = {rid: f.plan for rid, f in self.arrived.items()}
         refs = host.server.sync(0, contributions, plans, unused, merge=(weighting.divisor, weighting.shares))
         applied = self._on_server(lambda: self.calls.get(refs.commits)[0])
-        self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.startswith(NON_FINITE)}
+        self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.reason is Rejection.NON_FINITE}
         self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
         self.work_before = self.work
         if applied.applied:

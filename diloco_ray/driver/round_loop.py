@@ -25,8 +25,7 @@ from typing import Optional
 from ray.exceptions import RayActorError
 
 from diloco_ray.algo import links
-from diloco_ray.algo.aggregate import NON_FINITE
-from diloco_ray.algo.outer import sync_advances
+from diloco_ray.algo.outer import Rejection, sync_advances
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver.calls import RayCalls
 from diloco_ray.driver.policies import RoundOutcome, attempt_verdict, eval_due, give_up_after, too_few_reported
@@ -205,7 +204,7 @@ class RoundLoop:
     def _count_rejected(self, applied: list, periods: list[Period]) -> None:
         for info, period in zip(applied, periods):
             # A replica rejected for NaN/Inf starts its next period with a fresh inner state.
-            self.reset_inner |= {rid for rid, why in info.rejected.items() if why.startswith(NON_FINITE)}
+            self.reset_inner |= {rid for rid, why in info.rejected.items() if why.reason is Rejection.NON_FINITE}
             self.wasted_steps += sum(
                 stats[0].inner_steps for rid, stats in period.reported.items() if rid not in info.accepted
             )

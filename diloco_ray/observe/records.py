@@ -26,7 +26,7 @@ def round_record(cfg: TrainerConfig, applied: list, reported: list[dict], late: 
     last = applied[-1]
     fragments, rejected = [], {}
     for info, stats in zip(applied, reported):
-        rejected.update({str(k): v for k, v in info.rejected.items()})
+        rejected.update({str(k): str(v) for k, v in info.rejected.items()})
         fragments.append(
             {
                 "fragment": info.fragment,

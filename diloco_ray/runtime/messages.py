@@ -12,7 +12,10 @@ Plain data, no Ray: the references and actor handles inside are opaque here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
+
+if TYPE_CHECKING:  # for annotations only: these messages import no torch
+    from diloco_ray.algo.outer import Rejected
 
 
 @dataclass(frozen=True)
@@ -138,7 +141,7 @@ class Prepared:
 
     order: list[int]  # replica ids in contribution order
     weights: dict[int, float]
-    reasons: dict[int, str]  # replica id -> why rejected here
+    reasons: dict[int, Rejected]  # replica id -> why rejected here
     arrived: float  # wall-clock time the last piece arrived
 
 
@@ -148,7 +151,7 @@ class Reduced:
 
     accepted: list[int]
     sumsq: list[tuple[int, int, float]]
-    reasons: dict[int, str]
+    reasons: dict[int, Rejected]
     started: float
 
 
@@ -162,7 +165,7 @@ class AppliedRound:
     outer_lr: float
     pseudo_grad_norm: float | None
     accepted: list[int] = field(default_factory=list)  # replica ids
-    rejected: dict[int, str] = field(default_factory=dict)  # replica id -> reason
+    rejected: dict[int, Rejected] = field(default_factory=dict)  # replica id -> reason
     data_ranges: dict[int, list] = field(default_factory=dict)  # replica id -> consumed stream ranges
     round_done: bool = False  # this sync completed its round
     seconds: float = 0.0  # from the first piece received to the step taken

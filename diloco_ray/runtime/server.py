@@ -33,13 +33,13 @@ import torch
 
 from diloco_ray.algo import compression, decoupled, partition
 from diloco_ray.algo.aggregate import (
-    NON_FINITE,
+    NonFiniteError,
     mean_in_place,
     norm_of_parts,
     squares_by_part,
 )
 from diloco_ray.algo.optimizers import build_outer_optimizer
-from diloco_ray.algo.outer import OuterOptimizer, clip_coefficient, sync_advances
+from diloco_ray.algo.outer import OuterOptimizer, Rejected, Rejection, clip_coefficient, sync_advances
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
@@ -249,13 +249,16 @@ class ParameterServer(ServerSlice):
         for c in contributions:
             try:
                 self._accumulate(acc, transport.receive(c.refs), target, float(c.weight), self._reference(c))
+            except NonFiniteError as e:
+                reasons[c.replica_id] = Rejected(Rejection.NON_FINITE, str(e))
+                acc = self._sum(contributions, set(valid), target)  # added part-way: sum the valid ones again
+                continue
             except ValueError as e:
-                reasons[c.replica_id] = str(e)
-                if e.args[0].startswith(NON_FINITE):  # added part-way: sum the valid ones again
-                    acc = self._sum(contributions, set(valid), target)
+                reasons[c.replica_id] = Rejected(Rejection.MALFORMED, str(e))
                 continue
             except ray.exceptions.RayError as e:  # its node went down after it reported
-                reasons[c.replica_id] = f"pseudo-gradient lost in transit: {type(e).__name__}"
+                detail = f"pseudo-gradient lost in transit: {type(e).__name__}"
+                reasons[c.replica_id] = Rejected(Rejection.LOST_IN_TRANSIT, detail)
                 continue
             valid.append(c.replica_id)
         self._pending = PendingSync(fragment, contributions, valid, started, acc=acc, divisor=divisor)

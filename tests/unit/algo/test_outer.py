@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
-from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, find_invalid, outer_lr_at
+from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, Rejected, Rejection, find_invalid, outer_lr_at
 
 
 def cfg(**overrides):
@@ -84,13 +84,15 @@ def test_the_norm_of_parts_does_not_depend_on_their_order():
 def test_find_invalid_reasons():
     ref = {"w": torch.zeros(2), "layer.weight": torch.zeros(1)}
     assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(3.0)}, ref) is None
-    assert find_invalid({"w": t(1.0, 2.0), "layer.weight": t(math.nan)}, ref) == ("non-finite values in 'layer.weight'")
-    assert find_invalid({"w": t(1.0, 2.0, 3.0), "layer.weight": t(3.0)}, ref) == (
-        "shape mismatch for 'w': got (3,), want (2,)"
+    nan = find_invalid({"w": t(1.0, 2.0), "layer.weight": t(math.nan)}, ref)
+    assert nan == Rejected(Rejection.NON_FINITE, "non-finite values in 'layer.weight'")
+    assert find_invalid({"w": t(1.0, 2.0, 3.0), "layer.weight": t(3.0)}, ref) == Rejected(
+        Rejection.MALFORMED, "shape mismatch for 'w': got (3,), want (2,)"
     )
-    assert "missing key 'layer.weight'" in find_invalid({"w": t(1.0, 2.0)}, ref)
+    missing = find_invalid({"w": t(1.0, 2.0)}, ref)
+    assert missing.reason is Rejection.MALFORMED and "missing key 'layer.weight'" in str(missing)
     extra = {"w": t(1.0, 2.0), "layer.weight": t(3.0), "zzz": t(1.0)}
-    assert "unexpected key 'zzz'" in find_invalid(extra, ref)
+    assert "unexpected key 'zzz'" in str(find_invalid(extra, ref))
 
 
 # --------------------------------------------------------------- SGD semantics
@@ -218,7 +220,7 @@ def test_nonfinite_replica_is_excluded(bad):
     opt.step(grads, [1.0, 5.0, 2.0])
     info = opt.last_step
     assert info.applied and info.accepted == [0, 2] and info.rejected == [1]
-    assert info.reasons == {1: "non-finite values in 'v'"}
+    assert info.reasons == {1: Rejected(Rejection.NON_FINITE, "non-finite values in 'v'")}
     # mean of accepted: (1*[1, 2] + 2*[4, -1]) / 3 = [3, 0]; v: (3 + 0) / 3 = 1
     close(opt.params["w"], [-3.0, 0.0])
     close(opt.params["v"], [-1.0])
@@ -255,9 +257,10 @@ def test_shape_and_key_mismatch_rejected():
     opt.step(grads, [1.0, 1.0, 1.0, 1.0])
     info = opt.last_step
     assert info.accepted == [3] and info.rejected == [0, 1, 2]
-    assert info.reasons[0] == "shape mismatch for 'w': got (3,), want (2,)"
-    assert "missing key 'v'" in info.reasons[1]
-    assert "unexpected key 'extra'" in info.reasons[2]
+    assert {r.reason for r in info.reasons.values()} == {Rejection.MALFORMED}
+    assert str(info.reasons[0]) == "shape mismatch for 'w': got (3,), want (2,)"
+    assert "missing key 'v'" in str(info.reasons[1])
+    assert "unexpected key 'extra'" in str(info.reasons[2])
     close(opt.params["w"], [-0.5, 0.5])
     close(opt.params["v"], [-2.0])
 

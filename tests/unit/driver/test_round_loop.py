@@ -19,7 +19,7 @@ import pytest
 from conftest import tiny_config
 from ray.exceptions import RayActorError
 
-from diloco_ray.algo.aggregate import NON_FINITE
+from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config import fault_plan
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.driver.round_loop import RoundLoop
@@ -118,7 +118,8 @@ class Servers:
     def sync(self, fragment, contributions, plans, unused=None):
         (mine,) = contributions
         self.synced.append({c.replica_id: c.weight for c in mine})
-        rejected = {c.replica_id: f"{NON_FINITE} in 'w'" for c in mine if c.refs[0].value[0] == "nan"}
+        nan = Rejected(Rejection.NON_FINITE, "non-finite values in 'w'")
+        rejected = {c.replica_id: nan for c in mine if c.refs[0].value[0] == "nan"}
         accepted = [c.replica_id for c in mine if c.replica_id not in rejected]
         applied = bool(accepted)
         round_index = self.round

@@ -2,6 +2,7 @@
 
 import pytest
 
+from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.observe.records import round_record
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
@@ -37,7 +38,7 @@ def test_streaming_round_record():
             outer_lr=0.7,
             pseudo_grad_norm=3.0,
             accepted=[0],
-            rejected={1: "non-finite values in 'w'"},
+            rejected={1: Rejected(Rejection.NON_FINITE, "non-finite values in 'w'")},
             seconds=0.5,
         ),
         AppliedRound(
