@@ -60,7 +60,7 @@ def plain_loop(config: TrainerConfig, steps: int, warmup: int = 3) -> dict:
     worker = _worker(config)
     model, train = worker.model, worker.tokens.train
     params = [p for _, p in worker.params]
-    optimizer = build_inner_optimizer(params, config)
+    optimizer = build_inner_optimizer(params, config.sections().inner_optim)
     batches = _first_batches(worker, warmup + steps)
     model.train()
     tokens, t0, marks = 0, None, []
@@ -70,7 +70,7 @@ def plain_loop(config: TrainerConfig, steps: int, warmup: int = 3) -> dict:
         if step >= warmup and (step - warmup) % config.max_steps == 0:
             marks.append((time.perf_counter(), tokens))
         for group in optimizer.param_groups:
-            group["lr"] = inner_lr_at(step, config)
+            group["lr"] = inner_lr_at(step, config.sections().inner_optim)
         for idx in micro:
             batch = train.batch(idx, config.dynamic_batch)
             tokens += int(batch["attention_mask"].sum())

@@ -5,26 +5,26 @@ from __future__ import annotations
 
 import math
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import InnerOptimSection
 
 
-def inner_lr_at(step: int, config: TrainerConfig) -> float:
+def inner_lr_at(step: int, inner: InnerOptimSection) -> float:
     """Inner learning rate at global inner step ``step`` (0-based, counted over the run).
 
     Linear warmup over ``warmup_steps``, then ``lr_schedule`` decays from ``lr`` towards
     ``lr * min_lr_ratio``, reached at step ``max_steps * diloco_loops`` (one past the last
     step, as in transformers' schedules).
     """
-    if step < config.warmup_steps:
-        return config.lr * (step + 1) / config.warmup_steps
-    if config.lr_schedule == "constant":
-        return config.lr
-    total = max(1, config.max_steps * config.diloco_loops - config.warmup_steps)
-    frac = min(1.0, (step - config.warmup_steps) / total)
-    floor = config.lr * config.min_lr_ratio
-    if config.lr_schedule == "cosine":
-        return floor + (config.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
-    return floor + (config.lr - floor) * (1.0 - frac)
+    if step < inner.warmup_steps:
+        return inner.lr * (step + 1) / inner.warmup_steps
+    if inner.lr_schedule == "constant":
+        return inner.lr
+    total = max(1, inner.max_steps * inner.diloco_loops - inner.warmup_steps)
+    frac = min(1.0, (step - inner.warmup_steps) / total)
+    floor = inner.lr * inner.min_lr_ratio
+    if inner.lr_schedule == "cosine":
+        return floor + (inner.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * frac))
+    return floor + (inner.lr - floor) * (1.0 - frac)
 
 
 def sync_period(fragment: int, steps: int, fragments: int) -> tuple[int, int]:

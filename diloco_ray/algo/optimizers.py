@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from diloco_ray.config.sections import InnerOptimSection, OuterOptimSection
 from diloco_ray.errors import ConfigError
 
 
@@ -32,24 +33,24 @@ def _is_optimizer(cls: Any) -> bool:
     return inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer
 
 
-def build_inner_optimizer(params, config: Any) -> torch.optim.Optimizer:
+def build_inner_optimizer(params, inner: InnerOptimSection) -> torch.optim.Optimizer:
     """``torch.optim.<inner_opt>(params, lr=lr, **inner_opt_kwargs)``."""
-    cls = optimizer_class("inner_opt", config.inner_opt)
+    cls = optimizer_class("inner_opt", inner.inner_opt)
     try:
-        return cls(params, **{"lr": config.lr, **config.inner_opt_kwargs})
+        return cls(params, **{"lr": inner.lr, **inner.inner_opt_kwargs})
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"inner_opt_kwargs: {e} (for {config.inner_opt})") from None
+        raise ConfigError(f"inner_opt_kwargs: {e} (for {inner.inner_opt})") from None
 
 
-def build_outer_optimizer(params: list[torch.Tensor], config: Any) -> torch.optim.Optimizer:
+def build_outer_optimizer(params: list[torch.Tensor], outer: OuterOptimSection) -> torch.optim.Optimizer:
     """``torch.optim.<outer_opt>`` over ``params`` with ``outer_lr``, ``outer_momentum``
     (where the class takes one, Nesterov for SGD) and ``outer_opt_kwargs``."""
-    cls = optimizer_class("outer_opt", config.outer_opt)
-    extra = dict(config.outer_opt_kwargs or {})
+    cls = optimizer_class("outer_opt", outer.outer_opt)
+    extra = dict(outer.outer_opt_kwargs or {})
     signature = inspect.signature(cls.__init__).parameters
-    kwargs: dict[str, Any] = {"lr": float(config.outer_lr)}
+    kwargs: dict[str, Any] = {"lr": float(outer.outer_lr)}
     if "momentum" in signature:
-        kwargs["momentum"] = float(config.outer_momentum)
+        kwargs["momentum"] = float(outer.outer_momentum)
     kwargs.update(extra)
     # DiLoCo's recipe is Nesterov outer momentum; decide from the effective momentum
     # so that a kwargs override to momentum=0 (or dampening) does not make SGD raise.
@@ -67,4 +68,4 @@ def build_outer_optimizer(params: list[torch.Tensor], config: Any) -> torch.opti
     try:
         return cls(params, **kwargs)
     except (TypeError, ValueError) as e:
-        raise ConfigError(f"outer_opt_kwargs: {e} (for {config.outer_opt})") from None
+        raise ConfigError(f"outer_opt_kwargs: {e} (for {outer.outer_opt})") from None

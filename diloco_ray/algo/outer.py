@@ -24,6 +24,7 @@ from torch import Tensor
 from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
 from diloco_ray.algo.decoupled import delayed_nesterov_
 from diloco_ray.algo.optimizers import build_outer_optimizer
+from diloco_ray.config.sections import OuterOptimSection
 
 __all__ = [
     "OuterOptimizer",
@@ -173,30 +174,31 @@ class OuterOptimizer:
     Args:
         global_params: name -> tensor; copied into fp32 leaf tensors this object owns
             (the caller's tensors are never mutated).
-        config: object with ``outer_lr``, ``outer_momentum``, ``outer_opt``,
-            ``outer_opt_kwargs``, ``outer_lr_schedule``, ``outer_grad_clip`` and
-            ``diloco_loops`` attributes.
+        outer: the outer-optimiser section of the job's config (``outer_opt``,
+            ``outer_opt_kwargs``, ``outer_lr``, ``outer_momentum``, ``outer_lr_schedule``,
+            ``outer_grad_clip``, ``diloco_loops``); :class:`diloco_ray.outer.OuterOptimizer`
+            takes a whole TrainerConfig too.
 
     Attributes:
         round: number of updates applied so far.
         last_step: ``OuterStepInfo`` of the latest ``step`` call (None before any).
     """
 
-    def __init__(self, global_params: Mapping[str, Tensor], config: Any) -> None:
+    def __init__(self, global_params: Mapping[str, Tensor], outer: OuterOptimSection) -> None:
         self._params: dict[str, Tensor] = {}
         for name, p in global_params.items():
             if not p.is_floating_point():
                 raise ValueError(f"global param {name!r} must be floating point, got {p.dtype}")
             self._params[name] = p.detach().to(dtype=torch.float32, copy=True)
-        clip = config.outer_grad_clip
+        clip = outer.outer_grad_clip
         if clip is not None and not (math.isfinite(clip) and clip > 0):
             raise ValueError(f"outer_grad_clip must be None or a positive float, got {clip!r}")
-        if config.outer_lr_schedule not in _SCHEDULES:
-            raise ValueError(f"unknown outer_lr_schedule {config.outer_lr_schedule!r}; expected one of {_SCHEDULES}")
+        if outer.outer_lr_schedule not in _SCHEDULES:
+            raise ValueError(f"unknown outer_lr_schedule {outer.outer_lr_schedule!r}; expected one of {_SCHEDULES}")
         self._clip = clip
-        self._schedule = config.outer_lr_schedule
-        self._loops = int(config.diloco_loops)
-        self._optimizer = build_outer_optimizer(list(self._params.values()), config)
+        self._schedule = outer.outer_lr_schedule
+        self._loops = int(outer.diloco_loops)
+        self._optimizer = build_outer_optimizer(list(self._params.values()), outer)
         # An explicit lr in outer_opt_kwargs overrides outer_lr, schedule included.
         self._base_lr = float(self._optimizer.defaults["lr"])
         self.round = 0

@@ -28,8 +28,8 @@ def check_optimizers(cfg: TrainerConfig) -> None:
 
     from diloco_ray.algo.optimizers import build_inner_optimizer, build_outer_optimizer
 
-    build_inner_optimizer([torch.zeros(1, requires_grad=True)], cfg)
-    build_outer_optimizer([torch.zeros(1, requires_grad=True)], cfg)
+    build_inner_optimizer([torch.zeros(1, requires_grad=True)], cfg.sections().inner_optim)
+    build_outer_optimizer([torch.zeros(1, requires_grad=True)], cfg.sections().outer_optim)
 
 
 def _looks_local(name: Optional[str]) -> bool:

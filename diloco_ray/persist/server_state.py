@@ -164,7 +164,7 @@ def load(server, where: str) -> None:
     loaded = state_files.load_tensors(os.path.join(folder, weights_file))
     params = server.split(loaded)
     outer = state_files.load_state(folder, outer_name)
-    server.optimizer = OuterOptimizer(params, server.config)
+    server.optimizer = OuterOptimizer(params, server.config.sections().outer_optim)
     server.optimizer.load_state_dict({"params": params, **outer})
     # `held` tracks what replicas hold only while weights go down compressed.
     server.held = dict(outer.get("held") or {}) if server.config.weights_compression != "none" else {}

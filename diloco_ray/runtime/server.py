@@ -113,7 +113,7 @@ class ParameterServer(ServerSlice):
         report (and :meth:`initialize`'s, which builds the real one): an actor that
         fails in ``__init__`` would only say that it died."""
         try:
-            build_outer_optimizer([torch.zeros(1, requires_grad=True)], self.config)
+            build_outer_optimizer([torch.zeros(1, requires_grad=True)], self.config.sections().outer_optim)
         except ConfigError:
             pass
 
@@ -123,7 +123,7 @@ class ParameterServer(ServerSlice):
         pieces, as :meth:`~diloco_ray.runtime.rank.RankWorker.seed_pieces` packs them)."""
         self.layout(shapes)
         params = self._receive(resolve(buffer_refs), self.owned)
-        self.optimizer = OuterOptimizer(self.split(params), self.config)
+        self.optimizer = OuterOptimizer(self.split(params), self.config.sections().outer_optim)
         self.reset_held()
 
     def reset_held(self) -> None:

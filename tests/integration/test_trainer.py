@@ -14,8 +14,8 @@ from safetensors.torch import load_file
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo import compression
-from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.observe.metrics import read_events
+from diloco_ray.outer import OuterOptimizer
 from diloco_ray.runtime.server import ParameterServer, resolve
 
 pytestmark = pytest.mark.integration
@@ -128,7 +128,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     tokens = samples.load_token_data(cfg, tok)
     model = modeling.build_model(cfg, tok)
     params = [p for _, p in modeling.trained_parameters(model)]
-    opt = build_inner_optimizer(params, cfg)
+    opt = build_inner_optimizer(params, cfg.sections().inner_optim)
     named = modeling.trained_parameters(model)
     fragments = partition.fragments({n: tuple(p.shape) for n, p in named}, cfg.sync_fragments)
     last_sync = [sync_period(k, cfg.max_steps, cfg.sync_fragments)[1] for k in range(cfg.sync_fragments)]
@@ -138,7 +138,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
         plan = [(start, cfg.sequences_per_replica_round)]
         for t, micro in enumerate(data.rank_batches(plan, cfg, 0, len(tokens.train))):
             for g in opt.param_groups:
-                g["lr"] = inner_lr_at(r * cfg.max_steps + t, cfg)
+                g["lr"] = inner_lr_at(r * cfg.max_steps + t, cfg.sections().inner_optim)
             for idx in micro:
                 ids = torch.from_numpy(tokens.train.input_ids[idx])
                 (model(input_ids=ids, labels=ids).loss / len(micro)).backward()

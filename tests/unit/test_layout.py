@@ -95,6 +95,72 @@ def test_the_math_imports_no_ray():
     assert offenders == []
 
 
+def package_trees(package: str) -> dict[str, ast.Module]:
+    return {
+        name: ast.parse(path.read_text()) for name, path in MODULES.items() if name.startswith(f"diloco_ray.{package}.")
+    }
+
+
+def test_the_math_never_sees_the_whole_config():
+    """algo/ receives typed config sections (config/sections.py), never TrainerConfig: no import
+    of the schema (not even for annotations) and no mention of the class in code."""
+    offenders = set()
+    for name, tree in package_trees("algo").items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("diloco_ray.config.schema"):
+                offenders.add(f"{name} imports {node.module}")
+            elif isinstance(node, ast.ImportFrom):
+                offenders |= {f"{name} imports {a.name}" for a in node.names if a.name in ("schema", "TrainerConfig")}
+            elif isinstance(node, ast.Import):
+                offenders |= {
+                    f"{name} imports {a.name}" for a in node.names if a.name.startswith("diloco_ray.config.schema")
+                }
+            elif isinstance(node, ast.Name) and node.id == "TrainerConfig":
+                offenders.add(f"{name} names TrainerConfig")
+            elif isinstance(node, ast.Attribute) and node.attr == "TrainerConfig":
+                offenders.add(f"{name} names TrainerConfig")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value == "TrainerConfig":
+                offenders.add(f"{name} names TrainerConfig in a string annotation")
+    assert sorted(offenders) == []
+
+
+def test_no_math_function_takes_an_untyped_config():
+    """A function in algo/ takes the section it needs (or plain values), so a parameter named
+    config or cfg says its type, and the type is not Any."""
+    offenders = []
+    for name, tree in package_trees("algo").items():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]:
+                if arg is None or arg.arg.lower() not in ("config", "cfg", "conf", "settings"):
+                    continue
+                kind = ast.unparse(arg.annotation) if arg.annotation is not None else None
+                if kind in (None, "Any", "typing.Any", "object", "'Any'"):
+                    offenders.append(f"{name}.{node.name}({arg.arg}: {kind})")
+    assert offenders == []
+
+
+def test_config_modules_need_no_type_checking_imports_of_each_other():
+    """The config modules import one way (validation and sections read fields; schema builds on
+    them): none imports another only for annotations, which is how an import cycle hides."""
+    offenders = []
+    for name, tree in package_trees("config").items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for child in ast.walk(node):
+                    if isinstance(child, ast.ImportFrom) and (child.module or "").startswith("diloco_ray"):
+                        offenders.append(f"{name} imports {child.module} under TYPE_CHECKING")
+                    elif isinstance(child, ast.Import):
+                        offenders += [
+                            f"{name} imports {a.name} under TYPE_CHECKING"
+                            for a in child.names
+                            if a.name.startswith("diloco_ray")
+                        ]
+    assert offenders == []
+
+
 def test_every_module_is_readable_in_a_sitting():
     long = {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
     assert long == {}

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-import types
 
 import pytest
 import torch
 
 from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
 from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, Rejected, Rejection, find_invalid, outer_lr_at
+from diloco_ray.config.sections import OuterOptimSection
 
 
-def cfg(**overrides):
+def cfg(**overrides) -> OuterOptimSection:
     base = dict(
         outer_lr=0.7,
         outer_momentum=0.9,
@@ -23,7 +23,7 @@ def cfg(**overrides):
         diloco_loops=10,
     )
     base.update(overrides)
-    return types.SimpleNamespace(**base)
+    return OuterOptimSection(**base)
 
 
 def t(*values, dtype=torch.float32):

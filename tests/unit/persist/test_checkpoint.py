@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import types
 
 import pytest
 import torch
 
 from diloco_ray.algo.outer import OuterOptimizer
+from diloco_ray.config.sections import OuterOptimSection
 from diloco_ray.errors import ConfigError, DataError
 from diloco_ray.persist import checkpoint as ckpt
 from diloco_ray.persist import state_files
@@ -63,7 +63,7 @@ def outer_cfg(**overrides):
         diloco_loops=4,
     )
     base.update(overrides)
-    return types.SimpleNamespace(**base)
+    return OuterOptimSection(**base)
 
 
 def make_ckpt(root, round, payload=None, meta=None):

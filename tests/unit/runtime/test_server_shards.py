@@ -599,7 +599,7 @@ def test_sharded_servers_take_the_outer_step_of_outer_optimizer(num_servers, wor
 
     clip = 0.05
     sim = Sim(num_servers, 1, world_size, 3, outer_grad_clip=clip, outer_lr=0.7, outer_momentum=0.9)
-    reference = OuterOptimizer(initial_weights(), sim.cfg)
+    reference = OuterOptimizer(initial_weights(), sim.cfg.sections().outer_optim)
     for r in range(3):
         ((applied, _),) = sim.round(r)
         # Every replica starts the round at the global weights and moves by step * noise.

@@ -1,4 +1,6 @@
-"""Unit tests for the inner learning-rate schedule and inner optimizer factory (no process group)."""
+"""Unit tests for the inner learning-rate schedule and inner optimizer factory (no process group).
+
+Both take the inner-optimiser section of a validated config, as the ranks do."""
 
 from __future__ import annotations
 
@@ -10,10 +12,11 @@ import torch
 from diloco_ray.algo.inner_schedule import inner_lr_at
 from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import InnerOptimSection
 from diloco_ray.errors import ConfigError
 
 
-def make(**kw) -> TrainerConfig:
+def make(**kw) -> InnerOptimSection:
     base = dict(
         model_config={"model_type": "llama"},
         tokenizer_name="builtin:char",
@@ -24,7 +27,7 @@ def make(**kw) -> TrainerConfig:
         warmup_steps=4,
         min_lr_ratio=0.1,
     )
-    return TrainerConfig(**{**base, **kw})
+    return TrainerConfig(**{**base, **kw}).sections().inner_optim
 
 
 # Run of max_steps * diloco_loops = 20 inner steps, 4 of warmup; decay spans 16 steps and

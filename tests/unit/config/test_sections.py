@@ -1,0 +1,105 @@
+"""Unit tests for diloco_ray.config.sections: the typed sections cover the flat config under its
+own names, hold its validated values, and are built once (no Ray, no torch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from diloco_ray.config import Sections, TrainerConfig
+from diloco_ray.config.fields import FIELD_NAMES
+from diloco_ray.config.sections import InnerOptimSection, OuterOptimSection, section_of
+
+BASE = dict(
+    model_config={"model_type": "llama", "hidden_size": 32},
+    tokenizer_name="builtin:char",
+    dataset_name="builtin:arithmetic",
+)
+
+
+def make(**overrides) -> TrainerConfig:
+    return TrainerConfig(**{**BASE, **overrides})
+
+
+def section_fields(sections: Sections) -> dict[str, set[str]]:
+    """section attribute -> the config field names it carries."""
+    return {
+        part.name: {f.name for f in dataclasses.fields(getattr(sections, part.name))}
+        for part in dataclasses.fields(sections)
+    }
+
+
+def test_every_config_field_sits_in_a_section_under_its_own_name():
+    carried = set().union(*section_fields(make().sections()).values())
+    assert sorted(set(FIELD_NAMES) - carried) == []
+    assert sorted(carried - set(FIELD_NAMES)) == []
+
+
+def test_a_field_is_shared_only_where_two_parts_read_it():
+    owners: dict[str, list[str]] = {}
+    for section, names in section_fields(make().sections()).items():
+        for name in names:
+            owners.setdefault(name, []).append(section)
+    shared = {name: sorted(where) for name, where in owners.items() if len(where) > 1}
+    assert shared == {
+        "diloco_loops": ["inner_optim", "outer_optim", "run"],
+        "max_steps": ["inner_optim", "run"],
+        "output_dir": ["checkpointing", "observability"],
+        "seed": ["data", "model"],
+    }
+
+
+def test_sections_hold_the_validated_values():
+    cfg = make(lr="3e-3", outer_lr=1, log_with="tensorboard", link_mbps=5, outer_opt_kwargs={"nesterov": False})
+    sections = cfg.sections()
+    assert sections.inner_optim.lr == 3e-3  # the string YAML gave, as validation made it
+    assert sections.outer_optim.outer_lr == 1.0 and isinstance(sections.outer_optim.outer_lr, float)
+    assert sections.observability.log_with == ["tensorboard"]
+    assert sections.sync_codec.link_mbps == 5.0
+    assert sections.outer_optim.outer_opt_kwargs == {"nesterov": False}
+    for section in dataclasses.fields(sections):
+        part = getattr(sections, section.name)
+        for f in dataclasses.fields(part):
+            assert getattr(part, f.name) == getattr(cfg, f.name), f.name
+
+
+def test_sections_are_frozen_and_share_nothing_mutable_with_the_config():
+    cfg = make(inner_opt_kwargs={"weight_decay": 0.1})
+    inner = cfg.sections().inner_optim
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        inner.lr = 1.0
+    cfg.inner_opt_kwargs["weight_decay"] = 0.5  # in place: not a field assignment
+    assert inner.inner_opt_kwargs == {"weight_decay": 0.1}
+
+
+def test_sections_are_built_once_and_again_after_a_field_changes():
+    cfg = make()
+    first = cfg.sections()
+    assert cfg.sections() is first
+    cfg.lr = 0.25
+    assert cfg.sections() is not first
+    assert cfg.sections().inner_optim.lr == 0.25
+
+
+def test_a_config_pickles_with_its_sections_and_stays_equal():
+    cfg = make(outer_lr=0.5)
+    cfg.sections()
+    back = pickle.loads(pickle.dumps(cfg))
+    assert back == cfg
+    assert back.sections() == cfg.sections()
+    assert back.to_dict() == cfg.to_dict()  # the cache is no field
+
+
+def test_a_section_can_be_cut_from_any_object_with_its_names():
+    cfg = make(outer_lr=0.3, diloco_loops=7)
+    assert section_of(OuterOptimSection, cfg) == cfg.sections().outer_optim
+    with pytest.raises(AttributeError):
+        section_of(InnerOptimSection, object())
+
+
+def test_sections_of_a_replica_config():
+    cfg = make(ranks_per_replica=[1, 2])
+    assert cfg.sections().placement.ranks_per_replica == [1, 2]
+    assert cfg.for_replica(1).sections().placement.ranks_per_replica == 2
