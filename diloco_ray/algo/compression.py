@@ -124,9 +124,9 @@ def pack_filled(
     entries = _layout(shapes, codec, block, fraction)
     buf, start = _start_message(entries, _header(entries, codec, block, meta, fraction), allocate)
     body = buf[start:]
-    if codec == "none":  # straight into the message
-        for name, shape, _, _, payload_off, payload_len in entries:
-            fill(name, _writable_view(body, payload_off, payload_len).view(tuple(shape)))
+    if codec == "none":  # straight into the message, as fp32 (native little-endian)
+        for name, shape, _, _, offset, length in entries:
+            fill(name, torch.from_numpy(body[offset : offset + length].view("<f4")).view(tuple(shape)))
         return buf, None
     # One scratch tensor, reused: allocating one per tensor costs more, as freed blocks
     # are not always handed back to the OS.
@@ -196,14 +196,8 @@ def _encode_entry(
     _, shape, scales_off, scales_len, payload_off, payload_len = entry
     if feedback is not None:
         flat.add_(feedback.reshape(-1))
-    _encode_into(
-        flat,
-        codec,
-        block,
-        body[scales_off : scales_off + scales_len],
-        body[payload_off : payload_off + payload_len],
-        fraction,
-    )
+    scales, payload = body[scales_off : scales_off + scales_len], body[payload_off : payload_off + payload_len]
+    _encode_into(flat, codec, block, scales, payload, fraction)
     if feedback is None:
         return
     finite = True
@@ -221,11 +215,6 @@ def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
             body[at:offset] = 0
         at = max(at, offset + length)
     body[at:] = 0
-
-
-def _writable_view(data: np.ndarray, offset: int, length: int) -> torch.Tensor:
-    """An fp32 tensor over a section of a buffer being written (native little-endian)."""
-    return torch.from_numpy(data[offset : offset + length].view("<f4"))
 
 
 def _as_array(buf) -> np.ndarray:
@@ -359,17 +348,14 @@ def compress(
             raise ValueError(
                 f"residual {name!r} has shape {tuple(residual[name].shape)}, tensor has {tuple(tensor.shape)}"
             )
-    new = None if codec == "none" else _fp32_copies(tensors, residual)  # none is lossless: no residual
+    new = None  # codec none is lossless: no residual to build
+    if codec != "none":
+        new = {
+            n: residual[n].detach().to(torch.float32, copy=True) if n in residual else torch.zeros(t.shape)
+            for n, t in tensors.items()
+        }
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     return pack_filled(shapes, _copy_from(tensors), codec, meta, block, new, fraction=fraction)
-
-
-def _fp32_copies(tensors: Mapping[str, torch.Tensor], residual: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A new fp32 residual per name in ``tensors``: a copy of the old one, or zeros."""
-    return {
-        name: residual[name].detach().to(torch.float32, copy=True) if name in residual else torch.zeros(tuple(t.shape))
-        for name, t in tensors.items()
-    }
 
 
 def _copy_from(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, torch.Tensor], object]:
