@@ -7,15 +7,23 @@ it, and step the outer optimizer. The parameter server does this a slice at a ti
 taken over every server's squares, in one global order); :meth:`OuterOptimizer.step
 <diloco_ray.algo.outer.OuterOptimizer.step>` does it on whole tensors in one process. Both
 call the functions here, so the tests of one check the other.
+
+A server's sum covers the rows of one sync; a replica's pieces arrive as ``(name, rows,
+values)``, still encoded (:class:`~diloco_ray.algo.compression.Encoded`), and
+:func:`add_pieces` adds them a bounded chunk at a time, so a whole message is never held
+decoded. A stale contribution in decoupled mode may be corrected against the outer
+momentum first (:func:`add_corrected`), which needs each tensor whole.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import Tensor
+
+from diloco_ray.algo import decoupled, partition
 
 
 class NonFiniteError(ValueError):
@@ -39,6 +47,49 @@ def check_finite(values: Tensor, name: str) -> Tensor:
 def add_weighted(acc: Tensor, values: Tensor, weight: float, name: str) -> None:
     """``acc += weight * values`` (flat views of the same length), after :func:`check_finite`."""
     acc.add_(check_finite(values, name).to(dtype=acc.dtype), alpha=weight)
+
+
+def add_pieces(acc: Mapping[str, Tensor], found: Iterable, first_row: Mapping[str, int], weight: float) -> None:
+    """Add decoded pieces, times ``weight``, into the sum ``acc``, a chunk at a time.
+
+    Args:
+        acc: name -> the sum's fp32 tensor, covering rows from ``first_row[name]`` on.
+        found: ``(name, (start, end), piece)``: rows of ``name`` and their still encoded values.
+        first_row: name -> the first row ``acc[name]`` covers.
+        weight: the contribution's weight in the sum.
+
+    Raises:
+        NonFiniteError: from :func:`check_finite`, part-way: ``acc`` then holds the
+            pieces before the bad one (the caller builds the sum again).
+    """
+    for name, span, piece in found:
+        flat = partition.take(acc[name], span, first_row[name]).view(-1)  # rows are contiguous
+        for lo, values in piece.chunks():
+            add_weighted(flat[lo : lo + values.numel()], values, weight, name)
+
+
+def add_corrected(
+    acc: Mapping[str, Tensor],
+    found: Iterable,
+    first_row: Mapping[str, int],
+    weight: float,
+    momentum_of: Callable[[str], Optional[Tensor]],
+) -> None:
+    """:func:`add_pieces` for a stale contribution (``stale_correction: momentum``): each
+    tensor is assembled whole (one tensor's copy at a time), corrected against
+    ``momentum_of(name)``, its outer momentum (None: left as it is), by
+    :func:`~diloco_ray.algo.decoupled.correct_stale_`, and then added."""
+    by_name: dict[str, list] = {}
+    for name, span, piece in found:
+        by_name.setdefault(name, []).append((span, piece))
+    for name, parts in by_name.items():
+        whole = torch.empty(acc[name].shape)
+        for span, piece in parts:
+            partition.put(whole, span, check_finite(piece.decode(), name), offset=first_row[name])
+        momentum = momentum_of(name)
+        if momentum is not None:
+            decoupled.correct_stale_(whole, momentum.view(whole.shape))
+        add_weighted(acc[name].view(-1), whole.view(-1), weight, name)
 
 
 def mean_in_place(acc: dict[str, Tensor], total_weight: float) -> dict[str, Tensor]:

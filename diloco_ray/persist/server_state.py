@@ -5,7 +5,12 @@ Each server writes and reads its own files, named by its index when there are se
 outer optimizer's state, what replicas hold with ``weights_compression``, the last weights
 message) and ``server*.json`` (round, fragment, version, data cursor, shapes). A resume
 must use the server count and ``sync_fragments`` the checkpoint was written with; either
-mismatch is refused with a message naming the field.
+mismatch is refused with a message naming the field (:func:`read_meta`, which the driver
+also runs before Ray starts, with :func:`check_model`).
+
+:class:`ServerCheckpoint` is the server's checkpoint I/O: it gathers the state of the
+server's parts (rows and position, what replicas hold, the data cursor) into one
+:class:`SavedServer` and writes it, and reads it back for the server to restore.
 """
 
 from __future__ import annotations
@@ -13,12 +18,11 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from diloco_ray.algo.outer import OuterOptimizer
-from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist import staging, state_files
 
@@ -31,46 +35,20 @@ def file_names(index: int, count: int) -> tuple[str, str, str]:
     return f"global-{tag}.safetensors", f"outer-{tag}", f"server-{tag}.json"
 
 
-def save(server, where: str) -> dict:
-    """Write this server's state into ``where`` (a checkpoint being assembled: a
-    folder or a bucket URI): its slice of the weights (``global*.safetensors``,
-    loadable on their own), the outer optimizer, and ``server*.json`` (round,
-    fragment, cursor, shapes). Returns :func:`staging.publish`'s hashes."""
-    folder = staging.scratch(where)
-    weights_file, outer_name, meta_file = file_names(server.index, server.count)
-    sd = server.optimizer.state_dict()
-    whole = {n: server.rows(sd["params"], n, iv).contiguous() for n, iv in server.owned.items()}
-    state_files.save_tensors(os.path.join(folder, weights_file), whole)
-    outer_files = state_files.save_state(
-        folder,
-        outer_name,
-        {
-            "optimizer": sd["optimizer"],
-            "round": sd["round"],
-            "names": sd["names"],
-            "held": server.held,
-            "last_message": torch.from_numpy(np.array(server.last_message)),
-        },
-    )
-    with open(os.path.join(folder, meta_file), "w") as f:
-        json.dump(
-            {
-                "round": sd["round"],
-                "fragment": server.fragment,
-                "version": server.version,
-                "round_accepted": None if server.round_accepted is None else sorted(server.round_accepted),
-                # Decoupled mode: in-flight plans go back into the saved cursor (their work is
-                # not in these weights), so a resumed run trains them again.
-                "cursor": server.resume_cursor().to_dict(),
-                "sync_mode": server.config.sync_mode,
-                "work": server.work,
-                "count": server.count,
-                "sync_fragments": server.config.sync_fragments,
-                "shapes": {n: list(s) for n, s in server.shapes.items()},
-            },
-            f,
-        )
-    return staging.publish(where, [weights_file, *outer_files, meta_file])
+@dataclass
+class SavedServer:
+    """One server's state as a checkpoint holds it.
+
+    Args:
+        meta: its ``server*.json``: round, fragment, version, data cursor, shapes, ...
+        weights: name -> its rows of the weights (``global*.safetensors``).
+        outer: the outer optimizer's state (``optimizer``, ``round``, ``names``), what
+            replicas hold (``held``) and the last weights message (``last_message``).
+    """
+
+    meta: dict
+    weights: dict
+    outer: dict
 
 
 def read_meta(folder: str, config, index: int = 0) -> dict:
@@ -155,25 +133,66 @@ def check_model(folder: str, meta: dict, config) -> None:
     )
 
 
-def load(server, where: str) -> None:
-    """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
-    weights_file, outer_name, meta_file = file_names(server.index, server.count)
-    folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
-    meta = read_meta(folder, server.config, server.index)
-    server.layout(meta["shapes"])
-    loaded = state_files.load_tensors(os.path.join(folder, weights_file))
-    params = server.split(loaded)
-    outer = state_files.load_state(folder, outer_name)
-    server.optimizer = OuterOptimizer(params, server.config.sections().outer_optim)
-    server.optimizer.load_state_dict({"params": params, **outer})
-    # `held` tracks what replicas hold only while weights go down compressed.
-    server.held = dict(outer.get("held") or {}) if server.config.weights_compression != "none" else {}
-    server.last_message = outer["last_message"].numpy() if "last_message" in outer else np.zeros(0, dtype=np.uint8)
-    if server.config.weights_compression != "none" and not server.held:
-        server.reset_held()
-    server.fragment, server.version = meta.get("fragment", 0), meta.get("version", 0)
-    server.message_version = server.version
-    accepted = meta.get("round_accepted")
-    server.round_accepted = None if accepted is None else set(accepted)
-    server.cursor = data.DataCursor.from_dict(meta["cursor"])
-    server.in_flight, server.work = {}, float(meta.get("work", 0.0))
+class ServerCheckpoint:
+    """Writes and reads one parameter server's state: the parts of
+    :class:`~diloco_ray.runtime.server.ParameterServer` gathered into a :class:`SavedServer`.
+
+    Args:
+        index: the server's position among the ``num_param_servers``.
+        config: the job's TrainerConfig: the server count, ``sync_fragments`` and
+            ``sync_mode`` a checkpoint records and a resume must match.
+    """
+
+    def __init__(self, index: int, config):
+        self.index, self.config = index, config
+
+    def save(self, where: str, store, outbox, plans) -> dict:
+        """Write the server's state into ``where`` (a checkpoint being assembled: a folder or
+        a bucket URI): its rows, outer state and position (``store``, a ``SliceStore``), what
+        replicas hold and the last message (``outbox``, a ``WeightsOutbox``), and the data
+        cursor with in-flight plans given back (``plans``, a ``PlanLedger``). Returns
+        :func:`staging.publish`'s hashes."""
+        sd = store.optimizer.state_dict()
+        layout = store.layout
+        weights = {n: layout.rows(sd["params"], n, iv).contiguous() for n, iv in layout.owned.items()}
+        outer = {
+            "optimizer": sd["optimizer"],
+            "round": sd["round"],
+            "names": sd["names"],
+            "held": outbox.held,
+            "last_message": torch.from_numpy(np.array(outbox.last_message)),
+        }
+        position = store.position()
+        meta = {
+            "round": sd["round"],
+            "fragment": position["fragment"],
+            "version": position["version"],
+            "round_accepted": position["round_accepted"],
+            # Decoupled mode: in-flight plans go back into the saved cursor (their work is
+            # not in these weights), so a resumed run trains them again.
+            "cursor": plans.resume_cursor().to_dict(),
+            "sync_mode": self.config.sync_mode,
+            "work": position["work"],
+            "count": self.config.num_param_servers,
+            "sync_fragments": self.config.sync_fragments,
+            "shapes": {n: list(s) for n, s in layout.shapes.items()},
+        }
+        return self._write(where, SavedServer(meta=meta, weights=weights, outer=outer))
+
+    def _write(self, where: str, state: SavedServer) -> dict:
+        folder = staging.scratch(where)
+        weights_file, outer_name, meta_file = file_names(self.index, self.config.num_param_servers)
+        state_files.save_tensors(os.path.join(folder, weights_file), state.weights)
+        outer_files = state_files.save_state(folder, outer_name, state.outer)
+        with open(os.path.join(folder, meta_file), "w") as f:
+            json.dump(state.meta, f)
+        return staging.publish(where, [weights_file, *outer_files, meta_file])
+
+    def load(self, where: str) -> SavedServer:
+        """What :meth:`save` wrote (a folder or a bucket URI), once :func:`read_meta` found
+        that this job may resume from it."""
+        weights_file, outer_name, meta_file = file_names(self.index, self.config.num_param_servers)
+        folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
+        meta = read_meta(folder, self.config, self.index)
+        weights = state_files.load_tensors(os.path.join(folder, weights_file))
+        return SavedServer(meta=meta, weights=weights, outer=state_files.load_state(folder, outer_name))

@@ -46,7 +46,7 @@ class RecordingServer(ParameterServer):
 
     def prepare(self, fragment, contributions, divisor=None):
         self.recorded = [
-            (c.replica_id, c.weight, [compression.unpack_pieces(b, self.names)[0] for b in resolve(c.refs)])
+            (c.replica_id, c.weight, [compression.unpack_pieces(b, self.layout.names)[0] for b in resolve(c.refs)])
             for c in contributions
         ]
         return super().prepare(fragment, contributions, divisor)

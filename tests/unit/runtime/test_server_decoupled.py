@@ -55,7 +55,7 @@ def test_two_merges_from_one_start_make_the_synchronous_round(momentum):
         assert diff < 1e-6
     else:
         assert diff > 1e-3
-    assert srv.cursor == ref.servers[0].cursor
+    assert srv.plans.cursor == ref.servers[0].plans.cursor
     assert {**first.data_ranges, **second.data_ranges} == ref.history[0][0].data_ranges
 
 
@@ -73,10 +73,10 @@ def test_a_rejected_or_unfinished_plan_goes_back_and_a_checkpoint_gives_back_in_
     applied = merge(dec, 0, bufs, 1.0, 3.0, plans[0], unused={0: tail})
     assert applied.applied and applied.data_ranges[0] == data.trained_part(plans[0], tail)
     srv.release_plan(1)  # replica 1 died
-    assert srv.cursor.returned == data._normalise(tail + plans[1])
+    assert srv.plans.cursor.returned == data._normalise(tail + plans[1])
     # A checkpoint now: replica 2's plan is still in flight, so the saved cursor holds it too.
     assert srv.resume_cursor().returned == data._normalise(tail + plans[1] + plans[2])
-    assert list(srv.in_flight) == [2]
+    assert list(srv.plans.in_flight) == [2]
     # A NaN contribution is rejected; its plan goes back and nothing moves.
     before = dec.global_weights()
     dec.receive(2)
@@ -87,8 +87,8 @@ def test_a_rejected_or_unfinished_plan_goes_back_and_a_checkpoint_gives_back_in_
     bad[0][0] = with_value(bad[0][0])
     rejected = merge(dec, 2, bad, 1.0, 3.0, plans[2])
     assert not rejected.applied and 2 in rejected.rejected
-    assert srv.in_flight == {}
-    assert srv.cursor.returned == data._normalise(tail + plans[1] + plans[2])
+    assert srv.plans.in_flight == {}
+    assert srv.plans.cursor.returned == data._normalise(tail + plans[1] + plans[2])
     assert max_diff(before, dec.global_weights()) == 0.0
     assert np.isclose(srv.merged_work(), 1.0 / 3.0)
 
@@ -108,12 +108,12 @@ def test_a_checkpoint_keeps_weights_momentum_work_and_the_cursor_with_in_flight_
     restored = ParameterServer(dec.cfg.to_dict())
     restored.load(str(tmp_path))
     assert restored.merged_work() == pytest.approx(0.5) and restored.sync_version() == 1
-    assert restored.in_flight == {} and restored.cursor == srv.resume_cursor()
-    assert restored.cursor.returned == plans[1]
-    for name, p in srv.optimizer.params.items():
-        assert torch.equal(restored.optimizer.params[name], p)
-        mine = srv.optimizer._optimizer.state[p]["momentum_buffer"]
-        theirs = restored.optimizer._optimizer.state[restored.optimizer.params[name]]["momentum_buffer"]
+    assert restored.plans.in_flight == {} and restored.plans.cursor == srv.resume_cursor()
+    assert restored.plans.cursor.returned == plans[1]
+    for name, p in srv.store.optimizer.params.items():
+        assert torch.equal(restored.store.optimizer.params[name], p)
+        mine = srv.store.optimizer._optimizer.state[p]["momentum_buffer"]
+        theirs = restored.store.optimizer._optimizer.state[restored.store.optimizer.params[name]]["momentum_buffer"]
         assert torch.equal(mine, theirs) and mine.abs().sum() > 0  # the outer momentum
     sync_cfg = TrainerConfig.from_dict({**dec.cfg.to_dict(), "sync_mode": "sync"})
     with pytest.raises(ConfigError, match="sync_mode: sync, but checkpoint .* sync_mode: decoupled"):

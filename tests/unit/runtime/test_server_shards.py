@@ -301,14 +301,14 @@ def test_nan_on_one_server_is_rejected_by_every_server(num_servers, fragments, b
                 assert set(a.rejected) == {1}
             assert len({a.pseudo_grad_norm for a in applied}) == 1
     assert max_diff(poisoned.global_weights(), clean.global_weights()) == 0.0
-    assert [s.cursor for s in poisoned.servers] == [s.cursor for s in clean.servers]
+    assert [s.plans.cursor for s in poisoned.servers] == [s.plans.cursor for s in clean.servers]
     if fragments == 1:
         # Replica 1's ranges go back to the cursor, to be handed out again.
-        assert poisoned.servers[0].cursor.returned == plans[1]
+        assert poisoned.servers[0].plans.cursor.returned == plans[1]
     else:
         # Streaming: its other fragment was applied, so its data counts as trained
         # (handing it out again would train it into that fragment twice).
-        assert poisoned.servers[0].cursor.returned == []
+        assert poisoned.servers[0].plans.cursor.returned == []
 
 
 # ------------------------------------------------------------------ compressed weights
@@ -402,7 +402,7 @@ def test_plain_diloco_with_nothing_accepted_is_not_applied():
     for a in applied:
         assert not a.applied and not a.round_done and a.pseudo_grad_norm is None
     assert all(s.sync_version() == 0 and s.round_index() == 0 for s in sim.servers)
-    assert sim.servers[0].cursor.frontier == 0
+    assert sim.servers[0].plans.cursor.frontier == 0
     assert max_diff(sim.global_weights(), before) == 0.0
 
 
@@ -450,10 +450,10 @@ def test_applied_round_bookkeeping():
         if r == 0:
             assert [a.accepted for a in first] == [[0, 2]] * 2
             assert [a.accepted for a in second] == [[0, 1]] * 2
-    assert all(s.sync_version() == 4 and s.fragment == 0 for s in sim.servers)
+    assert all(s.sync_version() == 4 and s.store.fragment == 0 for s in sim.servers)
     # Nothing was handed out again: two rounds of three replicas, all fresh positions.
-    assert sim.servers[0].cursor.frontier == 6 * per
-    assert sim.servers[0].cursor.returned == []
+    assert sim.servers[0].plans.cursor.frontier == 6 * per
+    assert sim.servers[0].plans.cursor.returned == []
 
 
 def test_streaming_replica_missing_every_fragment_gets_its_data_handed_out_again():
@@ -463,7 +463,7 @@ def test_streaming_replica_missing_every_fragment_gets_its_data_handed_out_again
     sim.sync(0, 0, plans, skip={1})
     second, _ = sim.sync(0, 1, plans, skip={1})
     assert second[0].data_ranges == {0: plans[0]}
-    assert sim.servers[0].cursor.returned == plans[1]
+    assert sim.servers[0].plans.cursor.returned == plans[1]
 
 
 def test_sync_of_the_wrong_fragment_raises():
@@ -476,7 +476,7 @@ def test_sync_of_the_wrong_fragment_raises():
 
 
 def states(servers) -> list:
-    return [(s.round_index(), s.fragment, s.sync_version(), s.cursor.to_dict()) for s in servers]
+    return [(s.round_index(), s.store.fragment, s.sync_version(), s.plans.cursor.to_dict()) for s in servers]
 
 
 @pytest.mark.parametrize("num_servers,fragments,codec", [(1, 1, "none"), (2, 2, "none"), (3, 2, "int8")])
@@ -500,7 +500,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
         assert ma == mb and all(torch.equal(ta[n], tb[n]) for n in tb)
 
     # The next sync gives the same result on both (optimizer momentum included).
-    fragment = sim.servers[0].fragment
+    fragment = sim.servers[0].store.fragment
     round_index = sim.servers[0].round_index()
     contributions = [[] for _ in sim.servers]
     for rid in sim.replicas:
@@ -630,5 +630,5 @@ def test_what_a_replica_had_no_time_for_goes_back_to_the_cursor():
     tail = (per_replica - 3, 3)
     applied = [srv.commit(plans, *reduced, unused={0: [tail]}) for srv in sim.servers]
     assert applied[0].data_ranges == {0: [(0, per_replica - 3)], 1: plans[1]}
-    assert sim.servers[0].cursor.returned == [tail]
+    assert sim.servers[0].plans.cursor.returned == [tail]
     assert sim.servers[0].data_plan([0]) == [[tail, (2 * per_replica, per_replica - 3)]]

@@ -1,0 +1,113 @@
+"""How bytes come into and go out of a parameter server: the replicas' buffers decoded and
+checked against the rows a sync expects, and the server's rows packed into messages.
+
+:class:`SliceCodec` knows one server's :class:`~diloco_ray.algo.slice_layout.SliceLayout`
+and the codec settings; it keeps no state between calls. Pieces are decoded as views into
+the buffers where the codec allows (nothing is copied), and an uncompressed message is
+written into memory its caller lends (the server's sum space, once no sum is in it).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Optional
+
+import numpy as np
+import torch
+
+from diloco_ray.algo import compression, partition
+from diloco_ray.algo.aggregate import check_finite
+from diloco_ray.algo.slice_layout import SliceLayout
+
+
+class SliceCodec:
+    """Decodes what replicas send one server and packs what it sends back.
+
+    Args:
+        layout: the rows this server holds.
+        block: ``compression_block``, the values per scale of the block codecs.
+        topk_fraction: the share of values the ``topk`` codec keeps.
+        allocate: ``nbytes -> np.uint8 array`` for an uncompressed message (None: a fresh array).
+    """
+
+    def __init__(
+        self,
+        layout: SliceLayout,
+        block: int,
+        topk_fraction: float,
+        allocate: Optional[Callable[[int], np.ndarray]] = None,
+    ):
+        self.layout = layout
+        self.block, self.topk_fraction = block, topk_fraction
+        self.allocate = allocate
+
+    # ---- coming in ---------------------------------------------------------------------
+    def decode(self, buffers: list, target: partition.Rows) -> list:
+        """Decode one replica's per-rank buffers and check them against ``target``: every
+        row covered once, shapes right. Returns ``[(name, rows, piece)]``, each piece still
+        encoded (:class:`~diloco_ray.algo.compression.Encoded`: views into the buffers
+        where the codec allows). Finiteness is checked as the values are read.
+
+        Raises:
+            ValueError: naming the rank, the tensor and what is wrong with it.
+        """
+        shapes = self.layout.shapes
+        found = []
+        covered = dict.fromkeys(target, 0)
+        for r, buf in enumerate(buffers):
+            pieces, _ = compression.unpack_pieces(buf, self.layout.names, lazy=True)
+            for name, (start, piece) in pieces.items():
+                span = (start, start + partition.num_rows(piece.shape))
+                if name not in target or partition.intersect({name: span}, target) != {name: span}:
+                    raise ValueError(f"rank {r} sent rows {span} of '{name}' outside this sync's slice")
+                if tuple(piece.shape[1:]) != shapes[name][1:]:
+                    raise ValueError(
+                        f"rank {r} sent '{name}' rows of shape {tuple(piece.shape)}, "
+                        f"want (*, {', '.join(map(str, shapes[name][1:]))})"
+                    )
+                found.append((name, span, piece))
+                covered[name] += span[1] - span[0]
+        for name, (a, b) in target.items():
+            if covered[name] != b - a:
+                raise ValueError(f"pieces of '{name}' cover {covered[name]} of its {b - a} rows")
+        return found
+
+    def receive(self, buffers: list, target: partition.Rows) -> dict[str, torch.Tensor]:
+        """Like :meth:`decode`, assembled into fp32 tensors covering ``target`` exactly,
+        every value checked finite."""
+        out = {n: torch.empty(self.layout.piece_shape(n, iv)) for n, iv in target.items()}
+        for name, span, piece in self.decode(buffers, target):
+            partition.put(out[name], span, check_finite(piece.decode(), name), offset=target[name][0])
+        return out
+
+    # ---- going out ---------------------------------------------------------------------
+    def pack(self, pieces: Mapping[str, torch.Tensor], target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
+        """Rows ``target`` of the optimizer ``pieces`` (by key) as a message, stamped with
+        its send time. Uncompressed, it is written straight into :attr:`allocate`'s memory."""
+        if codec != "none":
+            return self.encode({n: self.layout.rows(pieces, n, iv) for n, iv in target.items()}, target, codec, meta)
+        layout = self.layout
+        return compression.pack_pieces_filled(
+            {n: layout.piece_shape(n, iv) for n, iv in target.items()},
+            {n: iv[0] for n, iv in target.items()},
+            layout.names,
+            lambda n, out: out.copy_(layout.rows(pieces, n, target[n])),
+            "none",
+            {**meta, "sent_at": time.time()},
+            block=self.block,
+            allocate=self.allocate,
+        )
+
+    def encode(self, named: Mapping[str, torch.Tensor], target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
+        """Tensors by name, each exactly rows ``target[name]``, as a ``codec`` message
+        stamped with its send time."""
+        buf, _ = compression.pack_pieces(
+            dict(named),
+            {n: iv[0] for n, iv in target.items()},
+            self.layout.names,
+            codec,
+            {**meta, "sent_at": time.time()},
+            block=self.block,
+            fraction=self.topk_fraction,
+        )
+        return buf
