@@ -35,11 +35,12 @@ class Checkpointer:
     def __init__(self, config: TrainerConfig, run_dir, log: Callable, warn: Callable[[str], None]):
         self.config, self.run_dir, self.log, self.warn = config, run_dir, log, warn
         self.last_round: Optional[int] = None  # the round of the latest checkpoint written or loaded
-        self.last_progress: Optional[float] = None  # the rounds' worth of work it held (see RoundLoop.progress)
+        self.last_progress: Optional[float] = None  # the rounds' worth of work it held (see OuterLoop.progress)
 
     def maybe_save(self, server, replicas: dict, round_index: int, progress: float) -> Optional[str]:
         """Checkpoint ``round_index`` when ``checkpoint_steps`` say it is due by ``progress``
-        (rounds' worth of inner steps done, :attr:`RoundLoop.progress`); its path, or None."""
+        (rounds' worth of inner steps done, :attr:`~diloco_ray.driver.loop.OuterLoop.progress`);
+        its path, or None."""
         cfg = self.config
         if not checkpoint_due(progress, self.last_progress, cfg.checkpoint_steps, cfg.max_steps):
             return None

@@ -2,8 +2,11 @@
 
 :class:`DecoupledLoop` keeps one sync period in flight per active replica, each with its
 own data plan reserved on the server (:meth:`~diloco_ray.runtime.server.ParameterServer.reserve_plan`)
-and its own starting point. One call of :meth:`DecoupledLoop.run_round` is one outer
-step (a *merge*):
+and its own starting point. It is the synchronous :class:`~diloco_ray.driver.sync_loop.SyncLoop`'s
+sibling (one loop interface, :class:`~diloco_ray.driver.loop.OuterLoop`, over one
+:class:`~diloco_ray.driver.host.Host`), launching from the same kind of
+:class:`~diloco_ray.driver.period_jobs.PeriodJobs`. One call of :meth:`DecoupledLoop.run_round`
+is one outer step (a *merge*; ``merge_index`` counts them):
 
 1. launch every active replica that is not training (new ones, and the ones just merged),
    from the newest weights, a period that would end well after others' arrivals cut to
@@ -34,19 +37,22 @@ merged (``work``), so a decoupled run trains on as many tokens as a synchronous 
 
 from __future__ import annotations
 
-import dataclasses
 import time
+from typing import Optional
 
 from ray.exceptions import RayActorError
 
 from diloco_ray.algo import decoupled
 from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
-from diloco_ray.algo.outer import Rejection
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.driver.calls import RayCalls
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
+from diloco_ray.driver.host import Host
+from diloco_ray.driver.period_jobs import Handout, PeriodJobs
 from diloco_ray.driver.policies import MAX_ROUND_RETRIES, eval_due
 from diloco_ray.driver.poll import STEP_POLL_S
-from diloco_ray.driver.round_loop import Handout, Period, RoundLoop
-from diloco_ray.runtime.messages import Contribution, Launch
+from diloco_ray.observe.records import MergeFacts, RoundRecord, Syncs, Timing
+from diloco_ray.runtime.messages import AppliedRound, Contribution, Launch, SyncPeriod
 
 GIVE_UP_AFTER_LOSSES = 8  # periods lost in a row, with no merge between, before the run stops
 
@@ -55,18 +61,23 @@ class ServerLost(Exception):
     """A parameter server died during a merge's calls: the merge is abandoned as a unit."""
 
 
-class DecoupledLoop(RoundLoop):
-    """Runs decoupled outer steps for a host (the same host protocol as :class:`RoundLoop`).
+class DecoupledLoop:
+    """Runs decoupled outer steps (merges) for a host.
 
     Args:
         config: the job (``sync_mode: decoupled``).
-        inflight_root: unused in this mode (no in-flight snapshots); kept for one signature.
         calls: how refs are waited on and the time read (Ray's and the wall clock by default).
         steps: the step feed, or None.
     """
 
-    def __init__(self, config, inflight_root: str = "", calls=None, steps=None):
-        super().__init__(config, inflight_root, calls, steps)
+    def __init__(self, config: TrainerConfig, calls=None, steps=None):
+        self.config = config
+        self.calls = calls or RayCalls()
+        self.steps = steps
+        self.merge_index = 0  # the next merge (the servers' round index between merges)
+        self.jobs = PeriodJobs(config)
+        self.reset = False  # the servers were restored: every replica reloads (see reload)
+        self.wasted_steps = 0  # replica inner steps this merge whose work reached no applied update
         self.flights: dict[int, Flight] = {}
         self.arrived: dict[int, Flight] = {}
         self.pace = Pace(config.max_steps)
@@ -82,73 +93,92 @@ class DecoupledLoop(RoundLoop):
         self._applied_share = 0.0
         self.losses = 0  # periods lost since the last merge
 
-    def finished(self) -> bool:
-        return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
+    # ---- what the trainer asks of its loop (driver.loop.OuterLoop) ----------------------
+    @property
+    def update_index(self) -> int:
+        """The next outer update's index: the merge's."""
+        return self.merge_index
 
     @property
     def progress(self) -> float:
         """Rounds' worth of tokens merged: what checkpoints fall due by."""
         return self.work
 
+    def finished(self) -> bool:
+        """Whether ``diloco_loops`` rounds' worth of tokens has been merged."""
+        return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
+
     def restore(self, server, reset: bool) -> None:
-        super().restore(server, reset)
+        """Take up the servers' state: their merge count, latest message and work
+        (``reset``: every replica reloads everything first)."""
+        self.merge_index = self.jobs.restore(server)
+        self.reset = reset
         self.work = self.work_before = server.work()
+
+    def resume_in_flight(self, replicas: list) -> None:
+        """Nothing to resume: this mode takes no in-flight snapshots (the config refuses
+        ``checkpoint_steps`` below ``max_steps``; a resumed run trains in-flight data again)."""
 
     def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
         """Replica id -> (launch attempt, merge index) of each period not merged yet (in
         flight, or arrived and waiting for the merge)."""
         return {rid: (f.attempt, f.round) for rid, f in {**self.flights, **self.arrived}.items()}
 
-    def _mark(self) -> int:
-        return decoupled.momentum_steps(self.handout.version, self.work, self.config.decoupled_momentum)
-
-    def _job(self, host, rep, slot: int, fragment: int, plan: list):
-        # The inner lr schedule runs over the tokens merged, not over merges: a run of 14
-        # merges of 10 rounds' worth would otherwise reach the schedule's end (lr 0) at
-        # merge 10 and train its last rounds' worth at no lr (measured: eval 0.93 vs 0.79).
-        job = super()._job(host, rep, slot, fragment, plan)
-        return dataclasses.replace(
-            job, schedule_step=round(self.work * self.config.max_steps), reset=rep.id in self.reload
-        )
-
-    def _evaluate(self, host):
-        """On a replica just merged: it is idle, while the others go on training. Only when
-        this merge completed ``eval_every`` rounds' worth of tokens, or ended the run (None
-        otherwise)."""
-        due = eval_due(self.work_before, self.work, self.config.eval_every, self.finished())
-        return host.evaluate(among=list(self.arrived), due=due)
-
     # ---- one merge, recovered as a unit ------------------------------------------------
-    def run_round(self, host) -> dict:
+    def run_round(self, host: Host) -> RoundRecord:
+        """Run one merge (the trainer's round): launch, wait, merge, record."""
         self.wasted_steps, self.failed = 0, set()
         for _ in range(MAX_ROUND_RETRIES + 1):
             try:
                 return self._run_merge(host)
             except ServerLost:
                 self._recover(host)
-        raise RuntimeError(f"merge {self.round_index}: the parameter servers died {MAX_ROUND_RETRIES + 1} times")
+        raise RuntimeError(f"merge {self.merge_index}: the parameter servers died {MAX_ROUND_RETRIES + 1} times")
 
-    def _run_merge(self, host) -> dict:
+    def _run_merge(self, host: Host) -> RoundRecord:
         t_start = time.perf_counter()
-        host.notify("on_round_begin", self.round_index, len(host.members.active))
+        host.notify("on_round_begin", self.merge_index, len(host.members.active))
         self._launch_idle(host)
         host.inject_faults()  # after the replicas have started, so faults hit a merge in flight
         self._wait_for_merge(host)
         t_merge = time.perf_counter()
         applied, merged = self._merge(host)
         t_applied = time.perf_counter()
-        self.round_index = applied.round + 1 if applied.applied else self.round_index
-        record = self._record(host, [applied], [Period(merged, refs=None)], set(), self.failed, t_start, t_applied)
-        record.update(self._merge_facts(applied, t_applied - t_merge))
-        if self.finished():
-            # The run ends here: the periods still in flight are never merged. Goodput counts them.
-            if self.steps is not None:
-                self.steps.beats()
-            record["abandoned_steps"] = sum(self._flight_poll().steps_run(f) for f in self.flights.values())
+        self.merge_index = applied.round + 1 if applied.applied else self.merge_index
+        record = self._record(host, applied, merged, t_start, t_merge, t_applied)
         self.arrived = {}
         return record
 
-    def _wait_for_merge(self, host) -> None:
+    def _record(
+        self, host: Host, applied: AppliedRound, merged: dict, t_start: float, t_merge: float, t_applied: float
+    ) -> RoundRecord:
+        """Evaluate when due (on a replica just merged: it is idle, while the others go on
+        training), and write the merge's record."""
+        due = eval_due(self.work_before, self.work, self.config.eval_every, self.finished())
+        evaluation = host.evaluate(among=list(self.arrived), due=due)
+        timing = Timing(round_seconds=time.perf_counter() - t_start, until_applied=t_applied - t_start)
+        facts = MergeFacts(
+            staleness={str(rid): self._staleness[rid] for rid in applied.accepted},
+            applied_weight=self._applied_share,
+            in_flight=sorted(self.flights),
+            work=applied.work if applied.applied else self.work,
+            merge_seconds=t_applied - t_merge,
+        )
+        syncs = Syncs([applied], [merged], late=set(), failed=self.failed)
+        return RoundRecord.build(
+            self.config, syncs, self.wasted_steps, evaluation, timing, merge=facts, abandoned_steps=self._abandoned()
+        )
+
+    def _abandoned(self) -> Optional[int]:
+        """When the run ends here: the steps of the periods still in flight, never merged
+        (goodput counts them). None before the end."""
+        if not self.finished():
+            return None
+        if self.steps is not None:
+            self.steps.beats()
+        return sum(self._flight_poll().steps_run(f) for f in self.flights.values())
+
+    def _wait_for_merge(self, host: Host) -> None:
         """Collect reports until the quorum is in and the grace window has passed."""
         deadline = None
         while True:
@@ -164,7 +194,7 @@ class DecoupledLoop(RoundLoop):
                 host.reconcile()  # everyone was lost: bring replicas back before waiting on none
                 self._launch_idle(host)
 
-    def _recover(self, host) -> None:
+    def _recover(self, host: Host) -> None:
         """A server died: let every period in flight finish and throw it away, restore the
         servers from the last checkpoint, and have every replica reload the weights."""
         self.wasted_steps += sum(f.stats[0].inner_steps for f in self.arrived.values())
@@ -178,7 +208,7 @@ class DecoupledLoop(RoundLoop):
         host.recover_server()  # restore() follows, with reset: every replica reloads
 
     # ---- the steps of a merge ----------------------------------------------------------
-    def _launch_idle(self, host) -> None:
+    def _launch_idle(self, host: Host) -> None:
         """Start a sync period on every active replica that is not training."""
         if self.reset:  # the servers were restored: the weights replicas hold are not theirs
             self.reload = {rep.id for rep in host.members.active}
@@ -189,32 +219,55 @@ class DecoupledLoop(RoundLoop):
         if self.config.min_quorum < len(host.members.active):  # (in lockstep every merge waits for all)
             aims = self.timing.plan_launches(now, self._training(), list(aims))
         for slot, rep in idle:
-            plan = self._on_server(lambda: host.server.reserve_plan(rep.id))
-            self.attempt += 1
-            job, due = self._job(host, rep, slot, 0, plan), aims[rep.id]
-            if due is not None:
-                job = dataclasses.replace(job, time_budget_s=self.timing.budget_s(rep.id, now, due))
-            launch = Launch(rep, *rep.run_period(job))
-            self.flights[rep.id] = Flight(
-                launch,
-                plan,
-                self.handout.version,
-                self.round_index,
-                self._mark(),
-                now,
-                self.attempt,
-                due,
-                pending=set(launch.stats),
-            )
-            self.reset_inner.discard(rep.id)
-            self.reload.discard(rep.id)
-        self.reset = self.restart = False
+            self._launch(host, rep, slot, now, aims[rep.id])
+        self.reset = False
+
+    def _launch(self, host: Host, rep, slot: int, now: float, due: Optional[float]) -> None:
+        """Start ``rep``'s period from the newest weights (``due``: the arrival its time
+        budget aims at, None: a full period)."""
+        plan = self._on_server(lambda: host.server.reserve_plan(rep.id))
+        self.jobs.next_attempt()
+        launch = Launch(rep, *rep.run_period(self._job(host, rep, slot, plan, now, due)))
+        self.flights[rep.id] = Flight(
+            launch,
+            plan,
+            self.jobs.handout.version,
+            self.merge_index,
+            self._mark(),
+            now,
+            self.jobs.attempt,
+            due,
+            pending=set(launch.stats),
+        )
+        self.jobs.launched([rep.id])
+        self.reload.discard(rep.id)
+
+    def _job(self, host: Host, rep, slot: int, plan: list, now: float, due: Optional[float]) -> SyncPeriod:
+        return self.jobs.job(
+            host,
+            rep,
+            slot,
+            index=self.merge_index,
+            fragment=0,
+            plan=plan,
+            board=self.steps.board if self.steps is not None else None,
+            reset=rep.id in self.reload,
+            # The inner lr schedule runs over the tokens merged, not over merges: a run of 14
+            # merges of 10 rounds' worth would otherwise reach the schedule's end (lr 0) at
+            # merge 10 and train its last rounds' worth at no lr (measured: eval 0.93 vs 0.79).
+            schedule_step=round(self.work * self.config.max_steps),
+            time_budget_s=self.timing.budget_s(rep.id, now, due) if due is not None else None,
+        )
+
+    def _mark(self) -> int:
+        """The outer momentum steps taken so far (a period's staleness is counted from its mark)."""
+        return decoupled.momentum_steps(self.jobs.handout.version, self.work, self.config.decoupled_momentum)
 
     def _training(self) -> dict[int, InFlight]:
         """The periods in flight that may still report, as merge timing sees them."""
         return {rid: InFlight(f.launched_at, f.due) for rid, f in self.flights.items() if f.abort_by is None}
 
-    def _poll(self, host, wait: float) -> None:
+    def _poll(self, host: Host, wait: float) -> None:
         """Move finished periods to ``arrived`` (their pace learned); a period stopped after
         a stall gives its plan back (the replica trains on from the newest weights); a lost
         replica is replaced at once (a spare, or a new replica, cut to land with the others)."""
@@ -241,7 +294,7 @@ class DecoupledLoop(RoundLoop):
         cfg = self.config
         return FlightPoll(self.calls, self.steps, cfg.stall_timeout_s, cfg.abort_grace_s)
 
-    def _lose(self, host, gone: Lost, server_alive: bool = True) -> None:
+    def _lose(self, host: Host, gone: Lost, server_alive: bool = True) -> None:
         """A replica's period will never report: its steps are wasted, its plan goes back,
         and it leaves."""
         self.losses += 1
@@ -261,9 +314,10 @@ class DecoupledLoop(RoundLoop):
         if server_alive:  # (a dead server's plans are gone with it: the restored cursor has them)
             self._on_server(lambda: host.server.release_plan(rid))
 
-    def _merge(self, host):
-        """One outer step from the contributions that arrived."""
-        version = self.handout.version
+    def _merge(self, host: Host) -> tuple[AppliedRound, dict]:
+        """One outer step from the contributions that arrived: the servers' report, and
+        replica id -> the stats of each period merged."""
+        version = self.jobs.handout.version
         # In replica id order, as a synchronous round sums them: with replicas in lockstep
         # the merge is then the synchronous round to the bit (a sum's order moves its last bits).
         self.arrived = dict(sorted(self.arrived.items()))
@@ -280,17 +334,17 @@ class DecoupledLoop(RoundLoop):
         plans = {rid: f.plan for rid, f in self.arrived.items()}
         refs = host.server.sync(0, contributions, plans, unused, merge=(weighting.divisor, weighting.shares))
         applied = self._on_server(lambda: self.calls.get(refs.commits)[0])
-        self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.reason is Rejection.NON_FINITE}
+        self.jobs.note_rejections(applied)
         self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
         self.work_before = self.work
         if applied.applied:
             self.losses = 0
-            self.handout = Handout(refs.weights, full=False, version=version + 1)
+            self.jobs.handout = Handout(refs.weights, full=False, version=version + 1)
             self.work = applied.work
         self._applied_share = sum(weighting.weights[rid] for rid in applied.accepted) / weighting.divisor
         return applied, merged
 
-    def _weighting(self, host, merged: dict) -> decoupled.Weighting:
+    def _weighting(self, host: Host, merged: dict) -> decoupled.Weighting:
         """Each contribution's weight (the tokens it trained on, discounted by its
         staleness) and one round's worth of tokens to divide by."""
         cfg = self.config
@@ -310,14 +364,3 @@ class DecoupledLoop(RoundLoop):
             return call()
         except RayActorError as e:
             raise ServerLost(str(e).splitlines()[0] if str(e) else "a parameter server died") from e
-
-    def _merge_facts(self, applied, merge_seconds: float) -> dict:
-        """What a decoupled record adds: who was merged, how stale, the work so far."""
-        return {
-            "sync_mode": "decoupled",
-            "staleness": {str(rid): self._staleness[rid] for rid in applied.accepted},
-            "applied_weight": self._applied_share,
-            "in_flight": sorted(self.flights),
-            "work": applied.work if applied.applied else self.work,
-            "merge_seconds": merge_seconds,
-        }

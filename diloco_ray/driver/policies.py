@@ -3,8 +3,9 @@
 In the manner of Ray Train v2's scaling and failure policies: the round loop and the
 trainer ask, these answer, and the caller acts. Each is unit-tested on plain values.
 
-* :class:`RoundOutcome` -- how an attempt at a round ended: proceed, run again, recover the
-  servers, or stop (:func:`give_up_after` turns a run-again into a stop once the retries are spent).
+* :class:`RoundOutcome` -- how an attempt at a round ended (an :class:`Action` and why):
+  proceed, run again, recover the servers, or stop (:func:`give_up_after` turns a run-again
+  into a stop once the retries are spent).
 * :func:`attempt_verdict` -- whether a sync's result lets plain DiLoCo proceed.
 * :func:`checkpoint_due` -- whether the round just applied is checkpointed.
 * :func:`early_stop` -- whether eval loss has stopped improving.
@@ -13,12 +14,24 @@ trainer ask, these answer, and the caller acts. Each is unit-tested on plain val
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Optional, Sequence
+
+from diloco_ray.observe.records import RoundRecord
 
 # A round that too few replicas finish is run again; this many times in a row is fatal.
 MAX_ROUND_RETRIES = 3
+
+
+class Action(enum.Enum):
+    """What the round loop does after an attempt at a round."""
+
+    PROCEED = "proceed"  # applied: go on with its record
+    RUN_AGAIN = "run_again"  # run the round again from its start
+    RECOVER_SERVER = "recover_server"  # restore the servers from the last checkpoint, then run it again
+    STOP = "stop"  # the run cannot go on
 
 
 @dataclass(frozen=True)
@@ -26,27 +39,23 @@ class RoundOutcome:
     """How one attempt at a round ended, as a decision for the round loop.
 
     Args:
-        action: ``"proceed"`` (applied: ``record`` is its round record), ``"run_again"``
-            (the round runs again from its start), ``"recover_server"`` (restore the
-            servers from the last checkpoint, then run the round again), or ``"stop"``
-            (the run cannot go on: ``why`` says what failed last).
-        record: the round record, when applied.
-        why: what made the round run again (for errors and debugging).
+        action: what to do (:class:`Action`).
+        record: the round record, when applied (``PROCEED``).
+        why: what made the round run again, or stop (for errors and debugging).
     """
 
-    action: Literal["proceed", "run_again", "recover_server", "stop"]
-    record: Optional[dict] = None
+    action: Action
+    record: Optional[RoundRecord] = None
     why: str = ""
 
 
 def give_up_after(outcome: RoundOutcome, attempts: int, round_index: int) -> RoundOutcome:
     """``outcome``, or a stop once ``attempts`` attempts at the round have all had to run it
     again (``MAX_ROUND_RETRIES`` + 1 in all)."""
-    if outcome.action == "proceed" or attempts <= MAX_ROUND_RETRIES:
+    if outcome.action is Action.PROCEED or attempts <= MAX_ROUND_RETRIES:
         return outcome
-    return RoundOutcome(
-        "stop", why=f"round {round_index}: not applied in {attempts} attempts (the last: {outcome.why})"
-    )
+    why = f"round {round_index}: not applied in {attempts} attempts (the last: {outcome.why})"
+    return RoundOutcome(Action.STOP, why=why)
 
 
 def too_few_reported(reported: int, min_replicas: int, streaming: bool) -> Optional[RoundOutcome]:
@@ -54,7 +63,7 @@ def too_few_reported(reported: int, min_replicas: int, streaming: bool) -> Optio
     (a streaming sync goes on with whoever reported: its fragments are committed one by one)."""
     if streaming or reported >= min_replicas:
         return None
-    return RoundOutcome("run_again", why=f"{reported} < min_replicas={min_replicas} reported")
+    return RoundOutcome(Action.RUN_AGAIN, why=f"{reported} < min_replicas={min_replicas} reported")
 
 
 def attempt_verdict(applied: bool, streaming: bool) -> Optional[RoundOutcome]:
@@ -62,7 +71,7 @@ def attempt_verdict(applied: bool, streaming: bool) -> Optional[RoundOutcome]:
     runs the round again; anything else proceeds (None)."""
     if streaming or applied:
         return None
-    return RoundOutcome("run_again", why="no update applied (every pseudo-gradient rejected)")
+    return RoundOutcome(Action.RUN_AGAIN, why="no update applied (every pseudo-gradient rejected)")
 
 
 def checkpoint_due(

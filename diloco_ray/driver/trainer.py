@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -22,24 +23,20 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
-from diloco_ray.driver.decoupled_loop import DecoupledLoop
+from diloco_ray.driver.loop import loop_for
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
-from diloco_ray.driver.round_loop import RoundLoop
-from diloco_ray.driver.step_feed import StepFeed
+from diloco_ray.driver.run_events import RunEvents
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.logs import log
 from diloco_ray.observe.events import (
     CheckpointEvent,
     EarlyStopEvent,
-    Event,
     MembershipEvent,
     ServerEvent,
-    WarningEvent,
 )
-from diloco_ray.observe.metrics import MetricsLogger, logger_for
-from diloco_ray.observe.ray_metrics import RoundMetrics
-from diloco_ray.persist import final_save, snapshot
+from diloco_ray.observe.records import Evaluation
+from diloco_ray.persist import final_save
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
 from diloco_ray.runtime.faults import DriverFaults
 from diloco_ray.runtime.rank import RankWorker
@@ -104,17 +101,15 @@ class DilocoFSDPTrainer:
         self.records: list[dict] = []
         self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
-        self.metrics: Optional[MetricsLogger] = None
         self.run_dir = RunFolder(config)  # output_dir: a folder, or a bucket and its staging copy
         self.inflight_root = self.run_dir.inflight
-        self.checkpointer = Checkpointer(config, self.run_dir, self._log, self._warn)
+        # metrics.jsonl, the Ray dashboard, the callbacks; the ranks' step events
+        self.events = RunEvents(self, self.callbacks, lambda: self.round_index)
+        self.checkpointer = Checkpointer(config, self.run_dir, self.events.log, self.events.warn)
         self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
-        loop_cls = DecoupledLoop if config.sync_mode == "decoupled" else RoundLoop
-        self.loop = loop_cls(config, self.inflight_root)  # the round index, what replicas load next
+        self.loop = loop_for(config, self.inflight_root)  # the update index, what replicas load next
         self.chaos = DriverFaults(config.fault_plan)  # the fault plan's server and driver faults
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
-        self.steps: Optional[StepFeed] = None  # the ranks' step events and heartbeats
-        self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop
         self.stopped_by: Optional[str] = None  # the signal that stopped it (SIGTERM), when one did
 
@@ -136,17 +131,13 @@ class DilocoFSDPTrainer:
 
     @property
     def round_index(self) -> int:
-        """The next round to run (the servers' round index between rounds)."""
-        return self.loop.round_index
-
-    @round_index.setter
-    def round_index(self, value: int) -> None:
-        self.loop.round_index = value
+        """The next round to run (decoupled: the next merge; the servers' round index between them)."""
+        return self.loop.update_index
 
     @property
     def board(self):
         """The StepBoard actor ranks report inner steps to (None before set-up)."""
-        return self.steps.board if self.steps is not None else None
+        return self.events.steps.board if self.events.steps is not None else None
 
     @property
     def replicas(self) -> list[Replica]:
@@ -197,10 +188,8 @@ class DilocoFSDPTrainer:
         self._catch_sigterm()
         self.device = ray_connection.resolve_device(self.config.device)
         cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
-        self.metrics = logger_for(cfg, self.run_dir.local, self.run_dir.name)
-        self.steps = StepFeed(self._on_step, self._warn)
-        self.loop.steps = self.steps
-        self.ray_metrics = RoundMetrics(self.run_dir.name)
+        self.events.open(cfg, self.run_dir)
+        self.loop.steps = self.events.steps
         token_data = start_token_data(cfg)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
@@ -209,34 +198,30 @@ class DilocoFSDPTrainer:
             cfg,
             self.device,
             self.worker_cls,
-            self._log,
+            self.events.log,
             lambda: self.round_index,
             on_admit=self._restore_inner,
             token_data=token_data,
         )
-        self.members.place_initial(self._warn)
+        self.members.place_initial(self.events.warn)
         self._inner_state_from = None
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
-            folder = snapshot.round_dir(self.inflight_root, self.round_index)
-            for slot, rep in enumerate(self.replicas):
-                step = snapshot.common_step(folder, slot, cfg.ranks_of(rep.id))
-                if step is not None:
-                    self.loop.resume_steps[slot] = step
+            self.loop.resume_in_flight(self.replicas)
         else:
             seed, self.shapes = self.replicas[0], self.replicas[0].shapes  # every rank builds the same model
             self.server.initialize(seed.seed_pieces(), seed.shapes)
-            adopted, self.round_index = self.members.adopt_initial(seed), 0
+            adopted = self.members.adopt_initial(seed)
             log.info("replicas %s built the initial weights: no round-0 load", adopted)
             self._after_restore(reset=False)
             if cfg.checkpoint_steps is not None:
                 self.save_checkpoint()  # so a lost server can always be recreated
 
     def _after_restore(self, reset: bool) -> None:
-        """Point replicas at the servers' state (see :meth:`RoundLoop.restore`)."""
+        """Point the loop at the servers' state: their index, what replicas load (see
+        :meth:`~diloco_ray.driver.loop.OuterLoop.restore`)."""
         self.loop.restore(self.server, reset)
         self._global_refs = None  # fetched when eval or final/ needs them
-        self.eval_bytes_down = 0  # bytes of global weights the last eval fetched to a replica
 
     def _restore_inner(self, rep: Replica, slot: int) -> None:
         """A replica about to join: with set-up resuming a checkpoint, its inner state."""
@@ -247,18 +232,18 @@ class DilocoFSDPTrainer:
         """Load the server state from checkpoint ``path`` and rewind the records to it."""
         for bad, why in skipped:
             log.warning("checkpoint %s is unusable (%s); using an older one", bad, why)
-            self._log(CheckpointEvent("skipped", path=bad, reason=why))
+            self.events.log(CheckpointEvent("skipped", path=bad, reason=why))
         self.server.load(path)
         self.shapes = self.replicas[0].shapes if self.replicas else None
-        self.round_index = self.server.round_index()
+        # The loop takes up the servers' round; a restarted server is behind what the
+        # replicas hold: they reload everything.
+        self._after_restore(reset=reason == "server_restart")
         self.checkpointer.last_round = self.round_index
         # Rounds after the checkpoint will be run again; their old records go.
-        self.metrics.truncate_rounds(self.round_index)
+        self.events.metrics.truncate_rounds(self.round_index)
         self.records = [r for r in self.records if r["round"] < self.round_index]
-        # A restarted server is behind what the replicas hold: they reload everything.
-        self._after_restore(reset=reason == "server_restart")
         self.checkpointer.last_progress = self.loop.progress
-        self._log(CheckpointEvent(reason, path=path, round=self.round_index))
+        self.events.log(CheckpointEvent(reason, path=path, round=self.round_index))
 
     def _connect_ray(self) -> None:
         if not ray.is_initialized():
@@ -275,30 +260,21 @@ class DilocoFSDPTrainer:
 
     # ---- one round --------------------------------------------------------------------
     def run_round(self) -> dict:
-        """Run and apply one outer round (see :class:`~diloco_ray.driver.round_loop.RoundLoop`),
+        """Run and apply one outer round (decoupled: one merge; see :mod:`~diloco_ray.driver.loop`),
         then record it, checkpoint when due, publish, and reconcile the replica count."""
-        record = self.loop.run_round(self)
+        record = self.loop.run_round(self).to_record()
         self.records.append(record)
-        self._log(record)
-        self.ray_metrics.record(record)
+        self.events.round_done(record)
         self.checkpointer.maybe_save(self.server, self._checkpointed_replicas, self.round_index, self.loop.progress)
         self.run_dir.publish()
         self.notify("on_round_end", record)
         self.reconcile()
         return record
 
-    # ---- what the round loop asks of its host (see RoundLoop) ---------------------------
-    def _on_step(self, event) -> None:
-        """A rank's step event, from the step feed: to metrics.jsonl, Ray metrics and ``on_step``."""
-        self._log(event)
-        self.ray_metrics.step(event.replica, event.loss, event.lr)
-        self.notify("on_step", event.to_record())
-
+    # ---- what the loop asks of its host (driver.host.Host) -------------------------------
     def notify(self, hook: str, *args) -> None:
-        for cb in self.callbacks:
-            fn = getattr(cb, hook, None)
-            if fn is not None:
-                fn(self, *args)
+        """Call the callbacks' ``hook`` (see :class:`RunEvents`)."""
+        self.events.notify(hook, *args)
 
     def _current_globals(self) -> list:
         """Refs to the servers' current fp32 weights, asked for once per update (packing
@@ -307,25 +283,28 @@ class DilocoFSDPTrainer:
             self._global_refs = self.server.global_weights()
         return self._global_refs
 
-    def evaluate(self, among: Optional[list] = None, due: bool = True) -> Optional[float]:
+    def evaluate(self, among: Optional[list] = None, due: bool = True) -> Evaluation:
         """After every update: eval loss of the new global weights on a live replica when ``due``
         (None: not due, no eval, or none left); ``among``: ids to try first (decoupled: idle ones)."""
-        self._global_refs, self.eval_bytes_down = None, 0  # the weights moved: fetched on demand
-        if not due or self.config.eval_batches == 0:
-            return None
+        started = time.perf_counter()
+        self._global_refs = None  # the weights moved: fetched on demand
+        loss, bytes_down = self._eval_loss(among) if due and self.config.eval_batches != 0 else (None, 0)
+        return Evaluation(loss, time.perf_counter() - started, bytes_down)
+
+    def _eval_loss(self, among: Optional[list]) -> tuple[Optional[float], int]:
+        """The eval loss, and the bytes of global weights it fetched to a replica."""
         results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()), among)
         if results is None:
-            return None  # every replica died since the update; the next boundary replaces them
+            return None, 0  # every replica died since the update; the next boundary replaces them
         # The eval replica's ranks share its node's object store: the weights crossed once.
         # (Evaluating the next round's weights message instead saves nothing over a star of
         # links: the other replicas then pull it from the eval replica, up its link.)
-        self.eval_bytes_down = max(r[2] for r in results)
         total, count = sum(r[0] for r in results), sum(r[1] for r in results)
-        return total / count if count else None
+        return (total / count if count else None), max(r[2] for r in results)
 
     def inject_faults(self) -> None:
         """Carry out the fault plan's server and driver faults due in this round."""
-        self.chaos.fire(self.round_index, self.server, self._log)
+        self.chaos.fire(self.round_index, self.server, self.events.log)
 
     # ---- membership, checkpoints, recovery --------------------------------------------
     def reconcile(self) -> None:
@@ -340,7 +319,7 @@ class DilocoFSDPTrainer:
             return
         self._scale_mtime, target = request
         self.scale(target)
-        self._log(MembershipEvent("scale", self.round_index, target=self.target_replicas))
+        self.events.log(MembershipEvent("scale", self.round_index, target=self.target_replicas))
 
     def _early_stop(self) -> bool:
         """Whether eval loss has stopped improving (:func:`~diloco_ray.driver.policies.early_stop`):
@@ -350,7 +329,7 @@ class DilocoFSDPTrainer:
             [r["eval_loss"] for r in self.records], cfg.early_stopping_patience, cfg.early_stopping_threshold
         )
         if stop is not None:
-            self._log(EarlyStopEvent(self.round_index, stop.best, stop.patience))
+            self.events.log(EarlyStopEvent(self.round_index, stop.best, stop.patience))
         return stop is not None
 
     def save_checkpoint(self, timeout_s: Optional[float] = None) -> Optional[str]:
@@ -382,7 +361,7 @@ class DilocoFSDPTrainer:
                 "the parameter server died and there is no checkpoint to recreate it from; "
                 "set checkpoint_steps to make a run survive that"
             )
-        self._log(ServerEvent("restart", self.round_index, from_path=path))
+        self.events.log(ServerEvent("restart", self.round_index, from_path=path))
         self.server.kill()
         self.server = ServerGroup(self.config, self.server_cls)
         was_at = self.round_index
@@ -412,16 +391,6 @@ class DilocoFSDPTrainer:
             return path
         return final_save.save_from_servers(self.config, path, self.server.tensor, self.shapes)
 
-    def _warn(self, message: str) -> None:
-        """A warning for whoever watches (:mod:`diloco_ray.logs`), and a ``warning`` event in metrics.jsonl."""
-        log.warning(message)
-        self._log(WarningEvent(message, self.round_index))
-
-    def _log(self, event: Event | dict) -> None:
-        """One line in metrics.jsonl: a typed event, or a round record (a dict)."""
-        if self.metrics is not None:
-            self.metrics.log(event.to_record() if isinstance(event, Event) else event)
-
     def shutdown(self) -> None:
         """Stop replicas and server; stop Ray if this trainer started it."""
         if self.members is not None:
@@ -429,16 +398,7 @@ class DilocoFSDPTrainer:
         if self.server is not None:
             self.server.kill()
             self.server = None
-        if self.metrics is not None:
-            self.metrics.close()
-            self.metrics = None
-            self.run_dir.publish()  # the closed, complete files
-        if self.ray_metrics is not None:
-            self.ray_metrics.close()
-            self.ray_metrics = None
-        if self.steps is not None:
-            self.steps.close()
-            self.steps = None
+        self.events.close(publish=self.run_dir.publish)
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

@@ -4,8 +4,8 @@ Each place that notes something (a checkpoint saved, a replica joining, a fault 
 builds one of these instead of a dict, so a kind's fields are written down once, here.
 :meth:`Event.to_record` is the metrics.jsonl line (``MetricsLogger`` adds ``time`` where
 the event has none); a field left at :data:`OMIT` is not written, so each line keeps
-exactly the keys it always had. The round record is not here: it is the callbacks' and
-the contract's dict (:func:`diloco_ray.observe.records.round_record`).
+exactly the keys it always had. The round record is not here: it has a module of its
+own (:class:`diloco_ray.observe.records.RoundRecord`, the callbacks' and the contract's dict).
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError
 from diloco_ray.config import fault_plan
 from diloco_ray.data import plan as data
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
+from diloco_ray.observe.records import Evaluation
 from diloco_ray.runtime.messages import RoundStats
 from diloco_ray.runtime.server import ParameterServer
 from diloco_ray.runtime.server_group import SyncRefs, assemble_weights
@@ -186,18 +187,17 @@ class Host:
     faults: list = field(default_factory=list)
     fired: list = field(default_factory=list)
     calls: list = field(default_factory=list)
-    eval_bytes_down: int = 0  # what the trainer's last eval fetched
 
     def notify(self, hook, *args):
         self.calls.append(hook)
 
     def evaluate(self, among=None, due=True):
-        return 1.0 if due else None
+        return Evaluation(1.0 if due else None)
 
     def inject_faults(self):
-        self.calls.append(("inject_faults", self.loop.round_index, sorted(self.loop.flights)))
+        self.calls.append(("inject_faults", self.loop.merge_index, sorted(self.loop.flights)))
         for target in ("server", "driver"):
-            for f in fault_plan.due(self.faults, self.loop.round_index, fired=frozenset(self.fired), target=target):
+            for f in fault_plan.due(self.faults, self.loop.merge_index, fired=frozenset(self.fired), target=target):
                 self.fired.append(f.key)
                 if target == "server":
                     self.server.dead = True
@@ -205,14 +205,13 @@ class Host:
     def recover_server(self):
         self.calls.append("recover_server")
         self.server = Servers(self.server.cfg, checkpoint=self.folder)
-        self.loop.round_index = self.server.round_index()
-        self.loop.restore(self.server, reset=True)
+        self.loop.restore(self.server, reset=True)  # it takes up the restored merge count
 
     def reconcile(self):
         self.calls.append("reconcile")
 
     def merge(self) -> dict:
-        record = self.loop.run_round(self)
+        record = self.loop.run_round(self).to_record()
         if self.checkpoints:
             self.server.actors[0].save(self.folder)
         return record
@@ -344,7 +343,6 @@ def test_staleness_starts_at_zero_after_a_full_reload_from_a_checkpoint(tmp_path
     host.merge(), host.merge()
     resumed, _ = make(tmp_path / "resumed", delays={0: [0], 1: [0]})
     resumed.server = Servers(resumed.server.cfg, checkpoint=str(tmp_path))
-    resumed.loop.round_index = resumed.server.round_index()
     resumed.loop.restore(resumed.server, reset=False)
     record = resumed.merge()
     assert record["round"] == 2 and record["staleness"] == {"0": 0, "1": 0}

@@ -4,6 +4,7 @@ import pytest
 
 from diloco_ray.driver.policies import (
     MAX_ROUND_RETRIES,
+    Action,
     RoundOutcome,
     attempt_verdict,
     checkpoint_due,
@@ -62,21 +63,21 @@ def test_early_stop_after_patience_rounds_without_improvement():
 
 
 def test_plain_diloco_runs_again_with_too_few_or_nothing_applied():
-    assert too_few_reported(1, min_replicas=2, streaming=False).action == "run_again"
+    assert too_few_reported(1, min_replicas=2, streaming=False).action is Action.RUN_AGAIN
     assert too_few_reported(2, min_replicas=2, streaming=False) is None
     assert too_few_reported(0, min_replicas=2, streaming=True) is None  # streaming goes on with who reported
-    assert attempt_verdict(applied=False, streaming=False).action == "run_again"
+    assert attempt_verdict(applied=False, streaming=False).action is Action.RUN_AGAIN
     assert attempt_verdict(applied=True, streaming=False) is None
     assert attempt_verdict(applied=False, streaming=True) is None
 
 
 def test_a_round_run_again_past_the_retries_stops_the_run():
-    again = RoundOutcome("run_again", why="no update applied")
+    again = RoundOutcome(Action.RUN_AGAIN, why="no update applied")
     assert give_up_after(again, attempts=MAX_ROUND_RETRIES, round_index=3) is again
     stop = give_up_after(again, attempts=MAX_ROUND_RETRIES + 1, round_index=3)
     assert (
-        stop.action == "stop"
+        stop.action is Action.STOP
         and stop.why == f"round 3: not applied in {MAX_ROUND_RETRIES + 1} attempts (the last: no update applied)"
     )
-    done = RoundOutcome("proceed", record={})
+    done = RoundOutcome(Action.PROCEED, record=None)
     assert give_up_after(done, attempts=99, round_index=3) is done

@@ -4,7 +4,7 @@ import pytest
 
 from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.observe.records import round_record
+from diloco_ray.observe.records import Evaluation, MergeFacts, RoundRecord, Syncs, Timing
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
 
 
@@ -18,6 +18,19 @@ def stats(rank, up, down, steps=3, compute=1.0):
         load_seconds=0.0,
         bytes_up=up,
         bytes_down=down,
+    )
+
+
+def build(cfg, syncs, **facts):
+    return RoundRecord.build(cfg, syncs, 0, Evaluation(), Timing(round_seconds=3.0, until_applied=2.5), **facts)
+
+
+def config(**overrides):
+    return TrainerConfig(
+        model_config={"model_type": "llama"},
+        dataset_name="builtin:arithmetic",
+        tokenizer_name="builtin:char",
+        **overrides,
     )
 
 
@@ -57,7 +70,7 @@ def test_streaming_round_record():
         {0: [stats(0, 100, 1000), stats(1, 110, 1000)], 1: [stats(0, 90, 1000), stats(1, 80, 1000)]},
         {0: [stats(0, 10, 50, steps=4)], 1: [stats(0, 20, 60, steps=4, compute=2.5)]},
     ]
-    record = round_record(cfg, applied, reported, late=set(), failed={7})
+    record = build(cfg, Syncs(applied, reported, late=set(), failed={7})).to_record()
     assert [f["step"] for f in record["fragments"]] == [3, 7]  # floor((k+1) * 7 / 2)
     assert [f["bytes_up"] for f in record["fragments"]] == [380, 30]
     assert [f["bytes_down"] for f in record["fragments"]] == [2000, 110]  # one rank per replica
@@ -68,3 +81,51 @@ def test_streaming_round_record():
     assert record["tokens"] == 300 and record["train_loss"] == pytest.approx(2.0)
     assert record["compute_seconds"] == pytest.approx(2.0)  # replica 0: 1.0 + 1.0
     assert record["data_ranges"] == {"0": [[0, 8]]}
+
+
+SYNC_KEYS = [
+    "event", "round", "replicas", "replica_ids", "dropped", "late", "rejected", "inner_steps", "replica_steps",
+    "tokens", "train_loss", "outer_lr", "pseudo_grad_norm", "data_ranges", "resumed_steps", "bytes_up", "bytes_down",
+    "peak_bytes_up", "peak_bytes_down", "fragments", "compute_seconds", "wasted_steps", "eval_loss", "eval_ppl",
+    "round_seconds", "sync_seconds", "eval_seconds", "eval_bytes_down",
+]  # fmt: skip
+MERGE_KEYS = ["sync_mode", "staleness", "applied_weight", "in_flight", "work", "merge_seconds"]
+
+
+def one_sync(**applied):
+    info = AppliedRound(True, 2, 0, 0.7, 3.0, accepted=[0], data_ranges={0: [[0, 4]]}, round_done=True, **applied)
+    return Syncs([info], [{0: [stats(0, 10, 20, compute=1.5)]}])
+
+
+def test_a_round_record_has_its_keys_in_order_with_eval_and_timing():
+    evaluation = Evaluation(loss=1.0, seconds=0.25, bytes_down=64)
+    timing = Timing(round_seconds=3.0, until_applied=2.5)
+    record = RoundRecord.build(config(max_steps=3), one_sync(), 5, evaluation, timing).to_record()
+    assert list(record) == SYNC_KEYS
+    assert (
+        record["eval_loss"] == 1.0
+        and record["eval_ppl"] == pytest.approx(2.718281828)
+        and record["eval_seconds"] == 0.25
+    )
+    assert record["eval_bytes_down"] == 64 and record["wasted_steps"] == 5 and record["round_seconds"] == 3.0
+    assert record["sync_seconds"] == pytest.approx(1.0)  # 2.5 s to the update, 1.5 of it inner steps
+    assert record["fragments"] == [
+        {
+            "fragment": 0,
+            "step": 3,
+            "replicas": 1,
+            "bytes_up": 10,
+            "bytes_down": 20,
+            "pseudo_grad_norm": 3.0,
+            "seconds": 0.0,
+        }
+    ]
+
+
+def test_a_merge_record_adds_the_merge_facts_and_at_the_end_the_abandoned_steps():
+    facts = MergeFacts(staleness={"0": 1}, applied_weight=0.5, in_flight=[1], work=2.5, merge_seconds=0.1)
+    record = build(config(max_steps=3, sync_mode="decoupled"), one_sync(), merge=facts).to_record()
+    assert list(record) == SYNC_KEYS + MERGE_KEYS
+    assert record["sync_mode"] == "decoupled" and record["staleness"] == {"0": 1} and record["work"] == 2.5
+    last = build(config(max_steps=3, sync_mode="decoupled"), one_sync(), merge=facts, abandoned_steps=0).to_record()
+    assert list(last) == SYNC_KEYS + MERGE_KEYS + ["abandoned_steps"] and last["abandoned_steps"] == 0

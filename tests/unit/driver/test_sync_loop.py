@@ -1,7 +1,7 @@
 """The round loop without Ray: fake servers, fake replicas, faults from a declarative plan.
 
 As Ray Train tests its controller with a dummy worker group, these drive
-:class:`~diloco_ray.driver.round_loop.RoundLoop` with plain objects: a ref is a value (or an
+:class:`~diloco_ray.driver.sync_loop.SyncLoop` with plain objects: a ref is a value (or an
 error) that is ready or never will be, a replica answers from the config's ``fault_plan``,
 and the server group applies what it is given by the rules the real one keeps (a replica
 rejected anywhere is rejected everywhere; a sync advances the version when it applies, or
@@ -22,7 +22,8 @@ from ray.exceptions import RayActorError
 from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config import fault_plan
 from diloco_ray.driver.poll import STEP_POLL_S
-from diloco_ray.driver.round_loop import RoundLoop
+from diloco_ray.driver.sync_loop import SyncLoop
+from diloco_ray.observe.records import Evaluation
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
 from diloco_ray.runtime.server_group import SyncRefs
 
@@ -145,19 +146,18 @@ class Servers:
 
 @dataclass
 class Host:
-    """What the loop asks of the trainer."""
+    """What the loop asks of the trainer (driver.host.Host)."""
 
     server: Servers
     members: Members
     plan: list = field(default_factory=list)
     calls: list = field(default_factory=list)
-    eval_bytes_down: int = 0  # what the trainer's last eval fetched
 
     def notify(self, hook, *args):
         self.calls.append(hook)
 
     def evaluate(self, due=True):
-        return 1.5 if due else None
+        return Evaluation(1.5 if due else None)
 
     def inject_faults(self):
         fired = frozenset(c for c in self.calls if isinstance(c, tuple))
@@ -179,28 +179,28 @@ def make(tmp_path, replicas=2, faults=None, **overrides):
     plan = fault_plan.parse(cfg.fault_plan)
     reps = [Replica(i, plan) for i in range(replicas)]
     host = Host(Servers(streaming=cfg.sync_fragments > 1), Members(reps), plan)
-    return RoundLoop(cfg, calls=Calls()), host, reps
+    return SyncLoop(cfg, calls=Calls()), host, reps
 
 
 def test_every_replica_reports_and_the_round_is_applied(tmp_path):
     loop, host, reps = make(tmp_path)
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert record["replicas"] == 2 and record["dropped"] == [] and record["eval_loss"] == 1.5
     assert host.server.synced == [{0: 10.0, 1: 20.0}]  # each weighted by the tokens that carried loss
-    assert loop.round_index == 1 and loop.handout.version == 1 == host.server.version
-    assert loop.handout.messages == ["weights v1"] and not loop.handout.full
+    assert loop.round_index == 1 and loop.jobs.handout.version == 1 == host.server.version
+    assert loop.jobs.handout.messages == ["weights v1"] and not loop.jobs.handout.full
     assert [job.version for job in reps[0].jobs] == [0]
 
 
 def test_eval_every_evaluates_every_nth_round_and_the_last(tmp_path):
     loop, host, reps = make(tmp_path, eval_every=2, diloco_loops=5)
-    losses = [loop.run_round(host)["eval_loss"] for _ in range(5)]
+    losses = [loop.run_round(host).evaluation.loss for _ in range(5)]
     assert losses == [None, 1.5, None, 1.5, 1.5]  # after rounds 2 and 4, and the last (5)
 
 
 def test_a_killed_replica_is_dropped_and_the_others_are_applied(tmp_path):
     loop, host, reps = make(tmp_path, replicas=3, faults=[{"kind": "kill", "replica": 1, "round": 0}])
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert host.members.removed == [(1, "failed")] and reps[1].stopped
     assert record["replica_ids"] == [0, 2] and record["dropped"] == [1]
     assert host.server.synced == [{0: 10.0, 2: 30.0}]
@@ -210,7 +210,7 @@ def test_a_killed_replica_is_dropped_and_the_others_are_applied(tmp_path):
 def test_too_few_reporting_runs_the_round_again_from_the_same_plan(tmp_path):
     loop, host, reps = make(tmp_path, faults=[{"kind": "kill", "replica": 1, "round": 0}], min_replicas=2)
     host.reconcile = lambda: host.members.active.append(reps[1])  # a replacement joins at the boundary
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert host.members.removed == [(1, "failed")]
     assert len(host.server.synced) == 1 and record["replicas"] == 2 and loop.round_index == 1
     first, again = reps[0].jobs
@@ -226,12 +226,12 @@ def test_a_round_never_applied_is_fatal_after_the_retries(tmp_path):
     with pytest.raises(RuntimeError, match=r"round 0: not applied in 4 attempts \(the last: no update applied"):
         loop.run_round(host)
     assert host.calls.count("on_round_begin") == 4 and host.calls.count("reconcile") == 3  # between the attempts
-    assert loop.handout.version == 0 and loop.handout.messages == []  # replicas keep what they hold
+    assert loop.jobs.handout.version == 0 and loop.jobs.handout.messages == []  # replicas keep what they hold
 
 
 def test_a_nan_replica_is_rejected_and_restarts_with_a_fresh_inner_state(tmp_path):
     loop, host, reps = make(tmp_path, faults=[{"kind": "nan", "replica": 0, "round": 0}])
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert record["replica_ids"] == [1] and "non-finite" in record["rejected"]["0"]
     assert loop.wasted_steps == 4  # its round's steps reached no update
     loop.run_round(host)
@@ -242,7 +242,7 @@ def test_a_nan_replica_is_rejected_and_restarts_with_a_fresh_inner_state(tmp_pat
 def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
     faults = [{"kind": "kill", "target": "server", "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults)
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
     assert record["round"] == 0 and loop.round_index == 1
     assert [j.restart for j in reps[0].jobs] == [False, True]  # the re-run starts from the global weights
@@ -254,14 +254,14 @@ def test_streaming_hands_each_period_the_next_version_before_its_commit(tmp_path
     loop.run_round(host)
     assert [j.version for j in reps[0].jobs] == [0, 1, 2, 3]
     assert [j.fragment for j in reps[0].jobs] == [0, 1, 0, 1]
-    assert loop.handout.version == host.server.version == 4  # one count, by one rule
+    assert loop.jobs.handout.version == host.server.version == 4  # one count, by one rule
 
 
 def test_a_frozen_replica_is_stopped_at_the_deadline_and_dropped(tmp_path):
     faults = [{"kind": "freeze", "replica": 1, "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=0.01, abort_grace_s=0.01)
-    record = loop.run_round(host)
-    assert reps[1].aborted == [loop.attempt]
+    record = loop.run_round(host).to_record()
+    assert reps[1].aborted == [loop.jobs.attempt]
     assert host.members.removed == [(1, "unresponsive")] and reps[1].stopped
     assert record["dropped"] == [1] and record["late"] == [] and record["replica_ids"] == [0]
 
@@ -269,10 +269,10 @@ def test_a_frozen_replica_is_stopped_at_the_deadline_and_dropped(tmp_path):
 def test_a_slow_replica_stops_when_told_and_stays(tmp_path):
     faults = [{"kind": "slow", "replica": 1, "round": 0, "seconds": 1.0}]
     loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=STEP_POLL_S / 100, abort_grace_s=0.01)
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert host.members.removed == [] and record["late"] == [1] and record["replica_ids"] == [0]
     assert loop.wasted_steps == 1  # the step it had run when it stopped
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert record["replica_ids"] == [0, 1]
 
 
@@ -295,7 +295,7 @@ class Beats:
 def test_a_frozen_replica_is_dropped_by_its_silence_without_a_deadline(tmp_path):
     loop, host, reps = make(tmp_path, faults=[{"kind": "freeze", "replica": 1, "round": 0}], stall_timeout_s=0.05)
     loop.steps = Beats(alive={0})  # replica 0 beats; replica 1 says nothing
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert host.members.removed == [(1, "unresponsive")] and record["replica_ids"] == [0]
     assert loop.steps.polls >= 1  # step events were passed on while waiting
 
@@ -304,6 +304,6 @@ def test_a_lost_board_judges_nobody(tmp_path):
     faults = [{"kind": "freeze", "replica": 1, "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults, stall_timeout_s=0.01, round_timeout_s=0.2, abort_grace_s=0.01)
     loop.steps = Beats(alive=set(), board_lost=True)
-    record = loop.run_round(host)
+    record = loop.run_round(host).to_record()
     assert record["dropped"] == [1]  # by the deadline, not by silence the lost board cannot vouch for
     assert reps[1].aborted == [1]

@@ -1,0 +1,111 @@
+"""What both loops launch a sync period from: the part they share, composed (not inherited).
+
+:class:`PeriodJobs` keeps what the next period a replica runs starts from -- the weights
+message it loads (:class:`Handout`), the launch counter, the replicas whose inner state must
+start fresh -- and builds the :class:`~diloco_ray.runtime.messages.SyncPeriod` job every
+rank of the replica gets. :class:`~diloco_ray.driver.sync_loop.SyncLoop` launches every
+replica's period of a round together; :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`
+launches each replica on its own clock. Neither knows the other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from diloco_ray.algo import links
+from diloco_ray.algo.outer import Rejection
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.driver.host import Host
+from diloco_ray.runtime.messages import AppliedRound, SnapshotPlan, SyncPeriod
+
+
+@dataclass
+class Handout:
+    """What replicas load at the start of their next sync period.
+
+    Args:
+        messages: one packed weights message (or its ref) per server.
+        full: whether they hold every parameter (a full load) or one fragment.
+        version: the sync they bring a replica to. It follows the servers' count by the
+            one rule both use (:func:`~diloco_ray.algo.outer.sync_advances`): the driver
+            numbers a streaming period's messages before that sync's commit returns.
+    """
+
+    messages: list = field(default_factory=list)
+    full: bool = True
+    version: int = 0
+
+
+class PeriodJobs:
+    """The state a loop launches periods from, and the jobs it launches.
+
+    Args:
+        config: the job (its simulated links).
+    """
+
+    def __init__(self, config: TrainerConfig):
+        self.config = config
+        self.handout = Handout()
+        self.attempt = 0  # launches so far: keys aborts, so a re-run is not stopped by an old abort
+        self.reset_inner: set[int] = set()  # replica ids whose inner state is poisoned (NaN/Inf rejected)
+
+    def restore(self, server) -> int:
+        """Point replicas at the servers' state: the latest sync's message (a resumed
+        replica merges it; one without the weights loads everything first). Returns the
+        servers' round index (the next update's)."""
+        version = server.version()
+        messages = server.last_weights() if version else server.full_weights()
+        self.handout = Handout(messages, full=version == 0, version=version)
+        return server.round_index()
+
+    def next_attempt(self) -> int:
+        """Count a launch (one sync period of every replica launched together, or one replica's)."""
+        self.attempt += 1
+        return self.attempt
+
+    def job(
+        self,
+        host: Host,
+        rep,
+        slot: int,
+        *,
+        index: int,
+        fragment: int,
+        plan: list,
+        board,
+        reset: bool,
+        restart: bool = False,
+        snapshots: Optional[SnapshotPlan] = None,
+        schedule_step: Optional[int] = None,
+        time_budget_s: Optional[float] = None,
+    ) -> SyncPeriod:
+        """What every rank of ``rep`` (in ``slot``) gets for one sync period of the round
+        (decoupled: the merge) ``index`` (see RankWorker.run_period)."""
+        cfg = self.config
+        return SyncPeriod(
+            round=index,
+            fragment=fragment,
+            plan=plan,
+            attempt=self.attempt,
+            messages=self.handout.messages,
+            full=self.handout.full,
+            version=self.handout.version,
+            servers=host.server.actors,
+            reset=reset,
+            restart=restart,
+            reset_inner=rep.id in self.reset_inner,
+            board=board,
+            link=links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
+            snapshots=snapshots,
+            schedule_step=schedule_step,
+            time_budget_s=time_budget_s,
+        )
+
+    def launched(self, replica_ids) -> None:
+        """Those replicas' periods have started: a fresh inner state applied to them once."""
+        self.reset_inner -= set(replica_ids)
+
+    def note_rejections(self, applied: AppliedRound) -> None:
+        """A replica rejected for NaN/Inf starts its next period with a fresh inner state."""
+        self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.reason is Rejection.NON_FINITE}

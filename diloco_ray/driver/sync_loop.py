@@ -1,0 +1,269 @@
+"""One synchronous outer round, as the driver runs it: launch, collect, sync, commit, record.
+
+:class:`SyncLoop` owns the round's state on the driver: the round index, the launch state
+it shares in kind with the decoupled loop (:class:`~diloco_ray.driver.period_jobs.PeriodJobs`:
+what replicas load next, the launch counter), and the work lost to faults. It asks the
+trainer for things only through the :class:`~diloco_ray.driver.host.Host` protocol, and
+waits on refs only through ``calls`` (:class:`~diloco_ray.driver.calls.RayCalls`). So its
+decisions -- who reported, whether the round proceeds, runs again, recovers the servers or
+stops (:mod:`~diloco_ray.driver.policies`), which version replicas are handed -- are
+unit-tested with fakes and no Ray (``tests/unit/driver/test_sync_loop.py``).
+
+A round is ``sync_fragments`` sync periods, each ending with one fragment's sync (one for
+plain DiLoCo). Every period: launch the active replicas, collect what they report by the
+deadline, hand the reports to the servers, and move the handout on. Then the commits are
+read once, and the round proceeds with its record or says why it must run again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from ray.exceptions import RayActorError
+
+from diloco_ray.algo.outer import sync_advances
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.driver.calls import RayCalls
+from diloco_ray.driver.host import Host
+from diloco_ray.driver.period_jobs import Handout, PeriodJobs
+from diloco_ray.driver.policies import (
+    Action,
+    RoundOutcome,
+    attempt_verdict,
+    eval_due,
+    give_up_after,
+    too_few_reported,
+)
+from diloco_ray.driver.poll import PeriodPoll
+from diloco_ray.observe.records import RoundRecord, Syncs, Timing
+from diloco_ray.persist import snapshot
+from diloco_ray.runtime.messages import Contribution, Launch, RoundPoll, SnapshotPlan
+
+
+@dataclass
+class Period:
+    """One sync period's results: what the replicas reported, and the servers' refs."""
+
+    reported: dict
+    refs: object
+
+
+class SyncLoop:
+    """Runs synchronous outer rounds for a host.
+
+    Args:
+        config: the job.
+        inflight_root: the run's in-flight snapshot folder (for snapshot plans).
+        calls: how refs are waited on (Ray's by default).
+        steps: the step feed (``poll``, ``beats``, ``last_beats``), or None.
+    """
+
+    def __init__(self, config: TrainerConfig, inflight_root: str = "", calls=None, steps=None):
+        self.config = config
+        self.inflight_root = inflight_root
+        self.calls = calls or RayCalls()
+        self.steps = steps
+        self.round_index = 0  # the next round (the servers' round index between rounds)
+        self.jobs = PeriodJobs(config)
+        self.reset = False  # replicas must reload everything (the servers were restored)
+        self.restart = False  # the next launch re-runs a round: replicas restart from the global weights
+        self.resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
+        self.wasted_steps = 0  # replica inner steps this round whose work reached no applied update
+        self.in_round = False  # a round has started and not yet been applied (see unmerged)
+
+    # ---- what the trainer asks of its loop (driver.loop.OuterLoop) ----------------------
+    @property
+    def update_index(self) -> int:
+        """The next outer update's index: the round's."""
+        return self.round_index
+
+    @property
+    def progress(self) -> float:
+        """Rounds applied so far: what checkpoints fall due by (``checkpoint_steps``)."""
+        return float(self.round_index)
+
+    def finished(self) -> bool:
+        """Whether the run has trained what it was asked to (``diloco_loops`` rounds)."""
+        return self.round_index >= self.config.diloco_loops
+
+    def restore(self, server, reset: bool) -> None:
+        """Take up the servers' state: their round, and their latest message (``reset``:
+        every replica reloads everything first)."""
+        self.round_index = self.jobs.restore(server)
+        self.reset = reset
+
+    def resume_in_flight(self, replicas: list) -> None:
+        """Replicas resumed from a checkpoint continue the round from its in-flight
+        snapshots, where every rank of theirs has one."""
+        folder = snapshot.round_dir(self.inflight_root, self.round_index)
+        for slot, rep in enumerate(replicas):
+            step = snapshot.common_step(folder, slot, self.config.ranks_of(rep.id))
+            if step is not None:
+                self.resume_steps[slot] = step
+
+    def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
+        """Replica id -> (launch attempt, round) of its period whose work is not in the
+        weights yet: between rounds none; inside a round (told to stop in it) every
+        replica's, which a stop rewinds to the round's start."""
+        return {rep.id: (self.jobs.attempt, self.round_index) for rep in replicas} if self.in_round else {}
+
+    @property
+    def streaming(self) -> bool:
+        return self.config.sync_fragments > 1
+
+    # ---- the round, retried ------------------------------------------------------------
+    def run_round(self, host: Host) -> RoundRecord:
+        """Run and apply one outer round, running it again while an attempt says so.
+
+        A re-run starts every replica again from the global weights of the round (and,
+        with ``restore_on_retry``, from its inner state at the round's start), on the
+        same data plan: the cursor only moves when a round is applied.
+        """
+        self.wasted_steps = 0
+        self.in_round = True
+        attempts = 0
+        while True:
+            attempts += 1
+            outcome = give_up_after(self.attempt_round(host), attempts, self.round_index)
+            if outcome.action is Action.PROCEED:
+                self.in_round = False
+                return outcome.record
+            if outcome.action is Action.STOP:
+                raise RuntimeError(outcome.why)
+            if outcome.action is Action.RECOVER_SERVER:
+                host.recover_server()
+            self.restart = True
+            host.reconcile()
+
+    def attempt_round(self, host: Host) -> RoundOutcome:
+        """One attempt: the sync periods, the commit, the record."""
+        t_start = time.perf_counter()
+        members = list(host.members.active)
+        host.notify("on_round_begin", self.round_index, len(members))
+        try:
+            plans = dict(zip([rep.id for rep in members], host.server.data_plan([rep.id for rep in members])))
+        except RayActorError:
+            return RoundOutcome(Action.RECOVER_SERVER, why="a server died before the round")
+        held = self.jobs.handout
+        periods = self._run_periods(host, members, plans)
+        if isinstance(periods, RoundOutcome):
+            return periods
+        periods, late, failed = periods
+        try:
+            applied = [self.calls.get(p.refs.commits)[0] for p in periods]
+        except RayActorError:
+            return RoundOutcome(Action.RECOVER_SERVER, why="a server died during the sync")
+        self._count_rejected(applied, periods)
+        if not self.streaming:
+            verdict = attempt_verdict(applied[0].applied, streaming=False)
+            if verdict is not None:
+                self.jobs.handout = held  # no new version: replicas keep what they hold
+                return verdict
+            self.jobs.handout.version += sync_advances(applied=True, streaming=False)
+        t_applied = time.perf_counter()
+        self.round_index = applied[-1].round + 1
+        syncs = Syncs(applied, [p.reported for p in periods], late, failed)
+        return RoundOutcome(Action.PROCEED, record=self._record(host, syncs, t_start, t_applied))
+
+    # ---- the steps of an attempt -------------------------------------------------------
+    def _run_periods(self, host: Host, members: list, plans: dict) -> Union[RoundOutcome, tuple[list, set, set]]:
+        """Every sync period of the round: (the periods, who was late, who failed), or
+        the outcome that ends the attempt when too few reported."""
+        slots = {rep.id: slot for slot, rep in enumerate(members)}
+        periods, late, failed, active = [], set(), set(), members
+        for fragment in range(self.config.sync_fragments):
+            launched = self._launch(host, active, slots, plans, fragment)
+            poll = self._collect(launched)
+            for rep, why in poll.failed:
+                host.members.remove(rep, why)
+            late |= set(poll.late)
+            failed |= {rep.id for rep, _ in poll.failed}
+            verdict = too_few_reported(len(poll.reported), self.config.min_replicas, self.streaming)
+            if verdict is not None:
+                self.wasted_steps += sum(s.inner_steps for stats in poll.reported.values() for s in stats[:1])
+                return verdict
+            periods.append(self._sync(host.server, fragment, launched, poll.reported, plans))
+            active = [rep for rep in active if rep.id in poll.reported]  # one that missed a sync sits out the round
+        return periods, late, failed
+
+    def _launch(self, host: Host, active: list, slots: dict, plans: dict, fragment: int) -> dict[int, Launch]:
+        """Start one sync period on every active replica."""
+        self.jobs.next_attempt()
+        launched = {
+            rep.id: Launch(rep, *rep.run_period(self._job(host, rep, slots[rep.id], fragment, plans[rep.id])))
+            for rep in active
+        }
+        # Resume steps, a reload, a re-run's restart and a reset apply to the first period only.
+        self.resume_steps, self.reset, self.restart = {}, False, False
+        self.jobs.launched(launched)
+        if fragment == 0:
+            host.inject_faults()  # after the replicas have started, so faults hit a round in flight
+        return launched
+
+    def _job(self, host: Host, rep, slot: int, fragment: int, plan: list):
+        return self.jobs.job(
+            host,
+            rep,
+            slot,
+            index=self.round_index,
+            fragment=fragment,
+            plan=plan,
+            board=self.steps.board if self.steps is not None else None,
+            reset=self.reset,
+            restart=self.restart,
+            snapshots=self._snapshot_plan(slot) if fragment == 0 else None,
+        )
+
+    def _collect(self, launched: dict[int, Launch]) -> RoundPoll:
+        cfg = self.config
+        timeout = None if cfg.round_timeout_s is None else cfg.round_timeout_s / cfg.sync_fragments
+        poll = PeriodPoll(launched, self.jobs.attempt, self.calls, self.steps, cfg.stall_timeout_s, cfg.abort_grace_s)
+        result = poll.collect(timeout)
+        self.wasted_steps += poll.wasted_steps
+        return result
+
+    def _sync(self, server, fragment: int, launched: dict, reported: dict, plans: dict) -> Period:
+        """Hand the reports to the servers; the handout moves on to the sync's message."""
+        # Each replica counts by the tokens that carried loss (see diloco_ray.algo.loss).
+        weight = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
+        contributions = [
+            [Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported] for s in range(len(server))
+        ]
+        # With inner_time_s, what each replica had no time for goes back to the cursor.
+        unused = {rid: stats[0].unused for rid, stats in reported.items() if stats[0].unused}
+        refs = server.sync(fragment, contributions, plans, unused)
+        # A streaming sync's message is a new version whatever its commit says; a plain
+        # sync's becomes one only once its commit says it applied (attempt_round).
+        advanced = sync_advances(applied=False, streaming=self.streaming)
+        self.jobs.handout = Handout(refs.weights, full=False, version=self.jobs.handout.version + advanced)
+        return Period(reported, refs)
+
+    def _count_rejected(self, applied: list, periods: list[Period]) -> None:
+        for info, period in zip(applied, periods):
+            self.jobs.note_rejections(info)
+            self.wasted_steps += sum(
+                stats[0].inner_steps for rid, stats in period.reported.items() if rid not in info.accepted
+            )
+
+    def _record(self, host: Host, syncs: Syncs, t_start: float, t_applied: float) -> RoundRecord:
+        """After the round just applied (``round_index`` is the next one): evaluate when
+        ``eval_every`` says so, and write the record."""
+        due = eval_due(self.round_index - 1, self.round_index, self.config.eval_every, self.finished())
+        evaluation = host.evaluate(due=due)
+        timing = Timing(round_seconds=time.perf_counter() - t_start, until_applied=t_applied - t_start)
+        return RoundRecord.build(self.config, syncs, self.wasted_steps, evaluation, timing)
+
+    def _snapshot_plan(self, slot: int) -> Optional[SnapshotPlan]:
+        """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
+        because round checkpoints already come at least as often)."""
+        every = self.config.checkpoint_steps
+        if every is None or every >= self.config.max_steps:
+            return None
+        return SnapshotPlan(
+            folder=snapshot.round_dir(self.inflight_root, self.round_index),
+            slot=slot,
+            every=every,
+            resume_step=self.resume_steps.get(slot),
+        )
