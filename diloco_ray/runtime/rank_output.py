@@ -17,7 +17,7 @@ from diloco_ray.algo import compression, loss, partition
 from diloco_ray.data import plan as data
 from diloco_ray.data.samples import TokenData
 from diloco_ray.model import loading as modeling
-from diloco_ray.runtime.rank_state import local_rows_of
+from diloco_ray.runtime.rank_state import local_rows
 from diloco_ray.runtime.transport import resolve
 
 
@@ -56,9 +56,6 @@ class RankOutput:
         self.tokens, self.tokenizer, self.autocast = tokens, tokenizer, autocast
         self.rank, self.world_size, self.device, self.streamed = rank, world_size, device, streamed
 
-    def _local_rows(self) -> dict[str, torch.Tensor]:
-        return {n: local_rows_of(p) for n, p in self.params}
-
     @torch.no_grad()
     def evaluate(self, weights: list) -> tuple[float, int, int]:
         """Summed token loss, loss-token count over this rank's share of the eval batches, and
@@ -68,20 +65,22 @@ class RankOutput:
         Every rank runs the same number of forwards (FSDP's collectives need it); a rank
         with no batch left scores a repeat with weight 0.
         """
-        kept = {n: t.detach().to("cpu", copy=True) for n, t in self._local_rows().items()} if self.streamed else None
+        kept = (
+            {n: t.detach().to("cpu", copy=True) for n, t in local_rows(self.params).items()} if self.streamed else None
+        )
         buffers = resolve(weights)
         self._copy_in(buffers)
         try:
             return (*self._evaluate(), sum(b.nbytes for b in buffers))
         finally:
             if kept is not None:
-                for n, t in self._local_rows().items():
+                for n, t in local_rows(self.params).items():
                     t.copy_(kept[n])
 
     @torch.no_grad()
     def _copy_in(self, buffers: list) -> None:
         """Overwrite this rank's rows with the weights in ``buffers`` (anchor untouched)."""
-        local = self._local_rows()
+        local = local_rows(self.params)
         for buf in buffers:
             pieces, _ = compression.unpack_pieces(buf, self.sync.names)
             for name, (start, piece) in pieces.items():

@@ -58,8 +58,7 @@ class RankState:
         self.round_start = RoundStart()
 
     def local_rows(self) -> dict[str, torch.Tensor]:
-        """name -> the rows of each trained parameter this rank holds."""
-        return {n: local_rows_of(p) for n, p in self.params}
+        return local_rows(self.params)
 
     # ---- one inner step -----------------------------------------------------------------
     @property
@@ -202,6 +201,11 @@ class RankState:
         torch.set_rng_state(state["rng_cpu"])
         if state["rng_cuda"] is not None and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+def local_rows(params: list) -> dict[str, torch.Tensor]:
+    """name -> the rows this process holds of each of ``params`` (``(name, parameter)``)."""
+    return {n: local_rows_of(p) for n, p in params}
 
 
 def local_rows_of(p: torch.Tensor) -> torch.Tensor:

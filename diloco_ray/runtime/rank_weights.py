@@ -16,7 +16,7 @@ import torch
 from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.runtime import transport
 from diloco_ray.runtime.messages import SyncPeriod
-from diloco_ray.runtime.rank_state import local_rows_of
+from diloco_ray.runtime.rank_state import local_rows
 
 
 class RankWeights:
@@ -32,7 +32,7 @@ class RankWeights:
 
     def local_rows(self) -> dict[str, torch.Tensor]:
         """name -> the rows of each trained parameter this rank holds."""
-        return {n: local_rows_of(p) for n, p in self.params}
+        return local_rows(self.params)
 
     def seed(self) -> list[np.ndarray]:
         """This rank's rows of its freshly built weights, one fp32 buffer per server."""
