@@ -122,7 +122,7 @@ class DecoupledLoop:
     def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
         """Replica id -> (launch attempt, merge index) of each period not merged yet (in
         flight, or arrived and waiting for the merge)."""
-        return {rid: (f.attempt, f.round) for rid, f in {**self.flights, **self.arrived}.items()}
+        return {rid: (f.attempt, f.merge_index) for rid, f in {**self.flights, **self.arrived}.items()}
 
     # ---- one merge, recovered as a unit ------------------------------------------------
     def run_round(self, host: Host) -> RoundRecord:
@@ -231,12 +231,12 @@ class DecoupledLoop:
         self.flights[rep.id] = Flight(
             launch,
             plan,
-            self.jobs.handout.version,
-            self.merge_index,
-            self._mark(),
-            now,
-            self.jobs.attempt,
-            due,
+            version=self.jobs.handout.version,
+            merge_index=self.merge_index,
+            mark=self._mark(),
+            launched_at=now,
+            attempt=self.jobs.attempt,
+            due=due,
             pending=set(launch.stats),
         )
         self.jobs.launched([rep.id])

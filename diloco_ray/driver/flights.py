@@ -30,7 +30,7 @@ class Flight:
         launch: its :class:`Launch` (buffer and stats refs).
         plan: the stream ranges reserved for it.
         version: the global version it started from.
-        round: the merge index it was launched in (its ranks key their period-start state by it).
+        merge_index: the merge it was launched in (its ranks key their period-start state by it).
         mark: the outer momentum steps taken when it started (its staleness is counted
             from it, see :func:`~diloco_ray.algo.decoupled.momentum_steps`).
         launched_at: wall-clock launch time.
@@ -44,7 +44,7 @@ class Flight:
     launch: Launch
     plan: list
     version: int
-    round: int
+    merge_index: int
     mark: int
     launched_at: float
     attempt: int
