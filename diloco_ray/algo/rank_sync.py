@@ -28,6 +28,7 @@ import torch
 
 from diloco_ray.algo import codecs, compression, links, partition
 from diloco_ray.algo.sharding import shard_rows
+from diloco_ray.config.sections import SyncCodecSection
 
 
 class NeedsFullLoad(Exception):
@@ -49,6 +50,11 @@ class RankSync:
         block: ``compression_block``.
         fraction: ``topk_fraction``.
         anchor_on_host: keep the anchor in (pinned, when a GPU is there) host memory.
+        overlap: ``overlap_communication``.
+        decay: ``error_feedback_decay``.
+
+    A rank builds it from its :class:`~diloco_ray.config.sections.SyncCodecSection` with
+    :meth:`of`; the plain arguments are for tests and benchmarks.
     """
 
     def __init__(
@@ -90,6 +96,24 @@ class RankSync:
         self.fragment_rows = partition.fragments(self.shapes, fragments)
         self.keeps_sent = overlap and self.error_feedback
         self.sent_local: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
+
+    @classmethod
+    def of(
+        cls, sync_codec: SyncCodecSection, shapes: Mapping[str, Sequence[int]], world_size: int, rank: int, servers: int
+    ) -> RankSync:
+        """A rank's sync as the job's ``sync_codec`` section sets it up, for ``servers``
+        (``num_param_servers``) servers."""
+        return cls(
+            *(shapes, world_size, rank, servers, sync_codec.sync_fragments),
+            codec=sync_codec.pseudo_grad_compression,
+            error_feedback=sync_codec.error_feedback,
+            alpha=sync_codec.fragment_alpha,
+            block=sync_codec.compression_block,
+            anchor_on_host=sync_codec.anchor_on_host,
+            fraction=sync_codec.topk_fraction,
+            overlap=sync_codec.overlap_communication,
+            decay=sync_codec.error_feedback_decay,
+        )
 
     # ---- what comes down ---------------------------------------------------------------
     def decide_load(self, version: int, fragment_message: bool) -> str:

@@ -129,18 +129,17 @@ class RankWorker:
         self.model = model
         # Named as in the model itself: a compiled wrapper would prefix every name.
         self.params = modeling.trained_parameters(getattr(model, "_orig_mod", model))
-        self.sync = RankSync(
-            *(self.shapes, self.world_size, self.rank, cfg.num_param_servers, cfg.sync_fragments),
-            *(cfg.pseudo_grad_compression, cfg.error_feedback, cfg.fragment_alpha, cfg.compression_block),
-            *(cfg.anchor_on_host, cfg.topk_fraction, cfg.overlap_communication, cfg.error_feedback_decay),
-        )
+        sections = cfg.sections()
+        self.sync = RankSync.of(sections.sync_codec, self.shapes, self.world_size, self.rank, cfg.num_param_servers)
         self.weights = RankWeights(self.sync, self.params)
         here = (self.rank, self.world_size, self.device)
-        self.state = RankState(self.params, self.sync, cfg, *here, self.streamed)
+        self.state = RankState(self.params, self.sync, sections.inner_optim, cfg.mixed_precision, *here, self.streamed)
         self.tokens = load_tokens(cfg, self.tokenizer, token_data)
         self.batches = RankBatches(cfg, self.tokens, *here)
+        fresh_model = functools.partial(modeling.build_model, cfg, self.tokenizer)
         self.output = RankOutput(
-            *(cfg, model, self.params, self.sync, self.tokens, self.tokenizer), *here, self.streamed, self._autocast
+            *(sections.evaluation, sections.data, model, self.params, self.sync, self.tokens, self.tokenizer),
+            *(fresh_model, *here, self.streamed, self._autocast),
         )
         return self.shapes
 

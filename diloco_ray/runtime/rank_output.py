@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import compression, loss, partition
+from diloco_ray.config.sections import DataSection, EvalSection
 from diloco_ray.data import plan as data
 from diloco_ray.data.samples import TokenData
 from diloco_ray.model import loading as modeling
@@ -25,12 +26,14 @@ class RankOutput:
     """What one rank does with the global weights: eval, the final save, a description.
 
     Args:
-        config: the job's TrainerConfig (eval batches, and the model to build for the save).
+        evaluation: how many eval batches (``eval_batches``).
+        batching: how a batch is cut (``batch_size`` rows, ``dynamic_batch`` padding).
         model: the rank's model (compiled or not), whose rows eval overwrites for a while.
         params: its trained parameters, ``(name, parameter)`` in model order.
         sync: the rank's :class:`~diloco_ray.algo.rank_sync.RankSync` (which rows it holds).
         tokens: the job's tokens (eval samples).
         tokenizer: the job's tokenizer (saved with the model).
+        fresh_model: builds an unsharded copy of the starting model, for the final save.
         rank: this rank's index inside the replica.
         world_size: ranks in the replica.
         device: where the model lives.
@@ -40,20 +43,23 @@ class RankOutput:
 
     def __init__(
         self,
-        config,
+        evaluation: EvalSection,
+        batching: DataSection,
         model: torch.nn.Module,
         params: list,
         sync,
         tokens: TokenData,
         tokenizer,
+        fresh_model: Callable[[], torch.nn.Module],
         rank: int,
         world_size: int,
         device: torch.device,
         streamed: bool,
         autocast: Callable[[], ContextManager],
     ):
-        self.config, self.model, self.params, self.sync = config, model, params, sync
-        self.tokens, self.tokenizer, self.autocast = tokens, tokenizer, autocast
+        self.evaluation, self.batching = evaluation, batching
+        self.model, self.params, self.sync = model, params, sync
+        self.tokens, self.tokenizer, self.fresh_model, self.autocast = tokens, tokenizer, fresh_model, autocast
         self.rank, self.world_size, self.device, self.streamed = rank, world_size, device, streamed
 
     @torch.no_grad()
@@ -93,18 +99,18 @@ class RankOutput:
     def _evaluate(self) -> tuple[float, int]:
         """(summed token loss, loss tokens) over this rank's eval batches: the driver
         divides the sums over all ranks, a per-token mean as in training."""
-        cfg = self.config
+        eval_batches, batch_size = self.evaluation.eval_batches, self.batching.batch_size
         self.model.eval()
         evals = self.tokens.eval
-        mine = data.eval_batches_for_rank(len(evals), cfg.eval_batches, cfg.batch_size, self.rank, self.world_size)
-        per_rank = -(-cfg.eval_batches // self.world_size)
+        mine = data.eval_batches_for_rank(len(evals), eval_batches, batch_size, self.rank, self.world_size)
+        per_rank = -(-eval_batches // self.world_size)
         total, count = 0.0, 0
         for i in range(per_rank):
             real = i < len(mine)
-            idx = mine[i] if real else np.arange(min(cfg.batch_size, max(1, len(evals))))
+            idx = mine[i] if real else np.arange(min(batch_size, max(1, len(evals))))
             if len(evals) == 0:
                 break
-            batch = {k: v.to(self.device) for k, v in evals.batch(idx, cfg.dynamic_batch).items()}
+            batch = {k: v.to(self.device) for k, v in evals.batch(idx, self.batching.dynamic_batch).items()}
             with self.autocast():
                 mean = self.model(**batch).loss
             if real:
@@ -125,7 +131,7 @@ class RankOutput:
             # (frozen weights, buffers); the global weights overwrite the rest.
             from diloco_ray.persist import staging
 
-            model = modeling.build_model(self.config, self.tokenizer)
+            model = self.fresh_model()
             modeling.save_hf(model, self.tokenizer, full, staging.scratch(path))
             staging.publish_tree(path)
             if merged_path is not None:

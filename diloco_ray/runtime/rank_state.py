@@ -17,6 +17,7 @@ import torch
 
 from diloco_ray.algo.optimizers import build_inner_optimizer
 from diloco_ray.algo.rank_sync import RankSync
+from diloco_ray.config.sections import InnerOptimSection
 from diloco_ray.persist import snapshot
 from diloco_ray.runtime.messages import SnapshotPlan
 from diloco_ray.runtime.round_start import RoundStart
@@ -30,8 +31,8 @@ class RankState:
             DTensors on a sharded rank).
         sync: the rank's :class:`~diloco_ray.algo.rank_sync.RankSync`, whose anchor and
             error-feedback residual are part of what a checkpoint and a round start keep.
-        config: the job's TrainerConfig (``inner_opt`` and its settings, ``max_grad_norm``,
-            ``mixed_precision``).
+        inner_optim: the inner optimizer, its schedule and ``max_grad_norm``.
+        mixed_precision: the config field of that name (``fp16`` steps through a gradient scaler).
         rank: this rank's index inside the replica.
         world_size: ranks in the replica.
         device: where the parameters live.
@@ -43,16 +44,17 @@ class RankState:
         self,
         params: list,
         sync: RankSync,
-        config,
+        inner_optim: InnerOptimSection,
+        mixed_precision: str,
         rank: int,
         world_size: int,
         device: torch.device,
         streamed: bool,
     ):
-        self.params, self.sync, self.config = params, sync, config
+        self.params, self.sync, self.inner_optim = params, sync, inner_optim
         self.rank, self.world_size, self.device, self.streamed = rank, world_size, device, streamed
-        self.optimizer = build_inner_optimizer([p for _, p in params], config.sections().inner_optim)
-        self.scaler = torch.amp.GradScaler(device.type) if config.mixed_precision == "fp16" else None
+        self.optimizer = build_inner_optimizer([p for _, p in params], inner_optim)
+        self.scaler = torch.amp.GradScaler(device.type) if mixed_precision == "fp16" else None
         # The optimizer, RNG and residual at the start of the current round (on local
         # disk), so a re-run of the round starts exactly where the first attempt did.
         self.round_start = RoundStart()
@@ -77,8 +79,8 @@ class RankState:
         """One inner optimizer step (gradients unscaled and clipped first), then no gradients."""
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
-        if self.config.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], self.config.max_grad_norm)
+        if self.inner_optim.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for _, p in self.params], self.inner_optim.max_grad_norm)
         if self.scaler:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -90,7 +92,7 @@ class RankState:
         """A fresh inner optimizer (and scaler) and no residual: what a replica whose
         pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in
         AdamW's moments) does not make it diverge again next round."""
-        self.optimizer = build_inner_optimizer([p for _, p in self.params], self.config.sections().inner_optim)
+        self.optimizer = build_inner_optimizer([p for _, p in self.params], self.inner_optim)
         if self.scaler is not None:
             self.scaler = torch.amp.GradScaler(self.device.type)
         self.sync.residual = {}

@@ -39,6 +39,7 @@ from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import OuterOptimSection
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist.server_state import ServerCheckpoint
@@ -53,13 +54,13 @@ from diloco_ray.runtime.transport import resolve
 __all__ = ["ParameterServer", "resolve"]
 
 
-def warm_optimizer_imports(config) -> None:
+def warm_optimizer_imports(outer_optim: OuterOptimSection) -> None:
     """torch imports its optimizer machinery (``torch._dynamo``, ~1 s) when the first
     optimizer is built: pay that while the replicas set up, rather than once they are done.
     A bad ``outer_opt`` is the preflight's to report (and :meth:`ParameterServer.initialize`'s,
     which builds the real one): an actor that fails in ``__init__`` would only say that it died."""
     try:
-        build_outer_optimizer([torch.zeros(1, requires_grad=True)], config.sections().outer_optim)
+        build_outer_optimizer([torch.zeros(1, requires_grad=True)], outer_optim)
     except ConfigError:
         pass
 
@@ -88,7 +89,7 @@ class ParameterServer:
         self.aggregator: Optional[Aggregator] = None
         self.store: Optional[SliceStore] = None
         self.outbox: Optional[WeightsOutbox] = None
-        warm_optimizer_imports(self.config)
+        warm_optimizer_imports(self.config.sections().outer_optim)
 
     # ---- the parts ---------------------------------------------------------------------
     def _lay_out(self, shapes: dict) -> None:
