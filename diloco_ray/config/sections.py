@@ -219,6 +219,12 @@ class MembershipSection:
     shutdown_grace_s: float
     restore_on_retry: bool
 
+    @property
+    def replica_bounds(self) -> tuple[int, int]:
+        """(least, most) replicas that may run: ``min_replicas`` and ``max_replicas``
+        (default: ``num_replicas``), as ``TrainerConfig.replica_bounds``."""
+        return self.min_replicas, self.max_replicas or max(self.num_replicas, self.min_replicas)
+
 
 @dataclass(frozen=True)
 class PlacementSection:
@@ -236,6 +242,17 @@ class PlacementSection:
     server_resources: Union[dict, list]
     replica_resources: Union[dict, list]
     num_param_servers: int
+
+    def ranks_of(self, replica_id: int) -> int:
+        """The ranks of replica ``replica_id``: ``ranks_per_replica``, or its entry of a list."""
+        ranks = self.ranks_per_replica
+        return int(ranks[replica_id % len(ranks)]) if isinstance(ranks, list) else int(ranks)
+
+    @property
+    def max_ranks(self) -> int:
+        """The most ranks any replica has."""
+        ranks = self.ranks_per_replica
+        return max(ranks) if isinstance(ranks, list) else int(ranks)
 
 
 @dataclass(frozen=True)
@@ -282,6 +299,10 @@ class CheckpointSection:
     Args:
         output_dir, overwrite_output_dir, checkpoint_steps, save_total_limit, resume_from,
         final_shard_mb, merge_adapter: the config fields of those names.
+        max_steps: the inner steps of a round, the unit ``checkpoint_steps`` counts in.
+        ranks_per_replica, seed: what wrote a checkpoint, recorded in its manifest.
+        overlap_communication: with ``sync_fragments``, whether a rank's weights stay apart
+            from the global ones between syncs (then a stop writes no checkpoint).
     """
 
     output_dir: str
@@ -291,6 +312,10 @@ class CheckpointSection:
     resume_from: Optional[str]
     final_shard_mb: float
     merge_adapter: bool
+    max_steps: int
+    ranks_per_replica: Union[int, list]
+    seed: int
+    overlap_communication: bool
 
 
 @dataclass(frozen=True)

@@ -45,9 +45,11 @@ def test_a_field_is_shared_only_where_two_parts_read_it():
     shared = {name: sorted(where) for name, where in owners.items() if len(where) > 1}
     assert shared == {
         "diloco_loops": ["inner_optim", "outer_optim", "run"],
-        "max_steps": ["inner_optim", "run"],
+        "max_steps": ["checkpointing", "inner_optim", "run"],
         "output_dir": ["checkpointing", "observability"],
-        "seed": ["data", "model"],
+        "overlap_communication": ["checkpointing", "sync_codec"],
+        "ranks_per_replica": ["checkpointing", "placement"],
+        "seed": ["checkpointing", "data", "model"],
     }
 
 
