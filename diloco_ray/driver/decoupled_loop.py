@@ -42,9 +42,15 @@ from typing import Optional
 
 from ray.exceptions import RayActorError
 
-from diloco_ray.algo import decoupled
+from diloco_ray.algo import decoupled as decoupled_math
 from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import (
+    DecoupledSection,
+    EvalSection,
+    MembershipSection,
+    RunShapeSection,
+    SyncCodecSection,
+)
 from diloco_ray.driver.calls import RayCalls
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.host import Host
@@ -65,23 +71,40 @@ class DecoupledLoop:
     """Runs decoupled outer steps (merges) for a host.
 
     Args:
-        config: the job (``sync_mode: decoupled``).
+        run: the run's shape (``diloco_loops`` rounds' worth of ``max_steps`` inner steps).
+        decoupled: how merges are made (quorum, grace window, staleness, momentum).
+        sync_codec: the syncs (the links the jobs carry; ``sync_fragments`` for the record).
+        membership: when a silent replica is stopped (``stall_timeout_s``, ``abort_grace_s``).
+        evaluation: when to evaluate (``eval_every``).
         calls: how refs are waited on and the time read (Ray's and the wall clock by default).
         steps: the step feed, or None.
     """
 
-    def __init__(self, config: TrainerConfig, calls=None, steps=None):
-        self.config = config
+    def __init__(
+        self,
+        *,
+        run: RunShapeSection,
+        decoupled: DecoupledSection,
+        sync_codec: SyncCodecSection,
+        membership: MembershipSection,
+        evaluation: EvalSection,
+        calls=None,
+        steps=None,
+    ):
+        self.run, self.decoupled, self.sync_codec = run, decoupled, sync_codec
+        self.membership, self.evaluation = membership, evaluation
         self.calls = calls or RayCalls()
         self.steps = steps
         self.merge_index = 0  # the next merge (the servers' round index between merges)
-        self.jobs = PeriodJobs(config)
+        self.jobs = PeriodJobs(sync_codec)
         self.reset = False  # the servers were restored: every replica reloads (see reload)
         self.wasted_steps = 0  # replica inner steps this merge whose work reached no applied update
         self.flights: dict[int, Flight] = {}
         self.arrived: dict[int, Flight] = {}
-        self.pace = Pace(config.max_steps)
-        self.timing = MergeTiming(self.pace, config.grace_fraction, config.grace_window_s, config.align_periods)
+        self.pace = Pace(run.max_steps)
+        self.timing = MergeTiming(
+            self.pace, decoupled.grace_fraction, decoupled.grace_window_s, decoupled.align_periods
+        )
         # Tokens merged and the rank-periods they came from: their ratio stands in for a
         # rank not in a merge (the merge divisor's unit).
         self.rank_tokens, self.rank_periods = 0.0, 0
@@ -106,7 +129,7 @@ class DecoupledLoop:
 
     def finished(self) -> bool:
         """Whether ``diloco_loops`` rounds' worth of tokens has been merged."""
-        return self.work + decoupled.CYCLE_EPS >= self.config.diloco_loops
+        return self.work + decoupled_math.CYCLE_EPS >= self.run.diloco_loops
 
     def restore(self, server, reset: bool) -> None:
         """Take up the servers' state: their merge count, latest message and work
@@ -154,7 +177,7 @@ class DecoupledLoop:
     ) -> RoundRecord:
         """Evaluate when due (on a replica just merged: it is idle, while the others go on
         training), and write the merge's record."""
-        due = eval_due(self.work_before, self.work, self.config.eval_every, self.finished())
+        due = eval_due(self.work_before, self.work, self.evaluation.eval_every, self.finished())
         evaluation = host.evaluate(among=list(self.arrived), due=due)
         timing = Timing(round_seconds=time.perf_counter() - t_start, until_applied=t_applied - t_start)
         facts = MergeFacts(
@@ -165,8 +188,9 @@ class DecoupledLoop:
             merge_seconds=t_applied - t_merge,
         )
         syncs = Syncs([applied], [merged], late=set(), failed=self.failed)
+        shape = dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments)
         return RoundRecord.build(
-            self.config, syncs, self.wasted_steps, evaluation, timing, merge=facts, abandoned_steps=self._abandoned()
+            syncs, self.wasted_steps, evaluation, timing, **shape, merge=facts, abandoned_steps=self._abandoned()
         )
 
     def _abandoned(self) -> Optional[int]:
@@ -184,7 +208,7 @@ class DecoupledLoop:
         while True:
             wait = STEP_POLL_S if deadline is None else min(STEP_POLL_S, deadline - self.calls.now())
             self._poll(host, max(0.0, wait))
-            quorum = min(self.config.min_quorum, max(1, len(host.members.active)))
+            quorum = min(self.decoupled.min_quorum, max(1, len(host.members.active)))
             now = self.calls.now()
             training = self._training()
             deadline = self.timing.merge_deadline(now, len(self.arrived) >= quorum, training)
@@ -216,7 +240,7 @@ class DecoupledLoop:
         idle = [(slot, rep) for slot, rep in idle if rep.id not in self.arrived]
         now = self.calls.now()
         aims = dict.fromkeys((rep.id for _, rep in idle), None)
-        if self.config.min_quorum < len(host.members.active):  # (in lockstep every merge waits for all)
+        if self.decoupled.min_quorum < len(host.members.active):  # (in lockstep every merge waits for all)
             aims = self.timing.plan_launches(now, self._training(), list(aims))
         for slot, rep in idle:
             self._launch(host, rep, slot, now, aims[rep.id])
@@ -255,13 +279,13 @@ class DecoupledLoop:
             # The inner lr schedule runs over the tokens merged, not over merges: a run of 14
             # merges of 10 rounds' worth would otherwise reach the schedule's end (lr 0) at
             # merge 10 and train its last rounds' worth at no lr (measured: eval 0.93 vs 0.79).
-            schedule_step=round(self.work * self.config.max_steps),
+            schedule_step=round(self.work * self.run.max_steps),
             time_budget_s=self.timing.budget_s(rep.id, now, due) if due is not None else None,
         )
 
     def _mark(self) -> int:
         """The outer momentum steps taken so far (a period's staleness is counted from its mark)."""
-        return decoupled.momentum_steps(self.jobs.handout.version, self.work, self.config.decoupled_momentum)
+        return decoupled_math.momentum_steps(self.jobs.handout.version, self.work, self.decoupled.decoupled_momentum)
 
     def _training(self) -> dict[int, InFlight]:
         """The periods in flight that may still report, as merge timing sees them."""
@@ -291,8 +315,7 @@ class DecoupledLoop:
             self._launch_idle(host)
 
     def _flight_poll(self) -> FlightPoll:
-        cfg = self.config
-        return FlightPoll(self.calls, self.steps, cfg.stall_timeout_s, cfg.abort_grace_s)
+        return FlightPoll(self.calls, self.steps, self.membership.stall_timeout_s, self.membership.abort_grace_s)
 
     def _lose(self, host: Host, gone: Lost, server_alive: bool = True) -> None:
         """A replica's period will never report: its steps are wasted, its plan goes back,
@@ -344,18 +367,18 @@ class DecoupledLoop:
         self._applied_share = sum(weighting.weights[rid] for rid in applied.accepted) / weighting.divisor
         return applied, merged
 
-    def _weighting(self, host: Host, merged: dict) -> decoupled.Weighting:
+    def _weighting(self, host: Host, merged: dict) -> decoupled_math.Weighting:
         """Each contribution's weight (the tokens it trained on, discounted by its
-        staleness) and one round's worth of tokens to divide by."""
-        cfg = self.config
+        staleness) and one round's worth of tokens to divide by (a replica's ranks: its
+        ``world_size``)."""
         tokens = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in merged.items()}
-        self.rank_periods += sum(cfg.ranks_of(rid) for rid in merged)
+        self.rank_periods += sum(self.arrived[rid].launch.replica.world_size for rid in merged)
         self.rank_tokens += sum(tokens.values())
         now = self._mark()
         self._staleness = {rid: now - f.mark for rid, f in self.arrived.items()}
-        absent = sum(cfg.ranks_of(rep.id) for rep in host.members.active if rep.id not in merged)
+        absent = sum(rep.world_size for rep in host.members.active if rep.id not in merged)
         per_rank = self.rank_tokens / self.rank_periods
-        return decoupled.merge_weighting(tokens, self._staleness, absent, per_rank, cfg.staleness_power)
+        return decoupled_math.merge_weighting(tokens, self._staleness, absent, per_rank, self.decoupled.staleness_power)
 
     @staticmethod
     def _on_server(call):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Optional, Protocol
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import Sections
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.step_feed import StepFeed
@@ -59,9 +59,12 @@ class OuterLoop(Protocol):
         ...
 
 
-def loop_for(config: TrainerConfig, inflight_root: str) -> OuterLoop:
-    """The loop of ``config.sync_mode``; ``inflight_root``: the run's in-flight snapshot
-    folder (synchronous rounds only)."""
-    if config.sync_mode == "decoupled":
-        return DecoupledLoop(config)
-    return SyncLoop(config, inflight_root)
+def loop_for(sections: Sections, inflight_root: str, calls=None) -> OuterLoop:
+    """The loop of ``sync_mode``, handed the sections it reads (and no others);
+    ``inflight_root``: the run's in-flight snapshot folder (synchronous rounds only);
+    ``calls``: how refs are waited on (Ray's by default)."""
+    s = sections
+    shared = dict(run=s.run, sync_codec=s.sync_codec, membership=s.membership, evaluation=s.evaluation, calls=calls)
+    if s.run.sync_mode == "decoupled":
+        return DecoupledLoop(**shared, decoupled=s.decoupled)
+    return SyncLoop(**shared, checkpointing=s.checkpointing, inflight_root=inflight_root)

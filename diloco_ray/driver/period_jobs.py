@@ -15,7 +15,7 @@ from typing import Optional
 
 from diloco_ray.algo import links
 from diloco_ray.algo.outer import Rejection
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import SyncCodecSection
 from diloco_ray.driver.host import Host
 from diloco_ray.runtime.messages import AppliedRound, SnapshotPlan, SyncPeriod
 
@@ -41,11 +41,11 @@ class PeriodJobs:
     """The state a loop launches periods from, and the jobs it launches.
 
     Args:
-        config: the job (its simulated links).
+        sync_codec: the job's sync section (its simulated links, ``link_mbps`` and ``link_latency_ms``).
     """
 
-    def __init__(self, config: TrainerConfig):
-        self.config = config
+    def __init__(self, sync_codec: SyncCodecSection):
+        self.sync_codec = sync_codec
         self.handout = Handout()
         self.attempt = 0  # launches so far: keys aborts, so a re-run is not stopped by an old abort
         self.reset_inner: set[int] = set()  # replica ids whose inner state is poisoned (NaN/Inf rejected)
@@ -82,7 +82,7 @@ class PeriodJobs:
     ) -> SyncPeriod:
         """What every rank of ``rep`` (in ``slot``) gets for one sync period of the round
         (decoupled: the merge) ``index`` (see RankWorker.run_period)."""
-        cfg = self.config
+        codec = self.sync_codec
         return SyncPeriod(
             round=index,
             fragment=fragment,
@@ -96,7 +96,7 @@ class PeriodJobs:
             restart=restart,
             reset_inner=rep.id in self.reset_inner,
             board=board,
-            link=links.link_for_slot(cfg.link_mbps, cfg.link_latency_ms, slot),
+            link=links.link_for_slot(codec.link_mbps, codec.link_latency_ms, slot),
             snapshots=snapshots,
             schedule_step=schedule_step,
             time_budget_s=time_budget_s,

@@ -24,7 +24,13 @@ from typing import Optional, Union
 from ray.exceptions import RayActorError
 
 from diloco_ray.algo.outer import sync_advances
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import (
+    CheckpointSection,
+    EvalSection,
+    MembershipSection,
+    RunShapeSection,
+    SyncCodecSection,
+)
 from diloco_ray.driver.calls import RayCalls
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
@@ -54,19 +60,36 @@ class SyncLoop:
     """Runs synchronous outer rounds for a host.
 
     Args:
-        config: the job.
+        run: the run's shape (``diloco_loops`` rounds of ``max_steps`` inner steps).
+        sync_codec: the syncs (``sync_fragments`` per round; the links the jobs carry).
+        membership: who must report and by when (``min_replicas``, ``round_timeout_s``,
+            ``stall_timeout_s``, ``abort_grace_s``).
+        evaluation: when to evaluate (``eval_every``).
+        checkpointing: when ranks snapshot a round in flight (``checkpoint_steps``).
         inflight_root: the run's in-flight snapshot folder (for snapshot plans).
         calls: how refs are waited on (Ray's by default).
         steps: the step feed (``poll``, ``beats``, ``last_beats``), or None.
     """
 
-    def __init__(self, config: TrainerConfig, inflight_root: str = "", calls=None, steps=None):
-        self.config = config
+    def __init__(
+        self,
+        *,
+        run: RunShapeSection,
+        sync_codec: SyncCodecSection,
+        membership: MembershipSection,
+        evaluation: EvalSection,
+        checkpointing: CheckpointSection,
+        inflight_root: str = "",
+        calls=None,
+        steps=None,
+    ):
+        self.run, self.sync_codec, self.membership = run, sync_codec, membership
+        self.evaluation, self.checkpointing = evaluation, checkpointing
         self.inflight_root = inflight_root
         self.calls = calls or RayCalls()
         self.steps = steps
         self.round_index = 0  # the next round (the servers' round index between rounds)
-        self.jobs = PeriodJobs(config)
+        self.jobs = PeriodJobs(sync_codec)
         self.reset = False  # replicas must reload everything (the servers were restored)
         self.restart = False  # the next launch re-runs a round: replicas restart from the global weights
         self.resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
@@ -86,7 +109,7 @@ class SyncLoop:
 
     def finished(self) -> bool:
         """Whether the run has trained what it was asked to (``diloco_loops`` rounds)."""
-        return self.round_index >= self.config.diloco_loops
+        return self.round_index >= self.run.diloco_loops
 
     def restore(self, server, reset: bool) -> None:
         """Take up the servers' state: their round, and their latest message (``reset``:
@@ -96,10 +119,10 @@ class SyncLoop:
 
     def resume_in_flight(self, replicas: list) -> None:
         """Replicas resumed from a checkpoint continue the round from its in-flight
-        snapshots, where every rank of theirs has one."""
+        snapshots, where every rank of theirs has one (``world_size``: a replica's ranks)."""
         folder = snapshot.round_dir(self.inflight_root, self.round_index)
         for slot, rep in enumerate(replicas):
-            step = snapshot.common_step(folder, slot, self.config.ranks_of(rep.id))
+            step = snapshot.common_step(folder, slot, rep.world_size)
             if step is not None:
                 self.resume_steps[slot] = step
 
@@ -111,7 +134,7 @@ class SyncLoop:
 
     @property
     def streaming(self) -> bool:
-        return self.config.sync_fragments > 1
+        return self.sync_codec.sync_fragments > 1
 
     # ---- the round, retried ------------------------------------------------------------
     def run_round(self, host: Host) -> RoundRecord:
@@ -173,14 +196,14 @@ class SyncLoop:
         the outcome that ends the attempt when too few reported."""
         slots = {rep.id: slot for slot, rep in enumerate(members)}
         periods, late, failed, active = [], set(), set(), members
-        for fragment in range(self.config.sync_fragments):
+        for fragment in range(self.sync_codec.sync_fragments):
             launched = self._launch(host, active, slots, plans, fragment)
             poll = self._collect(launched)
             for rep, why in poll.failed:
                 host.members.remove(rep, why)
             late |= set(poll.late)
             failed |= {rep.id for rep, _ in poll.failed}
-            verdict = too_few_reported(len(poll.reported), self.config.min_replicas, self.streaming)
+            verdict = too_few_reported(len(poll.reported), self.membership.min_replicas, self.streaming)
             if verdict is not None:
                 self.wasted_steps += sum(s.inner_steps for stats in poll.reported.values() for s in stats[:1])
                 return verdict
@@ -217,9 +240,11 @@ class SyncLoop:
         )
 
     def _collect(self, launched: dict[int, Launch]) -> RoundPoll:
-        cfg = self.config
-        timeout = None if cfg.round_timeout_s is None else cfg.round_timeout_s / cfg.sync_fragments
-        poll = PeriodPoll(launched, self.jobs.attempt, self.calls, self.steps, cfg.stall_timeout_s, cfg.abort_grace_s)
+        deadlines, fragments = self.membership, self.sync_codec.sync_fragments
+        timeout = None if deadlines.round_timeout_s is None else deadlines.round_timeout_s / fragments
+        poll = PeriodPoll(
+            launched, self.jobs.attempt, self.calls, self.steps, deadlines.stall_timeout_s, deadlines.abort_grace_s
+        )
         result = poll.collect(timeout)
         self.wasted_steps += poll.wasted_steps
         return result
@@ -250,16 +275,17 @@ class SyncLoop:
     def _record(self, host: Host, syncs: Syncs, t_start: float, t_applied: float) -> RoundRecord:
         """After the round just applied (``round_index`` is the next one): evaluate when
         ``eval_every`` says so, and write the record."""
-        due = eval_due(self.round_index - 1, self.round_index, self.config.eval_every, self.finished())
+        due = eval_due(self.round_index - 1, self.round_index, self.evaluation.eval_every, self.finished())
         evaluation = host.evaluate(due=due)
         timing = Timing(round_seconds=time.perf_counter() - t_start, until_applied=t_applied - t_start)
-        return RoundRecord.build(self.config, syncs, self.wasted_steps, evaluation, timing)
+        shape = dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments)
+        return RoundRecord.build(syncs, self.wasted_steps, evaluation, timing, **shape)
 
     def _snapshot_plan(self, slot: int) -> Optional[SnapshotPlan]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,
         because round checkpoints already come at least as often)."""
-        every = self.config.checkpoint_steps
-        if every is None or every >= self.config.max_steps:
+        every = self.checkpointing.checkpoint_steps
+        if every is None or every >= self.run.max_steps:
             return None
         return SnapshotPlan(
             folder=snapshot.round_dir(self.inflight_root, self.round_index),

@@ -107,7 +107,7 @@ class DilocoFSDPTrainer:
         self.events = RunEvents(self, self.callbacks, lambda: self.round_index)
         self.checkpointer = Checkpointer(config, self.run_dir, self.events.log, self.events.warn)
         self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
-        self.loop = loop_for(config, self.inflight_root)  # the update index, what replicas load next
+        self.loop = loop_for(config.sections(), self.inflight_root)  # the update index, what replicas load next
         self.chaos = DriverFaults(config.fault_plan)  # the fault plan's server and driver faults
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from diloco_ray.algo.inner_schedule import sync_period
-from diloco_ray.config.schema import TrainerConfig
 
 
 @dataclass(frozen=True)
@@ -114,11 +113,12 @@ class FragmentRecord:
     seconds: float
 
     @classmethod
-    def of(cls, cfg: TrainerConfig, info, stats: dict) -> FragmentRecord:
-        """From a sync's ``AppliedRound`` and replica id -> its ranks' stats."""
+    def of(cls, info, stats: dict, max_steps: int, sync_fragments: int) -> FragmentRecord:
+        """From a sync's ``AppliedRound`` and replica id -> its ranks' stats, in a round of
+        ``max_steps`` inner steps cut into ``sync_fragments`` sync periods."""
         return cls(
             fragment=info.fragment,
-            step=sync_period(info.fragment, cfg.max_steps, cfg.sync_fragments)[1],
+            step=sync_period(info.fragment, max_steps, sync_fragments)[1],
             replicas=len(info.accepted),
             bytes_up=sum(s.bytes_up for ranks in stats.values() for s in ranks),
             bytes_down=sum(max(s.bytes_down for s in ranks) for ranks in stats.values()),
@@ -179,15 +179,18 @@ class RoundRecord:
     @classmethod
     def build(
         cls,
-        cfg: TrainerConfig,
         syncs: Syncs,
         wasted_steps: int,
         evaluation: Evaluation,
         timing: Timing,
+        *,
+        max_steps: int,
+        sync_fragments: int,
         merge: Optional[MergeFacts] = None,
         abandoned_steps: Optional[int] = None,
     ) -> RoundRecord:
-        """The record of a round whose syncs reported ``syncs``."""
+        """The record of a round whose syncs reported ``syncs``: a round of ``max_steps``
+        inner steps cut into ``sync_fragments`` sync periods (the config's values)."""
         last, first = syncs.applied[-1], syncs.reported[0]
         rejected = {str(k): str(v) for info in syncs.applied for k, v in info.rejected.items()}
         accepted = [rid for rid in last.accepted if rid in last.data_ranges]
@@ -200,7 +203,7 @@ class RoundRecord:
             dropped=sorted(syncs.late | syncs.failed | {int(k) for k in rejected}),
             late=sorted(syncs.late),
             rejected=rejected,
-            inner_steps=cfg.max_steps,
+            inner_steps=max_steps,
             # each applied replica's steps this round: max_steps, or fewer with inner_time_s
             replica_steps={str(rid): sum(ranks[0].inner_steps for ranks in per_replica[rid]) for rid in accepted},
             tokens=sum(s.tokens for s in ok),
@@ -211,7 +214,10 @@ class RoundRecord:
             resumed_steps={
                 str(rid): first[rid][0].resumed_step for rid in accepted if rid in first and first[rid][0].resumed_step
             },
-            fragments=tuple(FragmentRecord.of(cfg, info, stats) for info, stats in zip(syncs.applied, syncs.reported)),
+            fragments=tuple(
+                FragmentRecord.of(info, stats, max_steps, sync_fragments)
+                for info, stats in zip(syncs.applied, syncs.reported)
+            ),
             compute_seconds=_compute_seconds(per_replica, accepted),
             wasted_steps=wasted_steps,
             evaluation=evaluation,

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.config import fault_plan
 from diloco_ray.data import plan as data
-from diloco_ray.driver.decoupled_loop import DecoupledLoop
+from diloco_ray.driver.loop import loop_for
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.runtime.messages import RoundStats
 from diloco_ray.runtime.server import ParameterServer
@@ -130,6 +130,7 @@ class Replica:
 
     def __init__(self, rid: int, cfg, calls: Calls, delays=(), steps: Optional[int] = None, never=()):
         self.id, self.cfg, self.calls = rid, cfg, calls
+        self.world_size = cfg.ranks_of(rid)
         self.rank = Rank(cfg, SHAPES, 1, 0, initial_weights())
         self.delays, self.steps, self.never = list(delays), steps or cfg.max_steps, set(never)
         self.jobs, self.stats, self.aborted, self.stopped = [], [], [], False
@@ -223,7 +224,7 @@ def make(tmp_path, replicas=2, faults=None, delays=None, steps=None, **overrides
     tmp_path.mkdir(parents=True, exist_ok=True)
     reps = [Replica(i, cfg, calls, (delays or {}).get(i, ()), (steps or {}).get(i)) for i in range(replicas)]
     host = Host(Servers(cfg), Members(reps), folder=str(tmp_path), faults=fault_plan.parse(cfg.fault_plan))
-    host.loop = DecoupledLoop(cfg, calls=calls)
+    host.loop = loop_for(cfg.sections(), "", calls=calls)
     host.loop.restore(host.server, reset=False)
     return host, reps
 
@@ -254,7 +255,7 @@ def test_a_delayed_cycle_of_single_merges_is_the_synchronous_round_at_the_defaul
     assert (first["replica_ids"], second["replica_ids"]) == ([0], [1])
     assert second["staleness"] == {"1": 0} and second["work"] == pytest.approx(1.0)
     assert first["applied_weight"] + second["applied_weight"] == pytest.approx(1.0)
-    cfg = host.loop.config
+    cfg = host.server.cfg
     reference = synchronous_step(cfg, [(reps[0].jobs[0].plan, 40.0), (reps[1].jobs[0].plan, 40.0)])
     assert max_diff(host.server.weights(), reference) < 1e-6
 
@@ -289,7 +290,7 @@ def test_periods_cut_short_by_inner_time_s_merge_to_the_synchronous_mean(tmp_pat
     host, reps = make(tmp_path, inner_time_s=5.0, steps={0: 3, 1: 2})
     record = host.merge()
     assert record["replica_ids"] == [0, 1] and record["work"] == pytest.approx(1.0)
-    cfg = host.loop.config
+    cfg = host.server.cfg
     reference = synchronous_step(cfg, [(reps[0].jobs[0].plan, 30.0), (reps[1].jobs[0].plan, 20.0)])
     assert max_diff(host.server.weights(), reference) < 1e-6
     per_step = cfg.sequences_per_replica_round // cfg.max_steps
@@ -332,7 +333,7 @@ def test_a_server_killed_mid_merge_is_restored_and_the_merges_since_run_again_ex
     assert len(relaunched) == 1 and relaunched[0].version == 2  # one full reload, of the restored weights
     positions = [p for r in records for ranges in r["data_ranges"].values() for s, c in ranges for p in range(s, s + c)]
     assert sorted(positions) == list(range(len(positions)))
-    assert records[2]["wasted_steps"] == 2 * killed.loop.config.max_steps  # both abandoned periods
+    assert records[2]["wasted_steps"] == 2 * killed.server.cfg.max_steps  # both abandoned periods
 
 
 def test_staleness_starts_at_zero_after_a_full_reload_from_a_checkpoint(tmp_path):

@@ -29,15 +29,15 @@ def test_the_two_loops_are_siblings():
 
 @pytest.mark.parametrize("mode, cls", [("sync", SyncLoop), ("decoupled", DecoupledLoop)])
 def test_each_loop_implements_the_loop_interface(tmp_path, mode, cls):
-    loop = loop_for(tiny_config(tmp_path / "run", sync_mode=mode), str(tmp_path / "inflight"))
+    loop = loop_for(tiny_config(tmp_path / "run", sync_mode=mode).sections(), str(tmp_path / "inflight"))
     assert type(loop) is cls
     missing = [name for name in members(OuterLoop) if not hasattr(loop, name)]
     assert missing == []
 
 
 def test_a_round_index_and_a_merge_index_have_their_own_names(tmp_path):
-    sync = SyncLoop(tiny_config(tmp_path / "a"))
-    merges = DecoupledLoop(tiny_config(tmp_path / "b", sync_mode="decoupled"))
+    sync = loop_for(tiny_config(tmp_path / "a").sections(), "")
+    merges = loop_for(tiny_config(tmp_path / "b", sync_mode="decoupled").sections(), "")
     assert hasattr(sync, "round_index") and not hasattr(sync, "merge_index")
     assert hasattr(merges, "merge_index") and not hasattr(merges, "round_index")
 

@@ -17,7 +17,7 @@ import pytest
 from ray.exceptions import RayActorError
 
 from diloco_ray.config import fault_plan
-from diloco_ray.driver.decoupled_loop import DecoupledLoop
+from diloco_ray.driver.loop import loop_for
 from tests.unit.driver.test_decoupled_loop import Calls, Host, Members, Replica, Servers, make_config
 
 STEPS = 20
@@ -94,7 +94,7 @@ def harness(tmp_path, replicas=4, slow=None, delays=None, dies=None, **overrides
     reps = [replica(i) for i in range(replicas)]
     host = ElasticHost(Servers(cfg), Members(reps), folder=str(tmp_path), faults=fault_plan.parse(None))
     host.make_replica, host.target, host.next_id = replica, replicas, replicas
-    host.loop = DecoupledLoop(cfg, calls=clock)
+    host.loop = loop_for(cfg.sections(), "", calls=clock)
     host.loop.restore(host.server, reset=False)
     return host, clock
 

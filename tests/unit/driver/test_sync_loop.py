@@ -21,8 +21,8 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config import fault_plan
+from diloco_ray.driver.loop import loop_for
 from diloco_ray.driver.poll import STEP_POLL_S
-from diloco_ray.driver.sync_loop import SyncLoop
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
 from diloco_ray.runtime.server_group import SyncRefs
@@ -59,6 +59,7 @@ class Replica:
 
     def __init__(self, rid: int, plan: list, ranks: int = 1, steps: int = 4):
         self.id, self.plan, self.ranks, self.steps = rid, plan, ranks, steps
+        self.world_size = ranks
         self.jobs, self.aborted, self.stopped, self.fired = [], [], False, set()
         self.kinds, self.stats = set(), []
 
@@ -179,7 +180,7 @@ def make(tmp_path, replicas=2, faults=None, **overrides):
     plan = fault_plan.parse(cfg.fault_plan)
     reps = [Replica(i, plan) for i in range(replicas)]
     host = Host(Servers(streaming=cfg.sync_fragments > 1), Members(reps), plan)
-    return SyncLoop(cfg, calls=Calls()), host, reps
+    return loop_for(cfg.sections(), "", calls=Calls()), host, reps
 
 
 def test_every_replica_reports_and_the_round_is_applied(tmp_path):

@@ -3,7 +3,6 @@
 import pytest
 
 from diloco_ray.algo.outer import Rejected, Rejection
-from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.observe.records import Evaluation, MergeFacts, RoundRecord, Syncs, Timing
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
 
@@ -21,27 +20,15 @@ def stats(rank, up, down, steps=3, compute=1.0):
     )
 
 
-def build(cfg, syncs, **facts):
-    return RoundRecord.build(cfg, syncs, 0, Evaluation(), Timing(round_seconds=3.0, until_applied=2.5), **facts)
-
-
-def config(**overrides):
-    return TrainerConfig(
-        model_config={"model_type": "llama"},
-        dataset_name="builtin:arithmetic",
-        tokenizer_name="builtin:char",
-        **overrides,
+def build(syncs, max_steps=3, sync_fragments=1, **facts):
+    """A record from plain values: the round's shape is all it reads of the config."""
+    timing = Timing(round_seconds=3.0, until_applied=2.5)
+    return RoundRecord.build(
+        syncs, 0, Evaluation(), timing, max_steps=max_steps, sync_fragments=sync_fragments, **facts
     )
 
 
 def test_streaming_round_record():
-    cfg = TrainerConfig(
-        model_config={"model_type": "llama"},
-        dataset_name="builtin:arithmetic",
-        tokenizer_name="builtin:char",
-        max_steps=7,
-        sync_fragments=2,
-    )
     # Replica 1 is rejected in the first sync, so only replica 0 counts for the round.
     applied = [
         AppliedRound(
@@ -70,7 +57,7 @@ def test_streaming_round_record():
         {0: [stats(0, 100, 1000), stats(1, 110, 1000)], 1: [stats(0, 90, 1000), stats(1, 80, 1000)]},
         {0: [stats(0, 10, 50, steps=4)], 1: [stats(0, 20, 60, steps=4, compute=2.5)]},
     ]
-    record = build(cfg, Syncs(applied, reported, late=set(), failed={7})).to_record()
+    record = build(Syncs(applied, reported, late=set(), failed={7}), max_steps=7, sync_fragments=2).to_record()
     assert [f["step"] for f in record["fragments"]] == [3, 7]  # floor((k+1) * 7 / 2)
     assert [f["bytes_up"] for f in record["fragments"]] == [380, 30]
     assert [f["bytes_down"] for f in record["fragments"]] == [2000, 110]  # one rank per replica
@@ -100,7 +87,7 @@ def one_sync(**applied):
 def test_a_round_record_has_its_keys_in_order_with_eval_and_timing():
     evaluation = Evaluation(loss=1.0, seconds=0.25, bytes_down=64)
     timing = Timing(round_seconds=3.0, until_applied=2.5)
-    record = RoundRecord.build(config(max_steps=3), one_sync(), 5, evaluation, timing).to_record()
+    record = RoundRecord.build(one_sync(), 5, evaluation, timing, max_steps=3, sync_fragments=1).to_record()
     assert list(record) == SYNC_KEYS
     assert (
         record["eval_loss"] == 1.0
@@ -124,8 +111,8 @@ def test_a_round_record_has_its_keys_in_order_with_eval_and_timing():
 
 def test_a_merge_record_adds_the_merge_facts_and_at_the_end_the_abandoned_steps():
     facts = MergeFacts(staleness={"0": 1}, applied_weight=0.5, in_flight=[1], work=2.5, merge_seconds=0.1)
-    record = build(config(max_steps=3, sync_mode="decoupled"), one_sync(), merge=facts).to_record()
+    record = build(one_sync(), merge=facts).to_record()
     assert list(record) == SYNC_KEYS + MERGE_KEYS
     assert record["sync_mode"] == "decoupled" and record["staleness"] == {"0": 1} and record["work"] == 2.5
-    last = build(config(max_steps=3, sync_mode="decoupled"), one_sync(), merge=facts, abandoned_steps=0).to_record()
+    last = build(one_sync(), merge=facts, abandoned_steps=0).to_record()
     assert list(last) == SYNC_KEYS + MERGE_KEYS + ["abandoned_steps"] and last["abandoned_steps"] == 0
