@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import ObservabilitySection
 from diloco_ray.driver.step_feed import StepFeed
 from diloco_ray.logs import log
 from diloco_ray.observe.events import Event, WarningEvent
@@ -36,9 +36,10 @@ class RunEvents:
         self.ray_metrics: Optional[RoundMetrics] = None  # the round figures for the Ray dashboard
         self.steps: Optional[StepFeed] = None  # the ranks' step events and heartbeats
 
-    def open(self, cfg: TrainerConfig, run_dir: RunFolder) -> None:
-        """Start metrics.jsonl (and the trackers), the Ray metrics and the step feed."""
-        self.metrics = logger_for(cfg, run_dir.local, run_dir.name)
+    def open(self, observability: ObservabilitySection, run_config: dict, run_dir: RunFolder) -> None:
+        """Start metrics.jsonl (and the trackers ``observability`` names; W&B records
+        ``run_config``, the resolved config as a dict), the Ray metrics and the step feed."""
+        self.metrics = logger_for(observability, run_config, run_dir.local, run_dir.name)
         self.steps = StepFeed(self.on_step, self.warn)
         self.ray_metrics = RoundMetrics(run_dir.name)
 

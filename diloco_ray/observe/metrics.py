@@ -13,6 +13,7 @@ import os
 import time
 from typing import Any, Optional
 
+from diloco_ray.config.sections import ObservabilitySection
 from diloco_ray.observe.events import StepEvent
 
 
@@ -194,18 +195,19 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
-def logger_for(config, folder: str, run_name: str) -> MetricsLogger:
+def logger_for(observability: ObservabilitySection, run_config: dict, folder: str, run_name: str) -> MetricsLogger:
     """The run's :class:`MetricsLogger`: ``metrics.jsonl`` in ``folder`` and the trackers
-    ``log_with`` names, W&B set up from the config's ``wandb_*`` fields."""
+    ``log_with`` names, W&B set up from the ``wandb_*`` fields (recording ``run_config``,
+    the whole resolved config as a plain dict)."""
     return MetricsLogger(
         folder,
-        config.log_with,
-        config.log_dir,
-        config.to_dict(),
+        observability.log_with,
+        observability.log_dir,
+        run_config,
         wandb_settings={
-            "project": config.wandb_project,
-            "entity": config.wandb_entity,
-            "name": config.wandb_run_name or run_name,
-            "tags": config.wandb_tags,
+            "project": observability.wandb_project,
+            "entity": observability.wandb_entity,
+            "name": observability.wandb_run_name or run_name,
+            "tags": observability.wandb_tags,
         },
     )
