@@ -15,7 +15,7 @@ from typing import Callable, Optional
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import CheckpointSection, MembershipSection
 from diloco_ray.driver.policies import checkpoint_due
 from diloco_ray.errors import first_line
 from diloco_ray.observe.events import CheckpointEvent
@@ -26,14 +26,24 @@ class Checkpointer:
     """Takes the run's round checkpoints.
 
     Args:
-        config: the job.
+        checkpointing: when to checkpoint, how many to keep, and what a manifest records.
+        deadlines: the membership section: how long a save may wait on a replica
+            (``call_timeout_s``) and a checkpoint on stop in all (``shutdown_grace_s``).
         run_dir: the run's :class:`~diloco_ray.persist.run_folder.RunFolder`.
         log: called with each :class:`CheckpointEvent`.
         warn: called with a message for whoever watches.
     """
 
-    def __init__(self, config: TrainerConfig, run_dir, log: Callable, warn: Callable[[str], None]):
-        self.config, self.run_dir, self.log, self.warn = config, run_dir, log, warn
+    def __init__(
+        self,
+        checkpointing: CheckpointSection,
+        deadlines: MembershipSection,
+        run_dir,
+        log: Callable,
+        warn: Callable[[str], None],
+    ):
+        self.checkpointing, self.deadlines = checkpointing, deadlines
+        self.run_dir, self.log, self.warn = run_dir, log, warn
         self.last_round: Optional[int] = None  # the round of the latest checkpoint written or loaded
         self.last_progress: Optional[float] = None  # the rounds' worth of work it held (see OuterLoop.progress)
 
@@ -41,7 +51,7 @@ class Checkpointer:
         """Checkpoint ``round_index`` when ``checkpoint_steps`` say it is due by ``progress``
         (rounds' worth of inner steps done, :attr:`~diloco_ray.driver.loop.OuterLoop.progress`);
         its path, or None."""
-        cfg = self.config
+        cfg = self.checkpointing
         if not checkpoint_due(progress, self.last_progress, cfg.checkpoint_steps, cfg.max_steps):
             return None
         return self.save(server, replicas, round_index, progress=progress)
@@ -57,13 +67,13 @@ class Checkpointer:
         """Write the servers' state and the inner state of ``replicas`` (slot -> replica) as
         one checkpoint; prune old ones. Returns its path, or None if a replica died while it
         was being written (the round goes on, and the last checkpoint stands)."""
-        cfg = self.config
+        cfg = self.checkpointing
         where = self.run_dir.begin_checkpoint(round_index)
         refs = server.save(where)
         for slot, rep in replicas.items():
             refs += rep.save_inner_state(where, slot)
         try:
-            hashes = ray.get(refs, timeout=timeout_s or cfg.call_timeout_s)
+            hashes = ray.get(refs, timeout=timeout_s or self.deadlines.call_timeout_s)
         except (RayActorError, GetTimeoutError) as e:
             self.log(CheckpointEvent("failed", round=round_index, reason=first_line(e)[:200]))
             return None
@@ -99,7 +109,7 @@ class Checkpointer:
 
         Returns the checkpoint, or None (a merge the driver did not record was committed,
         or the time ran out: the last checkpoint stands)."""
-        cfg = self.config
+        cfg = self.checkpointing
         if cfg.checkpoint_steps is None or server is None or not replicas:
             return None
         if cfg.sync_fragments > 1 or cfg.overlap_communication:
@@ -107,7 +117,7 @@ class Checkpointer:
             # copy of them from the round's start: the last round checkpoint stands.
             self.warn("stopped: streaming runs keep their last round checkpoint (none written on stop)")
             return None
-        deadline = time.monotonic() + cfg.shutdown_grace_s
+        deadline = time.monotonic() + self.deadlines.shutdown_grace_s
         left = lambda: max(0.1, deadline - time.monotonic())  # noqa: E731
         busy = [(rep, unmerged[rep.id]) for rep in replicas.values() if rep.id in unmerged]
         try:

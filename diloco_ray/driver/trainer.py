@@ -105,9 +105,12 @@ class DilocoFSDPTrainer:
         self.inflight_root = self.run_dir.inflight
         # metrics.jsonl, the Ray dashboard, the callbacks; the ranks' step events
         self.events = RunEvents(self, self.callbacks, lambda: self.round_index)
-        self.checkpointer = Checkpointer(config, self.run_dir, self.events.log, self.events.warn)
+        sections = config.sections()  # each part gets the sections it reads, not the whole config
+        self.checkpointer = Checkpointer(
+            sections.checkpointing, sections.membership, self.run_dir, self.events.log, self.events.warn
+        )
         self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
-        self.loop = loop_for(config.sections(), self.inflight_root)  # the update index, what replicas load next
+        self.loop = loop_for(sections, self.inflight_root)  # the update index, what replicas load next
         self.chaos = DriverFaults(config.fault_plan)  # the fault plan's server and driver faults
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop
