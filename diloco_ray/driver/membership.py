@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import ray
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import MembershipSection, PlacementSection
 from diloco_ray.errors import first_line
 from diloco_ray.observe.events import MembershipEvent
 from diloco_ray.runtime.replica import Replica, resources_for_replica
@@ -58,9 +58,10 @@ def decide(
     return Decision(start=max(0, missing - len(starting)), stop=stop, cancel=cancel, promote=promote)
 
 
-def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> Optional[str]:
+def capacity_shortfall(placement: PlacementSection, num_replicas: int, device: str, available: dict) -> Optional[str]:
     """Why the cluster's resources (``ray.cluster_resources()``) cannot hold
-    ``num_replicas`` replicas plus the servers at once, or None when they add up.
+    ``num_replicas`` replicas placed as ``placement`` says plus the servers at once, or None
+    when they add up.
 
     A sum, not a packing: it catches the common mistake (too few CPUs or GPUs in total)
     without promising that what adds up also fits node by node.
@@ -71,22 +72,22 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
         for name, amount in resources.items():
             need[name] = need.get(name, 0.0) + amount * times
 
-    for rid in range(config.num_replicas):
+    for rid in range(num_replicas):
         add(
             {
-                "CPU": config.cpus_per_rank,
+                "CPU": placement.cpus_per_rank,
                 **({"GPU": 1} if device == "cuda" else {}),
-                **resources_for_replica(config.replica_resources, rid),
+                **resources_for_replica(placement.replica_resources, rid),
             },
-            config.ranks_of(rid),
+            placement.ranks_of(rid),
         )
     servers = (
-        config.server_resources
-        if isinstance(config.server_resources, list)
-        else [config.server_resources] * config.num_param_servers
+        placement.server_resources
+        if isinstance(placement.server_resources, list)
+        else [placement.server_resources] * placement.num_param_servers
     )
     for extra in servers:
-        add({"CPU": config.server_cpus, **extra})
+        add({"CPU": placement.server_cpus, **extra})
     short = {
         name: (amount, available.get(name, 0.0))
         for name, amount in need.items()
@@ -96,8 +97,8 @@ def capacity_shortfall(config: TrainerConfig, device: str, available: dict) -> O
         return None
     what = ", ".join(f"{name} {want:g} (the cluster has {have:g})" for name, (want, have) in sorted(short.items()))
     return (
-        f"{config.num_replicas} replicas of {config.ranks_per_replica} rank(s) and "
-        f"{config.num_param_servers} server(s) need {what}; "
+        f"{num_replicas} replicas of {placement.ranks_per_replica} rank(s) and "
+        f"{placement.num_param_servers} server(s) need {what}; "
         "lower num_replicas or cpus_per_rank, or give the cluster more (ray start --num-cpus ...)"
     )
 
@@ -107,34 +108,34 @@ class Membership:
     ones still starting.
 
     Args:
-        config: the job's TrainerConfig.
+        membership: how many replicas, spares, and the deadlines for placing and asking them.
+        placement: what a replica reserves (to warn when the cluster cannot hold the run).
         device: ``"cpu"`` or ``"cuda"``.
-        worker_cls: the rank class for new replicas.
+        start_replica: starts replica ``id`` (requests its placement group; see
+            :class:`~diloco_ray.runtime.replica.Replica`).
         on_event: called with each :class:`~diloco_ray.observe.events.MembershipEvent`, for metrics.jsonl.
         round_of: the index of the round the run is at, for the events.
         on_admit: called with (replica, slot) just before a replica becomes active, e.g.
             to restore its inner state from a checkpoint.
-        token_data: the job's tokenised data for every new replica (see
-            :func:`~diloco_ray.runtime.replica.start_token_data`).
     """
 
     def __init__(
         self,
-        config: TrainerConfig,
+        membership: MembershipSection,
+        placement: PlacementSection,
         device: str,
-        worker_cls: type,
+        start_replica: Callable[[int], Replica],
         on_event: Callable[[MembershipEvent], None],
         round_of: Callable[[], int],
         on_admit: Optional[Callable[[Replica, int], None]] = None,
-        token_data: Optional[list] = None,
     ):
-        self.config, self.device, self.worker_cls = config, device, worker_cls
-        self.token_data = token_data
+        self.membership, self.placement, self.device = membership, placement, device
+        self.start_replica = start_replica
         self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
         self.active: list[Replica] = []
         self.spares: list[Replica] = []  # placed and set up, not training: a lost replica's place at once
         self.starting: list[Replica] = []
-        self.target = config.num_replicas
+        self.target = membership.num_replicas
         self._next_id = 0
 
     @property
@@ -144,8 +145,8 @@ class Membership:
     def place_initial(self, warn: Callable[[str], None]) -> None:
         """Place the run's first ``num_replicas`` replicas, waiting up to
         ``placement_timeout_s``; go on with fewer (warning) if at least ``min_replicas`` fit."""
-        cfg = self.config
-        shortfall = capacity_shortfall(cfg, self.device, ray.cluster_resources())
+        cfg = self.membership
+        shortfall = capacity_shortfall(self.placement, cfg.num_replicas, self.device, ray.cluster_resources())
         if shortfall:
             # An autoscaler may still add nodes, so this warns rather than fails; without
             # one, the wait below ends at placement_timeout_s with the replicas that fit.
@@ -171,7 +172,7 @@ class Membership:
         """Move towards ``target`` at a round boundary (waiting up to ``join_timeout_s`` for
         joiners); with fewer than ``min_replicas`` left, wait up to ``placement_timeout_s`` for
         starting ones, and fail when still too few."""
-        cfg = self.config
+        cfg = self.membership
         self.reconcile(target, wait_s=cfg.join_timeout_s)
         if len(self.active) < cfg.min_replicas:
             self.admit_ready(cfg.placement_timeout_s)
@@ -188,7 +189,7 @@ class Membership:
         first = set(among or ())
         for rep in sorted(self.active, key=lambda r: r.id not in first):
             try:
-                return ray.get(call(rep), timeout=self.config.call_timeout_s)
+                return ray.get(call(rep), timeout=self.membership.call_timeout_s)
             except ray.exceptions.RayActorError:
                 self.remove(rep, "failed")
             except ray.exceptions.GetTimeoutError:
@@ -200,7 +201,7 @@ class Membership:
         world size, equal digests rank by rank) take them as the servers' version 0, so the
         round-0 full load does not send them back down its link; the ids that did (the
         rest, and any that fail to answer, load them as before)."""
-        wait, adopted = self.config.call_timeout_s, []
+        wait, adopted = self.membership.call_timeout_s, []
         expected = [digests for digests, _ in ray.get(seed.adopt_initial(None), timeout=wait)]
         for rep in self.active:
             if rep.world_size != seed.world_size:
@@ -217,7 +218,7 @@ class Membership:
         ready, waiting up to ``wait_s`` seconds for as many as the target still lacks."""
         self.target = target
         spares = {r.id: r for r in self.spares}
-        d = decide(target, self.ids, [r.id for r in self.starting], list(spares), self.config.spare_replicas)
+        d = decide(target, self.ids, [r.id for r in self.starting], list(spares), self.membership.spare_replicas)
         for rid in d.promote:
             self.spares.remove(spares[rid])
             self._activate(spares[rid], reason="spare")
@@ -233,7 +234,7 @@ class Membership:
             self.starting.remove(rep)
             rep.stop()
         for _ in range(d.start):
-            rep = Replica(self._next_id, self.config, self.device, self.worker_cls, self.token_data)
+            rep = self.start_replica(self._next_id)
             rep.requested_at = time.time()
             self._next_id += 1
             self.starting.append(rep)

@@ -17,7 +17,7 @@ import socket
 import tempfile
 from typing import Optional
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import MembershipSection, PlacementSection
 from diloco_ray.errors import ConfigError
 from diloco_ray.logs import log
 
@@ -58,9 +58,9 @@ def answers(address: str, timeout_s: float = 1.0) -> bool:
         return False
 
 
-def connect(config: TrainerConfig) -> bool:
+def connect(membership: MembershipSection, placement: PlacementSection) -> bool:
     """Connect this process to Ray as :func:`decide` says; returns whether it started a
-    private instance (which the trainer then shuts down)."""
+    private instance (which the trainer then shuts down), sized by :func:`logical_cpus`."""
     import ray
 
     env = os.environ.get("RAY_ADDRESS")
@@ -77,17 +77,19 @@ def connect(config: TrainerConfig) -> bool:
             )
         ray.init(address=address)
         return False
-    ray.init(address="local", num_cpus=logical_cpus(config), include_dashboard=False, log_to_driver=True)
+    ray.init(address="local", num_cpus=logical_cpus(membership, placement), include_dashboard=False, log_to_driver=True)
     return True
 
 
-def logical_cpus(config: TrainerConfig) -> int:
+def logical_cpus(membership: MembershipSection, placement: PlacementSection) -> int:
     """The logical CPUs a private local Ray gets: room for the servers, every replica that
     may run and the hot spares. Logical CPUs, not cores: rank actors reserve
     ``cpus_per_rank`` each, and a laptop with fewer cores than ranks should still run the
     job (just slower); without the spares' share a spare would never be placed."""
-    replicas = config.replica_bounds[1] + config.spare_replicas
-    need = config.server_cpus * config.num_param_servers + replicas * config.max_ranks * config.cpus_per_rank
+    replicas = membership.replica_bounds[1] + membership.spare_replicas
+    need = (
+        placement.server_cpus * placement.num_param_servers + replicas * placement.max_ranks * placement.cpus_per_rank
+    )
     return max(os.cpu_count() or 1, math.ceil(need))
 
 

@@ -198,13 +198,13 @@ class DilocoFSDPTrainer:
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
         self._inner_state_from = resume[0] if resume else None
         self.members = Membership(
-            cfg,
+            cfg.sections().membership,
+            cfg.sections().placement,
             self.device,
-            self.worker_cls,
+            lambda rid: Replica(rid, cfg, self.device, self.worker_cls, token_data),
             self.events.log,
             lambda: self.round_index,
             on_admit=self._restore_inner,
-            token_data=token_data,
         )
         self.members.place_initial(self.events.warn)
         self._inner_state_from = None
@@ -250,7 +250,8 @@ class DilocoFSDPTrainer:
 
     def _connect_ray(self) -> None:
         if not ray.is_initialized():
-            self._started_ray = ray_connection.connect(self.config)
+            sections = self.config.sections()
+            self._started_ray = ray_connection.connect(sections.membership, sections.placement)
 
     def _catch_sigterm(self) -> None:
         def stopped(name: str) -> None:

@@ -18,17 +18,20 @@ def test_decide_stops_the_newest_extras_and_cancels_starts():
 
 
 def test_capacity_adds_ranks_servers_gpus_and_custom_resources(tmp_path):
+    def shortfall(cfg, device, available):
+        return capacity_shortfall(cfg.sections().placement, cfg.num_replicas, device, available)
+
     cfg = tiny_config(tmp_path, num_replicas=2, ranks_per_replica=2, cpus_per_rank=1.0, server_cpus=0.5)
-    assert capacity_shortfall(cfg, "cpu", {"CPU": 4.5}) is None
-    short = capacity_shortfall(cfg, "cpu", {"CPU": 4.0})
+    assert shortfall(cfg, "cpu", {"CPU": 4.5}) is None
+    short = shortfall(cfg, "cpu", {"CPU": 4.0})
     assert "CPU 4.5 (the cluster has 4)" in short and "num_replicas" in short
-    assert "GPU 4 (the cluster has 2)" in capacity_shortfall(cfg, "cuda", {"CPU": 8, "GPU": 2})
+    assert "GPU 4 (the cluster has 2)" in shortfall(cfg, "cuda", {"CPU": 8, "GPU": 2})
     regions = tiny_config(
         tmp_path, num_replicas=3, replica_resources=[{"us": 1}, {"eu": 1}], server_resources={"us": 0.5}
     )
     # Replicas 0 and 2 in us (one rank each), replica 1 in eu, the server in us.
-    assert capacity_shortfall(regions, "cpu", {"CPU": 8, "us": 2.5, "eu": 1}) is None
-    assert "us 2.5 (the cluster has 2)" in capacity_shortfall(regions, "cpu", {"CPU": 8, "us": 2, "eu": 1})
+    assert shortfall(regions, "cpu", {"CPU": 8, "us": 2.5, "eu": 1}) is None
+    assert "us 2.5 (the cluster has 2)" in shortfall(regions, "cpu", {"CPU": 8, "us": 2, "eu": 1})
 
 
 def test_a_lost_replica_is_replaced_from_the_spares_at_once():

@@ -44,7 +44,12 @@ def test_a_private_ray_has_room_for_the_spares(monkeypatch):
         cpus_per_rank=1,
         server_cpus=0.5,
     )
-    assert logical_cpus(TrainerConfig(**base)) == 3  # 2 replicas x 1 + 0.5, rounded up
+
+    def cpus(**fields) -> int:
+        sections = TrainerConfig(**base, **fields).sections()
+        return logical_cpus(sections.membership, sections.placement)
+
+    assert cpus() == 3  # 2 replicas x 1 + 0.5, rounded up
     # A spare needs its own rank's CPU, or its placement group is never reserved.
-    assert logical_cpus(TrainerConfig(**base, spare_replicas=1)) == 4
-    assert logical_cpus(TrainerConfig(**base, spare_replicas=1, ranks_per_replica=[2, 1])) == 7
+    assert cpus(spare_replicas=1) == 4
+    assert cpus(spare_replicas=1, ranks_per_replica=[2, 1]) == 7
