@@ -142,6 +142,115 @@ def test_no_math_function_takes_an_untyped_config():
     assert offenders == []
 
 
+# In driver/ and observe/ each part takes the typed sections it reads (config/sections.py) or
+# plain values. Only these may take or keep the whole config (a TrainerConfig, or every
+# section at once), each for the reason given:
+WHOLE_CONFIG_ALLOWED = {
+    # builds every part from the config, ships it to the actors and writes config.yaml
+    "diloco_ray.driver.trainer.DilocoFSDPTrainer",
+    # checks the world around the whole config (files, folders, optimizer names) before Ray starts
+    "diloco_ray.driver.preflight",
+    # hands each loop the sections it reads, and no others
+    "diloco_ray.driver.loop.loop_for",
+}
+WHOLE_CONFIG_CLASSES = {"TrainerConfig", "ConfigFields", "Sections"}
+CONFIG_PARAMS = {"config", "cfg", "conf"}
+
+
+def annotation_names(node: ast.AST) -> set[str]:
+    """The names an annotation mentions, inside string annotations too."""
+    names = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name):
+            names.add(n.id)
+        elif isinstance(n, ast.Attribute):
+            names.add(n.attr)
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+            try:
+                names |= annotation_names(ast.parse(n.value, mode="eval"))
+            except SyntaxError:
+                pass
+    return names
+
+
+def whole_config_takers(tree: ast.Module) -> set[tuple[str, str]]:
+    """``(qualified function, what)`` for each function of ``tree`` that takes a whole config (a
+    parameter annotated with one of WHOLE_CONFIG_CLASSES, or an untyped one named ``config``)
+    or keeps one (``self.config = ...``, ``self.cfg = ...``)."""
+    found = set()
+    for name, node in functions(tree):
+        a = node.args
+        for arg in filter(None, [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]):
+            if arg.annotation is None:
+                if arg.arg in CONFIG_PARAMS:
+                    found.add((name, f"takes {arg.arg}: untyped"))
+            elif annotation_names(arg.annotation) & WHOLE_CONFIG_CLASSES:
+                found.add((name, f"takes {arg.arg}: {ast.unparse(arg.annotation)}"))
+        for sub in ast.walk(node):
+            if isinstance(sub, ast.Assign):
+                targets = sub.targets
+            elif isinstance(sub, (ast.AnnAssign, ast.AugAssign)):
+                targets = [sub.target]
+            else:
+                continue
+            for target in (t for top in targets for t in ast.walk(top)):
+                if isinstance(target, ast.Attribute) and ast.unparse(target.value) == "self":
+                    if target.attr in CONFIG_PARAMS:
+                        found.add((name, f"keeps self.{target.attr}"))
+    return found
+
+
+@pytest.mark.parametrize("package", ["driver", "observe"])
+def test_driver_and_observe_parts_take_their_sections_not_the_whole_config(package):
+    """Membership, the checkpointer, the loops, the records, the outlets... each receive the
+    sections (or values) they read; only WHOLE_CONFIG_ALLOWED may hold the whole config."""
+
+    def allowed(where: str) -> bool:
+        return any(where == ok or where.startswith(f"{ok}.") for ok in WHOLE_CONFIG_ALLOWED)
+
+    offenders = sorted(
+        f"{module}.{name} {what}"
+        for module, tree in package_trees(package).items()
+        for name, what in whole_config_takers(tree)
+        if not allowed(f"{module}.{name}")
+    )
+    # An untyped parameter by another name is caught where its module reaches for the class:
+    # only a module that holds an allowed name imports TrainerConfig (or the schema).
+    holders = {
+        module for module in MODULES if any(ok == module or ok.startswith(f"{module}.") for ok in WHOLE_CONFIG_ALLOWED)
+    }
+    offenders += sorted(
+        f"{module} imports {alias.name}"
+        for module, tree in package_trees(package).items()
+        if module not in holders
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name in WHOLE_CONFIG_CLASSES - {"Sections"} or node.module == "diloco_ray.config.schema"
+    )
+    assert offenders == [], "parts that take or keep the whole config:\n" + "\n".join(offenders)
+
+
+def test_the_driver_config_rule_sees_annotations_strings_and_self_config():
+    source = (
+        "def build(sections: Sections, steps: int): ...\n"
+        "def log_for(config, folder: str): ...\n"
+        "def fine(config: ObservabilitySection, run_config: dict): ...\n"
+        "class Part:\n"
+        "    def __init__(self, job: Optional['TrainerConfig'], membership: MembershipSection):\n"
+        "        self.membership, self.config = membership, job\n"
+        "    def later(self):\n"
+        "        self.cfg: dict = {}\n"
+    )
+    assert whole_config_takers(ast.parse(source)) == {
+        ("build", "takes sections: Sections"),
+        ("log_for", "takes config: untyped"),
+        ("Part.__init__", "takes job: Optional['TrainerConfig']"),
+        ("Part.__init__", "keeps self.config"),
+        ("Part.later", "keeps self.cfg"),
+    }
+
+
 def test_config_modules_need_no_type_checking_imports_of_each_other():
     """The config modules import one way (validation and sections read fields; schema builds on
     them): none imports another only for annotations, which is how an import cycle hides."""
