@@ -41,7 +41,9 @@ def _first_batches(worker: RankWorker, steps: int) -> list[list[np.ndarray]]:
     out: list[list[np.ndarray]] = []
     start = 0
     while len(out) < steps:
-        out += data.rank_batches([(start, per_round)], cfg, 0, len(worker.tokens.train), worker.tokens.train.lengths)
+        out += data.rank_batches(
+            [(start, per_round)], cfg.sections().data, 0, len(worker.tokens.train), worker.tokens.train.lengths
+        )
         start += per_round
     return out[:steps]
 

@@ -7,7 +7,9 @@ config: the inner optimiser takes :class:`InnerOptimSection`, the outer step
 the README's field table (generated from :mod:`diloco_ray.config.fields`) is the meaning of
 each. :meth:`Sections.of` builds every section once from a validated config
 (``TrainerConfig.sections()`` keeps the result). A field sits in more than one section where
-two parts read it: ``diloco_loops`` is the horizon of both the inner and the outer schedule.
+two parts read it: ``diloco_loops`` is the horizon of both the inner and the outer schedule,
+``seq_len`` cuts the samples and sizes a built model's positions, ``max_steps`` and
+``ranks_per_replica`` shape both a round and the data plan that feeds it.
 
 Sections hold values only; the rules between fields stay in :mod:`diloco_ray.config.validation`.
 """
@@ -70,8 +72,9 @@ class ModelSection:
 
     Args:
         model_name, model_config, tokenizer_name, mixed_precision, attn_implementation,
-        gradient_checkpointing, torch_compile, seed: the config fields of those names
-        (``seed`` seeds the model's initialisation).
+        gradient_checkpointing, torch_compile, seed, seq_len: the config fields of those
+        names (``seed`` seeds the model's initialisation; ``seq_len`` is a ``model_config``
+        model's ``max_position_embeddings`` unless that names its own).
     """
 
     model_name: Optional[str]
@@ -82,6 +85,7 @@ class ModelSection:
     gradient_checkpointing: bool
     torch_compile: bool
     seed: int
+    seq_len: int
 
 
 @dataclass(frozen=True)
@@ -112,6 +116,9 @@ class DataSection:
         shuffle_buffer, streaming_eval_rows, dynamic_batch, seed, prompt_template,
         completion_template, prompt_func, completion_func, group_by_length: the config
         fields of those names (``seed`` orders the data).
+        max_steps, ranks_per_replica: the shape of one replica's round, which its data plan
+        is cut into (``[step][micro]`` per rank); a replica's own view of the config
+        (``TrainerConfig.for_replica``) has its rank count here, never a list.
     """
 
     dataset_name: Optional[str]
@@ -136,6 +143,8 @@ class DataSection:
     prompt_func: Optional[str]
     completion_func: Optional[str]
     group_by_length: bool
+    max_steps: int
+    ranks_per_replica: Union[int, list]
 
 
 @dataclass(frozen=True)

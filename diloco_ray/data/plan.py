@@ -17,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import DataSection
 
 
 def epoch_permutation(num_blocks: int, seed: int, epoch: int) -> np.ndarray:
@@ -139,16 +139,16 @@ def ranges_of(positions: np.ndarray) -> list[Range]:
     return [(int(run[0]), len(run)) for run in np.split(ordered, breaks)]
 
 
-def sequences_per_step(config: TrainerConfig) -> int:
+def sequences_per_step(data: DataSection) -> int:
     """Sequences one inner step of a replica trains on (every rank, every micro-batch)."""
-    return config.batch_size * config.grad_accum * config.ranks_per_replica
+    return data.batch_size * data.grad_accum * data.ranks_per_replica
 
 
-def unused_ranges(positions_in_order: np.ndarray, steps_done: int, config: TrainerConfig) -> list[Range]:
+def unused_ranges(positions_in_order: np.ndarray, steps_done: int, data: DataSection) -> list[Range]:
     """The positions of a round's plan that a replica which ran ``steps_done`` inner steps
     did not train on: a replica reads its plan step by step (:func:`split_for_rank`), so
     those are the ones after the first ``steps_done`` steps' worth, in its order."""
-    return ranges_of(positions_in_order[steps_done * sequences_per_step(config) :])
+    return ranges_of(positions_in_order[steps_done * sequences_per_step(data) :])
 
 
 def _subtract(ranges: list[Range], taken: list[Range]) -> list[Range]:
@@ -190,28 +190,28 @@ def group_by_length(indices: np.ndarray, lengths: np.ndarray, window: int) -> np
 
 
 def plan_order(
-    plan: list[Range], config: TrainerConfig, num_blocks: int, lengths: np.ndarray | None = None
+    plan: list[Range], data: DataSection, num_blocks: int, lengths: np.ndarray | None = None
 ) -> tuple[np.ndarray, np.ndarray]:
     """(sample indices, their stream positions) of a plan in the order its replica reads
     them: the plan's order, or with ``group_by_length`` (and ``lengths``) each window
     sorted by length (:func:`group_by_length`)."""
-    indices = plan_indices(plan, num_blocks, config.seed)
+    indices = plan_indices(plan, num_blocks, data.seed)
     positions = plan_positions(plan)
-    if config.group_by_length and lengths is not None:
-        order = group_by_length(np.arange(len(indices)), lengths[indices], GROUP_WINDOW_BATCHES * config.batch_size)
+    if data.group_by_length and lengths is not None:
+        order = group_by_length(np.arange(len(indices)), lengths[indices], GROUP_WINDOW_BATCHES * data.batch_size)
         indices, positions = indices[order], positions[order]
     return indices, positions
 
 
 def rank_batches(
-    plan: list[Range], config: TrainerConfig, rank: int, num_blocks: int, lengths: np.ndarray | None = None
+    plan: list[Range], data: DataSection, rank: int, num_blocks: int, lengths: np.ndarray | None = None
 ) -> list[list[np.ndarray]]:
     """The micro-batches one rank trains on in one round: ``[step][micro] -> sample indices``
     (the plan in :func:`plan_order`, cut by :func:`split_for_rank`)."""
-    return split_for_rank(plan_order(plan, config, num_blocks, lengths)[0], config, rank)
+    return split_for_rank(plan_order(plan, data, num_blocks, lengths)[0], data, rank)
 
 
-def split_for_rank(indices: np.ndarray, config: TrainerConfig, rank: int) -> list[list[np.ndarray]]:
+def split_for_rank(indices: np.ndarray, data: DataSection, rank: int) -> list[list[np.ndarray]]:
     """Rank ``rank``'s share of a replica's ordered samples, as ``[step][micro]``.
 
     A replica's samples are consumed step by step; inside a step, micro-batch ``m`` of
@@ -219,11 +219,14 @@ def split_for_rank(indices: np.ndarray, config: TrainerConfig, rank: int) -> lis
     with one rank therefore reads its plan in order, which makes DiLoCo with one replica
     comparable batch for batch with a plain training loop.
     """
-    ranks, bs, accum = config.ranks_per_replica, config.batch_size, config.grad_accum
-    if len(indices) != config.sequences_per_replica_round:
-        raise ValueError(f"plan holds {len(indices)} positions, a round needs {config.sequences_per_replica_round}")
+    if isinstance(data.ranks_per_replica, list):
+        raise TypeError("ranks_per_replica is a list: cut the plan of one replica (TrainerConfig.for_replica)")
+    ranks, bs, accum = data.ranks_per_replica, data.batch_size, data.grad_accum
+    needed = data.max_steps * sequences_per_step(data)
+    if len(indices) != needed:
+        raise ValueError(f"plan holds {len(indices)} positions, a round needs {needed}")
     steps = []
-    for t in range(config.max_steps):
+    for t in range(data.max_steps):
         micro = []
         for m in range(accum):
             offset = ((t * accum + m) * ranks + rank) * bs

@@ -22,7 +22,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import DataSection, ModelSection
 from diloco_ray.data import sources, tokenization
 from diloco_ray.errors import ConfigError, DataError
 
@@ -107,16 +107,14 @@ def load_function(spec: str, field: str) -> Callable:
     return fn
 
 
-def row_formatter(
-    config: TrainerConfig, columns: list[str], source: str
-) -> Optional[Callable[[dict], tuple[str, str]]]:
+def row_formatter(data: DataSection, columns: list[str], source: str) -> Optional[Callable[[dict], tuple[str, str]]]:
     """``row -> (prompt, completion)`` from the templates or functions, or None for plain
     text. A template naming a missing column is a DataError listing the columns."""
-    if config.prompt_func or config.completion_func:
-        prompt_fn = load_function(config.prompt_func, "prompt_func")
-        completion_fn = load_function(config.completion_func, "completion_func")
+    if data.prompt_func or data.completion_func:
+        prompt_fn = load_function(data.prompt_func, "prompt_func")
+        completion_fn = load_function(data.completion_func, "completion_func")
         return lambda row: (str(prompt_fn(row)), str(completion_fn(row)))
-    if config.prompt_template is None:
+    if data.prompt_template is None:
         return None
 
     def fill(field: str, template: str, row: dict) -> str:
@@ -130,8 +128,8 @@ def row_formatter(
             raise ConfigError(f"{field}: '{template}' is not a usable format string ({e})") from None
 
     return lambda row: (
-        fill("prompt_template", config.prompt_template, row),
-        fill("completion_template", config.completion_template, row),
+        fill("prompt_template", data.prompt_template, row),
+        fill("completion_template", data.completion_template, row),
     )
 
 
@@ -192,12 +190,12 @@ class StreamReader:
     Args:
         stream: the training ``IterableDataset`` (raw rows).
         to_samples: turns a raw ``IterableDataset`` into one of ``input_ids``/``labels``.
-        config: the job's TrainerConfig (seed, shuffle_buffer, seq_len).
+        data: the job's data section (seed, shuffle_buffer, seq_len).
         pad_id: the tokenizer's pad id.
     """
 
-    def __init__(self, stream, to_samples: Callable, config: TrainerConfig, pad_id: int):
-        self.stream, self.to_samples, self.config, self.pad_id = stream, to_samples, config, pad_id
+    def __init__(self, stream, to_samples: Callable, data: DataSection, pad_id: int):
+        self.stream, self.to_samples, self.data, self.pad_id = stream, to_samples, data, pad_id
         self._restart()
 
     def _restart(self) -> None:
@@ -205,7 +203,7 @@ class StreamReader:
         self._iter = self._epoch_iter(0)
 
     def _epoch_iter(self, epoch: int):
-        shuffled = self.stream.shuffle(seed=self.config.seed + epoch, buffer_size=self.config.shuffle_buffer)
+        shuffled = self.stream.shuffle(seed=self.data.seed + epoch, buffer_size=self.data.shuffle_buffer)
         return iter(self.to_samples(shuffled))
 
     def _next(self) -> dict:
@@ -229,7 +227,7 @@ class StreamReader:
                 self.position += 1
             found[p] = self._next()
             self.position += 1
-        return _rows_to_samples([found[int(p)] for p in positions], self.config.seq_len, self.pad_id)
+        return _rows_to_samples([found[int(p)] for p in positions], self.data.seq_len, self.pad_id)
 
 
 def _rows_to_samples(rows: list[dict], seq_len: int, pad_id: int) -> Samples:
@@ -244,51 +242,50 @@ def _rows_to_samples(rows: list[dict], seq_len: int, pad_id: int) -> Samples:
     return Samples(ids, labels, lengths)
 
 
-def _tokenizer_for(config: TrainerConfig, tokenizer, columns: list[str], string_cols: list[str], source: str):
+def _tokenizer_for(data: DataSection, tokenizer, columns: list[str], string_cols: list[str], source: str):
     """``raw dataset -> tokenised dataset`` as configured (packing or prompt/completion)."""
-    formatter = row_formatter(config, columns, source)
+    formatter = row_formatter(data, columns, source)
     if formatter is None:
-        field = sources.resolve_text_field(columns, config.text_field, source, string_cols)
-        return lambda raw: pack_texts(raw, tokenizer, field, config.seq_len), True
-    return lambda raw: tokenize_pairs(raw, tokenizer, formatter, config.seq_len), False
+        field = sources.resolve_text_field(columns, data.text_field, source, string_cols)
+        return lambda raw: pack_texts(raw, tokenizer, field, data.seq_len), True
+    return lambda raw: tokenize_pairs(raw, tokenizer, formatter, data.seq_len), False
 
 
-def open_stream(config: TrainerConfig, tokenizer) -> tuple[StreamReader, Samples]:
+def open_stream(data: DataSection, tokenizer) -> tuple[StreamReader, Samples]:
     """For ``streaming: true``: a reader over the training stream, and the eval samples."""
-    train_stream, eval_raw = sources.load_stream(config)
-    name = f"'{config.json_file_path or config.dataset_name}'"
+    train_stream, eval_raw = sources.load_stream(data)
+    name = f"'{data.json_file_path or data.dataset_name}'"
     columns = eval_raw.column_names
-    tokenize, packed = _tokenizer_for(config, tokenizer, columns, sources.string_columns(eval_raw), name)
-    formatter = row_formatter(config, columns, name)
+    tokenize, packed = _tokenizer_for(data, tokenizer, columns, sources.string_columns(eval_raw), name)
+    formatter = row_formatter(data, columns, name)
     if formatter is not None:
         formatter(eval_raw[0])  # a template naming a missing column fails here, with the columns
-    evals = _to_samples(tokenize(eval_raw), config.seq_len, tokenizer.pad_token_id, packed)
-    return StreamReader(train_stream, tokenize, config, tokenizer.pad_token_id), evals
+    evals = _to_samples(tokenize(eval_raw), data.seq_len, tokenizer.pad_token_id, packed)
+    return StreamReader(train_stream, tokenize, data, tokenizer.pad_token_id), evals
 
 
-def prepare_token_data(config: dict) -> TokenData:
+def prepare_token_data(data: DataSection, model: ModelSection) -> TokenData:
     """A job's samples, tokenised once for all of its ranks: the body of the Ray task the
-    driver starts with the replicas (``config`` as ``TrainerConfig.to_dict``)."""
+    driver starts with the replicas (``model`` names the tokenizer)."""
     # As on the ranks: the task's worker process may host a rank later.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    cfg = TrainerConfig.from_dict(config)
-    return load_token_data(cfg, tokenization.load_tokenizer(cfg))
+    return load_token_data(data, tokenization.load_tokenizer(model))
 
 
-def load_token_data(config: TrainerConfig, tokenizer) -> TokenData:
+def load_token_data(data: DataSection, tokenizer) -> TokenData:
     """Load both splits and turn them into samples as configured."""
-    train_raw, eval_raw = sources.load_raw_splits(config)
-    name = f"'{config.json_file_path or config.dataset_name}'"
+    train_raw, eval_raw = sources.load_raw_splits(data)
+    name = f"'{data.json_file_path or data.dataset_name}'"
     out = []
     for raw, source in ((train_raw, name), (eval_raw, f"{name} (eval split)")):
-        formatter = row_formatter(config, raw.column_names, source)
+        formatter = row_formatter(data, raw.column_names, source)
         if formatter is not None and len(raw):
             formatter(raw[0])  # a template naming a missing column fails here, with the columns
-        tokenize, packed = _tokenizer_for(config, tokenizer, raw.column_names, sources.string_columns(raw), source)
-        out.append(_to_samples(tokenize(raw), config.seq_len, tokenizer.pad_token_id, packed))
+        tokenize, packed = _tokenizer_for(data, tokenizer, raw.column_names, sources.string_columns(raw), source)
+        out.append(_to_samples(tokenize(raw), data.seq_len, tokenizer.pad_token_id, packed))
     if len(out[0]) == 0:
         raise DataError(
-            f"seq_len: {name} yields no training sample (fewer than seq_len={config.seq_len} "
+            f"seq_len: {name} yields no training sample (fewer than seq_len={data.seq_len} "
             "tokens of text, or prompts that fill seq_len); lower seq_len or use more data"
         )
     return TokenData(*out)

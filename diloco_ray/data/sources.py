@@ -1,10 +1,10 @@
 """Where training rows come from: builtin generators, local files and folders, the hub.
 
-This module owns turning a config's data fields into two ``datasets.Dataset`` splits
-(train, eval) of raw rows, and finding the text column. ``builtin:arithmetic`` is
-generated offline; ``json_file_path`` and ``dataset_name: json|csv|text|parquet`` with
-``dataset_kwargs: {data_files: ...}`` read local files; a folder written by
-``save_to_disk`` loads with ``load_from_disk``; anything else goes to
+This module owns turning a :class:`~diloco_ray.config.sections.DataSection` into two
+``datasets.Dataset`` splits (train, eval) of raw rows, and finding the text column.
+``builtin:arithmetic`` is generated offline; ``json_file_path`` and ``dataset_name:
+json|csv|text|parquet`` with ``dataset_kwargs: {data_files: ...}`` read local files; a
+folder written by ``save_to_disk`` loads with ``load_from_disk``; anything else goes to
 ``datasets.load_dataset(dataset_name, subset, split=...)`` (split slices such as
 ``train[:1000]`` work). Errors name the field and, for columns, list what is there.
 """
@@ -15,7 +15,7 @@ import os
 import random
 from typing import Any, Callable
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import DataSection
 from diloco_ray.errors import ConfigError, DataError, first_line
 
 # ---------------------------------------------------------------------------------------
@@ -44,21 +44,21 @@ BUILTIN_DATASETS: dict[str, Callable[..., list[dict]]] = {"builtin:arithmetic": 
 _EVAL_SEED_OFFSET = 1_000_003
 
 
-def _builtin_splits(config: TrainerConfig):
+def _builtin_splits(data: DataSection):
     import datasets
 
-    gen = BUILTIN_DATASETS.get(config.dataset_name)
+    gen = BUILTIN_DATASETS.get(data.dataset_name)
     if gen is None:
         raise ConfigError(
-            f"dataset_name: unknown builtin '{config.dataset_name}'; allowed: {', '.join(BUILTIN_DATASETS)}"
+            f"dataset_name: unknown builtin '{data.dataset_name}'; allowed: {', '.join(BUILTIN_DATASETS)}"
         )
-    kwargs = dict(config.dataset_kwargs)
+    kwargs = dict(data.dataset_kwargs)
     try:
-        train = gen(seed=config.seed, **kwargs)
-        n_eval = max(64, int(len(train) * config.split_ratio))
-        eval_rows = gen(seed=config.seed + _EVAL_SEED_OFFSET, **{**kwargs, "num_samples": n_eval})
+        train = gen(seed=data.seed, **kwargs)
+        n_eval = max(64, int(len(train) * data.split_ratio))
+        eval_rows = gen(seed=data.seed + _EVAL_SEED_OFFSET, **{**kwargs, "num_samples": n_eval})
     except TypeError as e:
-        raise ConfigError(f"dataset_kwargs: {e} (for {config.dataset_name})") from None
+        raise ConfigError(f"dataset_kwargs: {e} (for {data.dataset_name})") from None
     return datasets.Dataset.from_list(train), datasets.Dataset.from_list(eval_rows)
 
 
@@ -67,49 +67,49 @@ def _builtin_splits(config: TrainerConfig):
 # ---------------------------------------------------------------------------------------
 
 
-def load_raw_splits(config: TrainerConfig):
+def load_raw_splits(data: DataSection):
     """(train, eval) ``datasets.Dataset`` objects for the configured source."""
     import datasets
 
-    if config.dataset_name is not None and config.dataset_name.startswith("builtin:"):
-        return _builtin_splits(config)
-    if config.json_file_path is not None:
-        path = config.json_file_path
+    if data.dataset_name is not None and data.dataset_name.startswith("builtin:"):
+        return _builtin_splits(data)
+    if data.json_file_path is not None:
+        path = data.json_file_path
         if not os.path.isfile(path):
             raise DataError(f"json_file_path: '{path}' does not exist or is not a file")
-        if config.eval_split is not None:
+        if data.eval_split is not None:
             raise ConfigError(
                 "eval_split: a json_file_path has a single split; leave eval_split unset to hold out split_ratio of it"
             )
         full = _guarded(
             "json_file_path",
             path,
-            lambda: datasets.load_dataset("json", data_files=path, split="train", **config.dataset_kwargs),
+            lambda: datasets.load_dataset("json", data_files=path, split="train", **data.dataset_kwargs),
         )
-        return _hold_out(full, config, "json_file_path", path)
+        return _hold_out(full, data, "json_file_path", path)
 
-    name = config.dataset_name
+    name = data.dataset_name
     if (
         os.path.isdir(name)
         and os.path.exists(os.path.join(name, "dataset_dict.json"))
         or os.path.exists(os.path.join(name, "state.json"))
     ):
-        return _from_disk(name, config)
+        return _from_disk(name, data)
 
     def load(split):
         return _guarded(
             "dataset_name",
             name,
-            lambda: datasets.load_dataset(name, config.subset, split=split, **config.dataset_kwargs),
+            lambda: datasets.load_dataset(name, data.subset, split=split, **data.dataset_kwargs),
         )
 
-    train = load(config.dataset_split)
-    if config.eval_split is not None:
-        return train, load(config.eval_split)
-    return _hold_out(train, config, "dataset_name", name)
+    train = load(data.dataset_split)
+    if data.eval_split is not None:
+        return train, load(data.eval_split)
+    return _hold_out(train, data, "dataset_name", name)
 
 
-def load_stream(config: TrainerConfig):
+def load_stream(data: DataSection):
     """(train stream, eval ``Dataset``) for ``streaming: true``.
 
     The train stream is a ``datasets.IterableDataset`` read lazily (nothing is downloaded
@@ -119,11 +119,11 @@ def load_stream(config: TrainerConfig):
     """
     import datasets
 
-    field, source, load = _stream_opener(config)
-    n = config.streaming_eval_rows
-    train = _guarded(field, source, lambda: load(config.dataset_split))
-    if config.eval_split is not None:
-        eval_rows = list(_guarded("eval_split", source, lambda: load(config.eval_split)).take(n))
+    field, source, load = _stream_opener(data)
+    n = data.streaming_eval_rows
+    train = _guarded(field, source, lambda: load(data.dataset_split))
+    if data.eval_split is not None:
+        eval_rows = list(_guarded("eval_split", source, lambda: load(data.eval_split)).take(n))
     else:
         eval_rows = list(train.take(n))
         train = train.skip(n)
@@ -132,23 +132,23 @@ def load_stream(config: TrainerConfig):
     return train, datasets.Dataset.from_list(eval_rows)
 
 
-def _stream_opener(config: TrainerConfig) -> tuple[str, str, Callable[[str], Any]]:
+def _stream_opener(data: DataSection) -> tuple[str, str, Callable[[str], Any]]:
     """``(field, source, open)`` of a streamed dataset: the field naming it, its path or
     hub id, and ``open(split)`` giving that split as a ``datasets.IterableDataset``."""
     import datasets
 
-    if config.json_file_path is not None:
-        source = config.json_file_path
+    if data.json_file_path is not None:
+        source = data.json_file_path
         if not os.path.isfile(source):
             raise DataError(f"json_file_path: '{source}' does not exist or is not a file")
 
         def load_json(split):
             return datasets.load_dataset(
-                "json", data_files=source, split="train", streaming=True, **config.dataset_kwargs
+                "json", data_files=source, split="train", streaming=True, **data.dataset_kwargs
             )
 
         return "json_file_path", source, load_json
-    source = config.dataset_name
+    source = data.dataset_name
     if (
         source.startswith("builtin:")
         or os.path.exists(os.path.join(source, "state.json"))
@@ -157,35 +157,33 @@ def _stream_opener(config: TrainerConfig) -> tuple[str, str, Callable[[str], Any
         raise ConfigError(f"streaming: '{source}' is already in memory or on disk; set streaming: false")
 
     def load(split):
-        return datasets.load_dataset(source, config.subset, split=split, streaming=True, **config.dataset_kwargs)
+        return datasets.load_dataset(source, data.subset, split=split, streaming=True, **data.dataset_kwargs)
 
     return "dataset_name", source, load
 
 
-def _from_disk(path: str, config: TrainerConfig):
+def _from_disk(path: str, data: DataSection):
     import datasets
 
     loaded = _guarded("dataset_name", path, lambda: datasets.load_from_disk(path))
     if isinstance(loaded, datasets.DatasetDict):
-        if config.dataset_split not in loaded:
-            raise DataError(
-                f"dataset_split: '{config.dataset_split}' is not a split of '{path}'; splits: {list(loaded)}"
-            )
-        train = loaded[config.dataset_split]
-        if config.eval_split is not None:
-            if config.eval_split not in loaded:
-                raise DataError(f"eval_split: '{config.eval_split}' is not a split of '{path}'; splits: {list(loaded)}")
-            return train, loaded[config.eval_split]
-        return _hold_out(train, config, "dataset_name", path)
-    return _hold_out(loaded, config, "dataset_name", path)
+        if data.dataset_split not in loaded:
+            raise DataError(f"dataset_split: '{data.dataset_split}' is not a split of '{path}'; splits: {list(loaded)}")
+        train = loaded[data.dataset_split]
+        if data.eval_split is not None:
+            if data.eval_split not in loaded:
+                raise DataError(f"eval_split: '{data.eval_split}' is not a split of '{path}'; splits: {list(loaded)}")
+            return train, loaded[data.eval_split]
+        return _hold_out(train, data, "dataset_name", path)
+    return _hold_out(loaded, data, "dataset_name", path)
 
 
-def _hold_out(full, config: TrainerConfig, field: str, source: str):
+def _hold_out(full, data: DataSection, field: str, source: str):
     if len(full) < 2:
         raise DataError(
             f"{field}: '{source}' has {len(full)} rows; at least 2 are needed (one to train on, one to evaluate)"
         )
-    parts = full.train_test_split(test_size=config.split_ratio, seed=config.seed)
+    parts = full.train_test_split(test_size=data.split_ratio, seed=data.seed)
     return parts["train"], parts["test"]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import string
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import ModelSection
 from diloco_ray.errors import ConfigError, first_line
 
 BUILTIN_CHAR_TOKENIZER = "builtin:char"
@@ -32,9 +32,9 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<pad>", unk_token="<unk>")
 
 
-def load_tokenizer(config: TrainerConfig):
+def load_tokenizer(model: ModelSection):
     """The tokenizer named by ``tokenizer_name`` (default ``model_name``), with a pad token."""
-    name = config.tokenizer_name or config.model_name or BUILTIN_CHAR_TOKENIZER
+    name = model.tokenizer_name or model.model_name or BUILTIN_CHAR_TOKENIZER
     if name == BUILTIN_CHAR_TOKENIZER:
         tok = char_tokenizer()
     else:
@@ -43,7 +43,7 @@ def load_tokenizer(config: TrainerConfig):
         try:
             tok = AutoTokenizer.from_pretrained(name)
         except (OSError, ValueError) as e:
-            field = "tokenizer_name" if config.tokenizer_name else "model_name"
+            field = "tokenizer_name" if model.tokenizer_name else "model_name"
             raise ConfigError(
                 f"{field}: cannot load a tokenizer from '{name}' "
                 f"(not a local folder, and not reachable on the hub): {first_line(e)}"

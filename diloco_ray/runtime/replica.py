@@ -34,7 +34,7 @@ def start_token_data(config: TrainerConfig) -> list | None:
     if config.streaming:
         return None
     task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
-    return [task.remote(config.to_dict())]
+    return [task.remote(config.sections().data, config.sections().model)]
 
 
 def resources_for_replica(resources, replica_id: int) -> dict:

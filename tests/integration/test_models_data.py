@@ -200,7 +200,7 @@ def test_dynamic_batches_are_padded_to_the_batch(tmp_path, llama_folder, sums_js
     plan = [(0, cfg.sequences_per_replica_round)]
     from diloco_ray.data import plan as data
 
-    batches = data.rank_batches(plan, cfg, 0, len(worker.tokens.train), worker.tokens.train.lengths)
+    batches = data.rank_batches(plan, cfg.sections().data, 0, len(worker.tokens.train), worker.tokens.train.lengths)
     widths = [b["input_ids"].shape[1] for _, _, b in worker.batches.micro_batches(worker.tokens.train, batches, 0)]
     assert widths and max(widths) < cfg.seq_len  # padded to the batch, not to seq_len (DataLoader worker)
     grads, stats = first_round(worker, plan)
@@ -247,7 +247,7 @@ def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl,
         completion_template="{answer}",
         seq_len=24,
     )
-    expected = samples.load_token_data(cfg, tokenization.load_tokenizer(cfg))
+    expected = samples.load_token_data(cfg.sections().data, tokenization.load_tokenizer(cfg.sections().model))
     shared = start_token_data(cfg)
     monkeypatch.setattr(samples, "load_token_data", lambda *a: pytest.fail("the rank tokenised the data itself"))
     worker = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)

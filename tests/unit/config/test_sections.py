@@ -45,11 +45,12 @@ def test_a_field_is_shared_only_where_two_parts_read_it():
     shared = {name: sorted(where) for name, where in owners.items() if len(where) > 1}
     assert shared == {
         "diloco_loops": ["inner_optim", "outer_optim", "run"],
-        "max_steps": ["checkpointing", "inner_optim", "run"],
+        "max_steps": ["checkpointing", "data", "inner_optim", "run"],  # the data plan: max_steps steps
         "output_dir": ["checkpointing", "observability"],
         "overlap_communication": ["checkpointing", "sync_codec"],
-        "ranks_per_replica": ["checkpointing", "placement"],
+        "ranks_per_replica": ["checkpointing", "data", "placement"],  # each rank's share of the plan
         "seed": ["checkpointing", "data", "model"],
+        "seq_len": ["data", "model"],  # a built model's positions
     }
 
 

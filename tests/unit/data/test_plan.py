@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import DataSection
 from diloco_ray.data import plan as data
 from diloco_ray.data import samples, sources
 from diloco_ray.errors import ConfigError, DataError
@@ -24,11 +25,11 @@ MODEL = {
 }
 
 
-def make(**kw) -> TrainerConfig:
+def make(**kw) -> DataSection:
     base = dict(model_config=MODEL, tokenizer_name="builtin:char", seq_len=16)
     if "json_file_path" not in kw and "dataset_name" not in kw:
         base["dataset_name"] = "builtin:arithmetic"
-    return TrainerConfig(**{**base, **kw})
+    return TrainerConfig(**{**base, **kw}).sections().data
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +138,7 @@ def test_cursor_dict_round_trip():
 
 def test_rank_batches_two_ranks_cover_the_round_exactly():
     cfg = make(ranks_per_replica=2, grad_accum=2, batch_size=3, max_steps=2, seed=9)
-    assert cfg.sequences_per_replica_round == 24
+    assert data.sequences_per_step(cfg) * cfg.max_steps == 24
     num_blocks, start = 30, 11
     per_rank = [data.rank_batches([(start, 24)], cfg, r, num_blocks) for r in range(2)]
     for batches in per_rank:

@@ -43,7 +43,7 @@ def qa_file(path, n=40):
 def make(**kw):
     fields = dict(model_config=TINY, seq_len=16, batch_size=2, split_ratio=0.1)
     fields.update(kw)
-    return TrainerConfig(**fields)
+    return TrainerConfig(**fields).sections().data
 
 
 def test_completion_only_labels_token_by_token(tmp_path, tok):
