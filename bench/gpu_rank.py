@@ -60,7 +60,7 @@ def main() -> None:
     tok = tokenization.char_tokenizer()
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    model = modeling.build_model(cfg, tok, "cuda")
+    model = modeling.build_model(cfg.sections().model, cfg.sections().peft, tok, "cuda")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t0
     params = dict(modeling.trained_parameters(model))

@@ -147,7 +147,8 @@ def steady_sync(rounds: list[dict]) -> tuple[float, float]:
 
 
 def trained_params(cfg: TrainerConfig) -> int:
-    model = modeling.build_model(cfg, tokenization.load_tokenizer(cfg))
+    sections = cfg.sections()
+    model = modeling.build_model(sections.model, sections.peft, tokenization.load_tokenizer(sections.model))
     return sum(p.numel() for _, p in modeling.trained_parameters(model))
 
 

@@ -49,6 +49,12 @@ def tiny_config(output_dir, **overrides) -> TrainerConfig:
     return TrainerConfig(**fields)
 
 
+def model_parts(cfg: TrainerConfig) -> tuple:
+    """``(model section, peft section)`` of ``cfg``: what ``build_model`` and ``meta_model`` take."""
+    sections = cfg.sections()
+    return sections.model, sections.peft
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """One local Ray instance per test module, with more logical CPUs than cores: always a

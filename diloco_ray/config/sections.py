@@ -308,6 +308,8 @@ class CheckpointSection:
     Args:
         output_dir, overwrite_output_dir, checkpoint_steps, save_total_limit, resume_from,
         final_shard_mb, merge_adapter: the config fields of those names.
+        sync_mode, num_param_servers, sync_fragments: the layout of the servers' state a
+            checkpoint records and a resume must match.
         max_steps: the inner steps of a round, the unit ``checkpoint_steps`` counts in.
         ranks_per_replica, seed: what wrote a checkpoint, recorded in its manifest.
         overlap_communication: with ``sync_fragments``, whether a rank's weights stay apart
@@ -321,6 +323,9 @@ class CheckpointSection:
     resume_from: Optional[str]
     final_shard_mb: float
     merge_adapter: bool
+    sync_mode: Literal["sync", "decoupled"]
+    num_param_servers: int
+    sync_fragments: int
     max_steps: int
     ranks_per_replica: Union[int, list]
     seed: int

@@ -130,7 +130,7 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
     holder = None if storage.is_remote(cfg.output_dir) else lock_holder(cfg.output_dir)
     if holder is not None:
         raise ConfigError(in_use_message(cfg.output_dir, holder))
-    if cfg.overwrite_output_dir or (resuming and resumes_own_run(cfg)):
+    if cfg.overwrite_output_dir or (resuming and resumes_own_run(cfg.sections().checkpointing)):
         return
 
     mirror = storage.for_output_dir(cfg.output_dir)

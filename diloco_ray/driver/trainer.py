@@ -101,7 +101,8 @@ class DilocoFSDPTrainer:
         self.records: list[dict] = []
         self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
-        self.run_dir = RunFolder(config)  # output_dir: a folder, or a bucket and its staging copy
+        # output_dir: a folder, or a bucket and its staging copy
+        self.run_dir = RunFolder(config.sections().checkpointing, config.log_dir)
         self.inflight_root = self.run_dir.inflight
         # metrics.jsonl, the Ray dashboard, the callbacks; the ranks' step events
         self.events = RunEvents(self, self.callbacks, lambda: self.round_index)
@@ -183,7 +184,8 @@ class DilocoFSDPTrainer:
         replicas."""
         cfg = self.config
         # Everything that can be checked without Ray is checked before Ray starts.
-        resume = resolve_resume(cfg.resume_from, cfg) if cfg.resume_from else None
+        s = cfg.sections()
+        resume = resolve_resume(cfg.resume_from, s.checkpointing, s.model, s.peft) if cfg.resume_from else None
         preflight.check(cfg, resuming=resume is not None)
         self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)
@@ -393,7 +395,8 @@ class DilocoFSDPTrainer:
             if self.members.first_answer(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
                 raise RuntimeError("no replica is left to write final/")
             return path
-        return final_save.save_from_servers(self.config, path, self.server.tensor, self.shapes)
+        model, peft, shard_mb = self.config.sections().model, self.config.sections().peft, self.config.final_shard_mb
+        return final_save.save_from_servers(model, peft, shard_mb, path, self.server.tensor, self.shapes)
 
     def shutdown(self) -> None:
         """Stop replicas and server; stop Ray if this trainer started it."""

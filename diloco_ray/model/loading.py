@@ -14,14 +14,15 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import ModelSection, PeftSection
 from diloco_ray.errors import ConfigError, first_line
 from diloco_ray.model import hf_init
 from diloco_ray.model import meta_init as model_init
 
 
 def build_model(
-    config: TrainerConfig,
+    model: ModelSection,
+    peft: PeftSection,
     tokenizer,
     device: str | torch.device = "cpu",
     shard: Callable[[nn.Module], None] | None = None,
@@ -32,86 +33,87 @@ def build_model(
 
     ``model_name`` loads pretrained weights (hub id or folder); ``model_config`` builds a
     fresh model of that architecture, with the vocabulary sized to the tokenizer and the
-    values ``torch.manual_seed(config.seed)`` and ``AutoModelForCausalLM.from_config``
+    values ``torch.manual_seed(model.seed)`` and ``AutoModelForCausalLM.from_config``
     give (a PEFT adapter: seeded per module). Either way the model is built on the meta device, handed to
     ``shard`` (FSDP's ``fully_shard``) before any storage exists, and only then are its
     rows allocated on ``device`` and filled, one parameter at a time (see
     :mod:`diloco_ray.model.meta_init`): no rank ever holds the whole model.
 
     Args:
-        config: the job's config.
+        model: the job's model section (which model, how it is computed, its seed).
+        peft: the job's PEFT section (the adapter trained instead of all weights, if any).
         tokenizer: sizes the vocabulary of a ``model_config`` model.
         device: where the parameters live.
         shard: called with the empty (meta) model; must leave each parameter holding
             the rows ``shard_rows(rows, world_size, rank)`` (as ``fully_shard`` does).
         world_size, rank: this rank's place among the ranks ``shard`` splits over.
     """
-    build, folder = _factory(config, tokenizer)
+    build, folder = _factory(model, tokenizer)
     reader = model_init.CheckpointRows(folder) if folder is not None else None
-    if config.model_name is not None and reader is None:
+    if model.model_name is not None and reader is None:
         # No safetensors weights (a .bin checkpoint): no rows to read, so load it whole.
-        model = _adapt(_load_whole(config), config)
+        whole = _adapt(_load_whole(model), model, peft)
         if shard is not None:
-            shard(model)
-        return model.to(device)
-    live, template, schedule = _meta_models(build, reader, config)
+            shard(whole)
+        return whole.to(device)
+    live, template, schedule = _meta_models(build, reader, model, peft)
     if shard is not None:
         shard(live)
     live.to_empty(device=device)
     if hasattr(_base(live), "tie_weights"):
         _base(live).tie_weights()  # to_empty may have replaced a tied parameter
-    model_init.fill(live, template, config.seed, reader, world_size, rank, schedule)
+    model_init.fill(live, template, model.seed, reader, world_size, rank, schedule)
     return live
 
 
 def _meta_models(
-    build: Callable[[], nn.Module], reader: model_init.CheckpointRows | None, config: TrainerConfig
+    build: Callable[[], nn.Module], reader: model_init.CheckpointRows | None, model: ModelSection, peft: PeftSection
 ) -> tuple[nn.Module, nn.Module, list | None]:
     """``(live, template, schedule)`` on the meta device: the model to shard and fill, the
     one :func:`meta_init.fill` takes shapes and values from, and (built from a config) the
     draws transformers made building the template. Sets ``reader``'s name prefix."""
     try:
-        live = _adapt(model_init.meta_model(build), config)
+        live = _adapt(model_init.meta_model(build), model, peft)
     except ValueError as e:
         raise ConfigError(f"attn_implementation: {first_line(e)}") from None
     # From a config, the template also records the draws transformers makes building it,
     # so that the values are those of torch.manual_seed(seed) and from_config on the host.
     bare, schedule = hf_init.recorded_meta_model(build) if reader is None else (model_init.meta_model(build), None)
-    template = _adapt(bare, config)
+    template = _adapt(bare, model, peft)
     if reader is not None:
         reader.prefix = getattr(_base(template), "base_model_prefix", "")
     return live, template, schedule
 
 
-def meta_model(config: TrainerConfig, tokenizer) -> nn.Module:
+def meta_model(model: ModelSection, peft: PeftSection, tokenizer) -> nn.Module:
     """The configured model (with its PEFT adapter) on the meta device: its config,
     names and shapes, no weights."""
-    build, _ = _factory(config, tokenizer, download=False)
-    return _adapt(model_init.meta_model(build), config)
+    build, _ = _factory(model, tokenizer, download=False)
+    return _adapt(model_init.meta_model(build), model, peft)
 
 
-def _factory(config: TrainerConfig, tokenizer, download: bool = True) -> tuple[Callable[[], nn.Module], str | None]:
+def _factory(model: ModelSection, tokenizer, download: bool = True) -> tuple[Callable[[], nn.Module], str | None]:
     """(a function that builds the bare model, the checkpoint folder to read or None;
     None too without ``download``)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
-    if config.model_name is not None:
-        folder = model_init.checkpoint_folder(config.model_name) if download else None
+    extra = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
+    if model.model_name is not None:
+        folder = model_init.checkpoint_folder(model.model_name) if download else None
         try:
-            hf_config = AutoConfig.from_pretrained(config.model_name)
+            hf_config = AutoConfig.from_pretrained(model.model_name)
         except (OSError, ValueError) as e:
             raise ConfigError(
-                f"model_name: cannot load a causal LM from '{config.model_name}': {first_line(e)}"
+                f"model_name: cannot load a causal LM from '{model.model_name}': {first_line(e)}"
             ) from None
         return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), folder
-    arch = dict(config.model_config)
+    arch = dict(model.model_config)
     model_type = arch.pop("model_type")
     arch.setdefault("vocab_size", len(tokenizer))
     arch.setdefault("pad_token_id", tokenizer.pad_token_id)
     arch.setdefault("eos_token_id", tokenizer.eos_token_id)
     arch.setdefault("bos_token_id", tokenizer.bos_token_id)
-    arch.setdefault("max_position_embeddings", config.seq_len)
+    arch.setdefault("max_position_embeddings", model.seq_len)
     try:
         hf_config = AutoConfig.for_model(model_type, **arch)
     except (ValueError, TypeError) as e:
@@ -119,15 +121,15 @@ def _factory(config: TrainerConfig, tokenizer, download: bool = True) -> tuple[C
     return (lambda: AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32, **extra)), None
 
 
-def _load_whole(config: TrainerConfig) -> nn.Module:
+def _load_whole(model: ModelSection) -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    extra = {"attn_implementation": config.attn_implementation} if config.attn_implementation else {}
+    extra = {"attn_implementation": model.attn_implementation} if model.attn_implementation else {}
     try:
-        return AutoModelForCausalLM.from_pretrained(config.model_name, dtype=torch.float32, **extra)
+        return AutoModelForCausalLM.from_pretrained(model.model_name, dtype=torch.float32, **extra)
     except (OSError, ValueError) as e:
-        field = "attn_implementation" if config.attn_implementation and "attn" in str(e).lower() else "model_name"
-        raise ConfigError(f"{field}: cannot load a causal LM from '{config.model_name}': {first_line(e)}") from None
+        field = "attn_implementation" if model.attn_implementation and "attn" in str(e).lower() else "model_name"
+        raise ConfigError(f"{field}: cannot load a causal LM from '{model.model_name}': {first_line(e)}") from None
 
 
 def _base(model: nn.Module) -> nn.Module:
@@ -135,34 +137,34 @@ def _base(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _adapt(model: nn.Module, config: TrainerConfig) -> nn.Module:
+def _adapt(net: nn.Module, model: ModelSection, peft: PeftSection) -> nn.Module:
     """Gradient checkpointing and the PEFT adapter, as configured."""
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if not config.use_peft:
-        return model
+    if model.gradient_checkpointing:
+        net.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if not peft.use_peft:
+        return net
     from peft import IA3Config, LoraConfig, get_peft_model
 
-    if config.peft_type == "LORA":
+    if peft.peft_type == "LORA":
         peft_config = LoraConfig(
-            r=config.lora_r,
-            lora_alpha=config.lora_alpha,
-            lora_dropout=config.lora_dropout,
-            target_modules=config.target_modules,
-            bias=config.peft_bias,
+            r=peft.lora_r,
+            lora_alpha=peft.lora_alpha,
+            lora_dropout=peft.lora_dropout,
+            target_modules=peft.target_modules,
+            bias=peft.peft_bias,
             task_type="CAUSAL_LM",
         )
     else:
         # IA3 scales feed-forward inputs, other modules' outputs; name them when targets are given.
-        ff = [m for m in (config.target_modules or []) if m in _FEEDFORWARD_NAMES]
+        ff = [m for m in (peft.target_modules or []) if m in _FEEDFORWARD_NAMES]
         peft_config = IA3Config(
-            target_modules=config.target_modules,
-            feedforward_modules=ff if config.target_modules else None,
+            target_modules=peft.target_modules,
+            feedforward_modules=ff if peft.target_modules else None,
             task_type="CAUSAL_LM",
         )
     try:
         # On a meta model the adapter's values are set later (model_init.fill).
-        return get_peft_model(model, peft_config)
+        return get_peft_model(net, peft_config)
     except ValueError as e:
         raise ConfigError(f"target_modules: {first_line(e)}") from None
 

@@ -26,6 +26,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from diloco_ray.config.sections import ModelSection, PeftSection
+
 # What one tensor's rows look like when fetched: (first row, fp32 rows) per server holding some.
 Fetch = Callable[[str], np.ndarray]
 
@@ -156,26 +158,31 @@ def save_adapter(folder: str, peft_meta, tokenizer, adapter: Mapping[str, torch.
 
 
 def save_from_servers(
-    config, path: str, tensor: Callable[[str, tuple], np.ndarray], shapes: Mapping[str, tuple]
+    model: ModelSection,
+    peft: PeftSection,
+    final_shard_mb: float,
+    path: str,
+    tensor: Callable[[str, tuple], np.ndarray],
+    shapes: Mapping[str, tuple],
 ) -> str:
-    """Write ``final/`` at ``path`` from the servers: the model as sharded safetensors (or the
-    PEFT adapter), one tensor at a time through ``tensor(name, shape)``, written to a
-    scratch folder and published whole (a bucket's ``final/`` appears complete or not at all)."""
+    """Write ``final/`` at ``path`` from the servers: the model as sharded safetensors of at
+    most ``final_shard_mb`` each (or the PEFT adapter), one tensor at a time through
+    ``tensor(name, shape)``, written to a scratch folder and published whole (a bucket's
+    ``final/`` appears complete or not at all). ``model`` and ``peft`` are the job's
+    sections: they build the model (on the meta device) whose layout is written."""
     from diloco_ray.data import tokenization
     from diloco_ray.model import loading as modeling
     from diloco_ray.persist import staging
 
-    tokenizer = tokenization.load_tokenizer(config)
-    model = modeling.meta_model(config, tokenizer)
+    tokenizer = tokenization.load_tokenizer(model)
+    meta = modeling.meta_model(model, peft, tokenizer)
 
     def write(folder: str) -> None:
-        if config.use_peft:
+        if peft.use_peft:
             adapter = {n: torch.from_numpy(tensor(n, s)) for n, s in shapes.items()}
-            save_adapter(folder, model, tokenizer, adapter)
+            save_adapter(folder, meta, tokenizer, adapter)
         else:
-            save_model(
-                folder, model, tokenizer, shapes, lambda n: tensor(n, shapes[n]), int(config.final_shard_mb * 2**20)
-            )
+            save_model(folder, meta, tokenizer, shapes, lambda n: tensor(n, shapes[n]), int(final_shard_mb * 2**20))
 
     modeling.write_atomically(staging.scratch(path), write)
     staging.publish_tree(path)

@@ -15,7 +15,7 @@ import os
 import time
 from typing import Optional
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import CheckpointSection, ModelSection, PeftSection
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist import checkpoint, cloud_checkpoint, storage
 
@@ -40,14 +40,18 @@ class RunFolder:
     """Where a run's outputs go.
 
     Args:
-        config: the job; its ``output_dir`` is a folder or an ``s3://``/``gs://`` URI.
+        checkpointing: the job's checkpointing section; its ``output_dir`` is a folder or an
+            ``s3://``/``gs://`` URI (``overwrite_output_dir`` and ``resume_from`` decide
+            what :meth:`prepare` clears).
+        log_dir: the job's ``log_dir`` (None: ``logs/`` in the run folder), which
+            :meth:`publish` uploads when it lies inside the run folder.
     """
 
-    def __init__(self, config: TrainerConfig):
-        self.config = config
-        self.mirror = storage.for_output_dir(config.output_dir)
+    def __init__(self, checkpointing: CheckpointSection, log_dir: Optional[str]):
+        self.checkpointing, self.log_dir = checkpointing, log_dir
+        self.mirror = storage.for_output_dir(checkpointing.output_dir)
         # The folder the driver writes into: the run's own, or the bucket's staging copy.
-        self.local = self.mirror.local if self.mirror else config.output_dir
+        self.local = self.mirror.local if self.mirror else checkpointing.output_dir
         self.checkpoints = self.path("checkpoints")  # a folder, or a URI in a bucket
         self.inflight = os.path.join(self.local, "checkpoints", "inflight")
 
@@ -72,7 +76,7 @@ class RunFolder:
             handle.seek(0)
             holder = handle.read().strip() or "another process"
             handle.close()
-            raise ConfigError(in_use_message(self.config.output_dir, holder)) from None
+            raise ConfigError(in_use_message(self.checkpointing.output_dir, holder)) from None
         handle.seek(0)
         handle.truncate()
         handle.write(f"pid {os.getpid()} on {socket.gethostname()}")
@@ -92,13 +96,13 @@ class RunFolder:
     @property
     def name(self) -> str:
         """The run's name for trackers and Ray metrics: ``output_dir``'s last component."""
-        out = self.config.output_dir
+        out = self.checkpointing.output_dir
         return os.path.basename(out.rstrip("/") if self.remote else os.path.abspath(out)) or "diloco"
 
     def path(self, name: str) -> str:
         """Where ``name`` (e.g. ``final``) lives: an absolute folder, or a URI."""
         if self.mirror:
-            return f"{self.config.output_dir.rstrip('/')}/{name}"
+            return f"{self.checkpointing.output_dir.rstrip('/')}/{name}"
         return os.path.abspath(os.path.join(self.local, name))
 
     # ---- the driver's own files --------------------------------------------------------
@@ -108,7 +112,7 @@ class RunFolder:
         ``overwrite_output_dir``) starts a fresh one."""
         os.makedirs(self.local, exist_ok=True)
         metrics = os.path.join(self.local, "metrics.jsonl")
-        if self.config.overwrite_output_dir and not (resuming and resumes_own_run(self.config)):
+        if self.checkpointing.overwrite_output_dir and not (resuming and resumes_own_run(self.checkpointing)):
             self.clear_previous_run()
         if self.mirror and resuming:
             self.mirror.download(metrics)
@@ -142,7 +146,7 @@ class RunFolder:
         self.mirror.upload_files(
             [os.path.join(self.local, f) for f in DRIVER_FILES if os.path.exists(os.path.join(self.local, f))]
         )
-        logs = self.config.log_dir or os.path.join(self.local, "logs")
+        logs = self.log_dir or os.path.join(self.local, "logs")
         if os.path.isdir(logs) and os.path.abspath(logs).startswith(os.path.abspath(self.local) + os.sep):
             self.mirror.upload(logs)
 
@@ -205,22 +209,30 @@ class RunFolder:
             return None
 
 
-def resolve_resume(resume_from: str, config: Optional[TrainerConfig] = None) -> tuple[str, list]:
+def resolve_resume(
+    resume_from: str,
+    checkpointing: Optional[CheckpointSection] = None,
+    model: Optional[ModelSection] = None,
+    peft: Optional[PeftSection] = None,
+) -> tuple[str, list]:
     """The checkpoint to resume from (a folder or a URI) and the ones passed over.
 
-    With ``config``, a local checkpoint is also checked against the settings it must be
-    resumed with (:func:`server_state.read_meta`) and the model it holds
-    (:func:`server_state.check_model`), so a mismatch fails before Ray starts and before
-    anything in output_dir changes (a bucket's is checked as the servers load).
+    With the job's ``checkpointing`` section, a local checkpoint is also checked against the
+    settings it must be resumed with (:func:`server_state.read_meta`), and with its ``model``
+    and ``peft`` sections against the model it holds (:func:`server_state.check_model`), so
+    a mismatch fails before Ray starts and before anything in output_dir changes (a
+    bucket's is checked as the servers load).
     """
     storage.check_uri("resume_from", resume_from)  # "http://..." is a bad URI, not a missing folder
     if storage.is_remote(resume_from):
         return cloud_checkpoint.resolve_resume(resume_from)
     found = checkpoint.resolve_resume(resume_from)
-    if config is not None:
+    if checkpointing is not None:
         from diloco_ray.persist import server_state
 
-        server_state.check_model(found[0], server_state.read_meta(found[0], config), config)
+        meta = server_state.read_meta(found[0], checkpointing)
+        if model is not None:
+            server_state.check_model(found[0], meta, model, peft)
     return found
 
 
@@ -299,10 +311,10 @@ def lock_holder(output_dir: str) -> Optional[str]:
         return None
 
 
-def resumes_own_run(cfg: TrainerConfig) -> bool:
+def resumes_own_run(checkpointing: CheckpointSection) -> bool:
     """Whether ``resume_from`` points into ``output_dir`` (the run itself, its
     checkpoints folder or one of its checkpoints): the normal resume of a run."""
-    out, src = cfg.output_dir.rstrip("/"), (cfg.resume_from or "").rstrip("/")
+    out, src = checkpointing.output_dir.rstrip("/"), (checkpointing.resume_from or "").rstrip("/")
     if not storage.is_remote(out) and not storage.is_remote(src):
         out, src = os.path.realpath(out), os.path.realpath(src)
         return src == out or src.startswith(out + os.sep)

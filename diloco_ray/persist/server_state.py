@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from diloco_ray.config.sections import CheckpointSection, ModelSection, PeftSection
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist import staging, state_files
 
@@ -51,16 +52,17 @@ class SavedServer:
     outer: dict
 
 
-def read_meta(folder: str, config, index: int = 0) -> dict:
+def read_meta(folder: str, checkpointing: CheckpointSection, index: int = 0) -> dict:
     """Server ``index``'s ``server*.json`` in checkpoint ``folder``, once it is known that
-    ``config`` may resume from it: the same ``num_param_servers``, ``sync_fragments`` and
-    ``sync_mode``. The driver calls it before Ray starts, so a mismatch is one line and
-    nothing in output_dir changes; each server calls it again as it loads.
+    the job (its ``checkpointing`` section) may resume from it: the same
+    ``num_param_servers``, ``sync_fragments`` and ``sync_mode``. The driver calls it before
+    Ray starts, so a mismatch is one line and nothing in output_dir changes; each server
+    calls it again as it loads.
 
     Raises:
         ConfigError: naming the field that differs and the value the checkpoint needs.
     """
-    count = config.num_param_servers
+    count = checkpointing.num_param_servers
     meta_file = file_names(index, count)[2]
     if not any(n.startswith("server") and n.endswith(".json") for n in os.listdir(folder)):
         raise ConfigError(
@@ -84,26 +86,27 @@ def read_meta(folder: str, config, index: int = 0) -> dict:
             "resume with the value it was saved with"
         )
     saved_fragments = meta.get("sync_fragments", 1)
-    if saved_fragments != config.sync_fragments:
+    if saved_fragments != checkpointing.sync_fragments:
         raise ConfigError(
-            f"sync_fragments: {config.sync_fragments}, but checkpoint {folder} was written "
+            f"sync_fragments: {checkpointing.sync_fragments}, but checkpoint {folder} was written "
             f"with {saved_fragments}; resume with the value it was saved with"
         )
     saved_mode = meta.get("sync_mode", "sync")
-    if saved_mode != config.sync_mode:
+    if saved_mode != checkpointing.sync_mode:
         # The momentum buffers mean different things in the two modes.
         raise ConfigError(
-            f"sync_mode: {config.sync_mode}, but checkpoint {folder} was written in "
+            f"sync_mode: {checkpointing.sync_mode}, but checkpoint {folder} was written in "
             f"sync_mode: {saved_mode}; resume with the mode it was saved with"
         )
     return meta
 
 
-def check_model(folder: str, meta: dict, config) -> None:
-    """That ``config`` builds the model whose trained parameters checkpoint ``folder`` holds
-    (``meta`` is its :func:`read_meta`): the same names and shapes. Built on the meta
-    device in the driver before Ray starts, so another model fails in one line instead of
-    every replica failing to load the weights, round after round.
+def check_model(folder: str, meta: dict, model: ModelSection, peft: PeftSection) -> None:
+    """That the job's ``model`` and ``peft`` sections build the model whose trained
+    parameters checkpoint ``folder`` holds (``meta`` is its :func:`read_meta`): the same
+    names and shapes. Built on the meta device in the driver before Ray starts, so another
+    model fails in one line instead of every replica failing to load the weights, round
+    after round.
 
     Raises:
         ConfigError: naming ``resume_from``, the first parameter that differs, and the
@@ -116,8 +119,8 @@ def check_model(folder: str, meta: dict, config) -> None:
     with warnings.catch_warnings():
         # Libraries' deprecation notes (peft's wrapping, say): a check says its verdict and nothing else.
         warnings.simplefilter("ignore")
-        model = loading.meta_model(config, tokenization.load_tokenizer(config))
-    wanted = {n: list(p.shape) for n, p in loading.trained_parameters(model)}
+        built = loading.meta_model(model, peft, tokenization.load_tokenizer(model))
+    wanted = {n: list(p.shape) for n, p in loading.trained_parameters(built)}
     if wanted == saved:
         return
     name = next(n for n in [*saved, *wanted] if saved.get(n) != wanted.get(n))
@@ -139,12 +142,12 @@ class ServerCheckpoint:
 
     Args:
         index: the server's position among the ``num_param_servers``.
-        config: the job's TrainerConfig: the server count, ``sync_fragments`` and
-            ``sync_mode`` a checkpoint records and a resume must match.
+        checkpointing: the job's checkpointing section: the server count, ``sync_fragments``
+            and ``sync_mode`` a checkpoint records and a resume must match.
     """
 
-    def __init__(self, index: int, config):
-        self.index, self.config = index, config
+    def __init__(self, index: int, checkpointing: CheckpointSection):
+        self.index, self.checkpointing = index, checkpointing
 
     def save(self, where: str, store, outbox, plans) -> dict:
         """Write the server's state into ``where`` (a checkpoint being assembled: a folder or
@@ -171,17 +174,17 @@ class ServerCheckpoint:
             # Decoupled mode: in-flight plans go back into the saved cursor (their work is
             # not in these weights), so a resumed run trains them again.
             "cursor": plans.resume_cursor().to_dict(),
-            "sync_mode": self.config.sync_mode,
+            "sync_mode": self.checkpointing.sync_mode,
             "work": position["work"],
-            "count": self.config.num_param_servers,
-            "sync_fragments": self.config.sync_fragments,
+            "count": self.checkpointing.num_param_servers,
+            "sync_fragments": self.checkpointing.sync_fragments,
             "shapes": {n: list(s) for n, s in layout.shapes.items()},
         }
         return self._write(where, SavedServer(meta=meta, weights=weights, outer=outer))
 
     def _write(self, where: str, state: SavedServer) -> dict:
         folder = staging.scratch(where)
-        weights_file, outer_name, meta_file = file_names(self.index, self.config.num_param_servers)
+        weights_file, outer_name, meta_file = file_names(self.index, self.checkpointing.num_param_servers)
         state_files.save_tensors(os.path.join(folder, weights_file), state.weights)
         outer_files = state_files.save_state(folder, outer_name, state.outer)
         with open(os.path.join(folder, meta_file), "w") as f:
@@ -191,8 +194,8 @@ class ServerCheckpoint:
     def load(self, where: str) -> SavedServer:
         """What :meth:`save` wrote (a folder or a bucket URI), once :func:`read_meta` found
         that this job may resume from it."""
-        weights_file, outer_name, meta_file = file_names(self.index, self.config.num_param_servers)
+        weights_file, outer_name, meta_file = file_names(self.index, self.checkpointing.num_param_servers)
         folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
-        meta = read_meta(folder, self.config, self.index)
+        meta = read_meta(folder, self.checkpointing, self.index)
         weights = state_files.load_tensors(os.path.join(folder, weights_file))
         return SavedServer(meta=meta, weights=weights, outer=state_files.load_state(folder, outer_name))

@@ -119,10 +119,11 @@ class RankWorker:
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
             fsdp.join_process_group(master_addr, master_port, self.rank, self.world_size, self.device)
-        self.tokenizer = tokenization.load_tokenizer(cfg)
+        self.tokenizer = tokenization.load_tokenizer(cfg.sections().model)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
         shard = functools.partial(fsdp.shard, mixed_precision=cfg.mixed_precision) if self.world_size > 1 else None
-        model = modeling.build_model(cfg, self.tokenizer, self.device, shard, self.world_size, self.rank)
+        model_parts = (cfg.sections().model, cfg.sections().peft)
+        model = modeling.build_model(*model_parts, self.tokenizer, self.device, shard, self.world_size, self.rank)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
         if cfg.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
@@ -136,7 +137,7 @@ class RankWorker:
         self.state = RankState(self.params, self.sync, sections.inner_optim, cfg.mixed_precision, *here, self.streamed)
         self.tokens = load_tokens(cfg, self.tokenizer, token_data)
         self.batches = RankBatches(cfg, self.tokens, *here)
-        fresh_model = functools.partial(modeling.build_model, cfg, self.tokenizer)
+        fresh_model = functools.partial(modeling.build_model, *model_parts, self.tokenizer)
         self.output = RankOutput(
             *(sections.evaluation, sections.data, model, self.params, self.sync, self.tokens, self.tokenizer),
             *(fresh_model, *here, self.streamed, self._autocast),

@@ -82,7 +82,7 @@ class ParameterServer:
         host_memory.fix_mmap_threshold(host_memory.SERVER_THRESHOLD)
         self.decoupled = self.config.sync_mode == "decoupled"
         self.plans = PlanLedger(self.config.sequences_for, owner=f"server {index}")
-        self.checkpoint = ServerCheckpoint(index, self.config)
+        self.checkpoint = ServerCheckpoint(index, self.config.sections().checkpointing)
         # The parts that know the model's rows come with its shapes (initialize or load).
         self.layout: Optional[SliceLayout] = None
         self.codec: Optional[SliceCodec] = None

@@ -149,7 +149,8 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_survives(ray_address, t
 
     # The last good checkpoint verifies and loads with the project's own code...
     assert checkpoint.latest_valid(str(out / "checkpoints")) == (str(first), [])
-    assert run_folder.resolve_resume(str(out), cfg) == (str(first), [])
+    s = cfg.sections()
+    assert run_folder.resolve_resume(str(out), s.checkpointing, s.model, s.peft) == (str(first), [])
     assert state_files.load_state(str(first), "outer")["round"] == 0
     shapes = json.loads((first / "server.json").read_text())["shapes"]
     weights = state_files.load_tensors(str(first / "global.safetensors"))

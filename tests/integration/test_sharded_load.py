@@ -16,7 +16,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from conftest import peak_rss, reset_peak_rss
+from conftest import model_parts, peak_rss, reset_peak_rss
 
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.schema import TrainerConfig
@@ -89,7 +89,7 @@ def built(tmp_path_factory):
     """Both ranks' rows and memory growth for each job, plus the unsharded builds."""
     folder = str(tmp_path_factory.mktemp("ckpt"))
     tok = tokenization.char_tokenizer()
-    source = modeling.build_model(config(model_config=SMALL, seed=11), tok)
+    source = modeling.build_model(*model_parts(config(model_config=SMALL, seed=11)), tok)
     source.to(torch.bfloat16).save_pretrained(folder)  # a bf16 checkpoint, as hub models ship
     tok.save_pretrained(folder)
     # The first build pays for imports and data (a rank's fixed overhead), so the second
@@ -102,7 +102,10 @@ def built(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ranks"))
     mp.start_processes(_rank, args=(_free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
-    whole = [modeling.build_model(config(**job), tokenization.load_tokenizer(config(**job))) for job in jobs]
+    whole = [
+        modeling.build_model(*model_parts(config(**job)), tokenization.load_tokenizer(config(**job).sections().model))
+        for job in jobs
+    ]
     return jobs, ranks, whole
 
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import ray
 import torch
-from conftest import tiny_config
+from conftest import model_parts, tiny_config
 from safetensors.torch import load_file
 
 from diloco_ray import DilocoFSDPTrainer
@@ -124,9 +124,9 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     got = load_file(os.path.join(result.final_path, "model.safetensors"))
 
     torch.set_num_threads(1)
-    tok = tokenization.load_tokenizer(cfg)
-    tokens = samples.load_token_data(cfg, tok)
-    model = modeling.build_model(cfg, tok)
+    tok = tokenization.load_tokenizer(cfg.sections().model)
+    tokens = samples.load_token_data(cfg.sections().data, tok)
+    model = modeling.build_model(*model_parts(cfg), tok)
     params = [p for _, p in modeling.trained_parameters(model)]
     opt = build_inner_optimizer(params, cfg.sections().inner_optim)
     named = modeling.trained_parameters(model)
@@ -136,7 +136,7 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
     for r in range(cfg.diloco_loops):
         start = r * cfg.sequences_per_replica_round
         plan = [(start, cfg.sequences_per_replica_round)]
-        for t, micro in enumerate(data.rank_batches(plan, cfg, 0, len(tokens.train))):
+        for t, micro in enumerate(data.rank_batches(plan, cfg.sections().data, 0, len(tokens.train))):
             for g in opt.param_groups:
                 g["lr"] = inner_lr_at(r * cfg.max_steps + t, cfg.sections().inner_optim)
             for idx in micro:

@@ -23,7 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, model_parts
 
 from diloco_ray import cli
 
@@ -214,7 +214,7 @@ def tiny_model_shapes() -> dict:
     from diloco_ray.model import loading
 
     config = TrainerConfig.from_yaml(TINY)
-    model = loading.meta_model(config, tokenization.load_tokenizer(config))
+    model = loading.meta_model(*model_parts(config), tokenization.load_tokenizer(config.sections().model))
     return {n: list(p.shape) for n, p in loading.trained_parameters(model)}
 
 

@@ -84,7 +84,7 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
                 "import sys, time; from diloco_ray.config import TrainerConfig\n"
                 "from diloco_ray.persist.run_folder import RunFolder\n"
                 f"config = TrainerConfig.from_yaml({TINY!r}, overrides={{'output_dir': {str(out)!r}}})\n"
-                "held = RunFolder(config); held.lock()\n"
+                "held = RunFolder(config.sections().checkpointing, config.log_dir); held.lock()\n"
                 "print('locked', flush=True); time.sleep(60)"
             ),
         ],
@@ -101,7 +101,8 @@ def test_a_second_run_on_a_locked_output_dir_is_refused_and_a_dead_holder_frees_
     finally:
         holder.send_signal(signal.SIGKILL)  # a crash: no clean-up
         holder.wait()
-    folder = RunFolder(TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out)}))
+    config = TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out)})
+    folder = RunFolder(config.sections().checkpointing, config.log_dir)
     deadline = time.time() + 5
     while True:  # the kernel released the dead holder's lock
         try:
@@ -139,7 +140,7 @@ def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
     (out / "notes.txt").write_text("the user's own file")
     assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is not None
     cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": str(out), "overwrite_output_dir": True})
-    RunFolder(cfg).prepare(resuming=False)
+    RunFolder(cfg.sections().checkpointing, cfg.log_dir).prepare(resuming=False)
     assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is None
     assert sorted(os.listdir(out)) == ["notes.txt"]
     # Resuming the run itself with overwrite_output_dir set keeps what it resumes from.
@@ -147,7 +148,7 @@ def test_overwrite_output_dir_leaves_no_old_checkpoint_behind(tmp_path):
     cfg = TrainerConfig.from_yaml(
         TINY, overrides={"output_dir": str(out), "overwrite_output_dir": True, "resume_from": str(out)}
     )
-    RunFolder(cfg).prepare(resuming=True)
+    RunFolder(cfg.sections().checkpointing, cfg.log_dir).prepare(resuming=True)
     assert checkpoint.latest_valid(str(out / "checkpoints"))[0] is not None
 
 

@@ -108,7 +108,7 @@ def test_train_on_a_full_disk_is_one_line_exit_1_and_drops_the_half_checkpoint(t
 
     class FullDiskTrainer:
         def __init__(self, config, callbacks, stop_on_sigterm):
-            self.run_dir = RunFolder(config)
+            self.run_dir = RunFolder(config.sections().checkpointing, config.log_dir)
 
         def train(self):
             raise RayTaskError("ParameterServer.save", "Traceback: remote", failed).as_instanceof_cause()

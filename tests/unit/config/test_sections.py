@@ -46,11 +46,14 @@ def test_a_field_is_shared_only_where_two_parts_read_it():
     assert shared == {
         "diloco_loops": ["inner_optim", "outer_optim", "run"],
         "max_steps": ["checkpointing", "data", "inner_optim", "run"],  # the data plan: max_steps steps
+        "num_param_servers": ["checkpointing", "placement"],  # a checkpoint's layout, as resumed
         "output_dir": ["checkpointing", "observability"],
         "overlap_communication": ["checkpointing", "sync_codec"],
         "ranks_per_replica": ["checkpointing", "data", "placement"],  # each rank's share of the plan
         "seed": ["checkpointing", "data", "model"],
         "seq_len": ["data", "model"],  # a built model's positions
+        "sync_fragments": ["checkpointing", "sync_codec"],
+        "sync_mode": ["checkpointing", "run"],
     }
 
 

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from conftest import model_parts
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data.tokenization import char_tokenizer, load_tokenizer
@@ -83,7 +84,7 @@ def test_char_tokenizer_save_and_reload(tmp_path, tok):
 
 
 def test_load_tokenizer_builtin(tok):
-    t = load_tokenizer(make())
+    t = load_tokenizer(make().sections().model)
     assert t.eos_token_id == 1 and t.pad_token_id == 0
     assert t("1+1=2", add_special_tokens=False)["input_ids"] == tok("1+1=2", add_special_tokens=False)["input_ids"]
 
@@ -92,7 +93,7 @@ def test_load_tokenizer_builtin(tok):
 
 
 def test_build_model_from_config(tok):
-    model = build_model(make(seed=3), tok)
+    model = build_model(*model_parts(make(seed=3)), tok)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.get_input_embeddings().weight.shape == (len(tok), 32)
     assert model.get_output_embeddings().weight.shape == (len(tok), 32)
@@ -106,9 +107,9 @@ def test_build_model_from_config(tok):
 
 
 def test_build_model_seeded(tok):
-    a = build_model(make(seed=7), tok).state_dict()
-    b = build_model(make(seed=7), tok).state_dict()
-    c = build_model(make(seed=8), tok).state_dict()
+    a = build_model(*model_parts(make(seed=7)), tok).state_dict()
+    b = build_model(*model_parts(make(seed=7)), tok).state_dict()
+    c = build_model(*model_parts(make(seed=8)), tok).state_dict()
     assert state_equal(a, b)
     w = "model.layers.0.self_attn.q_proj.weight"
     assert not torch.equal(a[w], c[w])
@@ -119,18 +120,18 @@ def test_build_model_does_not_disturb_global_rng(tok):
     torch.manual_seed(123)
     expected = torch.rand(3)
     torch.manual_seed(123)
-    build_model(make(), tok)
+    build_model(*model_parts(make()), tok)
     assert torch.equal(torch.rand(3), expected)
 
 
 def test_build_model_explicit_vocab_kept(tok):
-    model = build_model(make(model_config={**MODEL, "vocab_size": 128}), tok)
+    model = build_model(*model_parts(make(model_config={**MODEL, "vocab_size": 128})), tok)
     assert model.get_input_embeddings().weight.shape[0] == 128
 
 
 def test_build_model_bad_architecture(tok):
     with pytest.raises(ConfigError) as ei:
-        build_model(make(model_config={"model_type": "not-a-real-arch", "hidden_size": 8}), tok)
+        build_model(*model_parts(make(model_config={"model_type": "not-a-real-arch", "hidden_size": 8})), tok)
     assert str(ei.value).startswith("model_config:")
 
 
@@ -149,18 +150,18 @@ def saved_model(tmp_path, tok):
 def test_load_from_folder(saved_model, tok):
     folder, weights = saved_model
     cfg = TrainerConfig(model_name=folder, dataset_name="builtin:arithmetic", seq_len=16)
-    t = load_tokenizer(cfg)
+    t = load_tokenizer(cfg.sections().model)
     text = "12+35=47\n"
     assert t(text, add_special_tokens=False)["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
     assert t.eos_token_id == 1
-    model = build_model(cfg, t)
+    model = build_model(*model_parts(cfg), t)
     assert type(model).__name__ == "LlamaForCausalLM"
     assert state_equal(model.state_dict(), weights)
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
 def test_load_tokenizer_defaults_to_builtin_char_for_model_config(tok):
-    t = load_tokenizer(make(tokenizer_name=None))
+    t = load_tokenizer(make(tokenizer_name=None).sections().model)
     assert len(t) == len(tok) and t.eos_token_id == 1
     assert t("9+9=18", add_special_tokens=False)["input_ids"] == tok("9+9=18", add_special_tokens=False)["input_ids"]
 
@@ -168,13 +169,13 @@ def test_load_tokenizer_defaults_to_builtin_char_for_model_config(tok):
 def test_model_name_wins_over_model_config(saved_model, tok):
     folder, weights = saved_model
     cfg = TrainerConfig(model_name=folder, model_config={**MODEL, "hidden_size": 64}, dataset_name="builtin:arithmetic")
-    assert state_equal(build_model(cfg, tok).state_dict(), weights)
+    assert state_equal(build_model(*model_parts(cfg), tok).state_dict(), weights)
 
 
 def test_tokenizer_name_overrides_model_name(saved_model):
     folder, _ = saved_model
     cfg = TrainerConfig(model_name=folder, tokenizer_name="builtin:char", dataset_name="builtin:arithmetic")
-    assert load_tokenizer(cfg).eos_token_id == 1
+    assert load_tokenizer(cfg.sections().model).eos_token_id == 1
 
 
 offline = pytest.mark.skipif(
@@ -188,10 +189,10 @@ def test_missing_model_folder(tmp_path, tok):
     missing = str(tmp_path / "no-such-model")
     cfg = TrainerConfig(model_name=missing, dataset_name="builtin:arithmetic")
     with pytest.raises(ConfigError) as ei:
-        load_tokenizer(cfg)
+        load_tokenizer(cfg.sections().model)
     assert str(ei.value).startswith("model_name:") and missing in str(ei.value)
     with pytest.raises(ConfigError) as ei:
-        build_model(cfg, tok)
+        build_model(*model_parts(cfg), tok)
     assert str(ei.value).startswith("model_name:") and missing in str(ei.value)
     assert "\n" not in str(ei.value)
 
@@ -202,7 +203,7 @@ def test_missing_tokenizer_names_tokenizer_name(tmp_path, saved_model):
     missing = str(tmp_path / "no-such-tokenizer")
     cfg = TrainerConfig(model_name=folder, tokenizer_name=missing, dataset_name="builtin:arithmetic")
     with pytest.raises(ConfigError) as ei:
-        load_tokenizer(cfg)
+        load_tokenizer(cfg.sections().model)
     assert str(ei.value).startswith("tokenizer_name:") and missing in str(ei.value)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import model_parts
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data.tokenization import char_tokenizer
@@ -40,7 +41,7 @@ def transformers_build(cfg: TrainerConfig, tok) -> torch.nn.Module:
 def test_values_are_transformers_own_for_the_seed(arch):
     tok = char_tokenizer()
     cfg = make(ARCHS[arch], seed=3)
-    got = loading.build_model(cfg, tok).state_dict()
+    got = loading.build_model(*model_parts(cfg), tok).state_dict()
     want = transformers_build(cfg, tok).state_dict()
     assert got.keys() == want.keys()
     different = [k for k in want if not torch.equal(got[k], want[k])]
@@ -50,7 +51,7 @@ def test_values_are_transformers_own_for_the_seed(arch):
 def test_base_model_under_a_lora_adapter_is_transformers_own():
     tok = char_tokenizer()
     cfg = make(ARCHS["llama_tied"], seed=4, use_peft=True, target_modules=["q_proj", "down_proj"])
-    model = loading.build_model(cfg, tok)
+    model = loading.build_model(*model_parts(cfg), tok)
     base = {k.replace(".base_layer", ""): v for k, v in model.get_base_model().state_dict().items() if "lora_" not in k}
     want = transformers_build(cfg, tok).state_dict()
     assert base.keys() == want.keys()

@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from conftest import model_parts
 from transformers import AutoModelForCausalLM
 
 from diloco_ray.algo import partition
@@ -54,11 +55,16 @@ def servers_of(weights: dict, count: int):
 @pytest.mark.parametrize("tied", [False, True])
 def test_sharded_final_loads_with_from_pretrained_and_equals_the_servers(tmp_path, tied):
     cfg = config(tmp_path, model_config={**ARCH, "tie_word_embeddings": tied})
-    tok = tokenization.load_tokenizer(cfg)
-    weights = {n: p.detach().numpy().copy() for n, p in modeling.trained_parameters(modeling.build_model(cfg, tok))}
+    tok = tokenization.load_tokenizer(cfg.sections().model)
+    weights = {
+        n: p.detach().numpy().copy()
+        for n, p in modeling.trained_parameters(modeling.build_model(*model_parts(cfg), tok))
+    }
     shapes, fetch, calls = servers_of(weights, 2)
     folder = str(tmp_path / "final")
-    final_save.save_model(folder, modeling.meta_model(cfg, tok), tok, shapes, fetch, max_shard_bytes=40_000)
+    final_save.save_model(
+        folder, modeling.meta_model(*model_parts(cfg), tok), tok, shapes, fetch, max_shard_bytes=40_000
+    )
     index = json.load(open(os.path.join(folder, final_save.WEIGHTS_INDEX)))
     assert len(set(index["weight_map"].values())) >= 3 and set(index["weight_map"]) == set(weights)
     assert calls == list(weights)  # each tensor fetched once, in order: one at a time
@@ -88,12 +94,12 @@ def test_adapter_written_by_peft_loads_and_equals(tmp_path):
     from peft import PeftModel
 
     cfg = config(tmp_path, use_peft=True, target_modules=["q_proj", "v_proj"])
-    tok = tokenization.load_tokenizer(cfg)
-    trained = modeling.build_model(cfg, tok)
+    tok = tokenization.load_tokenizer(cfg.sections().model)
+    trained = modeling.build_model(*model_parts(cfg), tok)
     adapter = {n: p.detach().clone() + 0.5 for n, p in modeling.trained_parameters(trained)}  # "trained" values
     folder = str(tmp_path / "final")
-    final_save.save_adapter(folder, modeling.meta_model(cfg, tok), tok, adapter)
+    final_save.save_adapter(folder, modeling.meta_model(*model_parts(cfg), tok), tok, adapter)
     assert os.path.exists(os.path.join(folder, "adapter_config.json"))
-    base = modeling.build_model(config(tmp_path), tok)
+    base = modeling.build_model(*model_parts(config(tmp_path)), tok)
     loaded = dict(PeftModel.from_pretrained(base, folder).named_parameters())
     assert all(torch.equal(loaded[n], t) for n, t in adapter.items())
