@@ -135,8 +135,8 @@ class RankWorker:
         self.weights = RankWeights(self.sync, self.params)
         here = (self.rank, self.world_size, self.device)
         self.state = RankState(self.params, self.sync, sections.inner_optim, cfg.mixed_precision, *here, self.streamed)
-        self.tokens = load_tokens(cfg, self.tokenizer, token_data)
-        self.batches = RankBatches(cfg, self.tokens, *here)
+        self.tokens = load_tokens(sections.data, self.tokenizer, token_data)
+        self.batches = RankBatches(sections.data, self.tokens, *here)
         fresh_model = functools.partial(modeling.build_model, *model_parts, self.tokenizer)
         self.output = RankOutput(
             *(sections.evaluation, sections.data, model, self.params, self.sync, self.tokens, self.tokenizer),

@@ -15,20 +15,21 @@ import time
 import numpy as np
 import torch
 
-from diloco_ray.data import plan as data
+from diloco_ray.config.sections import DataSection
+from diloco_ray.data import plan as data_plan
 from diloco_ray.data import samples
 
 
-def load_tokens(config, tokenizer, shared: list | None) -> samples.TokenData:
+def load_tokens(data: DataSection, tokenizer, shared: list | None) -> samples.TokenData:
     """The job's tokens as this rank reads them: a stream it reads round by round
     (``streaming``), the driver's tokenising task's arrays (``shared``: ``[ref]``), or, with
     neither, tokenised here."""
-    if config.streaming:
-        reader, evals = samples.open_stream(config, tokenizer)
-        empty = samples.Samples(*(np.zeros((0, config.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
+    if data.streaming:
+        reader, evals = samples.open_stream(data, tokenizer)
+        empty = samples.Samples(*(np.zeros((0, data.seq_len), dtype=np.int64),) * 2, np.zeros(0, dtype=np.int64))
         return samples.TokenData(empty, evals, reader)
     if shared is None:
-        return samples.load_token_data(config, tokenizer)
+        return samples.load_token_data(data, tokenizer)
     import ray
 
     # Read-only arrays in the node's object store, shared by its ranks. No deadline
@@ -40,16 +41,17 @@ class RankBatches:
     """One rank's view of the training data, round by round.
 
     Args:
-        config: the job's TrainerConfig (batch shape, ``grad_accum``, ``num_workers``,
-            ``dynamic_batch``, ``group_by_length``).
+        data: the job's data section as this replica sees it: the order (``seed``,
+            ``group_by_length``), the batch shape (``batch_size``, ``grad_accum``, its
+            ``ranks_per_replica``, ``max_steps``), ``dynamic_batch`` and ``num_workers``.
         tokens: the job's tokens (:func:`load_tokens`).
         rank: this rank's index inside the replica.
         world_size: ranks in the replica (their agreement on a time budget is one all-reduce).
         device: where that all-reduce's flag lives.
     """
 
-    def __init__(self, config, tokens: samples.TokenData, rank: int, world_size: int, device: torch.device):
-        self.config, self.tokens = config, tokens
+    def __init__(self, data: DataSection, tokens: samples.TokenData, rank: int, world_size: int, device: torch.device):
+        self.data, self.tokens = data, tokens
         self.rank, self.world_size, self.device = rank, world_size, device
         self._cached: tuple | None = None  # (round key, samples, [step][micro], positions)
 
@@ -64,7 +66,7 @@ class RankBatches:
     def unused_after(self, steps_done: int) -> list:
         """The ranges of the current round's plan that its first ``steps_done`` steps did
         not read (every rank of the replica computes the same)."""
-        return data.unused_ranges(self._cached[3], steps_done, self.config)
+        return data_plan.unused_ranges(self._cached[3], steps_done, self.data)
 
     def another_step_fits(self, started: float, done: int, budget: float | None) -> bool:
         """Whether one more inner step fits in ``budget`` seconds from ``started`` (always,
@@ -86,25 +88,25 @@ class RankBatches:
         """(samples to cut from, ``[step][micro] -> indices``, stream positions in the order
         the replica reads them) for the ranges ``plan``; a streamed data set is read at the
         plan's positions first."""
-        cfg = self.config
         stream = self.tokens.stream
         if stream is None:
             train = self.tokens.train
-            indices, positions = data.plan_order(plan, cfg, len(train), train.lengths)
-            return train, data.split_for_rank(indices, cfg, self.rank), positions
-        positions = data.plan_positions(plan)
+            indices, positions = data_plan.plan_order(plan, self.data, len(train), train.lengths)
+            return train, data_plan.split_for_rank(indices, self.data, self.rank), positions
+        positions = data_plan.plan_positions(plan)
         train = stream.read(positions)
         order = np.arange(len(train))
-        if cfg.group_by_length:
-            order = data.group_by_length(order, train.lengths, data.GROUP_WINDOW_BATCHES * cfg.batch_size)
-        return train, data.split_for_rank(order, cfg, self.rank), positions[order]
+        if self.data.group_by_length:
+            window = data_plan.GROUP_WINDOW_BATCHES * self.data.batch_size
+            order = data_plan.group_by_length(order, train.lengths, window)
+        return train, data_plan.split_for_rank(order, self.data, self.rank), positions[order]
 
     def micro_batches(self, source, steps: list, first: int):
         """``(step, micro, batch)`` in order from step ``first`` on, cut from ``source``;
         by DataLoader workers when ``num_workers`` > 0, so batching overlaps the steps."""
         items = [(t, m, idx) for t in range(first, len(steps)) for m, idx in enumerate(steps[t])]
-        dynamic = self.config.dynamic_batch
-        if self.config.num_workers == 0:
+        dynamic = self.data.dynamic_batch
+        if self.data.num_workers == 0:
             for t, m, idx in items:
                 yield t, m, source.batch(idx, dynamic)
             return
@@ -112,7 +114,7 @@ class RankBatches:
             _BatchList(source, [idx for *_, idx in items], dynamic),
             batch_size=None,
             shuffle=False,
-            num_workers=self.config.num_workers,
+            num_workers=self.data.num_workers,
         )
         for (t, m, _), batch in zip(items, loader):
             yield t, m, batch

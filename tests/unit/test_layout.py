@@ -419,3 +419,94 @@ def test_the_class_rule_sees_through_aliases_modules_and_generics():
         "Two": ["diloco_ray.a.B", "diloco_ray.b.Local"],
         "Three": ["diloco_ray.a.A", "diloco_ray.a.B", "diloco_ray.b.Local"],
     }
+
+
+# The actors of runtime/ build their parts from the whole config; every other class there
+# (the parts they own) takes the typed section it reads (config/sections.py) or plain values.
+WHOLE_CONFIG_HOLDERS = {
+    "diloco_ray.runtime.rank.RankWorker",
+    "diloco_ray.runtime.server.ParameterServer",
+    "diloco_ray.runtime.replica.Replica",
+    "diloco_ray.runtime.server_group.ServerGroup",
+}
+CONFIG_NAMES = {"config", "cfg", "conf"}
+WHOLE_CONFIG_TYPES = {"TrainerConfig", "ConfigFields"}
+
+
+def class_nodes(tree: ast.AST):
+    """``(qualified class name, node)`` for every node inside a class, each counted for its
+    innermost class (a nested class's body is its own)."""
+
+    def visit(node: ast.AST, owner: str):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                yield from visit(child, f"{owner}.{child.name}" if owner else child.name)
+            else:
+                if owner:
+                    yield owner, child
+                yield from visit(child, owner)
+
+    yield from visit(tree, "")
+
+
+def whole_config_uses(tree: ast.AST) -> list[tuple[str, str]]:
+    """``(class, what)`` for what the classes of ``tree`` do with a whole config: take a
+    parameter named ``config`` (``cfg``) that is not a section, name TrainerConfig (in an
+    annotation, a call), keep ``self.config``, or declare a ``config`` field."""
+    found = []
+    for owner, node in class_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            a = node.args
+            for arg in filter(None, [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg]):
+                kind = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+                if arg.arg in CONFIG_NAMES and not kind.strip("'\"").endswith("Section"):
+                    found.append((owner, f"{node.name} takes {arg.arg}: {kind or 'untyped'}"))
+        elif isinstance(node, ast.Name) and node.id in WHOLE_CONFIG_TYPES:
+            found.append((owner, f"names {node.id}"))
+        elif isinstance(node, ast.Attribute) and node.attr in WHOLE_CONFIG_TYPES:
+            found.append((owner, f"names {ast.unparse(node)}"))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in WHOLE_CONFIG_TYPES:
+            found.append((owner, f"names {node.value} in a string annotation"))
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in (t for top in targets for t in ast.walk(top)):
+                if isinstance(target, ast.Attribute) and target.attr in CONFIG_NAMES:
+                    found.append((owner, f"keeps {ast.unparse(target)}"))
+                elif isinstance(target, ast.Name) and target.id in CONFIG_NAMES and isinstance(node, ast.AnnAssign):
+                    found.append((owner, f"declares a field {target.id}"))
+    return found
+
+
+def test_only_the_runtime_actors_hold_the_whole_config():
+    """The rank worker, the parameter server, the replica and the server group build their parts
+    from the whole TrainerConfig; each part (any other class of runtime/) receives only the
+    section it reads, or plain values."""
+    offenders = [
+        f"{name}.{owner} {what}"
+        for name, tree in sorted(package_trees("runtime").items())
+        for owner, what in whole_config_uses(tree)
+        if f"{name}.{owner}" not in WHOLE_CONFIG_HOLDERS
+    ]
+    assert offenders == [], "runtime parts that hold the whole config:\n" + "\n".join(offenders)
+
+
+def test_the_whole_config_rule_sees_params_fields_and_tuple_assignments():
+    source = (
+        "class Part:\n"
+        "    def __init__(self, data: DataSection, cfg):\n"
+        "        self.data, self.config = data, cfg\n"
+        "class Typed:\n"
+        "    def __init__(self, config: 'DataSection', other: 'TrainerConfig'):\n"
+        "        self.data = config\n"
+        "    class Inner:\n"
+        "        config: dict\n"
+        "class Clean:\n"
+        "    def __init__(self, data: DataSection, servers: int):\n"
+        "        self.data, self.servers = data, servers\n"
+    )
+    assert whole_config_uses(ast.parse(source)) == [
+        ("Part", "__init__ takes cfg: untyped"),
+        ("Part", "keeps self.config"),
+        ("Typed", "names TrainerConfig in a string annotation"),
+        ("Typed.Inner", "declares a field config"),
+    ]
