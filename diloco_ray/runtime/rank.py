@@ -113,36 +113,40 @@ class RankWorker:
                 driver's one tokenising task; in a list, so Ray hands over the ref and
                 the model is built while the task runs), or None to tokenise here.
         """
-        cfg = self.config
+        cfg, sections = self.config, self.config.sections()
         torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
             fsdp.join_process_group(master_addr, master_port, self.rank, self.world_size, self.device)
-        self.tokenizer = tokenization.load_tokenizer(cfg.sections().model)
+        self.tokenizer = tokenization.load_tokenizer(sections.model)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
         shard = functools.partial(fsdp.shard, mixed_precision=cfg.mixed_precision) if self.world_size > 1 else None
-        model_parts = (cfg.sections().model, cfg.sections().peft)
-        model = modeling.build_model(*model_parts, self.tokenizer, self.device, shard, self.world_size, self.rank)
+        here = (self.device, shard, self.world_size, self.rank)
+        model = modeling.build_model(sections.model, sections.peft, self.tokenizer, *here)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
         if cfg.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
         self.model = model
         # Named as in the model itself: a compiled wrapper would prefix every name.
         self.params = modeling.trained_parameters(getattr(model, "_orig_mod", model))
-        sections = cfg.sections()
+        self._build_parts(token_data)
+        return self.shapes
+
+    def _build_parts(self, token_data: list | None) -> None:
+        """The named parts around the built model, each given the section it reads."""
+        cfg, sections = self.config, self.config.sections()
         self.sync = RankSync.of(sections.sync_codec, self.shapes, self.world_size, self.rank, cfg.num_param_servers)
         self.weights = RankWeights(self.sync, self.params)
         here = (self.rank, self.world_size, self.device)
         self.state = RankState(self.params, self.sync, sections.inner_optim, cfg.mixed_precision, *here, self.streamed)
         self.tokens = load_tokens(sections.data, self.tokenizer, token_data)
         self.batches = RankBatches(sections.data, self.tokens, *here)
-        fresh_model = functools.partial(modeling.build_model, *model_parts, self.tokenizer)
+        fresh_model = functools.partial(modeling.build_model, sections.model, sections.peft, self.tokenizer)
         self.output = RankOutput(
-            *(sections.evaluation, sections.data, model, self.params, self.sync, self.tokens, self.tokenizer),
+            *(sections.evaluation, sections.data, self.model, self.params, self.sync, self.tokens, self.tokenizer),
             *(fresh_model, *here, self.streamed, self._autocast),
         )
-        return self.shapes
 
     def seed_pieces(self):
         """This rank's rows of its freshly built weights, one fp32 buffer per server (a
