@@ -167,18 +167,16 @@ class ConfigFields:
     def replica_bounds(self) -> tuple[int, int]:
         """(least, most) replicas that may run: ``min_replicas`` and ``max_replicas``
         (default: ``num_replicas``)."""
-        return self.min_replicas, self.max_replicas or max(self.num_replicas, self.min_replicas)
+        return replica_bounds(self.num_replicas, self.min_replicas, self.max_replicas)
 
     def ranks_of(self, replica_id: int) -> int:
         """The ranks of replica ``replica_id``: ``ranks_per_replica``, or its entry of a list."""
-        ranks = self.ranks_per_replica
-        return int(ranks[replica_id % len(ranks)]) if isinstance(ranks, list) else int(ranks)
+        return ranks_of(self.ranks_per_replica, replica_id)
 
     @property
     def max_ranks(self) -> int:
         """The most ranks any replica has."""
-        ranks = self.ranks_per_replica
-        return max(ranks) if isinstance(ranks, list) else int(ranks)
+        return max_ranks(self.ranks_per_replica)
 
     def sequences_for(self, replica_id: int) -> int:
         """Training sequences replica ``replica_id`` consumes in one outer round (all its ranks)."""
@@ -204,3 +202,23 @@ def field_help() -> list[tuple[str, Any, str]]:
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         out.append((f.name, default, f.metadata["help"]))
     return out
+
+
+# The derived values as plain functions: ConfigFields and the sections that carry these
+# fields (config/sections.py) answer through them, so there is one rule each.
+def replica_bounds(num_replicas: int, min_replicas: int, max_replicas: Optional[int]) -> tuple[int, int]:
+    """(least, most) replicas that may run: ``min_replicas``, and ``max_replicas`` or else
+    ``num_replicas`` (never under ``min_replicas``)."""
+    return min_replicas, max_replicas or max(num_replicas, min_replicas)
+
+
+def ranks_of(ranks_per_replica: Union[int, list], replica_id: int) -> int:
+    """The ranks of replica ``replica_id``: ``ranks_per_replica``, or its entry of a list
+    (cycled by id)."""
+    ranks = ranks_per_replica
+    return int(ranks[replica_id % len(ranks)]) if isinstance(ranks, list) else int(ranks)
+
+
+def max_ranks(ranks_per_replica: Union[int, list]) -> int:
+    """The most ranks any replica has."""
+    return max(ranks_per_replica) if isinstance(ranks_per_replica, list) else int(ranks_per_replica)

@@ -21,6 +21,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional, TypeVar, Union
 
+from diloco_ray.config import fields
 from diloco_ray.config.fields import ConfigFields
 
 __all__ = [
@@ -232,7 +233,7 @@ class MembershipSection:
     def replica_bounds(self) -> tuple[int, int]:
         """(least, most) replicas that may run: ``min_replicas`` and ``max_replicas``
         (default: ``num_replicas``), as ``TrainerConfig.replica_bounds``."""
-        return self.min_replicas, self.max_replicas or max(self.num_replicas, self.min_replicas)
+        return fields.replica_bounds(self.num_replicas, self.min_replicas, self.max_replicas)
 
 
 @dataclass(frozen=True)
@@ -254,14 +255,12 @@ class PlacementSection:
 
     def ranks_of(self, replica_id: int) -> int:
         """The ranks of replica ``replica_id``: ``ranks_per_replica``, or its entry of a list."""
-        ranks = self.ranks_per_replica
-        return int(ranks[replica_id % len(ranks)]) if isinstance(ranks, list) else int(ranks)
+        return fields.ranks_of(self.ranks_per_replica, replica_id)
 
     @property
     def max_ranks(self) -> int:
         """The most ranks any replica has."""
-        ranks = self.ranks_per_replica
-        return max(ranks) if isinstance(ranks, list) else int(ranks)
+        return fields.max_ranks(self.ranks_per_replica)
 
 
 @dataclass(frozen=True)
