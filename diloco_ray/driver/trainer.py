@@ -193,9 +193,9 @@ class DilocoFSDPTrainer:
         self._catch_sigterm()
         self.device = ray_connection.resolve_device(self.config.device)
         cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
-        self.events.open(cfg.sections().observability, cfg.to_dict(), self.run_dir)
+        self.events.open(s.observability, cfg.to_dict(), self.run_dir)
         self.loop.steps = self.events.steps
-        token_data = start_token_data(cfg)  # first: it runs while the actors start
+        token_data = start_token_data(s.data, s.model)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
         self._inner_state_from = resume[0] if resume else None

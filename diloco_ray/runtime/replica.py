@@ -15,12 +15,13 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import DataSection, ModelSection
 from diloco_ray.data import samples
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.rank import RankWorker
 
 
-def start_token_data(config: TrainerConfig) -> list | None:
+def start_token_data(data: DataSection, model: ModelSection) -> list | None:
     """Start the job's one tokenising task; ``[ref]`` to its TokenData, which every rank
     of every replica (later ones too) reads, or None with ``streaming`` (ranks read the
     stream themselves).
@@ -31,10 +32,10 @@ def start_token_data(config: TrainerConfig) -> list | None:
     CPUs the replicas reserve still runs it, and ends its worker process after it
     (``max_calls=1``), so what tokenising held goes back to the node.
     """
-    if config.streaming:
+    if data.streaming:
         return None
     task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
-    return [task.remote(config.sections().data, config.sections().model)]
+    return [task.remote(data, model)]
 
 
 def resources_for_replica(resources, replica_id: int) -> dict:

@@ -248,7 +248,7 @@ def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl,
         seq_len=24,
     )
     expected = samples.load_token_data(cfg.sections().data, tokenization.load_tokenizer(cfg.sections().model))
-    shared = start_token_data(cfg)
+    shared = start_token_data(cfg.sections().data, cfg.sections().model)
     monkeypatch.setattr(samples, "load_token_data", lambda *a: pytest.fail("the rank tokenised the data itself"))
     worker = RankWorker(cfg.to_dict(), replica_id=0, rank=0, world_size=1)
     worker.setup(token_data=shared)
@@ -258,7 +258,8 @@ def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl,
         for field in ("input_ids", "labels", "lengths"):
             assert (getattr(got, field) == getattr(want, field)).all(), (split, field)
     assert not worker.tokens.train.input_ids.flags.writeable
-    assert start_token_data(tiny_config(tmp_path / "s", streaming=True)) is None  # ranks read a stream
+    streamed = tiny_config(tmp_path / "s", streaming=True).sections()
+    assert start_token_data(streamed.data, streamed.model) is None  # ranks read a stream
 
 
 def test_a_data_error_in_the_tokenising_task_reaches_the_user(ray_local, tmp_path, sums_jsonl):

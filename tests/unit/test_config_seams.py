@@ -31,9 +31,6 @@ WHOLE_CONFIG_HOLDERS: dict[str, dict[str, str]] = {
         "diloco_ray.runtime.server.ParameterServer": "builds the server's store, codec and outbox",
         "diloco_ray.runtime.replica.Replica": "places the replica's ranks and hands each the config",
         "diloco_ray.runtime.server_group.ServerGroup": "starts the servers, each with the config",
-        # the driver's one call to start the tokenising task; reads streaming and the data and
-        # model sections (a candidate to take those instead)
-        "diloco_ray.runtime.replica.start_token_data": "starts the tokenising task from the job",
     },
     "driver": {
         "diloco_ray.driver.trainer.DilocoFSDPTrainer": "builds every part, ships the config, writes config.yaml",
