@@ -1,4 +1,4 @@
-"""Shared test set-up: offline Hugging Face, a tiny job config, one local Ray per module."""
+"""Shared test set-up: offline Hugging Face, a tiny job config, a local Ray kept from module to module."""
 
 import os
 
@@ -55,15 +55,82 @@ def model_parts(cfg: TrainerConfig) -> tuple:
     return sections.model, sections.peft
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray instance per test module, with more logical CPUs than cores: always a
-    private one (address="local"), even where a `ray start` head runs on this machine."""
+# The environment the running shared Ray (ray_local) handed its workers; None: none runs.
+_shared_ray = {"env": None}
+
+
+# Set in this process while tests run, by pytest and by torch's compiler: nothing for a restart.
+_NOT_FOR_WORKERS = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR")
+
+
+def _worker_env() -> dict:
+    """What a Ray started now would hand its workers: this process's environment, less what
+    changes here while tests run."""
+    return {k: v for k, v in os.environ.items() if k not in _NOT_FOR_WORKERS}
+
+
+def _stop_shared_ray() -> None:
     import ray
 
-    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    if _shared_ray["env"] is not None:
+        ray.shutdown()
+        _shared_ray["env"] = None
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """A local Ray instance for the test module, with more logical CPUs than cores: always a
+    private one (address="local"), even where a `ray start` head runs on this machine.
+
+    One instance serves consecutive modules that ask for it (a start and a stop cost ~5 s
+    here). It is started again when the environment its workers would inherit changed (a
+    module that sets one up first, as test_cloud_output does its S3 endpoint), and stopped
+    before a module that does not ask for it (see _one_ray_at_a_time)."""
+    import ray
+
+    if _shared_ray["env"] is not None and (_shared_ray["env"] != _worker_env() or not ray.is_initialized()):
+        _stop_shared_ray()
+    if _shared_ray["env"] is None:
+        ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+        _shared_ray["env"] = _worker_env()
     yield ray
-    ray.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_ray_at_a_time(request):
+    """Stop the shared Ray before a module none of whose tests asks for it: such a module may
+    start a Ray of its own, or check that none runs in this process."""
+    if not any(item.module is request.module and "ray_local" in item.fixturenames for item in request.session.items):
+        _stop_shared_ray()
+    yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_ray_at_the_end():
+    yield
+    _stop_shared_ray()
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """``uninterrupted(**fields)``: the fault-free run of ``tiny_config(..., **fields)`` that a
+    faulted run must end like, made once per session for the same fields and shared by every
+    module that compares against it (a run costs ~8 s of set-up). The first caller's module
+    holds ray_local."""
+    import json
+
+    from diloco_ray import DilocoFSDPTrainer
+
+    done = {}
+
+    def run(**fields):
+        key = json.dumps(fields, sort_keys=True)
+        if key not in done:
+            cfg = tiny_config(tmp_path_factory.mktemp("uninterrupted") / "run", **fields)
+            done[key] = DilocoFSDPTrainer(cfg).train()
+        return done[key]
+
+    return run
 
 
 def first_round(worker, plan, round_index=0):

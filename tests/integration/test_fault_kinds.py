@@ -134,17 +134,10 @@ def test_every_replica_fault_fires_in_both_modes(ray_local, tmp_path, kind, mode
 
 
 @pytest.fixture(scope="module")
-def fault_free(ray_local, tmp_path_factory):
-    """Per mode, the lockstep run a lost server or driver must reproduce (built on demand)."""
-    done = {}
-
-    def run(mode):
-        if mode not in done:
-            cfg = tiny_config(tmp_path_factory.mktemp(mode) / "fault_free", **EXACT, **LOCKSTEP[mode])
-            done[mode] = DilocoFSDPTrainer(cfg).train()
-        return done[mode]
-
-    return run
+def fault_free(ray_local, uninterrupted):
+    """Per mode, the lockstep run a lost server or driver must reproduce (built on demand;
+    test_stop.py compares with the synchronous one too)."""
+    return lambda mode: uninterrupted(**EXACT, **LOCKSTEP[mode])
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -68,10 +68,16 @@ def test_weights_compression_sends_deltas_down(ray_local, tmp_path, plain):
     assert packed.rounds[-1]["eval_loss"] < packed.rounds[0]["eval_loss"]
 
 
-def test_fragments_cut_the_peak_bytes_of_a_sync(ray_local, tmp_path, plain):
+@pytest.fixture(scope="module")
+def four_fragments(ray_local, tmp_path_factory):
+    """Four fragments synced one after another (4 rounds): the run whose first round shows
+    the peak bytes of a sync, and whose rounds show sequential streaming converging."""
+    return train(tmp_path_factory.mktemp("parts"), "parts", diloco_loops=4, sync_fragments=4)[0]
+
+
+def test_fragments_cut_the_peak_bytes_of_a_sync(plain, four_fragments):
     whole = plain
-    parts, _ = train(tmp_path, "parts", diloco_loops=1, sync_fragments=4)
-    record = parts.rounds[0]
+    record = four_fragments.rounds[0]
     assert [f["fragment"] for f in record["fragments"]] == [0, 1, 2, 3]
     assert [f["step"] for f in record["fragments"]] == [1, 2, 3, 4]  # one sync every max_steps / F steps
     assert whole.rounds[0]["peak_bytes_up"] / record["peak_bytes_up"] >= 3.9
@@ -79,11 +85,14 @@ def test_fragments_cut_the_peak_bytes_of_a_sync(ray_local, tmp_path, plain):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
-def test_streaming_converges(ray_local, tmp_path, overlap):
-    result, _ = train(tmp_path, "run", diloco_loops=4, sync_fragments=2, overlap_communication=overlap)
+def test_streaming_converges(ray_local, tmp_path, overlap, request):
+    if overlap:
+        result, _ = train(tmp_path, "run", diloco_loops=4, sync_fragments=4, overlap_communication=True)
+    else:  # the run test_fragments_cut_the_peak_bytes_of_a_sync reads
+        result = request.getfixturevalue("four_fragments")
     losses = [r["eval_loss"] for r in result.rounds]
     assert losses[-1] < 0.9 * losses[0]
-    assert all(r["replicas"] == 2 and len(r["fragments"]) == 2 for r in result.rounds)
+    assert all(r["replicas"] == 2 and len(r["fragments"]) == 4 for r in result.rounds)
 
 
 def test_slow_link_shows_in_sync_time(ray_local, tmp_path, plain):

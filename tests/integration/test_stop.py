@@ -18,7 +18,8 @@ from diloco_ray.persist import checkpoint
 
 pytestmark = pytest.mark.integration
 # A checkpoint every other round: the one at round 3 is written only because of the stop.
-COMMON = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, eval_batches=1)
+# Two servers: the fault-free run is test_fault_kinds.py's synchronous one (made once a session).
+COMMON = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
 
 
 def sessions() -> set[str]:
@@ -37,9 +38,8 @@ def processes_naming(marker: str) -> list[str]:
     return found
 
 
-def test_sigterm_checkpoints_the_last_round_and_resumes_exactly(ray_local, tmp_path):
-    reference = tiny_config(tmp_path / "reference", **COMMON)
-    DilocoFSDPTrainer(reference).train()
+def test_sigterm_checkpoints_the_last_round_and_resumes_exactly(ray_local, tmp_path, uninterrupted):
+    reference = uninterrupted(**COMMON)
 
     # Slow round 3 down so SIGTERM lands in the middle of it.
     cfg = tiny_config(
@@ -81,8 +81,10 @@ def test_sigterm_checkpoints_the_last_round_and_resumes_exactly(ray_local, tmp_p
     # The run's own Ray (every process of its session) went down with it.
     started = sessions() - before
     assert len(started) == 1
-    time.sleep(2)
-    assert processes_naming(started.pop()) == []
+    marker, deadline = started.pop(), time.monotonic() + 2
+    while processes_naming(marker) and time.monotonic() < deadline:  # gone within 2 s
+        time.sleep(0.1)
+    assert processes_naming(marker) == []
 
     # Resumed in this process, on the module's Ray (test_faults resumes through the CLI).
     saved = TrainerConfig.from_yaml(
