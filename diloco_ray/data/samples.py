@@ -133,6 +133,24 @@ def row_formatter(data: DataSection, columns: list[str], source: str) -> Optiona
     )
 
 
+def check_first_record(data: DataSection) -> None:
+    """Check a ``json_file_path``'s first record against the columns the job names (the
+    text field, or the prompt/completion templates), with the tokenising task's own rules
+    and messages: a misnamed column then fails on the driver in a second, before Ray
+    starts. Other sources, and columns only later records lack, are the task's to find."""
+    if data.json_file_path is None or data.prompt_func or data.completion_func:
+        return
+    row = sources.first_json_record(data.json_file_path)
+    if row is None:
+        return
+    name, columns = f"'{data.json_file_path}'", list(row)
+    formatter = row_formatter(data, columns, name)
+    if formatter is None:
+        sources.resolve_text_field(columns, data.text_field, name, [c for c, v in row.items() if isinstance(v, str)])
+    else:
+        formatter(row)
+
+
 def tokenize_pairs(dataset, tokenizer, formatter: Callable, seq_len: int):
     """One sample per row: ``prompt + completion + eos`` cut to ``seq_len``, with the
     prompt's labels masked. Rows whose prompt fills ``seq_len`` are dropped (no label)."""

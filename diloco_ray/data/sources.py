@@ -222,6 +222,27 @@ def resolve_text_field(
     raise DataError(f"text_field: not set and {source} has no 'text' column; set text_field to one of {columns}")
 
 
+FIRST_RECORD_BYTES = 1 << 20  # a first record longer than this is left to the tokenising task
+
+
+def first_json_record(path: str) -> dict | None:
+    """The first record of a JSON Lines file, or None where the file does not start with
+    one JSON object on a line of its own (a ``.json`` array, a pretty-printed object):
+    reading those would mean reading the whole file, so the tokenising task judges them."""
+    import json
+
+    with open(path, "rb") as f:
+        head = f.read(FIRST_RECORD_BYTES)
+    for line in head.splitlines():
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                return None
+            return row if isinstance(row, dict) else None
+    return None
+
+
 # ---------------------------------------------------------------------------------------
 # Tokenising and packing
 # ---------------------------------------------------------------------------------------

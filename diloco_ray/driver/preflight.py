@@ -3,8 +3,9 @@
 :func:`TrainerConfig.validate` checks each field and the rules between fields. What it
 cannot see is the world around the config: whether the optimizer names are real
 ``torch.optim`` classes that accept the given kwargs, whether local files and folders
-exist, whether ``output_dir`` already holds a run, whether ``resume_from`` is a
-checkpoint, whether a bucket is reachable. :func:`check` runs all of those on the
+exist, whether a JSON Lines file's first record has the columns the job names, whether
+``output_dir`` already holds a run, whether ``resume_from`` is a checkpoint, whether a
+bucket is reachable. :func:`check` runs all of those on the
 driver, so a typo fails in a second with one line instead of minutes later inside an
 actor. Every failure is a :class:`~diloco_ray.errors.UserInputError` naming the field.
 """
@@ -15,6 +16,7 @@ import os
 from typing import Optional
 
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.data import samples
 from diloco_ray.errors import ConfigError, DataError
 from diloco_ray.persist.run_folder import in_use_message, lock_holder, resumes_own_run
 
@@ -47,6 +49,7 @@ def check_paths(cfg: TrainerConfig) -> None:
                 f.read(1)
         except OSError as e:
             raise DataError(f"json_file_path: '{cfg.json_file_path}' cannot be read ({e.strerror or e})") from None
+        samples.check_first_record(cfg.sections().data)
     for field in ("model_name", "tokenizer_name", "dataset_name"):
         value = getattr(cfg, field)
         if (

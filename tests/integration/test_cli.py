@@ -150,6 +150,7 @@ def test_missing_text_field_in_data_is_exit_2(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "Traceback" not in r.stderr
     assert "nope" in r.stderr and "question" in r.stderr
+    assert "Started a local Ray" not in r.stderr  # the driver read the first record: no Ray for a typo
 
 
 def test_report_on_a_folder_without_a_run(tmp_path):

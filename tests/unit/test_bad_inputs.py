@@ -136,6 +136,9 @@ CASES = [
     Case("config-is-a-folder", train(config="{tmp}/cfg"), "config file '{tmp}/cfg' is a folder", ("YAML file",)),
     Case("config-unreadable", train(config="{tmp}/cfg/socket.yaml"), "config file '{tmp}/cfg/socket.yaml' cannot be read", ("YAML file",)),
     Case("json-file-missing", train("dataset_name=null", "json_file_path={tmp}/rows.jsonl"), "json_file_path: '{tmp}/rows.jsonl'", ("does not exist",)),
+    Case("json-text-field-not-a-column", train("dataset_name=null", "json_file_path={tmp}/qa.jsonl", "text_field=nope"), "text_field: 'nope' is not a column of '{tmp}/qa.jsonl'", ("columns: ['question', 'answer']",)),
+    Case("json-no-text-column", train("dataset_name=null", "json_file_path={tmp}/qa.jsonl"), "text_field: not set", ("'text' column", "['question', 'answer']")),
+    Case("json-template-not-a-column", train("dataset_name=null", "json_file_path={tmp}/qa.jsonl", "prompt_template='Q {questoin} ='", "completion_template='{answer}'"), "prompt_template: 'Q {questoin} ='", ("'questoin'", "['question', 'answer']")),
     Case("json-file-is-a-folder", train("json_file_path={tmp}/run"), "json_file_path: '{tmp}/run'", ("not a file",)),
     Case("data-files-missing", train("dataset_kwargs={data_files: {tmp}/d.json}"), "dataset_kwargs.data_files: '{tmp}/d.json'", ("does not exist",)),
     Case("model-folder-missing", train("model_name=./no-model"), "model_name: './no-model'", ("hub id",)),
@@ -272,6 +275,7 @@ def build_world(tmp: str):
     unreadable.bind(os.path.join(cfg, "socket.yaml"))
     unreadable.close()
     write(os.path.join(tmp, "notes.txt"), "not a folder")
+    write(os.path.join(tmp, "qa.jsonl"), json.dumps({"question": "1+1", "answer": "2"}) + "\n")
     busy = os.path.join(tmp, "busy")  # a run going on: its lock is held, its first checkpoint written
     write(os.path.join(busy, "metrics.jsonl"), json.dumps({"event": "start"}) + "\n")
     write_checkpoint(os.path.join(busy, "checkpoints"), 0)

@@ -87,6 +87,33 @@ def test_template_naming_a_missing_column(tmp_path, tok):
     assert msg.startswith("prompt_template:") and "questoin" in msg and "question" in msg and "noise" in msg
 
 
+def test_the_first_record_check_says_what_the_task_would(tmp_path, tok):
+    """The driver's check of a JSON Lines file's first record raises the tokenising task's
+    own error, word for word; where the file does not start with a record on a line of
+    its own, it leaves the judging to the task."""
+    path = qa_file(tmp_path / "qa.jsonl")
+    for bad in (
+        dict(text_field="nope"),
+        dict(prompt_template="{questoin}=", completion_template="{answer}"),
+        dict(prompt_template="{question}=", completion_template="{answr}"),
+    ):
+        cfg = make(json_file_path=path, **bad)
+        with pytest.raises(DataError) as in_task:
+            samples.load_token_data(cfg, tok)
+        with pytest.raises(DataError) as on_driver:
+            samples.check_first_record(cfg)
+        assert str(on_driver.value) == str(in_task.value)
+    samples.check_first_record(make(json_file_path=path, text_field="question"))  # a column: fine
+    blank_first = tmp_path / "blank.jsonl"
+    blank_first.write_text('\n{"text": "a"}\n')
+    assert sources.first_json_record(str(blank_first)) == {"text": "a"}
+    for head in ('[{"text": "a"}]', '{\n  "text": "a"\n}', "[1, 2]\n", "not json\n", ""):
+        other = tmp_path / "other.json"
+        other.write_text(head)
+        assert sources.first_json_record(str(other)) is None
+        samples.check_first_record(make(json_file_path=str(other), text_field="nope"))  # the task's to judge
+
+
 def test_prompt_and_completion_functions(tmp_path, tok, monkeypatch):
     mod = tmp_path / "my_prompts.py"
     mod.write_text(
