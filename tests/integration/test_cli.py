@@ -13,8 +13,8 @@ TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 QUICK = ["--set", "diloco_loops=2", "--set", "max_steps=4", "--set", "eval_batches=2"]
 
 
-def run_cli(*args, timeout=300):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+def run_cli(*args, timeout=300, **env_extra):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **env_extra}
     env.pop("RAY_ADDRESS", None)
     return subprocess.run(
         [sys.executable, "-m", "diloco_ray", *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
@@ -105,10 +105,26 @@ def _snapshot(folder):
     return found
 
 
+def stale_ray_tmpdir() -> str:
+    """A Ray temp root where a `ray start` head that was killed left ray_current_cluster
+    behind (nothing listens at its address): ray.init() would take it for a live cluster
+    and refuse num_cpus."""
+    import tempfile
+
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit
+    os.makedirs(os.path.join(ray_tmp, "ray"))
+    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
+        f.write("127.0.0.1:1\n")
+    return ray_tmp
+
+
 def test_tiny_default_end_to_end_then_refuses_to_overwrite(tmp_path):
+    """The default, shortened, from the command line, on a machine where a killed head left
+    its cluster file behind: the run starts a Ray of its own (it does not try to join)."""
     out = tmp_path / "run"
-    r = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK)
+    r = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK, RAY_TMPDIR=stale_ray_tmpdir())
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "joining" not in r.stderr
     assert "round 2/2" in r.stdout
     for name in (
         "config.yaml",
@@ -156,45 +172,3 @@ def test_missing_text_field_in_data_is_exit_2(tmp_path):
 def test_report_on_a_folder_without_a_run(tmp_path):
     r = run_cli("report", str(tmp_path))
     assert r.returncode == 2 and "metrics.jsonl" in r.stderr
-
-
-def test_a_stale_local_cluster_file_starts_a_private_ray(tmp_path):
-    """A `ray start` head that was killed leaves ray_current_cluster behind; ray.init()
-    would take it for a live cluster and refuse num_cpus. The run starts its own Ray."""
-    import tempfile
-
-    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # short: Ray's socket paths must fit
-    os.makedirs(os.path.join(ray_tmp, "ray"))
-    with open(os.path.join(ray_tmp, "ray", "ray_current_cluster"), "w") as f:
-        f.write("127.0.0.1:1\n")  # nothing listens there
-    env = {**os.environ, "RAY_TMPDIR": ray_tmp, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT}
-    env.pop("RAY_ADDRESS", None)
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "diloco_ray",
-            "train",
-            TINY,
-            "--set",
-            f"output_dir={tmp_path / 'run'}",
-            "--set",
-            "diloco_loops=1",
-            "--set",
-            "max_steps=2",
-            "--set",
-            "eval_batches=0",
-            "--set",
-            "model_config.hidden_size=32",
-            "--set",
-            "model_config.intermediate_size=64",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "joining" not in run.stderr
-    assert os.path.isdir(os.path.join(tmp_path, "run", "final"))
