@@ -4,7 +4,6 @@ a hot spare stepping in without waiting for a merge, and a resumed run. In every
 stream position is trained on at most once, and exactly once when nothing is in flight."""
 
 import json
-import os
 import sys
 import threading
 
@@ -47,21 +46,28 @@ def test_a_poll_collects_every_report_that_is_ready(ray_local):
         ray.cancel(never, force=True)
 
 
-def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_tokens(ray_local, tmp_path):
+# test_fault_kinds.py's EXACT fields, in both modes (decoupled with a quorum of all): the
+# fault-free runs it compares with, made once a session by ``uninterrupted`` (test_stop.py
+# shares the synchronous one), so the test below adds no run when they already exist.
+LOCKSTEP_RUN = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+
+
+def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_tokens(ray_local, tmp_path, uninterrupted):
     """min_quorum = replicas: each merge holds both replicas, none stale, and the run
     merges exactly diloco_loops rounds' worth of tokens, each position once, to the same
     weights as the synchronous mode."""
-    cfg = tiny_config(tmp_path / "run", **{**DECOUPLED, "min_quorum": 2})
-    rounds = DilocoFSDPTrainer(cfg).train().rounds
-    assert len(rounds) == 3 and all(sorted(r["replica_ids"]) == [0, 1] for r in rounds)
+    cfg = tiny_config(tmp_path / "run", **LOCKSTEP_RUN, sync_mode="decoupled", min_quorum=2)
+    decoupled = uninterrupted(**LOCKSTEP_RUN, sync_mode="decoupled", min_quorum=2)
+    rounds = decoupled.rounds
+    assert len(rounds) == 5 and all(sorted(r["replica_ids"]) == [0, 1] for r in rounds)
     assert all(r["staleness"] == {"0": 0, "1": 0} for r in rounds)
-    assert rounds[-1]["work"] == pytest.approx(3.0)
+    assert rounds[-1]["work"] == pytest.approx(5.0)
     positions = applied_positions(rounds)
-    assert sorted(positions) == list(range(3 * 2 * cfg.sequences_per_replica_round))
+    assert sorted(positions) == list(range(5 * 2 * cfg.sequences_per_replica_round))
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]
     # Replicas in lockstep: every merge is the synchronous round, so the weights are the same.
-    sync = DilocoFSDPTrainer(tiny_config(tmp_path / "sync", **{**DECOUPLED, "sync_mode": "sync"})).train()
-    assert max_abs_diff(cfg.output_dir, os.path.dirname(sync.final_path)) <= 1e-6
+    sync = uninterrupted(**LOCKSTEP_RUN)
+    assert max_abs_diff(decoupled.output_dir, sync.output_dir) <= 1e-6
 
 
 def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local, tmp_path):

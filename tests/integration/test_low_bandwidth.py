@@ -47,12 +47,29 @@ def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
         torch.testing.assert_close(w2[name], t, rtol=0, atol=1e-6)
 
 
-def test_codecs_shrink_what_travels_and_still_learn(ray_local, tmp_path, plain):
-    runs = {
-        codec: train(tmp_path, codec, pseudo_grad_compression=codec, error_feedback=True, diloco_loops=3)[0]
+@pytest.fixture(scope="module")
+def codecs(ray_local, tmp_path_factory):
+    """int8 and int4 pseudo-gradients up (error feedback on), one run each; the int4 run also
+    gets its weights down as int8 deltas, the run test_weights_compression_sends_deltas_down
+    reads (the codecs each way are separate: bytes_up is the up codec's, bytes_down the down
+    codec's). The int8 run keeps fp32 down, so its loss compares with the plain run's."""
+    folder = tmp_path_factory.mktemp("codecs")
+    down = {"int8": "none", "int4": "int8"}
+    return {
+        codec: train(
+            folder,
+            codec,
+            pseudo_grad_compression=codec,
+            error_feedback=True,
+            weights_compression=down[codec],
+            diloco_loops=3,
+        )[0]
         for codec in ("int8", "int4")
     }
-    runs["none"] = plain
+
+
+def test_codecs_shrink_what_travels_and_still_learn(plain, codecs):
+    runs = {**codecs, "none": plain}
     up = {c: sum(r["bytes_up"] for r in res.rounds) for c, res in runs.items()}
     assert up["int8"] <= 0.27 * up["none"] and up["int4"] <= 0.15 * up["none"]
     for res in runs.values():
@@ -61,8 +78,8 @@ def test_codecs_shrink_what_travels_and_still_learn(ray_local, tmp_path, plain):
     assert runs["int8"].rounds[-1]["eval_loss"] <= 1.05 * runs["none"].rounds[-1]["eval_loss"]
 
 
-def test_weights_compression_sends_deltas_down(ray_local, tmp_path, plain):
-    packed, _ = train(tmp_path, "int8", weights_compression="int8", diloco_loops=3)
+def test_weights_compression_sends_deltas_down(plain, codecs):
+    packed = codecs["int4"]  # weights_compression: int8
     # Round 0 loads full fp32 weights; later rounds get int8 deltas.
     assert packed.rounds[-1]["bytes_down"] <= 0.27 * plain.rounds[-1]["bytes_down"]
     assert packed.rounds[-1]["eval_loss"] < packed.rounds[0]["eval_loss"]
@@ -84,12 +101,31 @@ def test_fragments_cut_the_peak_bytes_of_a_sync(plain, four_fragments):
     assert record["bytes_up"] == pytest.approx(whole.rounds[0]["bytes_up"], rel=0.02)  # same bytes, spread out
 
 
+# topk up, int8 deltas down, four fragments with overlap, a checkpoint every round: the
+# overlapped run test_streaming_converges reads, and the uninterrupted run a resume of it
+# must end like (test_topk_with_overlap_resumes_to_the_uninterrupted_weights).
+TOPK_OVERLAPPED = dict(
+    diloco_loops=4,
+    max_steps=4,
+    checkpoint_steps=4,
+    eval_batches=1,
+    pseudo_grad_compression="topk",
+    weights_compression="int8",
+    sync_fragments=4,
+    overlap_communication=True,
+)
+
+
+@pytest.fixture(scope="module")
+def topk_overlapped(ray_local, tmp_path_factory):
+    return train(tmp_path_factory.mktemp("topk"), "reference", **TOPK_OVERLAPPED)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["sequential", "overlapped"])
-def test_streaming_converges(ray_local, tmp_path, overlap, request):
-    if overlap:
-        result, _ = train(tmp_path, "run", diloco_loops=4, sync_fragments=4, overlap_communication=True)
-    else:  # the run test_fragments_cut_the_peak_bytes_of_a_sync reads
-        result = request.getfixturevalue("four_fragments")
+def test_streaming_converges(overlap, request):
+    # Sequential: the run test_fragments_cut_the_peak_bytes_of_a_sync reads (fp32 both ways).
+    # Overlapped: with topk up and int8 down as well, so converging is asked of the codecs too.
+    result = request.getfixturevalue("topk_overlapped")[0] if overlap else request.getfixturevalue("four_fragments")
     losses = [r["eval_loss"] for r in result.rounds]
     assert losses[-1] < 0.9 * losses[0]
     assert all(r["replicas"] == 2 and len(r["fragments"]) == 4 for r in result.rounds)
@@ -125,24 +161,16 @@ def test_topk_trains_in_decoupled_mode(ray_local, tmp_path, plain):
     assert per_token(sparse) <= 0.04 * per_token(plain)
 
 
-def test_topk_with_overlap_resumes_to_the_uninterrupted_weights(ray_local, tmp_path):
+def test_topk_with_overlap_resumes_to_the_uninterrupted_weights(ray_local, tmp_path, topk_overlapped):
     """topk's residuals and, with overlap, the rows of the fragment in flight are in the
     checkpoint: a driver that dies after round 1 resumes to the same final weights."""
-    common = dict(
-        diloco_loops=4,
-        max_steps=4,
-        checkpoint_steps=4,
-        eval_batches=1,
-        pseudo_grad_compression="topk",
-        weights_compression="int8",
-        sync_fragments=2,
-        overlap_communication=True,
-    )
-    _, want = train(tmp_path, "reference", **common)
-    cfg = tiny_config(tmp_path / "crashed", **common)
+    _, want = topk_overlapped
+    cfg = tiny_config(tmp_path / "crashed", **TOPK_OVERLAPPED)
     with pytest.raises(RuntimeError, match="injected"):
         DilocoFSDPTrainer(cfg, callbacks=[CrashAfter(1)]).train()
-    resumed = DilocoFSDPTrainer(tiny_config(tmp_path / "crashed", resume_from=cfg.output_dir, **common)).train()
+    resumed = DilocoFSDPTrainer(
+        tiny_config(tmp_path / "crashed", resume_from=cfg.output_dir, **TOPK_OVERLAPPED)
+    ).train()
     assert [r["round"] for r in resumed.rounds] == [2, 3]
     got = folder_weights(resumed.final_path)
     worst = max(float((got[n] - t).abs().max()) for n, t in want.items())

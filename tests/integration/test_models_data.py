@@ -154,10 +154,10 @@ def test_fsdp_over_a_lora_model(ray_local, tmp_path, llama_folder, sums_jsonl):
     assert all(r["eval_loss"] == r["eval_loss"] for r in result.rounds)  # finite
 
 
-def test_early_stopping(ray_local, tmp_path):
+def test_early_stopping(streaming_run):
     # A threshold no round can beat: stop after `patience` rounds without improvement.
-    cfg = tiny_config(tmp_path / "run", diloco_loops=6, early_stopping_patience=2, early_stopping_threshold=100.0)
-    result = DilocoFSDPTrainer(cfg).train()
+    cfg, result = streaming_run
+    assert cfg.diloco_loops == 6 and cfg.early_stopping_patience == 2
     assert len(result.rounds) == 3 and os.path.exists(os.path.join(result.final_path, "config.json"))
     assert [e["round"] for e in read_events(cfg.output_dir, "early_stop")] == [3]
 
@@ -208,21 +208,30 @@ def test_dynamic_batches_are_padded_to_the_batch(tmp_path, llama_folder, sums_js
     assert all(torch.isfinite(g).all() for g in grads.values())
 
 
-def test_streaming_run(ray_local, tmp_path, llama_folder, sums_jsonl):
+@pytest.fixture(scope="module")
+def streaming_run(ray_local, tmp_path_factory, llama_folder, sums_jsonl):
+    """A streaming run of 6 rounds that early stopping ends after 3 (a threshold no round
+    can beat, patience 2): test_streaming_run reads its 3 rounds, test_early_stopping the stop."""
     cfg = peft_config(
-        tmp_path,
+        tmp_path_factory.mktemp("streaming"),
         llama_folder,
         sums_jsonl,
         use_peft=False,
         streaming=True,
         shuffle_buffer=64,
         streaming_eval_rows=64,
-        diloco_loops=3,
+        diloco_loops=6,
+        early_stopping_patience=2,
+        early_stopping_threshold=100.0,
         max_steps=6,
         group_by_length=True,
         dynamic_batch=True,
     )
-    result = DilocoFSDPTrainer(cfg).train()
+    return cfg, DilocoFSDPTrainer(cfg).train()
+
+
+def test_streaming_run(streaming_run):
+    cfg, result = streaming_run
     rounds = result.rounds
     assert [r["replicas"] for r in rounds] == [2, 2, 2]
     assert rounds[-1]["eval_loss"] < rounds[0]["eval_loss"]

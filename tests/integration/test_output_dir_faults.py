@@ -70,11 +70,14 @@ def error_lines(stderr: str) -> list:
 
 def test_a_second_trainer_on_a_running_output_dir_is_refused_and_the_first_finishes(ray_address, tmp_path):
     out = tmp_path / "run"
-    # Round 1 is slowed (2 s a step) so the first run is still training while the second is refused.
-    slow = [{"kind": "slow", "replica": 0, "round": 1, "step": 0, "seconds": 2}]
+    # The second starts as soon as the first holds the folder (its config.yaml written, then
+    # metrics.jsonl opened), so its own start-up (seconds: Python, torch) runs beside the
+    # first's set-up and round 0; round 1 is slowed (1 s a step) so that the first is still
+    # training while the second is refused.
+    slow = [{"kind": "slow", "replica": 0, "round": 1, "step": 0, "seconds": 1}]
     cfg = tiny_config(out, diloco_loops=2, max_steps=4, eval_batches=1, fault_plan=slow)
     first = start_cli(ray_address, "train", write_config(tmp_path / "job.yaml", cfg))
-    wait_for(lambda: round_records(out), first, what="round 0's record")
+    wait_for((out / "metrics.jsonl").exists, first, what="the run's metrics.jsonl")
     config_yaml = (out / "config.yaml").read_bytes(), (out / "config.yaml").stat().st_mtime_ns
 
     # The most dangerous second run: one that would clear the folder first.
@@ -128,9 +131,10 @@ def test_a_full_disk_is_one_line_and_the_last_checkpoint_survives(ray_address, t
     from diloco_ray.persist import checkpoint, run_folder, state_files
 
     out = small_disk
-    # A checkpoint at set-up and after every round; round 0 is slowed (1 s a step) so the
+    # A checkpoint at set-up and after every round; round 0 is slowed (0.5 s a step: 2 s,
+    # against milliseconds to fill a tmpfs once the poll sees the first checkpoint) so the
     # disk is filled after the first checkpoint and before the second.
-    slow = [{"kind": "slow", "replica": 0, "round": 0, "step": 0, "seconds": 1}]
+    slow = [{"kind": "slow", "replica": 0, "round": 0, "step": 0, "seconds": 0.5}]
     cfg = tiny_config(out, diloco_loops=2, max_steps=4, checkpoint_steps=4, eval_batches=1, fault_plan=slow)
     job = write_config(tmp_path / "job.yaml", cfg)
     run = start_cli(ray_address, "train", job)
