@@ -25,14 +25,25 @@ def plain(ray_local, tmp_path_factory):
     return train(tmp_path_factory.mktemp("plain"), "plain", diloco_loops=3)[0]
 
 
-def test_sharded_server_gives_the_same_weights(ray_local, tmp_path):
-    # Clipping is active (the outer gradient's norm is above 0.05), so the norm must be
-    # the one over every server's slice.
-    common = dict(diloco_loops=2, outer_grad_clip=0.05, ranks_per_replica=2)
-    one, w1 = train(tmp_path, "one", **common)
+# Clipping is active (the outer gradient's norm is above 0.05), so with two servers the norm
+# must be the one over every server's slice. FSDP over 2 ranks a replica.
+SHARDED = dict(diloco_loops=2, outer_grad_clip=0.05, ranks_per_replica=2)
+
+
+@pytest.fixture(scope="module")
+def one_server(ray_local, tmp_path_factory):
+    """The one-server run test_sharded_server_gives_the_same_weights compares with, over a
+    simulated slow link (2 Mbit/s, 50 ms: test_slow_link_shows_in_sync_time reads its sync
+    times). A simulated link only holds messages back (the replica's ranks share it), so
+    the weights and norms are those of the same run without it."""
+    return train(tmp_path_factory.mktemp("one"), "one", link_mbps=2.0, link_latency_ms=50, **SHARDED)
+
+
+def test_sharded_server_gives_the_same_weights(tmp_path, one_server):
+    one, w1 = one_server
     # final/ streamed from two servers in 40 KiB shards (the model is ~120 KB): an index
     # and several files, loadable with from_pretrained, equal to the one-server run's.
-    two, w2 = train(tmp_path, "two", num_param_servers=2, final_shard_mb=0.04, **common)
+    two, w2 = train(tmp_path, "two", num_param_servers=2, final_shard_mb=0.04, **SHARDED)
     files = sorted(os.listdir(two.final_path))
     assert "model.safetensors.index.json" in files and sum(f.endswith(".safetensors") for f in files) >= 2
     from transformers import AutoModelForCausalLM
@@ -131,10 +142,10 @@ def test_streaming_converges(overlap, request):
     assert all(r["replicas"] == 2 and len(r["fragments"]) == 4 for r in result.rounds)
 
 
-def test_slow_link_shows_in_sync_time(ray_local, tmp_path, plain):
+def test_slow_link_shows_in_sync_time(plain, one_server):
     fast = plain
     # ~110 KB up and down per replica and round at 2 Mbit/s: about 0.45 s each way.
-    slow, _ = train(tmp_path, "slow", diloco_loops=2, link_mbps=2.0, link_latency_ms=50)
+    slow = one_server[0]
     per_replica = slow.rounds[-1]["bytes_up"] / 2, slow.rounds[-1]["bytes_down"] / 2
     modeled = sum(0.05 + b * 8 / 2e6 for b in per_replica)
     assert slow.rounds[-1]["sync_seconds"] >= 0.8 * modeled
