@@ -24,26 +24,30 @@ beside what the round records report:
   ``bytes_up`` / ``bytes_down`` + ``eval_bytes_down`` (the messages' lengths; eval reads
   the global weights on one replica, which crosses its link unless the next round's
   weights message is those weights exactly);
-* ``control_bytes``: Ray's idle traffic over the replica links (measured on the same
-  cluster with no job, in bytes per second) times the rounds' seconds: what would have
-  crossed anyway;
+* ``control_bytes_up`` / ``control_bytes_down``: frames of Ray's control plane in the same
+  window (connections to the GCS, the raylets and their agents, told apart by port:
+  ``wan_links.SERVICES``; no message crosses there): what would have crossed anyway;
+  ``wire_{up,down}_{gcs,raylet,agent,objects,worker}_bytes`` (and ``_ack_bytes``) each
+  service's share;
 * ``wire_packets_up`` / ``wire_packets_down``: packets, same window (most packets up while
   the weights come down are TCP's acknowledgements of them: 66 bytes each);
 * ``wire_up_tcp_payload``, ``wire_up_acks``, ``wire_up_ack_bytes`` (and ``wire_down_*``):
   what the frames were, same window (:mod:`wan_capture`): TCP payload (the messages and
   Ray's calls around them) and pure acknowledgements; the rest is frame headers;
-* ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control / 2) / reported; ``*_net``: the
+* ``wire_ratio_up`` / ``wire_ratio_down``: (wire - control) / reported; ``*_net``: the
   same less that direction's pure acknowledgements (TCP's answer to the other direction:
   with int8 weights down and topk up, about 2% of the down bytes crossing up, a quarter
   of topk's payload);
 * ``exposed_sync_fraction``: summed ``sync_seconds`` over summed ``round_seconds``;
-* ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``; ``rounds``: each
+* ``round_seconds`` (median), ``final_eval_loss``, ``wall_seconds``, ``start_seconds``
+  (before the first round) and ``end_seconds`` (after the last record); ``rounds``: each
   round's seconds (round, sync, compute, eval) and reported bytes.
 
 It runs 100, 20 and 5 Mbit/s with codecs ``none``, ``int8`` and ``topk`` (weights down:
 ``none``, ``int8``, ``int8``),
 overlap off (one fragment) and on (3 fragments, ``overlap_communication``); ``--quick``
-runs 20 Mbit/s with ``none`` and with ``topk`` + overlap. Everything is torn down on
+runs 20 Mbit/s with ``none`` and with ``topk`` + overlap. Ray's idle traffic is measured
+once per rate for the record (``--idle-seconds``, 0 skips it). Everything is torn down on
 exit, Ctrl-C included. Needs root.
 """
 
@@ -71,7 +75,11 @@ CODECS = ("none", "int8", "topk")
 # training from stale weights (bench/low_bandwidth.py --frontier), so topk's down is int8.
 DOWN = {"none": "none", "int8": "int8", "topk": "int8"}
 IDLE_SECONDS = 20.0
-FRAME_KEYS = tuple(f"{way}_{key}" for way in ("up", "down") for key in wan_capture.KEYS)
+SERVICE_KEYS = tuple(
+    f"{label}_{k}" for label in sorted(set(wan_links.SERVICES.values())) for k in ("bytes", "ack_bytes")
+)
+CONTROL = ("gcs", "raylet", "agent")  # wan_links.SERVICES that carry no message
+FRAME_KEYS = tuple(f"{way}_{key}" for way in ("up", "down") for key in wan_capture.KEYS + SERVICE_KEYS)
 # Each round's figures kept in --out, to see where a run's seconds and bytes went.
 ROUND_KEYS = ("round", "round_seconds", "sync_seconds", "compute_seconds", "eval_seconds", "bytes_up", "bytes_down")
 
@@ -123,7 +131,7 @@ class CounterLog:
 
     def __init__(self, cluster: wan_links.Regions, period: float = 0.25):
         self.cluster, self.period = cluster, period
-        self.capture = wan_capture.Capture({r.name: r.host_end for r in cluster.regions[1:]})
+        self.capture = wan_capture.Capture({r.name: r.host_end for r in cluster.regions[1:]}, wan_links.SERVICES)
         self.samples: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -156,7 +164,7 @@ class CounterLog:
         return replica_traffic(first[1], last[1], what)
 
 
-def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) -> dict:
+def one_run(cluster, args, rate: float, codec: str, overlap: bool) -> dict:
     out = tempfile.mkdtemp(prefix="wan-run-")
     fields = overrides(cluster, args.replicas, codec, overlap, out)
     cmd = [sys.executable, "-m", "diloco_ray", "train", args.config, *fields, *(f"--set={kv}" for kv in args.set)]
@@ -178,8 +186,12 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
     job_up, job_down = replica_traffic(log.samples[0][1], log.samples[-1][1])
     reported_up = sum(r["bytes_up"] for r in rounds)
     reported_down = sum(r["bytes_down"] + r.get("eval_bytes_down", 0) for r in rounds)
-    control = idle * (end - start)
-    # Ray's idle traffic runs both ways; it is charged half to each direction.
+    # Ray's control plane (GCS, raylets, agents) carries no message: its frames in the same
+    # window, counted by port, are taken off each direction (acknowledgements among them
+    # are in *_ack_bytes already, so the net ratios take off only the rest).
+    control = {way: sum(frames[f"{way}_{s}_bytes"] for s in CONTROL) for way in ("up", "down")}
+    control_acks = {way: sum(frames[f"{way}_{s}_ack_bytes"] for s in CONTROL) for way in ("up", "down")}
+    net = {way: control[way] - control_acks[way] for way in ("up", "down")}
     return {
         "rate_mbit": rate,
         "codec": codec,
@@ -188,21 +200,25 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, idle: float) 
         "wire_bytes_down": down,
         "reported_bytes_up": reported_up,
         "reported_bytes_down": reported_down,
-        "control_bytes": round(control),
+        "control_bytes_up": control["up"],
+        "control_bytes_down": control["down"],
         "wire_packets_up": up_packets,
         "wire_packets_down": down_packets,
         **{f"wire_{key}": value for key, value in frames.items()},
-        "wire_ratio_up": (up - control / 2) / reported_up,
-        "wire_ratio_down": (down - control / 2) / reported_down,
+        "wire_ratio_up": (up - control["up"]) / reported_up,
+        "wire_ratio_down": (down - control["down"]) / reported_down,
         # Less the pure TCP acknowledgements each way (mostly of what flows the other way).
-        "wire_ratio_up_net": (up - frames["up_ack_bytes"] - control / 2) / reported_up,
-        "wire_ratio_down_net": (down - frames["down_ack_bytes"] - control / 2) / reported_down,
+        "wire_ratio_up_net": (up - frames["up_ack_bytes"] - net["up"]) / reported_up,
+        "wire_ratio_down_net": (down - frames["down_ack_bytes"] - net["down"]) / reported_down,
         "job_wire_bytes_up": job_up,
         "job_wire_bytes_down": job_down,
         "exposed_sync_fraction": sum(r["sync_seconds"] for r in every) / sum(r["round_seconds"] for r in every),
         "round_seconds": statistics.median(r["round_seconds"] for r in every),
         "final_eval_loss": every[-1]["eval_loss"],
         "wall_seconds": log.samples[-1][0] - log.samples[0][0],
+        # Before the first round (the driver's start, workers, data) and after the last record.
+        "start_seconds": every[0]["time"] - every[0]["round_seconds"] - log.samples[0][0],
+        "end_seconds": log.samples[-1][0] - end,
         "rounds": [{key: r.get(key) for key in ROUND_KEYS} for r in every],
     }
 
@@ -240,14 +256,15 @@ def main() -> int:
         print(f"bench/wan.py: {reason}", file=sys.stderr)
         return 2
     print("links: tc tbf, rate only (tc netem is not available here: no added delay)", flush=True)
-    runs = []
+    runs, idle = [], None
     with wan_links.Regions(args.replicas, cpus=1, head_cpus=1) as cluster:
         for rate, codec, overlap in variants(args.quick):
             if cluster.rate_mbit != rate:
                 cluster.shape(rate)
-                idle = idle_rate(cluster, args.idle_seconds)
-                print(f"# {rate:g} Mbit/s: Ray's idle traffic {idle:.0f} B/s over the replica links", flush=True)
-            runs.append(one_run(cluster, args, rate, codec, overlap, idle))
+                if args.idle_seconds > 0:  # for the record only: the runs count theirs by port
+                    idle = idle_rate(cluster, args.idle_seconds)
+                    print(f"# {rate:g} Mbit/s: Ray's idle traffic {idle:.0f} B/s over the replica links", flush=True)
+            runs.append(one_run(cluster, args, rate, codec, overlap))
             print("# " + json.dumps(runs[-1]), flush=True)
     print(table(runs))
     if args.out:

@@ -32,6 +32,16 @@ KEYS = ("tcp_payload", "acks", "ack_bytes")
 _SNAP = 128  # bytes read of a frame: Ethernet + IP + TCP headers with options fit
 
 
+def tcp_ports(frame: bytes) -> tuple[int, int] | None:
+    """(source port, destination port) of a TCP over IPv4 frame (its first bytes), else None."""
+    if len(frame) < 34 or frame[12:14] != b"\x08\x00" or frame[23] != 6:
+        return None
+    tcp = 14 + (frame[14] & 0x0F) * 4
+    if len(frame) < tcp + 4:
+        return None
+    return struct.unpack_from("!HH", frame, tcp)
+
+
 def classify(frame: bytes) -> tuple[int, bool]:
     """(TCP payload bytes, whether it is a pure acknowledgement) of one Ethernet frame
     (its first bytes); (0, False) for anything but TCP over IPv4."""
@@ -52,11 +62,17 @@ class Capture:
 
     Args:
         interfaces: region name -> the root end of its veth pair.
+        ports: TCP port -> a label: a frame to or from such a port (a listening one: which
+            service the connection is to) is also counted, frame bytes and pure
+            acknowledgements' bytes, under ``{way}_{label}_bytes`` / ``{way}_{label}_ack_bytes``.
     """
 
-    def __init__(self, interfaces: dict[str, str]):
-        self.interfaces = interfaces
-        self._totals = {r: {f"{d}_{k}": 0 for d in ("up", "down") for k in KEYS} for r in interfaces}
+    def __init__(self, interfaces: dict[str, str], ports: dict[int, str] | None = None):
+        self.interfaces, self.ports = interfaces, dict(ports or {})
+        keys = KEYS + tuple(
+            f"{label}_{k}" for label in sorted(set(self.ports.values())) for k in ("bytes", "ack_bytes")
+        )
+        self._totals = {r: {f"{d}_{k}": 0 for d in ("up", "down") for k in keys} for r in interfaces}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -97,10 +113,21 @@ class Capture:
                         size, addr = sock.recvfrom_into(buf, _SNAP, socket.MSG_TRUNC)
                     except BlockingIOError:
                         break
-                    payload, ack = classify(bytes(buf[: min(size, _SNAP)]))
+                    frame = bytes(buf[: min(size, _SNAP)])
+                    payload, ack = classify(frame)
                     way = "down" if addr[2] == PACKET_OUTGOING else "up"
+                    label = self._label(frame)
                     with self._lock:
                         totals[f"{way}_tcp_payload"] += payload
                         if ack:
                             totals[f"{way}_acks"] += 1
                             totals[f"{way}_ack_bytes"] += size
+                        if label:
+                            totals[f"{way}_{label}_bytes"] += size
+                            totals[f"{way}_{label}_ack_bytes"] += size if ack else 0
+
+    def _label(self, frame: bytes) -> str | None:
+        ports = tcp_ports(frame) if self.ports else None
+        if ports is None:
+            return None
+        return self.ports.get(ports[0]) or self.ports.get(ports[1])

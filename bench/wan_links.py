@@ -6,7 +6,9 @@ egress is what flows *into* the region (down), the namespace end's egress what f
 (up). ``netem`` is not available here, so links have a rate but no added delay. A Ray head
 runs in the servers' region and one raylet in each replica's region, each advertising a
 custom resource named after its region, so ``server_resources`` / ``replica_resources`` pin
-actors to regions and every byte between them crosses two shaped links.
+actors to regions and every byte between them crosses two shaped links. Every region's Ray
+listens on the same fixed ports, so a frame's port tells which service it is for
+(:data:`SERVICES`: Ray's control plane, workers' calls, object transfers).
 
 Bytes are read from the root ends' interface counters (``/sys/class/net/*/statistics``):
 ``rx`` there is what the region sent, ``tx`` what it received. Everything built is torn
@@ -33,6 +35,24 @@ BRIDGE = f"{PREFIX}br0"
 SUBNET = "10.213.7"
 HEAD_PORT = 6397
 LOCK = f"/tmp/{PREFIX}-wan.lock"
+# Every region's Ray listens on the same fixed ports (each region has its own addresses),
+# so a frame's port says which service the connection is to (:data:`SERVICES`).
+NODE_MANAGER_PORT, OBJECT_MANAGER_PORT, METRICS_PORT = 6380, 6381, 6382
+AGENT_GRPC_PORT, AGENT_HTTP_PORT, RUNTIME_ENV_AGENT_PORT = 6383, 6384, 6385
+WORKER_PORTS = (10002, 19999)  # Ray's default range: drivers' and workers' gRPC servers
+# Listening port -> which service: the GCS, the raylets and their agents carry no message
+# (Ray's control plane), workers' servers carry actor calls with their inlined arguments
+# and replies, object managers carry objects too large to inline.
+SERVICES = {
+    HEAD_PORT: "gcs",
+    NODE_MANAGER_PORT: "raylet",
+    METRICS_PORT: "agent",
+    AGENT_GRPC_PORT: "agent",
+    AGENT_HTTP_PORT: "agent",
+    RUNTIME_ENV_AGENT_PORT: "agent",
+    OBJECT_MANAGER_PORT: "objects",
+    **{port: "worker" for port in range(WORKER_PORTS[0], WORKER_PORTS[1] + 1)},
+}
 # Ray pulls an object again (from its first byte) when it is not local 10 s after the pull
 # began (RAY_object_manager_pull_timeout_ms): a 10.9 MB message to two replicas over a
 # 5 Mbit/s link takes 35 s, so every such transfer crossed the link twice (measured:
@@ -211,18 +231,37 @@ class Regions:
         env = {**self.env(), "RAY_object_manager_pull_timeout_ms": str(PULL_TIMEOUT_MS)}
         if env["RAY_AUTH_MODE"] == "token" and not (env.get("RAY_AUTH_TOKEN") or env.get("RAY_AUTH_TOKEN_PATH")):
             subprocess.run(["ray", "get-auth-token", "--generate"], env=env, capture_output=True, check=True)
-        common = ["--temp-dir", self.temp, "--disable-usage-stats", "--object-store-memory", "200000000"]
-        ray = [sys.executable, "-m", "ray.scripts.scripts", "start"]
-        for r in self.regions:
-            where = (
-                ["--head", "--port", str(HEAD_PORT), "--include-dashboard", "false", "--num-cpus", str(self.head_cpus)]
-                if r is self.head
-                else ["--address", self.address, "--num-cpus", str(self.cpus)]
-            )
-            cmd = [*ray, *where, "--node-ip-address", r.ip, "--resources", json.dumps({r.resource: 1}), *common]
-            done = subprocess.run(self.in_region(r, *cmd), env=env, capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"ray start in {r.netns} failed: {done.stderr.strip()[-2000:]}")
+        common = ["--disable-usage-stats", "--object-store-memory", "200000000"]
+        common += [
+            *("--node-manager-port", str(NODE_MANAGER_PORT), "--object-manager-port", str(OBJECT_MANAGER_PORT)),
+            *("--metrics-export-port", str(METRICS_PORT), "--dashboard-agent-grpc-port", str(AGENT_GRPC_PORT)),
+            *("--dashboard-agent-listen-port", str(AGENT_HTTP_PORT)),
+            *("--runtime-env-agent-port", str(RUNTIME_ENV_AGENT_PORT)),
+            *("--min-worker-port", str(WORKER_PORTS[0]), "--max-worker-port", str(WORKER_PORTS[1])),
+        ]
+        head = ["--head", "--port", str(HEAD_PORT), "--include-dashboard", "false", "--num-cpus", str(self.head_cpus)]
+        node = ["--address", self.address, "--num-cpus", str(self.cpus)]
+        # The head first (the raylets join its GCS), then every replica's raylet at once.
+        for batch in ([self.head], self.regions[1:]):
+            starts = [(r, self._ray_start(r, *(head if r is self.head else node), *common, env=env)) for r in batch]
+            for r, proc in starts:
+                _, err = proc.communicate()
+                if proc.returncode:
+                    raise RuntimeError(f"ray start in {r.netns} failed: {err.strip()[-2000:]}")
+
+    def _ray_start(self, region: Region, *args: str, env: dict) -> subprocess.Popen:
+        """``ray start`` in ``region``, its node's address and region resource added."""
+        resources = json.dumps({region.resource: 1})
+        cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--node-ip-address", region.ip]
+        # A temp dir of its own: raylets starting at once in one temp dir race on its files.
+        cmd += ["--temp-dir", os.path.join(self.temp, region.name)]
+        return subprocess.Popen(
+            self.in_region(region, *cmd, "--resources", resources),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def run(self, *cmd: str, timeout: float = 900) -> subprocess.CompletedProcess:
         """Run ``cmd`` in the head's region against this cluster, as a user's driver runs."""

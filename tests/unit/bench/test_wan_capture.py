@@ -36,3 +36,13 @@ def frame(payload: int, flags: int, tcp_options: int = 12, ip_proto: int = 6, et
 def test_classify_sorts_payload_and_pure_acknowledgements(raw, want):
     payload, ack = wan_capture.classify(raw)
     assert (payload, ack) == want
+
+
+def test_tcp_ports_name_the_connection_a_frame_belongs_to():
+    # frame() sends from port 1 to port 2; anything but TCP over IPv4 has no ports.
+    assert wan_capture.tcp_ports(frame(0, ACK)) == (1, 2)
+    assert wan_capture.tcp_ports(frame(100, 0, ip_proto=17)) is None
+    assert wan_capture.tcp_ports(frame(0, ACK, ethertype=b"\x08\x06")) is None
+    capture = wan_capture.Capture({}, {2: "gcs"})
+    assert capture._label(frame(0, ACK)) == "gcs"
+    assert wan_capture.Capture({}, {3: "gcs"})._label(frame(0, ACK)) is None
