@@ -37,19 +37,22 @@ def final_weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-COMMON = dict(diloco_loops=4, max_steps=3, checkpoint_steps=3, eval_batches=1, save_total_limit=2)
+# The fault-free run is test_fault_kinds.py's synchronous one (EXACT: two servers, made once
+# a session by ``uninterrupted``; its checkpoints every other round change no weight). The
+# runs here checkpoint every round, pruned to the newest two.
+EXACT = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+COMMON = {**EXACT, "checkpoint_steps": 4, "save_total_limit": 2}
 
 
 def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted_run(
-    s3_bucket, staging, ray_local, tmp_path, monkeypatch
+    s3_bucket, staging, ray_local, tmp_path, monkeypatch, uninterrupted
 ):
+    reference = uninterrupted(**EXACT)
     # The driver stages elsewhere than the actors (whose processes kept the fixture's
     # root), as on a cluster where they run on other machines: whatever an actor needs
     # from the bucket it must fetch itself.
     driver_staging = str(tmp_path / "driver-staging")
     monkeypatch.setenv("DILOCO_RAY_STAGING", driver_staging)
-    reference = tiny_config(tmp_path / "reference", **COMMON)
-    DilocoFSDPTrainer(reference).train()
 
     uri = s3_bucket.uri("runs", "tiny")
     cfg = tiny_config(uri, **COMMON)
@@ -65,8 +68,10 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
             prefix + f
             for f in (
                 "manifest.json",
-                "global.safetensors",
-                "server.json",
+                "global-0-of-2.safetensors",
+                "global-1-of-2.safetensors",
+                "server-0-of-2.json",
+                "server-1-of-2.json",
                 "replicas/slot-0-rank-0.safetensors",
                 "replicas/slot-1-rank-0.json",
             )
@@ -87,7 +92,7 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
         shutil.rmtree(root)
         os.makedirs(root)
     resumed = DilocoFSDPTrainer(tiny_config(uri, resume_from=uri, **COMMON)).train()
-    assert [r["round"] for r in resumed.rounds] == [2, 3]
+    assert [r["round"] for r in resumed.rounds] == [2, 3, 4]
     assert resumed.final_path == f"{uri}/final"
 
     mirror = storage.Mirror(f"{uri}/final", local=str(tmp_path / "final"))
@@ -103,11 +108,11 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
     text = (tmp_path / "m" / "metrics.jsonl").read_text()
     assert [
         int(line.split('"round": ')[1].split(",")[0]) for line in text.splitlines() if '"event": "round"' in line
-    ] == [0, 1, 2, 3]  # round 2 rerun once, contiguous
+    ] == [0, 1, 2, 3, 4]  # round 2 rerun once, contiguous
 
     from diloco_ray.observe.report import write_report
 
-    assert "4 of 4 rounds" in write_report(uri)
+    assert "5 of 5 rounds" in write_report(uri)
     assert "runs/tiny/report.png" in s3_bucket.keys("runs/tiny/")
 
 
