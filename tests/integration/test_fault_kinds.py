@@ -4,9 +4,9 @@ costs), not only that it finished.
 
 * replica faults (``kill``, ``freeze``, ``slow``, ``slowdown``, ``nan``, ``drop_link``):
   who is dropped and why, who stays, what is discounted, and no stream position twice;
-* a parameter server SIGKILLed (two servers) and the driver SIGKILLed or SIGTERMed: the
-  run goes on (or is resumed) from a checkpoint to the weights of a run without the fault,
-  to 1e-5. In decoupled mode these runs keep the replicas in lockstep (``min_quorum`` =
+* a parameter server SIGKILLed (two servers; then the driver SIGKILLed in the same run) and
+  the driver SIGTERMed: the run goes on (or is resumed) from a checkpoint to the weights of
+  a run without the fault, to 1e-5. In decoupled mode these runs keep the replicas in lockstep (``min_quorum`` =
   replicas), where the result does not depend on timing and so is exactly checkable.
 """
 
@@ -23,6 +23,7 @@ import ray
 from conftest import ROOT, applied_positions, max_abs_diff, subprocess_env, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+from diloco_ray.config.fault_plan import KINDS
 from diloco_ray.observe.metrics import read_events
 from diloco_ray.persist import checkpoint
 from diloco_ray.runtime.rank import BEAT_S
@@ -33,25 +34,67 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 MODES = {"sync": {}, "decoupled": {"sync_mode": "decoupled"}}
 # Short periods; a stall is judged after 4 s without a step (ranks beat every BEAT_S = 2 s).
 BASE = dict(diloco_loops=3, max_steps=4, eval_batches=1, stall_timeout_s=4.0, abort_grace_s=2.0, logging_steps=1)
-# Decoupled: the other replica must still be merging when the faulty one is found stalled
-# (or arrives late). A tiny period takes milliseconds, so it is paced: every step 20x as long.
-LONGER = {"decoupled": {"diloco_loops": 10}}
+# Decoupled: a replica that must still be merging while another is found stalled (or arrives
+# late) is paced: a tiny period takes milliseconds, so every step of it takes 20x as long,
+# over more rounds' worth. A pacing fault is not itself checked (``slowdown`` is, below).
+PACE = {"kind": "slowdown", "round": 0, "factor": 20, "pace": True}
+LONGER = {"diloco_loops": 10}
 
-
-def pace(fault: dict, mode: str) -> list:
-    """The fault, and in decoupled mode the other replica slowed down to a steady pace."""
-    other = {"kind": "slowdown", "replica": 1 - fault["replica"], "round": 0, "factor": 20}
-    return [fault, other] if mode == "decoupled" and fault["kind"] != "slowdown" else [fault]
-
-
-REPLICA_FAULTS = {
-    "kill": ({"kind": "kill", "replica": 1, "round": 1, "step": 1}, {}),
-    "freeze": ({"kind": "freeze", "replica": 1, "round": 1, "step": 1}, LONGER),
-    "slow": ({"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.3}, {}),
-    "slowdown": ({"kind": "slowdown", "replica": 1, "round": 0, "factor": 4}, {}),
-    "nan": ({"kind": "nan", "replica": 0, "round": 1, "step": 1}, {}),
-    # The synchronous rule for a link that never delivers is the round's deadline.
-    "drop_link": ({"kind": "drop_link", "replica": 0, "round": 1}, {"sync": {"round_timeout_s": 2.5}, **LONGER}),
+# Each mode's runs: (extra fields, faults). Faults that do not interfere share a run, each
+# on its own replica or round and checked against its own rule; every kind fires in both
+# modes (test_the_runs_hold_every_replica_fault_in_both_modes).
+RUNS = {
+    "sync": {
+        # No deadline: the round waits for the slow ones; the frozen one is judged by its
+        # missing step beats; the killed one is left out.
+        "slow-slowdown-freeze-kill": (
+            {"num_replicas": 3},
+            [
+                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.3},
+                {"kind": "slowdown", "replica": 1, "round": 1, "factor": 4, "against": 0},
+                {"kind": "freeze", "replica": 2, "round": 1, "step": 1},
+                {"kind": "kill", "replica": 0, "round": 2, "step": 1},
+            ],
+        ),
+        # The synchronous rule for a link that never delivers is the round's deadline.
+        "nan-drop_link": (
+            {"round_timeout_s": 2.5},
+            [
+                {"kind": "nan", "replica": 1, "round": 0, "step": 1},
+                {"kind": "drop_link", "replica": 0, "round": 1},
+            ],
+        ),
+    },
+    "decoupled": {
+        "slowdown-nan": (
+            {},
+            [
+                {"kind": "slowdown", "replica": 1, "round": 0, "factor": 4, "against": 0},
+                {"kind": "nan", "replica": 0, "round": 1, "step": 1},
+            ],
+        ),
+        # Slow steps 0.5 s longer: clearly behind the other, paced to 5x a step of a busy machine
+        # (its first arrival is merged alone), which keeps merging until the slow one arrives.
+        "slow": (
+            LONGER,
+            [
+                {**PACE, "replica": 0, "factor": 5},
+                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.5},
+            ],
+        ),
+        "drop_link": (LONGER, [{**PACE, "replica": 0}, {"kind": "drop_link", "replica": 1, "round": 1}]),
+        # Replica 2's replacement (id 3) is paced too, or it would end the run before the
+        # frozen one is found stalled.
+        "freeze-kill": (
+            {**LONGER, "num_replicas": 3},
+            [
+                {**PACE, "replica": 0},
+                {**PACE, "replica": 3},
+                {"kind": "freeze", "replica": 1, "round": 1, "step": 1},
+                {"kind": "kill", "replica": 2, "round": 1, "step": 1},
+            ],
+        ),
+    },
 }
 # A checkpoint every two rounds' worth, two servers, replicas in lockstep.
 EXACT = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
@@ -67,32 +110,38 @@ def no_position_twice(rounds) -> bool:
     return len(positions) == len(set(positions))
 
 
-def step_seconds(output_dir, replica: int) -> float:
-    """The median time between a replica's step events (logging_steps = 1)."""
-    times = [e["time"] for e in read_events(output_dir, "step") if e["replica"] == replica]
+def step_seconds(output_dir, replica: int, since: int = 0) -> float:
+    """The median time between a replica's step events (logging_steps = 1) from round ``since`` on."""
+    times = [e["time"] for e in read_events(output_dir, "step") if e["replica"] == replica and e["round"] >= since]
     return statistics.median(b - a for a, b in zip(times, times[1:]) if b > a)
 
 
-def check_kill(mode, out, rounds):
-    assert leaves(out) == {1: "failed"}
-    hit = next(i for i, r in enumerate(rounds) if 1 in r["dropped"])
-    assert all(1 not in r["replica_ids"] for r in rounds[hit:])
+def check_kill(mode, out, rounds, fault):
+    victim = fault["replica"]
+    assert leaves(out)[victim] == "failed"
+    hit = next(i for i, r in enumerate(rounds) if victim in r["dropped"])
+    assert all(victim not in r["replica_ids"] for r in rounds[hit:])
 
 
-def check_freeze(mode, out, rounds):
-    assert leaves(out) == {1: "unresponsive"} and any(1 in r["dropped"] for r in rounds)
+def check_freeze(mode, out, rounds, fault):
+    frozen = fault["replica"]
+    assert leaves(out)[frozen] == "unresponsive" and any(frozen in r["dropped"] for r in rounds)
     # Dropped within its deadlines: no step for stall_timeout_s, then abort_grace_s to answer.
-    last_step = max(e["time"] for e in read_events(out, "step") if e["replica"] == 1)
-    left = next(e["time"] for e in read_events(out, "membership") if e["action"] == "leave")
+    last_step = max(e["time"] for e in read_events(out, "step") if e["replica"] == frozen)
+    left = next(
+        e["time"] for e in read_events(out, "membership") if e["action"] == "leave" and e["replica_id"] == frozen
+    )
     assert left - last_step <= BASE["stall_timeout_s"] + BASE["abort_grace_s"] + BEAT_S + 3.0
 
 
-def check_slow(mode, out, rounds):
-    assert not leaves(out)
-    if mode == "sync":  # the round waits: four steps 0.3 s longer each
-        assert sorted(rounds[0]["replica_ids"]) == [0, 1] and rounds[0]["round_seconds"] >= 4 * 0.3
+def check_slow(mode, out, rounds, fault):
+    slow = fault["replica"]
+    assert slow not in leaves(out)
+    if mode == "sync":  # the round waits for all: each of its steps from ``step`` on is longer
+        assert slow in rounds[0]["replica_ids"] and not rounds[0]["dropped"] and not rounds[0]["late"]
+        assert rounds[0]["round_seconds"] >= (BASE["max_steps"] - fault["step"]) * fault["seconds"]
     else:  # nobody waits for the straggler: the first arrival is merged alone (which one comes
-        # first depends on the pacing of the other, see pace), the other later, as stale as the
+        # first depends on the pacing of the other, see PACE), the other later, as stale as the
         # rule says: delayed momentum (the default) counts the whole rounds' worth merged since
         # it started (at work 0), the cycles the first one's merges completed before.
         assert len(rounds[0]["replica_ids"]) == 1
@@ -101,35 +150,57 @@ def check_slow(mode, out, rounds):
         assert at >= 1 and rounds[at]["staleness"][str(other)] == math.floor(rounds[at - 1]["work"] + 1e-9)
 
 
-def check_slowdown(mode, out, rounds):
-    assert not leaves(out)
-    assert step_seconds(out, 1) >= 2.0 * step_seconds(out, 0)  # 4x as long, measured on a busy machine
+def check_slowdown(mode, out, rounds, fault):
+    slowed = fault["replica"]
+    assert slowed not in leaves(out)
+    # 4x as long as a replica without a slow fault (``against``), measured on a busy machine
+    since = fault["round"]
+    assert step_seconds(out, slowed, since) >= 2.0 * step_seconds(out, fault["against"], since)
 
 
-def check_nan(mode, out, rounds):
-    hit = next(i for i, r in enumerate(rounds) if "0" in r["rejected"])
-    assert rounds[hit]["rejected"]["0"].startswith("non-finite")
-    assert not leaves(out) and any(0 in r["replica_ids"] for r in rounds[hit + 1 :])  # reset, and trains on
+def check_nan(mode, out, rounds, fault):
+    poisoned = fault["replica"]
+    hit = next(i for i, r in enumerate(rounds) if str(poisoned) in r["rejected"])
+    assert rounds[hit]["rejected"][str(poisoned)].startswith("non-finite")
+    assert poisoned not in leaves(out)
+    assert any(poisoned in r["replica_ids"] for r in rounds[hit + 1 :])  # reset, and trains on
     assert all(np.isfinite(r["eval_loss"]) for r in rounds if r["eval_loss"] is not None)
 
 
-def check_drop_link(mode, out, rounds):
-    assert not leaves(out)  # told to stop, it answers: it stays
+def check_drop_link(mode, out, rounds, fault):
+    cut = fault["replica"]
+    assert cut not in leaves(out)  # told to stop, it answers: it stays
     if mode == "sync":
-        hit = next(i for i, r in enumerate(rounds) if r["late"] == [0])
+        hit = next(i for i, r in enumerate(rounds) if r["late"] == [cut])
     else:  # stopped after stall_timeout_s without a step
         hit = next(i for i, r in enumerate(rounds) if r["wasted_steps"] > 0)
-    assert any(0 in r["replica_ids"] for r in rounds[hit + 1 :])
+    assert any(cut in r["replica_ids"] for r in rounds[hit + 1 :])
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", REPLICA_FAULTS)
-def test_every_replica_fault_fires_in_both_modes(ray_local, tmp_path, kind, mode):
-    fault, extra = REPLICA_FAULTS[kind]
-    cfg = tiny_config(tmp_path / "run", **{**BASE, **MODES[mode], **extra.get(mode, {})}, fault_plan=pace(fault, mode))
+TERMINAL = {"kill": "failed", "freeze": "unresponsive"}
+# Keys of RUNS' faults for the checks, not for the plan.
+TEST_ONLY = ("pace", "against")
+
+
+def test_the_runs_hold_every_replica_fault_in_both_modes():
+    for mode, runs in RUNS.items():
+        kinds = {f["kind"] for _, faults in runs.values() for f in faults if not f.get("pace")}
+        assert kinds == set(KINDS["replica"]), mode
+
+
+@pytest.mark.parametrize("mode,run", [(m, r) for m in RUNS for r in RUNS[m]])
+def test_every_replica_fault_fires_in_both_modes(ray_local, tmp_path, mode, run):
+    """One run per group of faults that do not interfere; each fault is checked against its
+    rule, only the terminal ones (kill, freeze) leave, and no stream position is trained twice."""
+    extra, faults = RUNS[mode][run]
+    plan = [{k: v for k, v in f.items() if k not in TEST_ONLY} for f in faults]
+    cfg = tiny_config(tmp_path / "run", **{**BASE, **MODES[mode], **extra}, fault_plan=plan)
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     assert rounds[-1].get("work", len(rounds)) >= cfg.diloco_loops - 1e-9
-    globals()[f"check_{kind}"](mode, cfg.output_dir, rounds)
+    checked = [f for f in faults if not f.get("pace")]
+    assert leaves(cfg.output_dir) == {f["replica"]: TERMINAL[f["kind"]] for f in checked if f["kind"] in TERMINAL}
+    for fault in checked:
+        globals()[f"check_{fault['kind']}"](mode, cfg.output_dir, rounds, fault)
     assert no_position_twice(rounds)
 
 
@@ -141,34 +212,19 @@ def fault_free(ray_local, uninterrupted):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_a_killed_server_is_restored_and_the_run_ends_as_without_the_fault(fault_free, tmp_path, mode):
-    """Server 1 of 2 is SIGKILLed while round (merge) 3 trains: the servers come back from the
-    round-2 checkpoint, rounds 2 and 3 run again (their records are rewritten), and the final
-    weights are the fault-free run's."""
-    reference = fault_free(mode)
-    plan = [{"kind": "kill", "target": "server", "round": 3, "index": 1}]
-    cfg = tiny_config(tmp_path / "run", **EXACT, **LOCKSTEP[mode], fault_plan=plan)
-    rounds = DilocoFSDPTrainer(cfg).train().rounds
-    restarts = read_events(cfg.output_dir, "server")
-    assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
-    recorded = read_events(cfg.output_dir, "round")
-    assert [r["round"] for r in recorded] == [0, 1, 2, 3, 4] == [r["round"] for r in rounds]
-    assert max_abs_diff(cfg.output_dir, reference.output_dir) <= 1e-5
-    positions = applied_positions(recorded)
-    assert sorted(positions) == list(range(len(positions)))
-
-
-@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("kind", ["kill", "term"])
 def test_a_driver_fault_resumes_to_the_weights_of_a_run_without_it(fault_free, tmp_path, mode, kind):
-    """The driver is SIGKILLed, or SIGTERMed, while round (merge) 3 trains. SIGTERM stops it
-    cleanly: the replicas rewind to their period's start and round 3 is checkpointed. SIGKILL
-    leaves the round-2 checkpoint, which is then damaged, so the resume notices and falls back
-    to round 0. Either way the resumed run ends with the fault-free weights."""
+    """The driver is SIGTERMed while round (merge) 3 trains: it stops cleanly, the replicas
+    rewind to their period's start and round 3 is checkpointed. Or server 1 of 2 is SIGKILLed
+    while round 3 trains (the servers come back from the round-2 checkpoint, rounds 2 and 3
+    run again and their records are rewritten), then the driver is SIGKILLed while round 4
+    trains: that leaves the round-4 checkpoint, which is then damaged, so the resume notices
+    and falls back to round 2. Either way the resumed run ends with the fault-free weights."""
     reference = fault_free(mode)
-    cfg = tiny_config(
-        tmp_path / "run", **EXACT, **LOCKSTEP[mode], fault_plan=[{"kind": kind, "target": "driver", "round": 3}]
-    )
+    plan = [{"kind": kind, "target": "driver", "round": 3 if kind == "term" else 4}]
+    if kind == "kill":
+        plan.insert(0, {"kind": "kill", "target": "server", "round": 3, "index": 1})
+    cfg = tiny_config(tmp_path / "run", **EXACT, **LOCKSTEP[mode], fault_plan=plan)
     if kind == "kill":  # in a process of its own: it dies
         cfg.to_yaml(str(tmp_path / "run.yaml"))
         proc = subprocess.run(
@@ -185,15 +241,18 @@ def test_a_driver_fault_resumes_to_the_weights_of_a_run_without_it(fault_free, t
         with pytest.raises(KeyboardInterrupt):
             trainer.train()
         assert trainer.stopped_by == "SIGTERM" and trainer.stop_checkpoint.endswith("round-00000003")
-    assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2]
     newest = checkpoint.list_checkpoints(os.path.join(cfg.output_dir, "checkpoints"))[-1]
     if kind == "kill":
-        assert newest.endswith("round-00000002")
+        restarts = read_events(cfg.output_dir, "server")
+        assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
+        assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2, 3]
+        assert newest.endswith("round-00000004")
         with open(os.path.join(newest, "global-0-of-2.safetensors"), "r+b") as f:
             f.seek(-8, os.SEEK_END)
             f.write(b"\x00" * 8)
-        resumes_from = 0
+        resumes_from = 2
     else:
+        assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2]
         assert newest.endswith("round-00000003")
         resumes_from = 3
     # Resumed in this process, on the module's Ray, as a user would: the saved config, no faults.
