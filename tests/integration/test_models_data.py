@@ -274,11 +274,12 @@ def test_ranks_read_the_data_one_task_tokenised(ray_local, tmp_path, sums_jsonl,
 def test_a_data_error_in_the_tokenising_task_reaches_the_user(ray_local, tmp_path, sums_jsonl):
     from diloco_ray.errors import DataError, unwrap
 
+    # Loaded as `dataset_name: json` with data_files: the driver reads no record of it (a
+    # json_file_path's first record is checked before Ray), so the task finds the typo.
     cfg = tiny_config(
         tmp_path / "run",
-        dataset_name=None,
-        dataset_kwargs={},
-        json_file_path=sums_jsonl,
+        dataset_name="json",
+        dataset_kwargs={"data_files": sums_jsonl},
         prompt_template="{questoin} = ",
         completion_template="{answer}",
         seq_len=24,
