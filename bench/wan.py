@@ -16,7 +16,7 @@ For every run it reports what crossed each replica's link, from the interface co
 beside what the round records report:
 
 * ``wire_bytes_up`` / ``wire_bytes_down``: bytes the replica regions sent / received in the
-  steady state (counters sampled every 0.25 s; from the second round's start to the last
+  steady state (counters sampled every 0.1 s; from the second round's start to the last
   round's record: round 0 also loads the initial weights, and one replica seeds the
   servers just before it), summed over replicas; ``job_wire_bytes_*`` the same over the
   whole job (worker start-up and the final save included);
@@ -129,7 +129,7 @@ class CounterLog:
     ``period`` seconds in a thread, wall-clock stamped, so the bytes of any time window (the
     training rounds) can be read off afterwards."""
 
-    def __init__(self, cluster: wan_links.Regions, period: float = 0.25):
+    def __init__(self, cluster: wan_links.Regions, period: float = 0.1):
         self.cluster, self.period = cluster, period
         self.capture = wan_capture.Capture({r.name: r.host_end for r in cluster.regions[1:]}, wan_links.SERVICES)
         self.samples: list[tuple[float, dict]] = []
