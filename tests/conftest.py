@@ -25,6 +25,12 @@ TINY_MODEL = {
 }
 
 
+# The job of the faulted runs that must end with a fault-free run's weights, and of those
+# references (``uninterrupted(**EXACT_JOB)``, shared across modules): five short rounds, a
+# checkpoint every other round, two parameter servers.
+EXACT_JOB = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+
+
 def tiny_config(output_dir, **overrides) -> TrainerConfig:
     """A job small enough to run a few rounds in seconds on one CPU core per rank."""
     fields = dict(
@@ -94,6 +100,28 @@ def ray_local():
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         _shared_ray["env"] = _worker_env()
     yield ray
+
+
+# Modules that hand the shared Ray's workers an environment of their own (it restarts for
+# them, and again after them): they run last of the modules that use it.
+OWN_RAY_ENVIRONMENT = ("test_cloud_output.py",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Integration modules that use the shared Ray run one after another, before the ones
+    that start a Ray of their own or none: one start and stop (~5 s here) for all of them
+    instead of one per run of such modules. Unit tests stay first; order is otherwise kept."""
+
+    shared = {item.path for item in items if "ray_local" in item.fixturenames}
+
+    def place(item) -> int:  # per module, so modules stay whole
+        if "integration" not in item.path.parts:
+            return 0
+        if item.path not in shared:
+            return 3
+        return 2 if item.path.name in OWN_RAY_ENVIRONMENT else 1
+
+    items.sort(key=place)
 
 
 @pytest.fixture(scope="module", autouse=True)

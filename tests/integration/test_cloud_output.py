@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import s3_server
-from conftest import CrashAfter, tiny_config
+from conftest import EXACT_JOB, CrashAfter, tiny_config
 from safetensors.numpy import load_file
 
 from diloco_ray import DilocoFSDPTrainer
@@ -40,7 +40,7 @@ def final_weights(folder):
 # The fault-free run is test_fault_kinds.py's synchronous one (EXACT: two servers, made once
 # a session by ``uninterrupted``; its checkpoints every other round change no weight). The
 # runs here checkpoint every round, pruned to the newest two.
-EXACT = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+EXACT = EXACT_JOB
 COMMON = {**EXACT, "checkpoint_steps": 4, "save_total_limit": 2}
 
 

@@ -10,7 +10,7 @@ import threading
 
 import pytest
 import ray
-from conftest import KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config, wait_for_a_spare
+from conftest import EXACT_JOB, KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config, wait_for_a_spare
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo.inner_schedule import inner_lr_at
@@ -47,10 +47,10 @@ def test_a_poll_collects_every_report_that_is_ready(ray_local):
         ray.cancel(never, force=True)
 
 
-# test_fault_kinds.py's EXACT fields, in both modes (decoupled with a quorum of all): the
+# conftest's EXACT_JOB, in both modes (decoupled with a quorum of all): the
 # fault-free runs it compares with, made once a session by ``uninterrupted`` (test_stop.py
 # shares the synchronous one), so the test below adds no run when they already exist.
-LOCKSTEP_RUN = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+LOCKSTEP_RUN = EXACT_JOB
 
 
 def test_quorum_of_all_merges_every_replica_each_step_and_trains_the_rounds_tokens(ray_local, tmp_path, uninterrupted):

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import ray
-from conftest import ROOT, applied_positions, max_abs_diff, resume_cli, subprocess_env, tiny_config
+from conftest import EXACT_JOB, ROOT, applied_positions, max_abs_diff, resume_cli, subprocess_env, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.observe.metrics import read_events
@@ -37,8 +37,8 @@ CONTRACT_KEYS = [
     "round_seconds",
     "sync_seconds",
 ]
-# test_fault_kinds.py's and test_stop.py's lockstep job: a checkpoint every other round, two servers.
-EXACT = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+# The lockstep job test_fault_kinds.py and test_stop.py compare with (conftest.EXACT_JOB).
+EXACT = EXACT_JOB
 
 
 def run_until_killed(script, cfg, *args):

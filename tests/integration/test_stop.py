@@ -10,7 +10,7 @@ import sys
 import time
 
 import pytest
-from conftest import ROOT, max_abs_diff, tiny_config
+from conftest import EXACT_JOB, ROOT, max_abs_diff, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.observe.metrics import read_events
@@ -19,7 +19,7 @@ from diloco_ray.persist import checkpoint
 pytestmark = pytest.mark.integration
 # A checkpoint every other round: the one at round 3 is written only because of the stop.
 # Two servers: the fault-free run is test_fault_kinds.py's synchronous one (made once a session).
-COMMON = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, num_param_servers=2, eval_batches=1)
+COMMON = EXACT_JOB
 
 
 def sessions() -> set[str]:
