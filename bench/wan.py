@@ -84,9 +84,9 @@ FRAME_KEYS = tuple(f"{way}_{key}" for way in ("up", "down") for key in wan_captu
 ROUND_KEYS = ("round", "round_seconds", "sync_seconds", "compute_seconds", "eval_seconds", "bytes_up", "bytes_down")
 
 
-def variants(quick: bool) -> list[tuple[float, str, bool]]:
+def variants(quick: bool, none_rate: float = 20.0) -> list[tuple[float, str, bool]]:
     if quick:
-        return [(20.0, "none", False), (20.0, "topk", True)]
+        return [(none_rate, "none", False), (20.0, "topk", True)]
     return [(rate, codec, overlap) for rate in RATES for codec in CODECS for overlap in (False, True)]
 
 
@@ -246,6 +246,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=WAN)
     parser.add_argument("--quick", action="store_true", help="20 Mbit/s: none, and topk with overlap")
+    parser.add_argument(
+        "--quick-none-rate",
+        type=float,
+        default=20.0,
+        help="with --quick, the fp32 run's link rate in Mbit/s (test_wan: 50, where that run is there for its bytes)",
+    )
     parser.add_argument("--out", default=None, help="write {'runs': [...], ...} as JSON here")
     parser.add_argument("--replicas", type=int, default=2, help="replica regions (the config's num_replicas)")
     parser.add_argument("--set", action="append", default=[], help="config FIELD=VALUE for every run")
@@ -258,7 +264,7 @@ def main() -> int:
     print("links: tc tbf, rate only (tc netem is not available here: no added delay)", flush=True)
     runs, idle = [], None
     with wan_links.Regions(args.replicas, cpus=1, head_cpus=1) as cluster:
-        for rate, codec, overlap in variants(args.quick):
+        for rate, codec, overlap in variants(args.quick, args.quick_none_rate):
             if cluster.rate_mbit != rate:
                 cluster.shape(rate)
                 if args.idle_seconds > 0:  # for the record only: the runs count theirs by port
