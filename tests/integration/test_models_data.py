@@ -162,9 +162,14 @@ def test_early_stopping(streaming_run):
     assert [e["round"] for e in read_events(cfg.output_dir, "early_stop")] == [3]
 
 
-def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl):
+def test_model_options_are_what_a_rank_builds(tmp_path, llama_folder, sums_jsonl, monkeypatch):
     # Fixed batch shapes: torch.compile on CPU costs ~10 s per shape it meets (dynamic
     # batches recompiled for every width: 86 s), and the dynamic batches are tested below.
+    # The rank's torch.compile traces and trains through dynamo and AOTAutograd as ever, but
+    # without inductor's C++ code generation (24 s with a cold inductor cache, as on a fresh
+    # CI machine): what this test asks is that the rank compiles the model it trains.
+    compile_model = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model: compile_model(model, backend="aot_eager"))
     cfg = peft_config(
         tmp_path,
         llama_folder,
