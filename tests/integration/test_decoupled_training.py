@@ -158,18 +158,17 @@ def test_a_resumed_run_trains_the_in_flight_data_again_and_keeps_the_weights(tmp
     works = [0.0] + [r["work"] for r in first]
     crossed = [r["round"] + 1 for r, before in zip(first, works) if int(r["work"] + 1e-9) > int(before + 1e-9)]
     assert len(crossed) < len(first) and saved == [0] + crossed
-    # The newest checkpoint taken while replica 1 (slow, never waited for) was in flight:
-    # one at 2, 3 or 4 rounds' worth (replica 1 is merged at most once among them).
+    # The newest checkpoint taken while replica 1 (slow, never waited for) was in flight.
     last = max((c for c in (run / "checkpoints").glob("round-*") if given_back(c)), key=lambda c: c.name)
     saved_round = int(last.name.split("-")[1])
     kept = [r for r in first if r["round"] < saved_round]
-    # Resumed for two rounds' worth more than the first run merged (whichever checkpoint).
+    # Resumed for two rounds' worth more than the first run merged.
     loops = first_cfg.diloco_loops + 2
     second_cfg = tiny_config(tmp_path / "b", **{**DECOUPLED, "diloco_loops": loops, "resume_from": str(last)})
     second = DilocoFSDPTrainer(second_cfg).train().rounds
     assert second[0]["round"] == saved_round
     assert set(second[0]["staleness"].values()) == {0}  # started from the restored weights: none stale
-    assert second[0]["work"] > kept[-1]["work"] >= 2.0 - 1e-9
+    assert second[0]["work"] > kept[-1]["work"] >= first_cfg.diloco_loops - 1e-9
     positions = applied_positions(kept) + applied_positions(second)
     assert len(positions) == len(set(positions))
     # What was in flight at the checkpoint went back into its cursor, and is trained after the resume.
