@@ -10,6 +10,8 @@ The worker class is made remote here, at creation, so tests can pass a fake.
 
 from __future__ import annotations
 
+import uuid
+
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -84,7 +86,11 @@ class Replica:
         self.setup_refs: list | None = None  # set once set-up has been started
         self.requested_at = 0.0
         self.pg = placement_group(
-            [dict(bundle)] * self.world_size, strategy="STRICT_PACK", name=f"diloco-replica-{replica_id}"
+            [dict(bundle)] * self.world_size,
+            strategy="STRICT_PACK",
+            # Unique: a group whose removal (asynchronous) lags, or a crashed trainer's, must not
+            # refuse the next trainer's in the same job (names are unique per Ray namespace).
+            name=f"diloco-replica-{replica_id}-{uuid.uuid4().hex[:8]}",
         )
         # "control" lets abort() reach a rank while run_period() is busy; every other call
         # stays in the default group and runs in order.
