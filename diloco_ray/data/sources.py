@@ -67,11 +67,16 @@ def _builtin_splits(data: DataSection):
 # ---------------------------------------------------------------------------------------
 
 
+def is_builtin(data: DataSection) -> bool:
+    """Whether the rows are generated here (``builtin:``), not read from anywhere."""
+    return data.dataset_name is not None and data.dataset_name.startswith("builtin:")
+
+
 def load_raw_splits(data: DataSection):
     """(train, eval) ``datasets.Dataset`` objects for the configured source."""
     import datasets
 
-    if data.dataset_name is not None and data.dataset_name.startswith("builtin:"):
+    if is_builtin(data):
         return _builtin_splits(data)
     if data.json_file_path is not None:
         path = data.json_file_path

@@ -18,7 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DataSection, ModelSection
-from diloco_ray.data import samples
+from diloco_ray.data import samples, sources
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.rank import RankWorker
 
@@ -37,7 +37,7 @@ def start_token_data(data: DataSection, model: ModelSection) -> list | None:
     """
     if data.streaming:
         return None
-    if data.dataset_name is not None and data.dataset_name.startswith("builtin:"):
+    if sources.is_builtin(data):
         # Generated and small (the default's 20000 rows take 0.3 s here): a task would first
         # start a worker process, ~1.5 s of CPU importing datasets and transformers.
         return [ray.put(samples.prepare_token_data(data, model))]
