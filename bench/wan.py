@@ -75,9 +75,7 @@ CODECS = ("none", "int8", "topk")
 # training from stale weights (bench/low_bandwidth.py --frontier), so topk's down is int8.
 DOWN = {"none": "none", "int8": "int8", "topk": "int8"}
 IDLE_SECONDS = 20.0
-SERVICE_KEYS = tuple(
-    f"{label}_{k}" for label in sorted(set(wan_links.SERVICES.values())) for k in ("bytes", "ack_bytes")
-)
+SERVICE_KEYS = wan_capture.label_keys(wan_links.SERVICES)
 CONTROL = ("gcs", "raylet", "agent")  # wan_links.SERVICES that carry no message
 FRAME_KEYS = tuple(f"{way}_{key}" for way in ("up", "down") for key in wan_capture.KEYS + SERVICE_KEYS)
 # Each round's figures kept in --out, to see where a run's seconds and bytes went.

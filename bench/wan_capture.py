@@ -32,6 +32,11 @@ KEYS = ("tcp_payload", "acks", "ack_bytes")
 _SNAP = 128  # bytes read of a frame: Ethernet + IP + TCP headers with options fit
 
 
+def label_keys(ports: dict[int, str]) -> tuple[str, ...]:
+    """The per-service keys a :class:`Capture` with these ``ports`` counts in each direction."""
+    return tuple(f"{label}_{k}" for label in sorted(set(ports.values())) for k in ("bytes", "ack_bytes"))
+
+
 def tcp_ports(frame: bytes) -> tuple[int, int] | None:
     """(source port, destination port) of a TCP over IPv4 frame (its first bytes), else None."""
     if len(frame) < 34 or frame[12:14] != b"\x08\x00" or frame[23] != 6:
@@ -69,9 +74,7 @@ class Capture:
 
     def __init__(self, interfaces: dict[str, str], ports: dict[int, str] | None = None):
         self.interfaces, self.ports = interfaces, dict(ports or {})
-        keys = KEYS + tuple(
-            f"{label}_{k}" for label in sorted(set(self.ports.values())) for k in ("bytes", "ack_bytes")
-        )
+        keys = KEYS + label_keys(self.ports)
         self._totals = {r: {f"{d}_{k}": 0 for d in ("up", "down") for k in keys} for r in interfaces}
         self._lock = threading.Lock()
         self._stop = threading.Event()
