@@ -61,8 +61,9 @@ def model_parts(cfg: TrainerConfig) -> tuple:
     return sections.model, sections.peft
 
 
-# The environment the running shared Ray (ray_local) handed its workers; None: none runs.
-_shared_ray = {"env": None}
+# env: the environment the running shared Ray (ray_local) handed its workers (None: none
+# runs); modules: the test modules that use it (found at collection).
+_shared_ray = {"env": None, "modules": set()}
 
 
 # Set in this process while tests run, by pytest and by torch's compiler: nothing for a restart.
@@ -112,12 +113,12 @@ def pytest_collection_modifyitems(session, config, items):
     that start a Ray of their own or none: one start and stop (~5 s here) for all of them
     instead of one per run of such modules. Unit tests stay first; order is otherwise kept."""
 
-    shared = {item.path for item in items if "ray_local" in item.fixturenames}
+    _shared_ray["modules"] = {item.path for item in items if "ray_local" in item.fixturenames}
 
     def place(item) -> int:  # per module, so modules stay whole
         if "integration" not in item.path.parts:
             return 0
-        if item.path not in shared:
+        if item.path not in _shared_ray["modules"]:
             return 3
         return 2 if item.path.name in OWN_RAY_ENVIRONMENT else 1
 
@@ -128,7 +129,7 @@ def pytest_collection_modifyitems(session, config, items):
 def _one_ray_at_a_time(request):
     """Stop the shared Ray before a module none of whose tests asks for it: such a module may
     start a Ray of its own, or check that none runs in this process."""
-    if not any(item.module is request.module and "ray_local" in item.fixturenames for item in request.session.items):
+    if request.path not in _shared_ray["modules"]:
         _stop_shared_ray()
     yield
 
