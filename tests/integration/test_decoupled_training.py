@@ -47,7 +47,7 @@ def test_a_poll_collects_every_report_that_is_ready(ray_local):
 
 
 # conftest's EXACT_JOB, in both modes (decoupled with a quorum of all): the
-# fault-free runs it compares with, made once a session by ``uninterrupted`` (test_stop.py
+# fault-free runs it compares with, made once a session by ``uninterrupted`` (test_fault_kinds.py
 # shares the synchronous one), so the test below adds no run when they already exist.
 LOCKSTEP_RUN = EXACT_JOB
 

@@ -37,7 +37,7 @@ CONTRACT_KEYS = [
     "round_seconds",
     "sync_seconds",
 ]
-# The lockstep job test_fault_kinds.py and test_stop.py compare with (conftest.EXACT_JOB).
+# The lockstep job test_fault_kinds.py compares with (conftest.EXACT_JOB).
 EXACT = EXACT_JOB
 
 
@@ -71,7 +71,7 @@ DilocoFSDPTrainer(TrainerConfig(**json.loads(sys.argv[1])), worker_cls=KillDrive
 
 
 def test_driver_killed_mid_round_resumes_from_inflight_snapshot(ray_local, tmp_path, uninterrupted):
-    # The fault-free run is test_fault_kinds.py's and test_stop.py's (made once a session):
+    # The fault-free run is test_fault_kinds.py's (made once a session):
     # checkpoint_steps does not change the weights, so a snapshot every two steps may differ.
     reference = uninterrupted(**EXACT)
     killed = tiny_config(tmp_path / "killed", **{**EXACT, "checkpoint_steps": 2})
