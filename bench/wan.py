@@ -248,7 +248,7 @@ def main() -> int:
         "--quick-none-rate",
         type=float,
         default=20.0,
-        help="with --quick, the fp32 run's link rate in Mbit/s (test_wan: 50, where that run is there for its bytes)",
+        help="with --quick, the fp32 run's link rate in Mbit/s (test_wan: 100, where that run is there for its bytes)",
     )
     parser.add_argument("--out", default=None, help="write {'runs': [...], ...} as JSON here")
     parser.add_argument("--replicas", type=int, default=2, help="replica regions (the config's num_replicas)")
