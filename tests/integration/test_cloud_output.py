@@ -8,7 +8,7 @@ import shutil
 import numpy as np
 import pytest
 import s3_server
-from conftest import EXACT_JOB, CrashAfter, tiny_config
+from conftest import EXACT_JOB, TWO_SERVERS, CrashAfter, tiny_config
 from safetensors.numpy import load_file
 
 from diloco_ray import DilocoFSDPTrainer
@@ -37,11 +37,11 @@ def final_weights(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
-# The fault-free run is test_fault_kinds.py's synchronous one (EXACT: two servers, made once
-# a session by ``uninterrupted``; its checkpoints every other round change no weight). The
-# runs here checkpoint every round, pruned to the newest two.
+# The fault-free run is test_fault_kinds.py's synchronous one (EXACT, made once a session by
+# ``uninterrupted``; its checkpoints every other round change no weight). The runs here
+# checkpoint every round, pruned to the newest two, from two servers (a sharded checkpoint).
 EXACT = EXACT_JOB
-COMMON = {**EXACT, "checkpoint_steps": 4, "save_total_limit": 2}
+COMMON = {**EXACT, **TWO_SERVERS, "checkpoint_steps": 4, "save_total_limit": 2}
 
 
 def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted_run(

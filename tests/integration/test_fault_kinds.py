@@ -23,7 +23,7 @@ import time
 import numpy as np
 import pytest
 import ray
-from conftest import EXACT_JOB, ROOT, applied_positions, max_abs_diff, subprocess_env, tiny_config
+from conftest import EXACT_JOB, ROOT, TWO_SERVERS, applied_positions, max_abs_diff, subprocess_env, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.config.fault_plan import KINDS
@@ -99,7 +99,7 @@ RUNS = {
         ),
     },
 }
-# A checkpoint every two rounds' worth, two servers, replicas in lockstep.
+# A checkpoint every two rounds' worth, replicas in lockstep (a server is lost of TWO_SERVERS).
 EXACT = EXACT_JOB
 LOCKSTEP = {"sync": {}, "decoupled": {"sync_mode": "decoupled", "min_quorum": 2}}
 
@@ -269,9 +269,11 @@ def test_a_driver_fault_resumes_to_the_weights_of_a_run_without_it(fault_free, t
     reference = fault_free(mode)
     damaged = kind == "kill" and mode == "sync"  # the newest checkpoint, before the resume
     plan = [{"kind": kind, "target": "driver", "round": 3 if kind == "term" else 4}]
+    servers = {}
     if kind == "kill":
         plan.insert(0, {"kind": "kill", "target": "server", "round": 3, "index": 1})
-    cfg = tiny_config(tmp_path / "run", **EXACT, **LOCKSTEP[mode], fault_plan=plan)
+        servers = TWO_SERVERS
+    cfg = tiny_config(tmp_path / "run", **EXACT, **LOCKSTEP[mode], **servers, fault_plan=plan)
     if kind == "kill":  # in a process of its own: it dies
         proc = run_cli(cfg, tmp_path, own_ray=False)
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
