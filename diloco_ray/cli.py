@@ -1,5 +1,6 @@
-"""The ``diloco-ray`` command: ``train CONFIG [--set KEY=VALUE ...]``, ``report OUTPUT_DIR``
-and ``scale OUTPUT_DIR N``.
+"""The ``diloco-ray`` command: ``train CONFIG [--set KEY=VALUE ...]``, ``sweep CONFIG --grid
+FIELD=V1,V2 [...]``, ``report OUTPUT_DIR`` (a run's, or a sweep's ``OUTPUT_DIR/sweep``) and
+``scale OUTPUT_DIR N``.
 
 Exit status: 0 done; 2 bad config or input (one line naming the field or file and what
 is allowed, no traceback); 1 any other failure. A full disk is an environment failure:
@@ -13,6 +14,7 @@ import argparse
 import os
 import sys
 import textwrap
+import time
 from typing import Optional
 
 from diloco_ray import logs
@@ -57,6 +59,26 @@ def _replica_count(text: str) -> int:
     return value
 
 
+def _add_set(parser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field; VALUE is YAML (e.g. lr=3e-4, target_modules=[q_proj,v_proj])",
+    )
+
+
+def _add_verbose(parser) -> None:
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show Ray's own output and what the actors print here too "
+        "(by default it goes to OUTPUT_DIR/logs/ray.log), and the data preparation's progress bars",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="diloco-ray",
@@ -68,21 +90,45 @@ def build_parser() -> argparse.ArgumentParser:
         "train", help="run a DiLoCo job", epilog=_fields_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter
     )
     train.add_argument("config", help="YAML config file (e.g. configs/tiny.yaml)")
-    train.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a field; VALUE is YAML (e.g. lr=3e-4, target_modules=[q_proj,v_proj])",
-    )
+    _add_set(train)
+    _add_verbose(train)
     train.add_argument(
         "--print-config",
         action="store_true",
         help="print the resolved config (file, --set, defaults) as YAML and exit without training",
     )
-    report = sub.add_parser("report", help="plot and summarise a run's metrics.jsonl")
-    report.add_argument("output_dir", help="a run's output_dir")
+    sweep = sub.add_parser(
+        "sweep",
+        help="run a grid of trials through Ray Tune (ASHA stops bad ones early)",
+        description="Every combination of the --grid values, each a full run in OUTPUT_DIR/sweep/<trial>; "
+        "writes OUTPUT_DIR/sweep/results.jsonl and best.yaml and prints a table.",
+    )
+    sweep.add_argument("config", help="YAML config file every trial starts from")
+    sweep.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="FIELD=V1,V2,...",
+        help="a field and its values (YAML, comma-separated); repeat for more fields",
+    )
+    _add_set(sweep)
+    _add_verbose(sweep)
+    sweep.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=None,
+        metavar="N",
+        help="at most N trials at once (default: as many as the cluster holds side by side)",
+    )
+    sweep.add_argument(
+        "--grace-rounds",
+        type=int,
+        default=1,
+        metavar="R",
+        help="rounds every trial runs before it may be stopped early",
+    )
+    report = sub.add_parser("report", help="plot and summarise a run's metrics.jsonl, or a sweep's results")
+    report.add_argument("output_dir", help="a run's output_dir, or a sweep's OUTPUT_DIR/sweep")
     scale = sub.add_parser("scale", help="ask a running job to change its replica count at the next round")
     scale.add_argument("output_dir", help="the running job's output_dir")
     scale.add_argument("replicas", type=_replica_count, help="the new target (clamped to [min_replicas, max_replicas])")
@@ -97,10 +143,12 @@ def _train(args) -> int:
     if args.print_config:
         print(config.yaml_text(), end="")
         return EXIT_OK
-    shown = _ShowProgress(config)
+    shown = _ShowProgress(config, verbose=args.verbose)
+    if not args.verbose:
+        _quiet_data_bars()
     # SIGTERM (a spot preemption, `ray job stop`) stops the run as Ctrl-C does: cleanly,
     # with a checkpoint of the last completed round when checkpoints are on.
-    trainer = DilocoFSDPTrainer(config, callbacks=[shown], stop_on_sigterm=True)
+    trainer = DilocoFSDPTrainer(config, callbacks=[shown], stop_on_sigterm=True, ray_output_to_file=not args.verbose)
     try:
         result = trainer.train()
     except Exception as e:
@@ -118,9 +166,18 @@ def _train(args) -> int:
         return _stopped_exit(trainer, e, config.output_dir)
     finally:
         shown.progress.close()
-    last = result.rounds[-1] if result.rounds else {}
-    print(f"done: {len(result.rounds)} rounds, eval_loss {last.get('eval_loss')}, model in {result.final_path}")
+    print(shown.done_line(result))
     return EXIT_OK
+
+
+def _quiet_data_bars() -> None:
+    """The data preparation's progress bars (``datasets``' ``map``) stay off the console: it
+    takes a second for the default, and its bars are noise between the lines users read."""
+    try:
+        from datasets.utils.logging import disable_progress_bar
+    except ImportError:
+        return
+    disable_progress_bar()
 
 
 def _stopped_exit(trainer, interrupt: KeyboardInterrupt, output_dir: str) -> int:
@@ -145,27 +202,67 @@ def _scale(args) -> int:
 
 
 def _report(args) -> int:
+    from diloco_ray.sweep.report import is_sweep, write_sweep_report
+
+    if is_sweep(args.output_dir):
+        print(write_sweep_report(args.output_dir))
+        return EXIT_OK
     from diloco_ray.observe.report import write_report
 
     print(write_report(args.output_dir))
     return EXIT_OK
 
 
+def _sweep(args) -> int:
+    from diloco_ray.sweep.results import table
+    from diloco_ray.sweep.runner import run_sweep_cli
+
+    if not args.verbose:
+        _quiet_data_bars()
+    result = run_sweep_cli(
+        args.config,
+        args.grid,
+        parse_set(args.overrides),
+        line=lambda text, console=sys.stdout: print(text, file=console, flush=True),
+        max_concurrent=args.max_concurrent,
+        grace_rounds=args.grace_rounds,
+        ray_output_to_file=not args.verbose,
+    )
+    print(table(result))
+    return EXIT_OK if result.best is not None else EXIT_FAILURE
+
+
 class _ShowProgress:
     """Feeds the trainer's callbacks to a :class:`~diloco_ray.observe.progress.Progress` on
-    stdout: bars on a terminal, plain lines otherwise (logs, ``ray job submit``)."""
+    stdout: bars on a terminal, plain lines otherwise (logs, ``ray job submit``); and says
+    once what runs and where Ray's output went.
 
-    def __init__(self, config):
+    Args:
+        config: the run's config.
+        verbose: Ray's output stays on the console (nothing to point at).
+    """
+
+    def __init__(self, config, verbose: bool = False):
         from diloco_ray.observe.progress import Progress
 
+        self.config, self.verbose = config, verbose
         # stdout: bars on a terminal, and in a log the round lines users read as results.
         self.progress = Progress(config.diloco_loops, config.max_steps, stream=sys.stdout)
+        self._started = time.monotonic()
 
     def on_train_begin(self, trainer) -> None:
+        c = self.config
+        resumed = f", resumed at round {trainer.round_index + 1}" if trainer.round_index else ""
+        where = "" if self.verbose else f"; Ray's output: {os.path.join(trainer.run_dir.local, 'logs', 'ray.log')}"
+        print(
+            f"diloco-ray: {c.num_replicas} replicas, {c.diloco_loops} rounds of {c.max_steps} inner steps, "
+            f"{c.sync_mode} mode{resumed}{where}",
+            flush=True,
+        )
         self.progress.start(trainer.round_index)
 
     def on_round_begin(self, trainer, round_index: int, replicas: int) -> None:
-        self.progress.begin_round(round_index, replicas)
+        self.progress.begin_round(round_index, replicas, target=trainer.target_replicas)
 
     def on_step(self, trainer, event: dict) -> None:
         self.progress.step(event["replica"], event["step"], event["loss"], event["lr"], event["tokens"])
@@ -176,13 +273,21 @@ class _ShowProgress:
     def on_train_end(self, trainer) -> None:
         self.progress.close()
 
+    def done_line(self, result) -> str:
+        loss = result.final_eval_loss
+        shown = "-" if loss is None else f"{loss:.4f}"
+        return (
+            f"done: {len(result.rounds)} rounds in {time.monotonic() - self._started:.0f}s, "
+            f"eval_loss {shown}, model in {result.final_path}"
+        )
+
 
 def main(argv: list[str] | None = None) -> int:
     args = None
     try:
         args = build_parser().parse_args(argv)
         logs.to_stderr()
-        return {"train": _train, "report": _report, "scale": _scale}[args.command](args)
+        return {"train": _train, "sweep": _sweep, "report": _report, "scale": _scale}[args.command](args)
     except KeyboardInterrupt:
         print("diloco-ray: interrupted", file=sys.stderr)
         return EXIT_FAILURE

@@ -86,11 +86,15 @@ def logical_cpus(membership: MembershipSection, placement: PlacementSection) -> 
     may run and the hot spares. Logical CPUs, not cores: rank actors reserve
     ``cpus_per_rank`` each, and a laptop with fewer cores than ranks should still run the
     job (just slower); without the spares' share a spare would never be placed."""
+    return max(os.cpu_count() or 1, math.ceil(cpus_needed(membership, placement)))
+
+
+def cpus_needed(membership: MembershipSection, placement: PlacementSection) -> float:
+    """The CPUs a job reserves at most: its servers, every replica it may run and its hot
+    spares (a sweep sizes how many trials run side by side by it too)."""
     replicas = membership.replica_bounds[1] + membership.spare_replicas
-    need = (
-        placement.server_cpus * placement.num_param_servers + replicas * placement.max_ranks * placement.cpus_per_rank
-    )
-    return max(os.cpu_count() or 1, math.ceil(need))
+    ranks = replicas * placement.max_ranks
+    return placement.server_cpus * placement.num_param_servers + ranks * placement.cpus_per_rank
 
 
 def resolve_device(want: str) -> str:

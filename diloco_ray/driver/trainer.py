@@ -35,6 +35,7 @@ from diloco_ray.observe.events import (
     MembershipEvent,
     ServerEvent,
 )
+from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.persist import final_save
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
@@ -79,6 +80,9 @@ class DilocoFSDPTrainer:
         stop_on_sigterm: make SIGTERM stop :meth:`train` as Ctrl-C does (raising
             :class:`~diloco_ray.errors.Stopped` after a checkpoint on stop); the CLI sets
             it. Installed once Ray is connected, since ``ray.init`` sets its own handler.
+        ray_output_to_file: send Ray's own log lines and what the actors print to
+            ``output_dir/logs/ray.log`` instead of this process's console (the CLI does,
+            unless ``--verbose``); see :mod:`~diloco_ray.observe.ray_output`.
     """
 
     def __init__(
@@ -88,8 +92,11 @@ class DilocoFSDPTrainer:
         worker_cls: type = RankWorker,
         server_cls: type = ParameterServer,
         stop_on_sigterm: bool = False,
+        ray_output_to_file: bool = False,
     ):
         self.config = config
+        self.ray_output_to_file = ray_output_to_file
+        self._ray_output: Optional[RayOutputFile] = None
         self.stop_on_sigterm = stop_on_sigterm
         self._previous_sigterm = None
         self.callbacks = list(callbacks or [])
@@ -189,7 +196,12 @@ class DilocoFSDPTrainer:
         preflight.check(cfg, resuming=resume is not None)
         self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)
+        if self.ray_output_to_file:
+            self._ray_output = RayOutputFile(os.path.join(self.run_dir.local, "logs", RAY_LOG))
+            self._ray_output.capture_logger()
         self._connect_ray()
+        if self._ray_output is not None:
+            self._ray_output.capture_workers()
         self._catch_sigterm()
         self.device = ray_connection.resolve_device(self.config.device)
         cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
@@ -409,6 +421,9 @@ class DilocoFSDPTrainer:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        if self._ray_output is not None:
+            self._ray_output.close()
+            self._ray_output = None
         self.run_dir.unlock()
         if self._previous_sigterm is not None:
             import signal

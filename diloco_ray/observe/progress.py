@@ -70,8 +70,12 @@ class Progress:
         self._closed = False
         self._done = 0  # rounds finished (for the rounds bar)
         self._round: Optional[int] = None
-        self._expected = 0  # replicas begin_round was told about
+        self._expected = 0  # replicas training this round (begin_round's count)
+        self._target: Optional[int] = None  # replicas the run wants (the scale target)
         self._round_start = clock()
+        self._started_at = clock()  # when start() was called: the ETA's clock
+        self._work_at_start = 0.0  # rounds' worth done before start() (a resume)
+        self._eta_s: Optional[float] = None
         self._latest: dict[int, tuple[int, float, int]] = {}  # replica id -> (step, loss, tokens)
         self._last_line = -math.inf  # plain mode: when the last step line went out
         self._last_refresh = -math.inf  # interactive mode: when the steps bar was last drawn
@@ -87,17 +91,20 @@ class Progress:
             if self._closed:
                 return
             self._done = max(0, int(first_round))
+            self._started_at, self._work_at_start = self._clock(), float(self._done)
             if self.interactive:
                 bar = self._get_rounds_bar()
                 bar.n = self._done
                 bar.refresh()
 
-    def begin_round(self, round_index: int, replicas: int) -> None:
-        """Round ``round_index`` (0-based) starts with ``replicas`` replicas."""
+    def begin_round(self, round_index: int, replicas: int, target: Optional[int] = None) -> None:
+        """Round ``round_index`` (0-based) starts with ``replicas`` replicas training, of
+        ``target`` the run wants (default: ``replicas``)."""
         with self._lock:
             if self._closed:
                 return
             self._reset_round(int(round_index), int(replicas))
+            self._target = int(target) if target is not None else None
             if self.interactive:
                 bar = self._get_steps_bar()
                 bar.reset(total=self.steps_per_round)
@@ -140,12 +147,16 @@ class Progress:
             index = record.get("round")
             if isinstance(index, int):
                 self._done = max(self._done, index + 1)
+            self._eta_s = self._eta(record)
             line = self.round_line(record)
             if self.interactive:
                 bar = self._get_rounds_bar()
                 bar.n = self._done
                 ev = record.get("eval_loss")
-                bar.set_postfix({"eval_loss": _fmt_loss(ev), "replicas": record.get("replicas", "-")}, refresh=False)
+                bar.set_postfix(
+                    {"eval_loss": _fmt_loss(ev), "replicas": self._alive(record), "ETA": _fmt_eta(self._eta_s)},
+                    refresh=False,
+                )
                 # The round line also goes above the bars, so a terminal keeps the
                 # history a bar alone would overwrite.
                 self._rounds_bar.write(line, file=self.stream)
@@ -181,8 +192,9 @@ class Progress:
     def summary(self) -> dict:
         """The current round as shown: ``round`` (0-based, None between rounds), ``step``
         (the slowest reporting replica's step), ``loss`` (mean of the replicas' latest),
-        ``replicas`` (how many reported this round), ``expected`` (how many began it),
-        ``tokens_per_s`` (None until time has passed)."""
+        ``replicas`` (training this round, as begin_round said), ``reporting`` (how many
+        reported yet), ``expected`` (the replicas the run wants), ``tokens_per_s`` (None
+        until time has passed), ``eta_s`` (None before a round ended)."""
         with self._lock:
             return self._summary(self._clock())
 
@@ -195,38 +207,68 @@ class Progress:
         loss = sum(losses) / len(losses) if losses else math.nan
         elapsed = now - self._round_start
         tokens = sum(t for _, _, t in latest)
+        # Every replica training runs at about its peers' rate: one that has not reported
+        # yet counts at the mean of those that have (not as 0).
+        training = max(self._expected, len(latest))
+        rate = tokens / elapsed * training / len(latest) if elapsed > 0 and latest else None
         return {
             "round": self._round,
             "step": step,
             "loss": loss,
-            "replicas": len(latest),
-            "expected": self._expected,
-            "tokens_per_s": tokens / elapsed if elapsed > 0 else None,
+            "replicas": training,
+            "reporting": len(latest),
+            "expected": self._target if self._target is not None else training,
+            "tokens_per_s": rate,
+            "eta_s": self._eta_s,
         }
 
     def round_line(self, record: dict) -> str:
-        """The one line per round, in the format users already read."""
+        """The one line per round: its losses, replicas applied of those wanted, tokens/s,
+        bytes each way, time (of it sync) and the time left."""
         index = record.get("round")
         shown = index + 1 if isinstance(index, int) else "?"
-        train = record.get("train_loss")
+        seconds = record.get("round_seconds")
+        rate = record.get("tokens", 0) / seconds if isinstance(seconds, (int, float)) and seconds > 0 else None
+        last = isinstance(index, int) and index + 1 >= self.total_rounds
+        eta = "" if last else f"  ETA {_fmt_eta(self._eta_s)}"
         return (
-            f"round {shown}/{self.total_rounds}  replicas {record.get('replicas', '-')}  "
-            f"train_loss {_fmt_loss(train)}  eval_loss {_fmt_loss(record.get('eval_loss'))}  "
-            f"tokens {record.get('tokens', '-')}  {_fmt_float(record.get('round_seconds'), '.1f')}s "
-            f"(sync {_fmt_float(record.get('sync_seconds'), '.2f')}s)"
+            f"round {shown}/{self.total_rounds}  train_loss {_fmt_loss(record.get('train_loss'))}  "
+            f"eval_loss {_fmt_loss(record.get('eval_loss'))}  replicas {self._alive(record)}  "
+            f"tokens/s {_fmt_count(rate)}  up {_fmt_bytes(record.get('bytes_up'))}  "
+            f"down {_fmt_bytes(record.get('bytes_down'))}  {_fmt_float(seconds, '.1f')}s "
+            f"(sync {_fmt_float(record.get('sync_seconds'), '.2f')}s){eta}"
         )
+
+    def _alive(self, record: dict) -> str:
+        applied = record.get("replicas", "-")
+        return f"{applied}/{self._target}" if self._target is not None else str(applied)
+
+    def _eta(self, record: dict) -> Optional[float]:
+        """Time left at the pace of the rounds this process ran (decoupled: rounds' worth)."""
+        index = record.get("round")
+        work = record.get("work", index + 1 if isinstance(index, int) else None)
+        if not isinstance(work, (int, float)):
+            return None
+        done_here = work - self._work_at_start
+        if done_here <= 0:
+            return None
+        return max(0.0, (self._clock() - self._started_at) / done_here * (self.total_rounds - work))
 
     def _step_line(self, s: dict) -> str:
         return (
-            f"  round {s['round'] + 1} step {s['step']}/{self.steps_per_round}  loss {_fmt_loss(s['loss'])}  "
-            f"replicas {s['replicas']}  tokens/s {_fmt_float(s['tokens_per_s'], '.0f')}"
+            f"  round {s['round'] + 1}/{self.total_rounds}  step {s['step']}/{self.steps_per_round}  "
+            f"loss {_fmt_loss(s['loss'])}  replicas {s['replicas']}/{s['expected']}  "
+            f"tokens/s {_fmt_count(s['tokens_per_s'])}"
         )
 
     def _step_postfix(self, s: Optional[dict] = None) -> dict:
         if s is None:
-            return {"loss": "-", "replicas": f"0/{self._expected}", "tokens/s": "-"}
-        replicas = f"{s['replicas']}/{s['expected']}" if s["expected"] else str(s["replicas"])
-        return {"loss": _fmt_loss(s["loss"]), "replicas": replicas, "tokens/s": _fmt_float(s["tokens_per_s"], ".0f")}
+            return {"loss": "-", "replicas": f"{self._expected}/{self._target or self._expected}", "tokens/s": "-"}
+        return {
+            "loss": _fmt_loss(s["loss"]),
+            "replicas": f"{s['replicas']}/{s['expected']}",
+            "tokens/s": _fmt_count(s["tokens_per_s"]),
+        }
 
     # ------------------------------------------------------------------ plumbing
 
@@ -302,6 +344,39 @@ def _fmt_float(value, spec: str) -> str:
         return format(float(value), spec)
     except (TypeError, ValueError):
         return "-"
+
+
+def _fmt_count(value) -> str:
+    """47663 -> ``47.7k``; 830 -> ``830``; None -> ``-``."""
+    if value is None or not math.isfinite(value):
+        return "-"
+    for scale, unit in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:.1f}{unit}"
+    return f"{value:.0f}"
+
+
+def _fmt_bytes(value) -> str:
+    """Bytes in kB, MB or GB (decimal, as the round records and the report count them)."""
+    if not isinstance(value, (int, float)):
+        return "-"
+    for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if value >= scale:
+            digits = 0 if value >= 100 * scale else 1 if value >= 10 * scale else 2
+            return f"{value / scale:.{digits}f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _fmt_eta(seconds) -> str:
+    """``45s``, ``12m05s``, ``3h02m``; ``-`` when unknown."""
+    if seconds is None:
+        return "-"
+    seconds = int(round(seconds))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
 
 
 def _flush(stream) -> None:

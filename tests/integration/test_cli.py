@@ -1,8 +1,10 @@
 """The diloco-ray command as a user runs it: exit codes, one-line errors, outputs."""
 
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -10,7 +12,7 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 # Small enough for a test: the same job as the embedded default, fewer and shorter rounds.
-QUICK = ["--set", "diloco_loops=2", "--set", "max_steps=4", "--set", "eval_batches=2"]
+QUICK = ["--set", "diloco_loops=2", "--set", "max_steps=4", "--set", "eval_batches=2", "--set", "logging_steps=1"]
 
 
 def run_cli(*args, timeout=300, **env_extra):
@@ -118,14 +120,47 @@ def stale_ray_tmpdir() -> str:
     return ray_tmp
 
 
+def ray_sessions(ray_tmpdir) -> set[str]:
+    root = os.path.join(ray_tmpdir, "ray")
+    return {d for d in os.listdir(root) if d.startswith("session_2")}
+
+
+def processes_naming(marker: str) -> list[str]:
+    """Command lines of live processes that mention ``marker`` (a Ray session's name)."""
+    import psutil
+
+    lines = (" ".join(p.info["cmdline"] or []) for p in psutil.process_iter(["cmdline"]))
+    return [line[:160] for line in lines if marker in line]
+
+
 def test_tiny_default_end_to_end_then_refuses_to_overwrite(tmp_path):
     """The default, shortened, from the command line, on a machine where a killed head left
-    its cluster file behind: the run starts a Ray of its own (it does not try to join)."""
+    its cluster file behind: the run starts a Ray of its own (it does not try to join), and
+    every process of that Ray is gone within 2 s of the run's end."""
     out = tmp_path / "run"
-    r = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK, RAY_TMPDIR=stale_ray_tmpdir())
+    ray_tmpdir = stale_ray_tmpdir()
+    r = run_cli("train", TINY, "--set", f"output_dir={out}", *QUICK, RAY_TMPDIR=ray_tmpdir)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "joining" not in r.stderr
     assert "round 2/2" in r.stdout
+    # What a new user sees: no Ray notices, data bars or worker output (they are in
+    # logs/ray.log), every replica count says 2 of 2 (the first step line comes when one
+    # replica has reported), numbers rounded, plain lines (the output is not a terminal).
+    shown = r.stdout + r.stderr
+    for noise in ("Token authentication", "tokenise+pack", "pid=", "Started a local Ray"):
+        assert noise not in shown, noise
+    assert not re.search(r"[\r\x1b]", shown)
+    counts = [line for line in r.stdout.splitlines() if line.lstrip().startswith("round ")]
+    assert len(counts) >= 3 and all("replicas 2/2" in line for line in counts), counts
+    assert any(line.startswith("  round 1/2  step ") for line in counts)  # a step line, with logging_steps=1
+    assert re.search(r"^done: 2 rounds in \d+s, eval_loss \d+\.\d{4}, model in ", r.stdout, re.M), r.stdout
+    assert f"Ray's output: {out / 'logs' / 'ray.log'}" in r.stdout
+    assert "Started a local Ray instance" in (out / "logs" / "ray.log").read_text()
+    [session] = ray_sessions(ray_tmpdir)
+    deadline = time.monotonic() + 2
+    while processes_naming(session) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert processes_naming(session) == []
     for name in (
         "config.yaml",
         "metrics.jsonl",

@@ -39,8 +39,23 @@ class RecordingServer(ParameterServer):
         return self.recorded
 
 
-def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
-    cfg = tiny_config(tmp_path / "run", ranks_per_replica=2, diloco_loops=3, max_steps=3, outer_grad_clip=5.0)
+def test_fsdp_replicas_round_equals_outer_optimizer_then_a_rank_dies_mid_round(ray_local, tmp_path):
+    """Round 0 of two 2-rank FSDP replicas is exactly the outer optimizer over their
+    pseudo-gradients. Then the last rank of replica 1 dies at inner step 1 of round 2: the
+    survivor of its replica is blocked in a collective, and the driver must not wait for it
+    (no round_timeout_s is set). Round 2 is applied with replica 0, and a replacement joins
+    for round 3. (A one-rank replica killed: test_fault_kinds.py, both modes.)"""
+    kill = {"kind": "kill", "replica": 1, "rank": 1, "round": 2, "step": 1}
+    cfg = tiny_config(
+        tmp_path / "run",
+        ranks_per_replica=2,
+        diloco_loops=4,
+        max_steps=3,
+        outer_grad_clip=5.0,
+        min_replicas=1,
+        join_timeout_s=120,
+        fault_plan=[kill],
+    )
     trainer = DilocoFSDPTrainer(cfg, server_cls=RecordingServer)
     trainer.setup()
     try:
@@ -72,8 +87,13 @@ def test_fsdp_replicas_round_equals_outer_optimizer(ray_local, tmp_path):
         for name, value in after.items():
             torch.testing.assert_close(torch.from_numpy(value), expected[name], rtol=0, atol=1e-6)
 
-        later = [trainer.run_round() for _ in range(2)]
+        later = [trainer.run_round() for _ in range(3)]
         assert later[0]["bytes_down"] > 0  # the first update comes down
+        assert later[1]["replica_ids"] == [0] and later[1]["dropped"] == [1]
+        assert sorted(later[2]["replica_ids"]) == [0, 2]  # a replacement joined
+        events = read_events(cfg.output_dir, "membership")
+        assert {"action": "leave", "replica_id": 1} in [{k: e[k] for k in ("action", "replica_id")} for e in events]
+        assert all(math.isfinite(r["eval_loss"]) for r in later)
         assert later[-1]["eval_loss"] < first["eval_loss"]
         assert later[-1]["train_loss"] < first["train_loss"]
     finally:
@@ -139,24 +159,6 @@ def test_one_replica_outer_sgd_lr1_equals_plain_loop(ray_local, tmp_path, sync):
             )
     shapes = {n: tuple(t.shape) for n, t in got.items()}
     assert sum(partition.numel(rows, shapes) for rows in fragments) == sum(t.numel() for t in got.values())
-
-
-def test_replica_dies_mid_round(ray_local, tmp_path):
-    # The survivor of the dead rank's replica is blocked in a collective: the driver must
-    # not wait for it (no round_timeout_s is set). The last rank of replica 1 dies at inner
-    # step 1 of round 1. (A one-rank replica killed: test_fault_kinds.py, both modes.)
-    kill = {"kind": "kill", "replica": 1, "rank": 1, "round": 1, "step": 1}
-    cfg = tiny_config(
-        tmp_path / "run", min_replicas=1, diloco_loops=3, join_timeout_s=120, ranks_per_replica=2, fault_plan=[kill]
-    )
-    result = DilocoFSDPTrainer(cfg).train()
-    rounds = result.rounds
-    assert [r["round"] for r in rounds] == [0, 1, 2]
-    assert rounds[1]["replica_ids"] == [0] and rounds[1]["dropped"] == [1]
-    assert sorted(rounds[2]["replica_ids"]) == [0, 2]  # a replacement joined
-    events = read_events(cfg.output_dir, "membership")
-    assert {"action": "leave", "replica_id": 1} in [{k: e[k] for k in ("action", "replica_id")} for e in events]
-    assert all(math.isfinite(r["eval_loss"]) for r in rounds)
 
 
 def test_step_events_reach_metrics_trackers_and_callbacks(ray_local, tmp_path):

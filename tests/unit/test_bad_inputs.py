@@ -163,7 +163,7 @@ CASES = [
     Case("resume-a-live-run", train("resume_from={tmp}/busy", out="{tmp}/busy"), "output_dir: '{tmp}/busy' is in use by another diloco-ray run", ("wait for it to end",)),
     # --- the command line -------------------------------------------------------------------------
     Case("no-command", (), "the following arguments are required: command", ("usage: diloco-ray",)),
-    Case("unknown-command", ("fly",), "command: invalid choice: 'fly'", ("'train', 'report', 'scale'",)),
+    Case("unknown-command", ("fly",), "command: invalid choice: 'fly'", ("'train', 'sweep', 'report', 'scale'",)),
     Case("train-without-config", ("train",), "the following arguments are required: config", ("usage: diloco-ray train",)),
     Case("train-unknown-option", ("train", "{tiny}", "--fast"), "unrecognized arguments: --fast", ("usage:",)),
     Case("set-without-value", ("train", "{tiny}", "--set"), "--set: expected one argument", ("KEY=VALUE",)),

@@ -107,7 +107,7 @@ def test_train_on_a_full_disk_is_one_line_exit_1_and_drops_the_half_checkpoint(t
     failed = OSError(errno.ENOSPC, FULL, str(half / "global.safetensors"))
 
     class FullDiskTrainer:
-        def __init__(self, config, callbacks, stop_on_sigterm):
+        def __init__(self, config, callbacks, stop_on_sigterm, ray_output_to_file):
             self.run_dir = RunFolder(config.sections().checkpointing, config.log_dir)
 
         def train(self):

@@ -24,6 +24,8 @@ LAYERS = {
     "persist": {"config", "algo", "data", "model"},
     "runtime": {"config", "algo", "data", "model", "observe", "persist"},
     "driver": {"config", "algo", "data", "model", "observe", "persist", "runtime"},
+    # A sweep runs whole jobs: it sizes them as the driver does and reads their records.
+    "sweep": {"config", "observe", "persist", "driver"},
 }
 
 

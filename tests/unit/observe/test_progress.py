@@ -57,12 +57,26 @@ def lines(stream):
 
 
 def test_round_line_format_is_the_one_users_read():
-    progress, stream = plain()
-    progress.end_round(record())
-    progress.end_round(record(round_index=3, eval_loss=None, replicas=1, tokens=0, round_seconds=0.0, sync_seconds=0.0))
+    """Losses rounded, replicas applied of those wanted, tokens/s, bytes each way, seconds,
+    and the time left at this run's pace (none after the last round)."""
+    clock = FakeClock()
+    progress, stream = plain(clock)
+    progress.start(0)
+    progress.begin_round(2, replicas=2, target=2)
+    clock.advance(30.0)  # 3 rounds' worth in 30 s: 7 left take 70 s
+    progress.end_round(record(bytes_up=1_234_567, bytes_down=123_456))
+    progress.begin_round(3, replicas=1, target=2)
+    clock.advance(10.0)
+    empty = dict(eval_loss=None, replicas=1, tokens=0, round_seconds=0.0, sync_seconds=0.0, bytes_up=0, bytes_down=0)
+    progress.end_round(record(round_index=3, **empty))
+    progress.end_round(record(round_index=9, bytes_up=12_345_678_901, bytes_down=45_678))
     assert lines(stream) == [
-        "round 3/10  replicas 2  train_loss 1.2345  eval_loss 1.1000  tokens 7680  12.3s (sync 0.41s)",
-        "round 4/10  replicas 1  train_loss 1.2345  eval_loss -  tokens 0  0.0s (sync 0.00s)",
+        "round 3/10  train_loss 1.2345  eval_loss 1.1000  replicas 2/2  tokens/s 622  up 1.23 MB  down 123 kB"
+        "  12.3s (sync 0.41s)  ETA 1m10s",
+        "round 4/10  train_loss 1.2345  eval_loss -  replicas 1/2  tokens/s -  up 0 B  down 0 B"
+        "  0.0s (sync 0.00s)  ETA 1m00s",
+        "round 10/10  train_loss 1.2345  eval_loss 1.1000  replicas 2/2  tokens/s 622  up 12.3 GB  down 45.7 kB"
+        "  12.3s (sync 0.41s)",
     ]
 
 
@@ -79,24 +93,27 @@ def test_step_lines_are_throttled_for_the_whole_job():
     clock.advance(0.1)
     progress.step(1, 3, 2.0, 1e-3, 300)  # 5 s: printed
     step_lines = [line for line in lines(stream) if line.startswith("  round")]
+    # Both replicas train from the start: the one yet to report counts at the other's rate.
     assert step_lines == [
-        "  round 3 step 1/30  loss 2.0000  replicas 1  tokens/s 100",
-        "  round 3 step 2/30  loss 2.0000  replicas 2  tokens/s 83",
+        "  round 3/10  step 1/30  loss 2.0000  replicas 2/2  tokens/s 200",
+        "  round 3/10  step 2/30  loss 2.0000  replicas 2/2  tokens/s 83",
     ]
 
 
-def test_tokens_per_second_sums_replicas_since_begin_round():
+def test_tokens_per_second_counts_every_replica_training_since_begin_round():
     clock = FakeClock()
     progress, stream = plain(clock, min_interval_s=0.0)
     clock.advance(50.0)  # time before the round does not count
-    progress.begin_round(0, replicas=3)
+    progress.begin_round(0, replicas=3, target=4)
     clock.advance(4.0)
     progress.step(0, 10, 1.0, 1e-3, 4000)
-    progress.step(1, 12, 3.0, 1e-3, 6000)
+    progress.step(1, 12, 3.0, 1e-3, 4000)
     progress.step(0, 20, 2.0, 1e-3, 8000)  # replica 0's latest replaces its earlier report
     summary = progress.summary()
-    assert summary["tokens_per_s"] == pytest.approx((8000 + 6000) / 4.0)
-    assert lines(stream)[-1] == "  round 1 step 12/30  loss 2.5000  replicas 2  tokens/s 3500"
+    # Two of the three training replicas reported 12000 tokens in 4 s: the third at their mean rate.
+    assert summary["tokens_per_s"] == pytest.approx((8000 + 4000) / 4.0 * 3 / 2)
+    assert (summary["replicas"], summary["reporting"], summary["expected"]) == (3, 2, 4)
+    assert lines(stream)[-1] == "  round 1/10  step 12/30  loss 2.5000  replicas 3/4  tokens/s 4.5k"
 
 
 def test_step_is_the_slowest_reporting_replica_and_loss_the_mean_of_latest():
@@ -108,7 +125,7 @@ def test_step_is_the_slowest_reporting_replica_and_loss_the_mean_of_latest():
     summary = progress.summary()
     assert summary["round"] == 5 and summary["step"] == 4
     assert summary["loss"] == pytest.approx(1.75)
-    assert summary["replicas"] == 2 and summary["expected"] == 3
+    assert (summary["replicas"], summary["reporting"], summary["expected"]) == (3, 2, 3)
     progress.step(1, 11, 2.0, 1e-3, 10)
     assert progress.summary()["step"] == 9
 
@@ -124,8 +141,8 @@ def test_a_new_round_forgets_the_last_rounds_replicas():
     clock.advance(2.0)
     progress.step(1, 3, 4.0, 1e-3, 300)
     summary = progress.summary()
-    assert (summary["round"], summary["step"], summary["replicas"]) == (1, 3, 1)
-    assert summary["loss"] == 4.0 and summary["tokens_per_s"] == pytest.approx(150.0)
+    assert (summary["round"], summary["step"], summary["reporting"]) == (1, 3, 1)
+    assert summary["loss"] == 4.0 and summary["tokens_per_s"] == pytest.approx(2 * 150.0)
 
 
 def test_a_retried_round_starts_over():
@@ -137,7 +154,7 @@ def test_a_retried_round_starts_over():
     progress.begin_round(1, replicas=2)
     progress.step(1, 2, 5.0, 1e-3, 200)
     summary = progress.summary()
-    assert (summary["step"], summary["replicas"], summary["loss"]) == (2, 1, 5.0)
+    assert (summary["step"], summary["reporting"], summary["loss"]) == (2, 1, 5.0)
 
 
 def test_nan_losses_zero_seconds_and_a_resume_do_not_crash():
@@ -155,10 +172,11 @@ def test_nan_losses_zero_seconds_and_a_resume_do_not_crash():
     progress.close()
     progress.step(0, 2, 1.0, 1e-3, 100)  # after close: ignored, not an error
     assert lines(stream) == [
-        "round 5/10  replicas 2  train_loss nan  eval_loss inf  tokens 7680  12.3s (sync 0.41s)",
-        "  round 6 step 1/30  loss nan  replicas 1  tokens/s -",
-        "  round 6 step 1/30  loss nan  replicas 2  tokens/s -",
-        "  round 6 step 1/30  loss nan  replicas 2  tokens/s -",
+        "round 5/10  train_loss nan  eval_loss inf  replicas 2  tokens/s 622  up 10 B  down 20 B"
+        "  12.3s (sync 0.41s)  ETA 0s",
+        "  round 6/10  step 1/30  loss nan  replicas 1/1  tokens/s -",
+        "  round 6/10  step 1/30  loss nan  replicas 2/2  tokens/s -",
+        "  round 6/10  step 1/30  loss nan  replicas 2/2  tokens/s -",
     ]
 
 
@@ -189,7 +207,7 @@ def test_interactive_bars_show_rounds_and_steps():
     shown = stream.getvalue()
     assert re.search(r"rounds:  30%.*3/10.*eval_loss=0\.9877, replicas=2", shown)
     # The round line is kept above the bars.
-    assert "round 3/10  replicas 2  train_loss 1.2345  eval_loss 0.9877" in shown
+    assert "round 3/10  train_loss 1.2345  eval_loss 0.9877  replicas 2  tokens/s 622" in shown
     progress.close()
     progress.close()
 
