@@ -56,6 +56,8 @@ def sweep(
     """
     values = base.to_dict() if isinstance(base, TrainerConfig) else dict(base)
     output_dir = str(values.get("output_dir") or "")
+    if output_dir and not is_remote(output_dir):  # a trial's run starts elsewhere (Tune's folder)
+        output_dir = os.path.abspath(output_dir)
     trials = grids.build_trials(values, grid, output_dir)
     folder = prepare_folder(trials, output_dir)
     plans = write_plans(trials, folder)
@@ -121,7 +123,7 @@ def write_plans(trials: list, folder: str) -> dict[str, TrialPlan]:
         path = os.path.join(folder, "configs", f"{trial.name}.yaml")
         trial.config.to_yaml(path)
         log = os.path.join(folder, "logs", f"{trial.name}.log")
-        plans[trial.name] = TrialPlan(path, os.path.abspath(trial.config.output_dir), log)
+        plans[trial.name] = TrialPlan(path, os.path.abspath(trial.config.output_dir), log, cwd=os.getcwd())
     return plans
 
 

@@ -34,13 +34,16 @@ class TrialPlan:
 
     Args:
         config_path: the trial's full config as YAML.
-        output_dir: the run's ``output_dir``.
+        output_dir: the run's ``output_dir`` (absolute).
         console_log: where the run's console output goes.
+        cwd: the folder the run starts in: the sweep's own, so that relative paths in the
+            config (a data file, a model folder) mean what they meant there.
     """
 
     config_path: str
     output_dir: str
     console_log: str
+    cwd: str = "."
 
 
 class TrialFailed(RuntimeError):
@@ -95,6 +98,7 @@ def start_run(plan: TrialPlan, address: str) -> subprocess.Popen:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=env,
+            cwd=plan.cwd,
             preexec_fn=_die_with_parent,
         )
 

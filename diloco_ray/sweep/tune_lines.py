@@ -31,6 +31,15 @@ class TrialLines(tune.Callback):
         self.seconds: dict[str, float] = {}
         self.last_round: dict[str, int] = {}
 
+    def __getstate__(self) -> dict:
+        # Tune saves its experiment state with the callbacks in it: the console stream
+        # (a terminal, or a file open for writing) stays out; a restored copy writes nothing.
+        return {**self.__dict__, "write": None}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.write = self.write or (lambda line: None)
+
     def on_trial_start(self, iteration, trials, trial, **info):
         name = trial.config["trial"]
         self.started[name] = time.monotonic()

@@ -95,22 +95,27 @@ def adapter_numel(folder):
     return n
 
 
-def test_lora_sends_only_the_adapter_and_learns(ray_local, tmp_path, llama_folder, sums_jsonl):
+def test_lora_over_fsdp_sends_only_the_adapter_and_learns(ray_local, tmp_path, llama_folder, sums_jsonl):
+    """Two replicas of two FSDP ranks over a LoRA model: only the adapter travels (each
+    rank its rows, in one message each), the loss falls, and the merged model has no LoRA
+    layers left."""
     from transformers import AutoModelForCausalLM
 
-    cfg = peft_config(tmp_path, llama_folder, sums_jsonl, diloco_loops=4, merge_adapter=True)
+    cfg = peft_config(
+        tmp_path, llama_folder, sums_jsonl, diloco_loops=4, merge_adapter=True, ranks_per_replica=2, grad_accum=2
+    )
     result = DilocoFSDPTrainer(cfg).train()
     final = result.final_path
     assert os.path.exists(os.path.join(final, "adapter_config.json"))
     n = adapter_numel(final)
     assert 0 < n < 10_000  # r=4 on q_proj and v_proj of two 64-wide layers: 4096 values
     for r in result.rounds:
-        # fp32, adapter only (frozen weights never travel), plus one small header per message
-        assert 4 * n * r["replicas"] < r["bytes_up"] <= (4 * n + HEADER) * r["replicas"]
+        # fp32, adapter only (frozen weights never travel), plus one small header per rank's message
+        assert 4 * n * r["replicas"] < r["bytes_up"] <= (4 * n + 2 * HEADER) * r["replicas"]
         if r["round"] == 0:  # both replicas built the seeded adapter (equal digests): kept, not loaded
             assert r["bytes_down"] == 0
         else:  # the adapter's weights, to both replicas
-            assert 4 * n * 2 < r["bytes_down"] <= (4 * n + HEADER) * 2
+            assert 4 * n * 2 < r["bytes_down"] <= (4 * n + 2 * HEADER) * 2
     losses = [r["eval_loss"] for r in result.rounds]
     assert losses[-1] < losses[0]
     merged = AutoModelForCausalLM.from_pretrained(os.path.join(cfg.output_dir, "final_merged"))
@@ -134,24 +139,6 @@ def test_ia3_adapter(ray_local, tmp_path, llama_folder, sums_jsonl):
     n = adapter_numel(result.final_path)
     assert n == 2 * (64 + 64 + 128)  # one scale per k/v output and down_proj input, per layer
     assert all(4 * n < r["bytes_up"] <= 4 * n + HEADER for r in result.rounds)
-
-
-def test_fsdp_over_a_lora_model(ray_local, tmp_path, llama_folder, sums_jsonl):
-    cfg = peft_config(
-        tmp_path,
-        llama_folder,
-        sums_jsonl,
-        num_replicas=1,
-        ranks_per_replica=2,
-        diloco_loops=2,
-        max_steps=6,
-        grad_accum=2,
-    )
-    result = DilocoFSDPTrainer(cfg).train()
-    n = adapter_numel(result.final_path)
-    # the two ranks' rows add up to the adapter, in one message each
-    assert all(4 * n < r["bytes_up"] <= 4 * n + 2 * HEADER for r in result.rounds)
-    assert all(r["eval_loss"] == r["eval_loss"] for r in result.rounds)  # finite
 
 
 def test_early_stopping(streaming_run):
