@@ -54,6 +54,11 @@ def sweep(
             ``OUTPUT_DIR/sweep/logs/ray.log`` instead of the console (the CLI does, unless
             ``--verbose``); ``on_line`` must then write to a stream taken before the call.
     """
+    for name, value, least in (("grace_rounds", grace_rounds, 1), ("reduction_factor", reduction_factor, 2)):
+        if not isinstance(value, int) or value < least:
+            raise ConfigError(f"{name}: {value!r} is not allowed; give a whole number >= {least}")
+    if max_concurrent is not None and (not isinstance(max_concurrent, int) or max_concurrent < 1):
+        raise ConfigError(f"max_concurrent: {max_concurrent!r} is not allowed; give a whole number >= 1")
     values = base.to_dict() if isinstance(base, TrainerConfig) else dict(base)
     output_dir = str(values.get("output_dir") or "")
     if output_dir and not is_remote(output_dir):  # a trial's run starts elsewhere (Tune's folder)
@@ -61,8 +66,23 @@ def sweep(
     trials = grids.build_trials(values, grid, output_dir)
     folder = prepare_folder(trials, output_dir)
     plans = write_plans(trials, folder)
+    asha = {"grace_period": grace_rounds, "reduction_factor": reduction_factor}
+    with _ray_session(trials, folder, ray_output_to_file) as quiet:
+        with quiet.redirected() if quiet is not None else contextlib.nullcontext():
+            tune_results, seconds = _fit(trials, plans, folder, asha, max_concurrent, on_line)
+    results = collect(trials, plans, tune_results, seconds)
+    write_results(results, trials)
+    return results
+
+
+@contextlib.contextmanager
+def _ray_session(trials: list, folder: str, ray_output_to_file: bool):
+    """The sweep's Ray: the one this process is connected to, or a private one sized for the
+    largest trial (a grid over num_replicas varies them), stopped at the end. Yields the
+    :class:`RayOutputFile` that holds Ray's output when asked for one, else None."""
     import ray
 
+    from diloco_ray.driver import ray_connection
     from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
 
     quiet = RayOutputFile(os.path.join(folder, "logs", RAY_LOG)) if ray_output_to_file else None
@@ -71,23 +91,17 @@ def sweep(
         if quiet is not None:
             quiet.capture_logger()
         if not ray.is_initialized():
-            from diloco_ray.driver import ray_connection
-
-            s = trials[0].config.sections()
+            largest = max(trials, key=lambda t: grids.trial_need(t.config, cluster_has_gpus=False)["CPU"])
+            s = largest.config.sections()
             started = ray_connection.connect(s.membership, s.placement)
         if quiet is not None:
             quiet.capture_workers()
-        asha = {"grace_period": grace_rounds, "reduction_factor": reduction_factor}
-        with quiet.redirected() if quiet is not None else contextlib.nullcontext():
-            tune_results, seconds = _fit(trials, plans, folder, asha, max_concurrent, on_line)
+        yield quiet
     finally:
         if started:
             ray.shutdown()
         if quiet is not None:
             quiet.close()
-    results = collect(trials, plans, tune_results, seconds)
-    write_results(results, trials)
-    return results
 
 
 def prepare_folder(trials: list, output_dir: str) -> str:

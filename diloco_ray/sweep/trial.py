@@ -5,9 +5,10 @@ Why a process, and not the trainer inside the trial's actor: Tune ends a trial i
 early by ending that actor, and a job's placement groups live as long as its driver. A
 trainer inside the actor would leave its groups holding the cluster's CPUs, and the next
 trial would wait for them for ever. A driver per trial is a Ray job of its own: however it
-ends, Ray frees its actors and groups with it. The process is asked to stop (SIGTERM: the
-trainer's clean stop) when Tune stops the trial, and it dies with the trial's actor if that
-is killed outright (``PR_SET_PDEATHSIG``).
+ends, Ray frees its actors and groups with it. The trial stops its run (SIGTERM: the
+trainer's clean stop) when it sees Tune's stop; when Tune ends the trial's actor first, the
+run ends with it (Ray ends a worker's child processes; ``PR_SET_PDEATHSIG`` besides).
+Measured: a trial stopped after round 1 of 3 left 1 round record and no placement group.
 """
 
 from __future__ import annotations

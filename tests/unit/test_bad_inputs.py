@@ -173,6 +173,14 @@ CASES = [
     Case("set-unknown-field", train("lrr=1"), "--set: unknown field 'lrr'", ("did you mean 'lr'",)),
     Case("set-into-a-number", train("lr.x=1"), "--set lr.x: field 'lr' is not a mapping"),
     Case("report-extra-argument", ("report", "{tmp}/run", "again"), "unrecognized arguments: again", ("usage:",)),
+    # --- sweeps: refused before Ray starts, nothing written -------------------------------------------
+    Case("sweep-without-grid", ("sweep", "{tiny}", "--set", "output_dir={tmp}/sw"), "--grid: give at least one", ("FIELD=V1,V2",)),
+    Case("sweep-unknown-field", ("sweep", "{tiny}", "--grid", "outer_rl=1,2"), "--grid: unknown field 'outer_rl'", ("--help",)),
+    Case("sweep-bad-value", ("sweep", "{tiny}", "--grid", "outer_lr=0.5,-1", "--set", "output_dir={tmp}/sw"), "outer_lr", ("(trial trial-001-outer_lr=-1)",)),
+    Case("sweep-output-dir", ("sweep", "{tiny}", "--grid", "output_dir=a,b"), "--grid output_dir: each trial gets its own folder", ("not sweepable",)),
+    Case("sweep-no-eval", ("sweep", "{tiny}", "--grid", "outer_lr=0.5,1", "--set", "eval_batches=0", "--set", "output_dir={tmp}/sw"), "eval_batches: a sweep ranks its trials by eval loss", ("eval_batches > 0",)),
+    Case("sweep-max-concurrent", ("sweep", "{tiny}", "--grid", "outer_lr=0.5,1", "--max-concurrent", "0"), "max_concurrent: 0 is not allowed", ("whole number >= 1",)),
+    Case("sweep-in-a-bucket", ("sweep", "{tiny}", "--grid", "outer_lr=0.5,1", "--set", "output_dir=s3://bucket/sw"), "output_dir: a sweep keeps its trials", ("local path",)),
     Case("report-no-run", ("report", "{tmp}/cfg"), "output_dir: '{tmp}/cfg' has no metrics.jsonl"),
     Case("report-no-rounds", ("report", "{tmp}/busy"), "output_dir: '{tmp}/busy/metrics.jsonl' holds no round records"),
     # --- scale requests -----------------------------------------------------------------------------
