@@ -85,12 +85,13 @@ RUNS = {
         ),
         "drop_link": (LONGER, [{**PACE, "replica": 0}, {"kind": "drop_link", "replica": 1, "round": 1}]),
         # Replica 2's replacement (id 3) is paced too, or it would end the run before the
-        # frozen one is found stalled.
+        # frozen one is found stalled (>= stall_timeout_s + abort_grace_s after it froze). At
+        # 20x the run once ended first in a full suite: 40x leaves twice the time.
         "freeze-kill": (
             {**LONGER, "num_replicas": 3},
             [
-                {**PACE, "replica": 0},
-                {**PACE, "replica": 3},
+                {**PACE, "replica": 0, "factor": 40},
+                {**PACE, "replica": 3, "factor": 40},
                 {"kind": "freeze", "replica": 1, "round": 1, "step": 1},
                 {"kind": "kill", "replica": 2, "round": 1, "step": 1},
             ],
