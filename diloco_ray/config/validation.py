@@ -165,6 +165,17 @@ def _check_prompts_and_adapters(cfg: ConfigFields) -> None:
         raise ConfigError("prompt_func: set together with prompt_template; use templates or functions")
 
 
+def _check_no_remote_code(cfg: ConfigFields) -> None:
+    """``load_dataset`` runs a data set's own loading script when ``trust_remote_code`` is
+    true (``datasets`` 3.x, which the dependency range allows): code from the hub, run in
+    the tokenising task, is refused outright rather than left to a config's author."""
+    if (cfg.dataset_kwargs or {}).get("trust_remote_code"):  # false: the default, harmless
+        raise ConfigError(
+            "dataset_kwargs.trust_remote_code: refused; diloco-ray never runs a data set's loading "
+            "script; use a data set in files (JSON, JSONL, Parquet, CSV) or one saved with save_to_disk"
+        )
+
+
 def _check_what_needs_another_field(cfg: ConfigFields) -> None:
     """Settings that only mean something with another one: early stopping, adapter merging,
     the error-feedback decay."""
@@ -346,6 +357,7 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_replica_count,
     _check_logging,
     _check_prompts_and_adapters,
+    _check_no_remote_code,
     _check_what_needs_another_field,
     _check_fragments,
     _check_fault_plan,

@@ -535,3 +535,12 @@ def test_inner_time_s_is_checked(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         make(**overrides)
     assert make(inner_time_s=5.0, round_timeout_s=30.0).inner_time_s == 5.0
+
+
+def test_a_data_sets_loading_script_is_refused_and_false_is_allowed():
+    """``trust_remote_code: true`` in dataset_kwargs would run a hub data set's script in the
+    tokenising task (``datasets`` 3.x): refused, naming the key; false is the default."""
+    with pytest.raises(ConfigError, match=r"^dataset_kwargs\.trust_remote_code: refused"):
+        make(dataset_kwargs={"trust_remote_code": True})
+    cfg = make(dataset_kwargs={"trust_remote_code": False})
+    assert cfg.dataset_kwargs == {"trust_remote_code": False}
