@@ -14,6 +14,7 @@ import time
 from typing import Any, Optional
 
 from diloco_ray.config.sections import ObservabilitySection
+from diloco_ray.errors import DataError
 from diloco_ray.observe.events import StepEvent
 
 
@@ -141,20 +142,32 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+# The longest line read back: a round record of a large run is a few kB, a step event less.
+MAX_LINE_BYTES = 1 << 20
+
+
 def read_events(output_dir: str, event: Optional[str] = None) -> list[dict]:
     """The events of ``output_dir/metrics.jsonl`` (optionally one kind), skipping a torn
-    last line."""
+    last line. A line no diloco-ray run writes (over :data:`MAX_LINE_BYTES`, nested past
+    what the parser can follow, or not a JSON object) is a :class:`DataError` naming the
+    file and the line, not a traceback."""
     out = []
     path = os.path.join(output_dir, "metrics.jsonl")
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
+    with open(path, "rb") as f:
+        for number, raw in enumerate(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), start=1):
+            if len(raw) > MAX_LINE_BYTES:
+                raise DataError(f"{path}: line {number} is over {MAX_LINE_BYTES} bytes; not a diloco-ray record")
+            line = raw.strip()
             if not line:
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 continue  # a line cut short by a crash
+            except RecursionError:
+                raise DataError(f"{path}: line {number} is nested too deeply; not a diloco-ray record") from None
+            if not isinstance(rec, dict):
+                raise DataError(f"{path}: line {number} is not a JSON object; not a diloco-ray record")
             if event is None or rec.get("event") == event:
                 out.append(rec)
     return out

@@ -67,3 +67,23 @@ def test_no_rounds_yet_is_a_clear_error(tmp_path):
     write_run(tmp_path, [{"event": "membership"}])
     with pytest.raises(DataError, match="no round records yet"):
         write_report(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "line,says",
+    [
+        ("[" * 100_000 + "]" * 100_000, "line 2 is nested too deeply"),
+        ('{"event": "round", "pad": "' + "x" * (1 << 20) + '"}', "line 2 is over 1048576 bytes"),
+        ("[1, 2, 3]", "line 2 is not a JSON object"),
+    ],
+    ids=["deeply-nested", "oversized", "not-an-object"],
+)
+def test_a_line_no_run_writes_is_one_line_and_exit_2(tmp_path, capsys, line, says):
+    """A metrics.jsonl someone else wrote into: `diloco-ray report` says which file and line,
+    exit 2, no traceback (a deeply nested line was a RecursionError)."""
+    from diloco_ray import cli
+
+    (tmp_path / "metrics.jsonl").write_text('{"event": "step", "round": 0}\n' + line + "\n")
+    assert cli.main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"diloco-ray: error: {tmp_path / 'metrics.jsonl'}: {says}; not a diloco-ray record\n"
