@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -86,17 +87,25 @@ class TrainerConfig(ConfigFields):
         """field name -> value, every field (a deep copy)."""
         return dataclasses.asdict(self)
 
-    def yaml_text(self) -> str:
+    def yaml_text(self, redact: bool = True) -> str:
         """The resolved config (every field, defaults included) as YAML that
-        :meth:`from_yaml` reads back to an equal config."""
-        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+        :meth:`from_yaml` reads back to an equal config, secrets aside: with ``redact``
+        (the default) the value of every secret-looking key inside a mapping field (a
+        ``token`` in ``dataset_kwargs``, ``storage_options``' ``key`` and ``secret``, ...) is
+        ``***`` (see :func:`redacted`), so config.yaml, ``--print-config`` and the trackers'
+        run config never hold one in clear."""
+        values = self.to_dict()
+        return yaml.safe_dump(redacted(values) if redact else values, sort_keys=False)
 
-    def to_yaml(self, path: str) -> None:
-        """Write :meth:`yaml_text` to ``path`` atomically."""
+    def to_yaml(self, path: str, redact: bool = True) -> None:
+        """Write :meth:`yaml_text` to ``path`` atomically (``redact=False``: a file another
+        process runs from, written owner-only)."""
         tmp = f"{path}.tmp"
         try:
             with open(tmp, "w") as f:
-                f.write(self.yaml_text())
+                if not redact:
+                    os.chmod(tmp, 0o600)
+                f.write(self.yaml_text(redact))
             os.replace(tmp, path)
         except OSError as e:  # a full disk, say: leave no half-written temp file, and name the file
             if os.path.exists(tmp):
@@ -146,6 +155,35 @@ def _yaml_problem(e: "yaml.YAMLError") -> str:
     if getattr(e, "position", None) is not None:  # a ReaderError: a byte that is not text
         return f"byte {e.position}: {problem}"
     return problem
+
+
+# Keys whose values are secrets, wherever they sit inside a mapping field (dataset_kwargs,
+# storage_options inside it, ...): hub tokens, cloud keys, passwords. Whole words between
+# underscores, so that ``max_tokens`` and ``num_key_value_heads`` are not.
+SECRET_KEY = re.compile(
+    r"(^|_)(token|secrets?|password|passwd|credentials?|auth|api_?key|access_?key|secret_?key|private_?key)($|_)"
+    r"|^keys?$",  # a bare key (storage_options' "key"), not num_key_value_heads
+    re.IGNORECASE,
+)
+REDACTED = "***"
+
+
+def redacted(values: dict) -> dict:
+    """A config's field values with the value of every secret-looking key inside a mapping
+    field, at any depth, replaced by ``***`` (empty values are left: nothing to hide).
+    Field names themselves are never secrets (``tokenizer_name`` stays)."""
+    return {k: _redact_inside(v) for k, v in values.items()}
+
+
+def _redact_inside(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {
+            k: REDACTED if isinstance(k, str) and SECRET_KEY.search(k) and v not in (None, "") else _redact_inside(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_redact_inside(v) for v in value]
+    return value
 
 
 def parse_set(items: list[str]) -> dict:

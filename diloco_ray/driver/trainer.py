@@ -20,7 +20,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.schema import TrainerConfig, redacted
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.loop import loop_for
@@ -204,8 +204,7 @@ class DilocoFSDPTrainer:
             self._ray_output.capture_workers()
         self._catch_sigterm()
         self.device = ray_connection.resolve_device(self.config.device)
-        cfg.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
-        self.events.open(s.observability, cfg.to_dict(), self.run_dir)
+        self._open_records(s)
         self.loop.steps = self.events.steps
         token_data = start_token_data(s.data, s.model)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
@@ -261,6 +260,12 @@ class DilocoFSDPTrainer:
         self.records = [r for r in self.records if r["round"] < self.round_index]
         self.checkpointer.last_progress = self.loop.progress
         self.events.log(CheckpointEvent(reason, path=path, round=self.round_index))
+
+    def _open_records(self, sections) -> None:
+        """config.yaml and the run's event sinks (metrics.jsonl, TensorBoard, W&B): secrets
+        in mapping fields are ``***`` in both (:func:`~diloco_ray.config.schema.redacted`)."""
+        self.config.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
+        self.events.open(sections.observability, redacted(self.config.to_dict()), self.run_dir)
 
     def _connect_ray(self) -> None:
         if not ray.is_initialized():

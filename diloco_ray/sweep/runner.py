@@ -135,7 +135,7 @@ def write_plans(trials: list, folder: str) -> dict[str, TrialPlan]:
     plans = {}
     for trial in trials:
         path = os.path.join(folder, "configs", f"{trial.name}.yaml")
-        trial.config.to_yaml(path)
+        trial.config.to_yaml(path, redact=False)  # what its run reads: in full, owner-only
         log = os.path.join(folder, "logs", f"{trial.name}.log")
         plans[trial.name] = TrialPlan(path, os.path.abspath(trial.config.output_dir), log, cwd=os.getcwd())
     return plans

@@ -70,7 +70,7 @@ def test_metrics_and_config_writes_on_a_full_disk_name_their_file(tmp_path, monk
     assert raised.value.errno == errno.ENOSPC and raised.value.filename == logger.path
     real.close()
 
-    def no_room(self):
+    def no_room(self, redact=True):
         raise OSError(errno.ENOSPC, FULL)
 
     config = TrainerConfig.from_yaml(TINY)

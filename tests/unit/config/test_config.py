@@ -544,3 +544,46 @@ def test_a_data_sets_loading_script_is_refused_and_false_is_allowed():
         make(dataset_kwargs={"trust_remote_code": True})
     cfg = make(dataset_kwargs={"trust_remote_code": False})
     assert cfg.dataset_kwargs == {"trust_remote_code": False}
+
+
+SECRETS = {
+    "data_files": "train.jsonl",
+    "token": "hf_SECRET1",
+    "max_tokens": 512,
+    "storage_options": {"key": "AKIASECRET2", "secret": "SECRET3", "anon": False},
+}
+
+
+def test_secrets_never_reach_config_yaml_or_print_config(tmp_path, capsys):
+    """A hub token or cloud keys in dataset_kwargs are ``***`` in config.yaml and in
+    ``--print-config``; everything else is as given (a file a run reads from, written with
+    ``redact=False``, keeps them, owner-only)."""
+    from diloco_ray import cli
+
+    cfg = make(dataset_kwargs=SECRETS)
+    cfg.to_yaml(str(tmp_path / "config.yaml"))
+    text = (tmp_path / "config.yaml").read_text()
+    assert not re.search("SECRET[123]", text)
+    saved = yaml.safe_load(text)["dataset_kwargs"]
+    assert saved == {**SECRETS, "token": "***", "storage_options": {"key": "***", "secret": "***", "anon": False}}
+    cfg.to_yaml(str(tmp_path / "full.yaml"), redact=False)
+    assert yaml.safe_load((tmp_path / "full.yaml").read_text())["dataset_kwargs"] == SECRETS
+    assert (tmp_path / "full.yaml").stat().st_mode & 0o777 == 0o600
+
+    source = tmp_path / "job.yaml"
+    source.write_text(yaml.safe_dump({**BASE, "dataset_kwargs": SECRETS}))
+    assert cli.main(["train", str(source), "--print-config"]) == 0
+    shown = capsys.readouterr().out
+    assert "data_files: train.jsonl" in shown and not re.search("SECRET[123]", shown)
+
+
+def test_the_trackers_get_the_redacted_config(monkeypatch, tmp_path):
+    """What W&B and TensorBoard are handed as the run's config (RunEvents.open) is redacted."""
+    from diloco_ray.driver import trainer as trainer_module
+
+    seen = {}
+    monkeypatch.setattr(trainer_module.RunEvents, "open", lambda self, obs, config, run_dir: seen.update(config))
+    trainer = trainer_module.DilocoFSDPTrainer(make(dataset_kwargs=SECRETS, output_dir=str(tmp_path / "run")))
+    (tmp_path / "run").mkdir()
+    trainer._open_records(trainer.config.sections())
+    assert seen["dataset_kwargs"]["token"] == "***" and seen["dataset_kwargs"]["storage_options"]["secret"] == "***"
