@@ -78,10 +78,7 @@ class TrainerConfig(ConfigFields):
             overrides: field -> value applied on top, e.g. ``{"output_dir": "out"}`` or
                 ``{"outer_opt_kwargs.nesterov": False}``.
         """
-        values = read_config_file(path)
-        for key, value in (overrides or {}).items():
-            apply_override(values, key, value)
-        return cls.from_dict(values, source=f"config file '{path}'")
+        return cls.from_dict(read_values(path, overrides), source=f"config file '{path}'")
 
     def to_dict(self) -> dict:
         """field name -> value, every field (a deep copy)."""
@@ -184,6 +181,15 @@ def _redact_inside(value: Any) -> Any:
     if isinstance(value, list):
         return [_redact_inside(v) for v in value]
     return value
+
+
+def read_values(path: str, overrides: Optional[dict] = None) -> dict:
+    """A config file's field values with ``overrides`` applied, not yet validated (a sweep
+    lays each trial's values over them before its config is built)."""
+    values = read_config_file(path)
+    for key, value in (overrides or {}).items():
+        apply_override(values, key, value)
+    return values
 
 
 def parse_set(items: list[str]) -> dict:

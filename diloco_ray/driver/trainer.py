@@ -198,10 +198,9 @@ class DilocoFSDPTrainer:
         self.run_dir.prepare(resuming=resume is not None)
         if self.ray_output_to_file:
             self._ray_output = RayOutputFile(os.path.join(self.run_dir.local, "logs", RAY_LOG))
-            self._ray_output.capture_logger()
-        self._connect_ray()
-        if self._ray_output is not None:
-            self._ray_output.capture_workers()
+            self._ray_output.around_connect(self._connect_ray)
+        else:
+            self._connect_ray()
         self._catch_sigterm()
         self.device = ray_connection.resolve_device(self.config.device)
         self._open_records(s)

@@ -18,7 +18,9 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional, TypeVar
+
+T = TypeVar("T")
 
 RAY_LOG = "ray.log"
 
@@ -38,6 +40,15 @@ class RayOutputFile:
         self._logger_state: Optional[tuple] = None
         self._dispatcher = None
         self._removed: list = []
+
+    def around_connect(self, connect: Callable[[], T]) -> T:
+        """Run ``connect`` (which may call ``ray.init``) with Ray's output captured from before
+        it (``ray.init`` logs) to after it (the worker-line handler it installs is replaced);
+        returns what ``connect`` returns."""
+        self.capture_logger()
+        connected = connect()
+        self.capture_workers()
+        return connected
 
     def capture_logger(self) -> None:
         """Ray's ``ray`` logger writes here only (call before ``ray.init``, which logs)."""

@@ -79,15 +79,19 @@ class SweepResult:
         return min(done, key=lambda t: t.eval_loss, default=None)
 
 
-def collect(trials: list, plans: dict, tune_results: dict, seconds: dict) -> SweepResult:
-    """Each trial's result from its run's records, Tune's error for it and its time."""
+def collect(trials: list, plans: dict, tune_results: dict, seconds: dict, folder: str) -> SweepResult:
+    """Each trial's result from its run's records, Tune's error for it and its time;
+    ``folder`` is the sweep's (``OUTPUT_DIR/sweep``)."""
     out = []
     for trial in trials:
         plan = plans[trial.name]
         result = tune_results.get(trial.name)
-        error = _error_line(result.error) if result is not None and result.error else None
         if result is None:
             error = "Tune returned no result for this trial"
+        elif result.error:
+            error = error_line(result.error) or type(unwrap(result.error)).__name__
+        else:
+            error = None
         curve, rounds = run_rounds(plan.output_dir)
         planned = trial.config.diloco_loops
         status = "failed" if error else ("finished" if rounds >= planned else "stopped")
@@ -105,7 +109,6 @@ def collect(trials: list, plans: dict, tune_results: dict, seconds: dict) -> Swe
                 eval_curve=curve,
             )
         )
-    folder = os.path.dirname(os.path.dirname(next(iter(plans.values())).config_path))
     return SweepResult(out, folder)
 
 
@@ -161,10 +164,15 @@ def _value(v) -> str:
     return json.dumps(v) if not isinstance(v, str) else v
 
 
-def _error_line(error: BaseException) -> str:
-    cause = unwrap(error)
-    message = cause.args[0] if getattr(cause, "args", None) else str(cause)
-    return str(message).strip().splitlines()[-1][:500] if str(message).strip() else type(cause).__name__
+def error_line(error, limit: int = 500) -> Optional[str]:
+    """A trial's error in one line: the innermost cause's message behind Ray's wrappers (not
+    their remote traceback), its last line, at most ``limit`` characters; None when empty.
+    ``error`` is an exception or Tune's text of one."""
+    if isinstance(error, BaseException):
+        cause = unwrap(error)
+        error = cause.args[0] if getattr(cause, "args", None) else str(cause)
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[-1][:limit] if lines else None
 
 
 def _write(path: str, text: str) -> None:

@@ -70,7 +70,7 @@ def sweep(
     with _ray_session(trials, folder, ray_output_to_file) as quiet:
         with quiet.redirected() if quiet is not None else contextlib.nullcontext():
             tune_results, seconds = _fit(trials, plans, folder, asha, max_concurrent, on_line)
-    results = collect(trials, plans, tune_results, seconds)
+    results = collect(trials, plans, tune_results, seconds, folder)
     write_results(results, trials)
     return results
 
@@ -85,17 +85,17 @@ def _ray_session(trials: list, folder: str, ray_output_to_file: bool):
     from diloco_ray.driver import ray_connection
     from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
 
+    def connect() -> bool:  # whether it started a private Ray
+        if ray.is_initialized():
+            return False
+        largest = max(trials, key=lambda t: grids.trial_need(t.config, cluster_has_gpus=False)["CPU"])
+        s = largest.config.sections()
+        return ray_connection.connect(s.membership, s.placement)
+
     quiet = RayOutputFile(os.path.join(folder, "logs", RAY_LOG)) if ray_output_to_file else None
     started = False
     try:
-        if quiet is not None:
-            quiet.capture_logger()
-        if not ray.is_initialized():
-            largest = max(trials, key=lambda t: grids.trial_need(t.config, cluster_has_gpus=False)["CPU"])
-            s = largest.config.sections()
-            started = ray_connection.connect(s.membership, s.placement)
-        if quiet is not None:
-            quiet.capture_workers()
+        started = quiet.around_connect(connect) if quiet is not None else connect()
         yield quiet
     finally:
         if started:
@@ -201,10 +201,8 @@ def run_sweep_cli(
 ) -> SweepResult:
     """The CLI's sweep: the YAML file with ``--set`` applied, swept over ``--grid``
     (``options``: :func:`sweep`'s keywords)."""
-    from diloco_ray.config.schema import apply_override, read_config_file
+    from diloco_ray.config.schema import read_values
 
-    values = read_config_file(config_path)
-    for key, value in overrides.items():
-        apply_override(values, key, value)
+    values = read_values(config_path, overrides)
     TrainerConfig.from_dict(values, source=f"config file '{config_path}'")  # the base itself is valid
     return sweep(values, grids.parse_grid(grid_items), on_line=line, **options)

@@ -13,7 +13,7 @@ from typing import Callable
 
 from ray import tune
 
-from diloco_ray.errors import unwrap
+from diloco_ray.sweep.results import error_line
 
 
 class TrialLines(tune.Callback):
@@ -59,17 +59,9 @@ class TrialLines(tune.Callback):
     def on_trial_error(self, iteration, trials, trial, **info):
         name = self._ended(trial)
         error = getattr(trial, "error_message", None) or "see its log"
-        self.write(f"{name}: failed ({self.seconds[name]:.0f}s): {_last_line(error)}")
+        self.write(f"{name}: failed ({self.seconds[name]:.0f}s): {error_line(error, limit=300) or 'see its log'}")
 
     def _ended(self, trial) -> str:
         name = trial.config["trial"]
         self.seconds[name] = time.monotonic() - self.started.get(name, time.monotonic())
         return name
-
-
-def _last_line(text) -> str:
-    if isinstance(text, BaseException):
-        cause = unwrap(text)
-        text = cause.args[0] if cause.args else str(cause)
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[-1][:300] if lines else "see its log"

@@ -55,7 +55,7 @@ def swept(tmp_path):
     errors = {trials[3].name: TuneResult(RemoteError(RuntimeError("lr: went NaN at round 2")))}
     tune_results = {t.name: errors.get(t.name, TuneResult()) for t in trials}
     seconds = {t.name: 10.0 + i for i, t in enumerate(trials)}
-    result = collect(trials, plans, tune_results, seconds)
+    result = collect(trials, plans, tune_results, seconds, str(tmp_path / "sweep"))
     write_results(result, trials)
     return trials, result
 
@@ -115,7 +115,7 @@ def test_no_finished_trial_no_best_yaml(tmp_path):
     os.makedirs(tmp_path / "sweep" / "configs")
     os.makedirs(tmp_path / "sweep" / "logs")
     plans = write_plans(trials, str(tmp_path / "sweep"))
-    result = collect(trials, plans, {}, {})  # Tune gave nothing back: the run never started
+    result = collect(trials, plans, {}, {}, str(tmp_path / "sweep"))  # Tune gave nothing back: the run never started
     write_results(result, trials)
     assert result.trials[0].status == "failed" and result.trials[0].rounds == 0
     assert result.best is None and not os.path.exists(tmp_path / "sweep" / "best.yaml")
