@@ -1,5 +1,5 @@
-"""How the driver reaches Ray: the cluster RAY_ADDRESS names, a live local head, or a
-private instance of its own.
+"""How the driver reaches Ray: the cluster RAY_ADDRESS names, a live local head of the
+user's own, or a private instance of its own.
 
 ``ray.init()`` without an address joins the cluster named in Ray's
 ``ray_current_cluster`` file (written by ``ray start --head``), and refuses
@@ -7,6 +7,12 @@ private instance of its own.
 decision is made here instead, as a pure function of what the environment says, so a
 user with a local head gets a run on it (and a line saying so) and a user with a stale
 file gets a private instance, as with no file at all.
+
+Ray keeps that file in a world-writable folder (``/tmp/ray``), so another local user can
+write it and point it at a head of theirs, which would then receive this run's code and
+data and hand the driver results to unpickle. The file is followed only when it and its
+folder belong to this user (:func:`foreign_owner`); otherwise the run starts a private
+instance and says why.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import stat
 import tempfile
 from typing import Optional
 
@@ -22,7 +29,9 @@ from diloco_ray.errors import ConfigError
 from diloco_ray.logs import log
 
 
-def decide(env_address: Optional[str], file_address: Optional[str], alive: bool) -> tuple[str, Optional[str]]:
+def decide(
+    env_address: Optional[str], file_address: Optional[str], alive: bool, owned: bool = True
+) -> tuple[str, Optional[str]]:
     """``("join", address)``, or ``("start", None)`` for a private local instance.
 
     Args:
@@ -30,12 +39,30 @@ def decide(env_address: Optional[str], file_address: Optional[str], alive: bool)
             private instance.
         file_address: the ``host:port`` in Ray's ``ray_current_cluster`` file, if any.
         alive: whether something answers at ``file_address``.
+        owned: whether that file and its folder belong to this user (a file another
+            user wrote is never followed).
     """
     if env_address and env_address != "local":
         return "join", env_address
-    if env_address == "local" or not file_address or not alive:
+    if env_address == "local" or not file_address or not alive or not owned:
         return "start", None
     return "join", file_address
+
+
+def foreign_owner(path: str, uid: Optional[int] = None) -> Optional[str]:
+    """Why the cluster file ``path`` is not this user's to follow, or None when it and its
+    folder are owned by ``uid`` (default: this process's) and the file is no link."""
+    uid = os.getuid() if uid is None else uid
+    for what, where in (("file", path), ("folder", os.path.dirname(path) or os.curdir)):
+        try:
+            st = os.lstat(where)
+        except OSError as e:
+            return f"cannot read {where}: {e.strerror}"
+        if what == "file" and stat.S_ISLNK(st.st_mode):
+            return f"{where} is a link"
+        if st.st_uid != uid:
+            return f"the {what} {where} belongs to uid {st.st_uid}, not to you (uid {uid})"
+    return None
 
 
 def cluster_file() -> str:
@@ -64,12 +91,14 @@ def connect(membership: MembershipSection, placement: PlacementSection) -> bool:
     import ray
 
     env = os.environ.get("RAY_ADDRESS")
+    path = cluster_file()
     try:
-        with open(cluster_file()) as f:
-            recorded = f.read().strip() or None
+        with open(path) as f:
+            recorded = f.read(256).strip() or None
     except OSError:
         recorded = None
-    mode, address = decide(env, recorded, recorded is not None and answers(recorded))
+    foreign = foreign_owner(path) if recorded and not env else None
+    mode, address = decide(env, recorded, recorded is not None and answers(recorded), owned=foreign is None)
     if mode == "join":
         if not env:
             log.info(
@@ -77,6 +106,8 @@ def connect(membership: MembershipSection, placement: PlacementSection) -> bool:
             )
         ray.init(address=address)
         return False
+    if foreign:
+        log.warning("not joining the local Ray cluster that %s names: %s; starting a private one", path, foreign)
     ray.init(address="local", num_cpus=logical_cpus(membership, placement), include_dashboard=False, log_to_driver=True)
     return True
 

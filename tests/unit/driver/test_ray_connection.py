@@ -1,12 +1,14 @@
 """How the driver reaches Ray (no Ray started here): RAY_ADDRESS, a live local head, a
-stale cluster file, nothing."""
+stale cluster file, one another user wrote, nothing."""
 
+import os
 import socket
 
 import pytest
 
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.driver.ray_connection import answers, decide, logical_cpus
+from diloco_ray.driver import ray_connection
+from diloco_ray.driver.ray_connection import answers, decide, foreign_owner, logical_cpus
 
 
 @pytest.mark.parametrize(
@@ -23,6 +25,57 @@ from diloco_ray.driver.ray_connection import answers, decide, logical_cpus
 )
 def test_decide(env, recorded, alive, want):
     assert decide(env, recorded, alive) == want
+
+
+def test_a_cluster_file_of_another_user_is_never_followed():
+    assert decide(None, "127.0.0.1:6379", True, owned=False) == ("start", None)
+    # RAY_ADDRESS is the user's own word: who owns Ray's file does not matter then.
+    assert decide("10.0.0.1:6379", "127.0.0.1:6379", True, owned=False) == ("join", "10.0.0.1:6379")
+
+
+def planted_cluster_file(tmp_path, address: str, owner: int | None = None) -> str:
+    folder = tmp_path / "ray"
+    folder.mkdir()
+    path = folder / "ray_current_cluster"
+    path.write_text(address + "\n")
+    if owner is not None:
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(path, owner, owner)
+    return str(path)
+
+
+def test_foreign_owner_names_the_file_the_folder_or_the_link(tmp_path):
+    mine = planted_cluster_file(tmp_path, "127.0.0.1:1")
+    assert foreign_owner(mine) is None
+    assert foreign_owner(mine, uid=4242) == f"the file {mine} belongs to uid {os.getuid()}, not to you (uid 4242)"
+    link = os.path.join(os.path.dirname(mine), "link")
+    os.symlink(mine, link)
+    assert foreign_owner(link) == f"{link} is a link"
+
+
+@pytest.mark.parametrize("owner", [None, 65534])  # this user's file; one of nobody's
+def test_a_live_head_named_by_another_users_file_gets_a_private_ray(tmp_path, monkeypatch, caplog, owner):
+    """Someone else's ``ray_current_cluster`` names a live head: the run starts a Ray of its
+    own and says why, where a file of the user's own is joined."""
+    import ray
+
+    with socket.socket() as head:  # something answers, as a live GCS would
+        head.bind(("127.0.0.1", 0))
+        head.listen()
+        address = f"127.0.0.1:{head.getsockname()[1]}"
+        path = planted_cluster_file(tmp_path, address, owner)
+        calls = []
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        monkeypatch.setattr(ray_connection, "cluster_file", lambda: path)
+        monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+        sections = TrainerConfig(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic").sections()
+        started = ray_connection.connect(sections.membership, sections.placement)
+    if owner is None:
+        assert (started, calls) == (False, [{"address": address}])
+    else:
+        assert started and calls[0]["address"] == "local"
+        assert f"the file {path} belongs to uid 65534" in caplog.text and "starting a private one" in caplog.text
 
 
 def test_answers_tells_a_listening_port_from_a_dead_one():
