@@ -1,7 +1,7 @@
 """A replica's process group and how its model is sharded over it (FSDP2).
 
-The ranks of one replica meet at rank 0's address (:func:`rendezvous_address`), join one
-process group (:func:`join_process_group`: gloo on CPU, NCCL on GPUs) and shard the model
+The ranks of one replica meet at a store file that rank 0 names (:func:`rendezvous`), join
+one process group (:func:`join_process_group`: gloo on CPU, NCCL on GPUs) and shard the model
 while it is still empty (:func:`shard`: each decoder layer one FSDP unit, the rest the
 root), so each rank allocates and loads its rows only. :func:`replica_total` is the one
 small collective of an inner step. A one-rank replica needs none of this.
@@ -9,32 +9,48 @@ small collective of an inner step. A one-rank replica needs none of this.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from diloco_ray.model import loading as modeling
 from diloco_ray.runtime import host_memory
 
-
-def rendezvous_address() -> tuple[str, int]:
-    """(this node's ip, a free port) for the process group; asked of rank 0."""
-    import socket
-
-    import ray
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return ray.util.get_node_ip_address(), s.getsockname()[1]
+LOOPBACK_ONLY = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
-def join_process_group(master_addr: str, master_port: int, rank: int, world_size: int, device: torch.device) -> None:
-    """Join the replica's process group at rank 0's address."""
+def rendezvous() -> str:
+    """The process group's ``init_method``, made by rank 0: a store file in a folder of
+    its own (mode 0700), removed when this process exits.
+
+    Why a file and not ``tcp://``: a replica's ranks always share a node (one STRICT_PACK
+    placement group), and PyTorch's TCP store listens on every interface of the node
+    whatever host it is given, with no authentication, so anyone who can reach the node
+    could join or disturb the group. A file in a private folder is reachable by this
+    user's processes on this node only; PyTorch deletes it once every rank let go.
+    """
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="diloco-ray-rendezvous-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return f"file://{os.path.join(folder, 'store')}"
+
+
+def join_process_group(init_method: str, rank: int, world_size: int, device: torch.device) -> None:
+    """Join the replica's process group at rank 0's :func:`rendezvous`."""
     import torch.distributed as dist
 
     # FSDP's all-gathered layers come and go every step: keep glibc from
     # holding on to their pages (see diloco_ray.runtime.host_memory).
     host_memory.fix_mmap_threshold(host_memory.FSDP_RANK_THRESHOLD)
+    # The ranks' own connections stay on the loopback too, unless the user chose an
+    # interface (GLOO_/NCCL_SOCKET_IFNAME are read when the group is built).
+    for name in LOOPBACK_ONLY:
+        os.environ.setdefault(name, "lo")
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://{master_addr}:{master_port}", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size)
 
 
 def shard(model: torch.nn.Module, mixed_precision: str) -> None:

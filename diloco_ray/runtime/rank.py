@@ -97,18 +97,16 @@ class RankWorker:
         self._last_beat = 0.0
 
     # ---- set-up -----------------------------------------------------------------------
-    def rendezvous_address(self) -> tuple[str, int]:
-        """(node ip, free port) for the process group; asked of rank 0."""
-        return fsdp.rendezvous_address()
+    def rendezvous(self) -> str:
+        """Where the replica's ranks meet (a private store file); asked of rank 0."""
+        return fsdp.rendezvous()
 
-    def setup(
-        self, master_addr: str | None = None, master_port: int | None = None, token_data: list | None = None
-    ) -> dict[str, tuple]:
+    def setup(self, init_method: str | None = None, token_data: list | None = None) -> dict[str, tuple]:
         """Join the replica's process group, build and shard the model, build the inner
         optimizer, take in the data. Returns name -> full shape of the trained parameters.
 
         Args:
-            master_addr, master_port: rank 0's rendezvous address (``world_size > 1``).
+            init_method: rank 0's :meth:`rendezvous` (``world_size > 1``).
             token_data: ``[ref]`` to the job's :class:`~diloco_ray.data.samples.TokenData` (the
                 driver's one tokenising task; in a list, so Ray hands over the ref and
                 the model is built while the task runs), or None to tokenise here.
@@ -118,7 +116,7 @@ class RankWorker:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            fsdp.join_process_group(master_addr, master_port, self.rank, self.world_size, self.device)
+            fsdp.join_process_group(init_method, self.rank, self.world_size, self.device)
         self.tokenizer = tokenization.load_tokenizer(sections.model)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
         shard = functools.partial(fsdp.shard, mixed_precision=cfg.mixed_precision) if self.world_size > 1 else None

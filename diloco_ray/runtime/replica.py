@@ -112,10 +112,10 @@ class Replica:
     def setup(self) -> list:
         """Start the ranks' set-up (process group, model, FSDP, data); refs to their
         parameter shapes."""
-        addr, port = None, None
+        init_method = None
         if self.world_size > 1:
-            addr, port = ray.get(self.ranks[0].rendezvous_address.remote(), timeout=self.config.call_timeout_s)
-        return [r.setup.remote(addr, port, self.token_data) for r in self.ranks]
+            init_method = ray.get(self.ranks[0].rendezvous.remote(), timeout=self.config.call_timeout_s)
+        return [r.setup.remote(init_method, self.token_data) for r in self.ranks]
 
     def seed_pieces(self) -> list[list]:
         """Per server, refs to each rank's rows of the freshly built weights."""

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 
 import pytest
 import torch
@@ -22,6 +21,7 @@ from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import tokenization
 from diloco_ray.model import loading as modeling
+from diloco_ray.runtime import fsdp
 
 # ~34M parameters: large enough that half of it stands out of the noise of a process.
 BIG = {
@@ -59,29 +59,25 @@ def config(**fields) -> TrainerConfig:
     return TrainerConfig(**{**base, **fields})
 
 
-def _rank(rank: int, port: int, jobs: list, out: str) -> None:
+def _rank(rank: int, meeting_points: list[str], jobs: list, out: str) -> None:
+    import psutil
+
     from diloco_ray.runtime.rank import RankWorker
 
     torch.set_num_threads(1)
     results = []
-    for fields in jobs:
+    for fields, init_method in zip(jobs, meeting_points):
         gc.collect()
         before = reset_peak_rss()
         worker = RankWorker(config(**fields).to_dict(), 0, rank, 2)
-        worker.setup("127.0.0.1", port)
+        worker.setup(init_method)
         grew = peak_rss() - before
         rows = {n: (p.to_local() if hasattr(p, "to_local") else p.data).clone() for n, p in worker.params}
-        results.append({"grew": grew, "rows": rows})
+        listening = [c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+        results.append({"grew": grew, "rows": rows, "listening": listening})
         worker.shutdown()
         del worker
-        port += 1
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +96,8 @@ def built(tmp_path_factory):
         {"model_name": folder, "use_peft": True, "target_modules": ["q_proj", "v_proj"]},
     ]
     out = str(tmp_path_factory.mktemp("ranks"))
-    mp.start_processes(_rank, args=(_free_port(), jobs, out), nprocs=2, join=True, start_method="spawn")
+    meeting_points = [fsdp.rendezvous() for _ in jobs]  # what the replica asks of rank 0
+    mp.start_processes(_rank, args=(meeting_points, jobs, out), nprocs=2, join=True, start_method="spawn")
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(2)]
     whole = [
         modeling.build_model(*model_parts(config(**job)), tokenization.load_tokenizer(config(**job).sections().model))
@@ -116,6 +113,18 @@ def test_a_rank_never_holds_the_whole_model(built):
         grew = ranks[r][1]["grew"]
         # Its half (0.5), one module being initialised and the data; never the whole (>= 1.0).
         assert grew < 0.75 * full_bytes, f"rank {r} grew by {grew / full_bytes:.2f} x the model"
+
+
+def test_the_ranks_meet_in_a_private_file_and_listen_on_loopback_only(built):
+    """A replica's ranks share a node: nothing of their group may be reachable from
+    another machine (PyTorch's TCP store would listen on every interface)."""
+    _, ranks, _ = built
+    for r in range(2):
+        for job in ranks[r]:
+            assert job["listening"] and all(ip.startswith("127.") for ip in job["listening"]), job["listening"]
+    init_method = fsdp.rendezvous()
+    folder = os.path.dirname(init_method.removeprefix("file://"))
+    assert init_method.startswith("file://") and os.stat(folder).st_mode & 0o777 == 0o700
 
 
 @pytest.mark.parametrize("job", [1, 2], ids=["model_config", "bf16_checkpoint_with_lora"])
