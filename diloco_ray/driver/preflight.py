@@ -162,14 +162,49 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
         )
 
 
+# dataset_kwargs keys (at any depth: storage_options, client_kwargs) that send a data
+# set's reads elsewhere, or that turn TLS off when false.
+_ENDPOINT_KEYS = ("endpoint_url", "endpoint_override", "endpoint")
+_TLS_KEYS = ("verify", "ssl_verify", "use_ssl", "tls_verify_certificates")
+
+
+def loosened_settings(cfg: TrainerConfig) -> list[str]:
+    """One line for each setting that turns TLS verification off or overrides an
+    endpoint: a config is code, and these are where a hostile one reads a run's data."""
+    from diloco_ray.persist.uris import is_remote, loosened, redact
+
+    lines = [
+        f"{field}: {redact(value)!r} {what}"
+        for field in ("output_dir", "resume_from")
+        if is_remote(value := getattr(cfg, field))
+        for what in loosened(value)
+    ]
+
+    def walk(value, where: str) -> None:
+        for key, inner in value.items() if isinstance(value, dict) else ():
+            here = f"{where}.{key}"
+            if key in _ENDPOINT_KEYS and inner:
+                lines.append(f"{here}: {inner!r} sends the data set's reads to another endpoint")
+            elif key in _TLS_KEYS and inner in (False, "false", "False", 0):
+                lines.append(f"{here}: {inner!r} turns TLS certificate checks off")
+            walk(inner, here)
+
+    walk(cfg.dataset_kwargs, "dataset_kwargs")
+    return lines
+
+
 def check(cfg: TrainerConfig, resuming: bool) -> None:
-    """Every check that can run before Ray starts (see the module docstring)."""
+    """Every check that can run before Ray starts (see the module docstring), and a
+    warning for each of :func:`loosened_settings`."""
+    from diloco_ray.logs import log
     from diloco_ray.persist import storage
 
     for field in ("output_dir", "resume_from"):
         value = getattr(cfg, field)
         if value:  # every value: "s3:bucket" (no "//") must not become a local folder named so
             storage.check_uri(field, value)
+    for line in loosened_settings(cfg):
+        log.warning("%s (a config is code: run only configs whose author you trust)", line)
     check_optimizers(cfg)
     check_paths(cfg)
     mirror = storage.for_output_dir(cfg.output_dir)

@@ -175,6 +175,24 @@ def _check_query(field: str, uri: str, query: str, canonical: str) -> None:
             )
 
 
+_OFF = ("false", "0", "no", "off")
+
+
+def loosened(uri: str) -> list[str]:
+    """What ``uri``'s query options loosen, one phrase each: TLS certificate checks off,
+    plain HTTP, or another endpoint than the provider's (all legitimate for a local
+    MinIO, and exactly what a hostile config would set to read a run's traffic)."""
+    found = []
+    for key, value in parse_qsl(urlsplit(uri).query, keep_blank_values=True):
+        if key == "tls_verify_certificates" and value.lower() in _OFF:
+            found.append(f"turns TLS certificate checks off ({key}={value})")
+        elif key == "scheme" and value.lower() == "http":
+            found.append("sends over plain HTTP, unencrypted (scheme=http)")
+        elif key == "endpoint_override":
+            found.append(f"sends to the endpoint {value!r}, not the provider's")
+    return found
+
+
 class _Parts:
     """A checked remote URI split into what the rest of the module needs."""
 
