@@ -175,6 +175,42 @@ def test_launcher_uses_token_auth_everywhere(name):
         assert isinstance(json.loads(params["runtime_env_json"]), dict)
 
 
+AUTOSCALER_IDENTITIES = ("ray-autoscaler-v1", "ray-autoscaler-sa-v1")
+
+
+def test_aws_workers_reach_the_runs_bucket_prefix_and_nothing_else():
+    """The job's code runs on the workers: their profile is not the head's (which starts
+    machines and reads every bucket) but one whose policy names the output_dir's bucket
+    and prefix only, with S3 object actions only."""
+    worker = _worker_type(_launcher("aws.yaml"))
+    assert worker["node_config"]["IamInstanceProfile"]["Name"] == "diloco-ray-worker"
+    _, cfg = _submit("aws.yaml")
+    bucket, prefix = cfg.output_dir.removeprefix("s3://").split("/", 1)
+    top = prefix.split("/", 1)[0]
+    policy = json.loads(_read("aws-worker-bucket-policy.json"))
+    resources, actions = set(), set()
+    for statement in policy["Statement"]:
+        assert statement["Effect"] == "Allow"
+        resources.add(statement["Resource"])
+        actions |= set(statement["Action"])
+        if statement["Resource"] == f"arn:aws:s3:::{bucket}":  # listing: only under the prefix
+            assert statement["Condition"]["StringLike"]["s3:prefix"] == [top, f"{top}/*"]
+    assert resources == {f"arn:aws:s3:::{bucket}", f"arn:aws:s3:::{bucket}/{top}/*"}
+    assert all(a.startswith("s3:") and "*" not in a for a in actions), actions
+    assert "aws-worker-bucket-policy.json" in _read("README.md")
+
+
+def test_gcp_workers_get_a_storage_only_account_of_their_own():
+    worker = _worker_type(_launcher("gcp.yaml"))
+    (account,) = worker["node_config"]["serviceAccounts"]
+    assert account["email"].split("@")[0] not in AUTOSCALER_IDENTITIES
+    assert account["scopes"] == ["https://www.googleapis.com/auth/devstorage.read_write"]
+    _, cfg = _submit("gcp.yaml")
+    bucket = cfg.output_dir.removeprefix("gs://").split("/", 1)[0]
+    readme = _read("README.md")
+    assert f"add-iam-policy-binding gs://{bucket}" in readme and "roles/storage.objectUser" in readme
+
+
 @pytest.mark.parametrize("name", LAUNCHERS)
 def test_launcher_installs_torch_then_this_project(name):
     config = _launcher(name)
