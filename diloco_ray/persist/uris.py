@@ -11,16 +11,15 @@ for a URI, so ranks agree on it without talking; the staging base is the user's 
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
 import stat
 import threading
-import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
+from diloco_ray import files
 from diloco_ray.errors import ConfigError
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: local-only runs never pay for it
@@ -366,20 +365,13 @@ def put_file(fs: "pyarrow.fs.FileSystem", local: str, remote: str) -> int:
 
 def get_file(fs: "pyarrow.fs.FileSystem", remote: str, local: str, size: int | None) -> None:
     """Stream one remote file to ``local`` through a temporary name."""
-    folder, name = os.path.split(local)
-    os.makedirs(folder, exist_ok=True)
-    # Unique per process and call: several processes of a node may fetch the same file.
-    tmp = os.path.join(folder, f".{name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.dirname(local), exist_ok=True)
     got = 0
-    try:
-        with fs.open_input_stream(remote, compression=None) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(_CHUNK):
-                dst.write(chunk)
-                got += len(chunk)
+    # A temp name unique per call (several processes of a node may fetch the same file),
+    # removed if the download fails; a link at ``local`` is replaced, not written through.
+    with files.replacing(local) as dst, fs.open_input_stream(remote, compression=None) as src:
+        while chunk := src.read(_CHUNK):
+            dst.write(chunk)
+            got += len(chunk)
         if size is not None and size >= 0 and got != size:
             raise OSError(f"downloaded {got} bytes of {remote!r}, expected {size}")
-        os.replace(tmp, local)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
