@@ -290,8 +290,10 @@ def staging_root(uri: str) -> str:
     return os.path.join(staging_base(), f"{readable}-{digest}")
 
 
-# Bases found private in this process: the check costs a few system calls, and
-# staging_root is called for every Mirror, so each base is checked once per process.
+# Bases found private in this process: staging_root is called for every Mirror, so each
+# base is created and checked once per process. Only its existence is looked at again: a
+# base removed meanwhile (a cleaned cache) is made anew, 0700, not left to the os.makedirs
+# of a staging folder inside it, which would make it with the umask's mode.
 _PRIVATE_BASES: set[str] = set()
 _BASE_LOCK = threading.Lock()
 
@@ -310,7 +312,7 @@ def staging_base() -> str:
     """
     base = os.path.abspath(os.environ.get("DILOCO_RAY_STAGING") or _default_base())
     with _BASE_LOCK:
-        if base not in _PRIVATE_BASES:
+        if base not in _PRIVATE_BASES or not os.path.isdir(base):
             _make_private(base)
             _PRIVATE_BASES.add(base)
     return base

@@ -223,6 +223,17 @@ def test_a_fresh_staging_base_is_created_private(monkeypatch, tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "fresh" / "stage").st_mode) == 0o700
 
 
+def test_a_staging_base_removed_while_the_process_runs_is_made_private_again(monkeypatch, tmp_path):
+    import shutil
+
+    base = tmp_path / "stage"
+    monkeypatch.setenv("DILOCO_RAY_STAGING", str(base))
+    root = storage.staging_root("s3://b/run")
+    shutil.rmtree(base)  # a cleaned cache: the check is cached, the folder is not
+    assert storage.staging_root("s3://b/run") == root
+    assert stat.S_IMODE(os.stat(base).st_mode) == 0o700
+
+
 def test_a_staging_base_others_can_reach_is_refused(monkeypatch, tmp_path):
     base = tmp_path / "stage"
     base.mkdir(mode=0o755)
