@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 import yaml
 
+from diloco_ray import files
 from diloco_ray.config.fields import FIELD_NAMES, FIELDS, ConfigFields, field_help
 from diloco_ray.config.sections import Sections
 from diloco_ray.config.validation import validate
@@ -96,18 +97,10 @@ class TrainerConfig(ConfigFields):
 
     def to_yaml(self, path: str, redact: bool = True) -> None:
         """Write :meth:`yaml_text` to ``path`` atomically (``redact=False``: a file another
-        process runs from, written owner-only)."""
-        tmp = f"{path}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                if not redact:
-                    os.chmod(tmp, 0o600)
-                f.write(self.yaml_text(redact))
-            os.replace(tmp, path)
-        except OSError as e:  # a full disk, say: leave no half-written temp file, and name the file
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise OSError(e.errno, e.strerror, path) from e
+        process runs from, written owner-only). A link at ``path`` is replaced, not followed;
+        a failed write (a full disk) leaves no temp file and names ``path``."""
+        with files.replacing(path, mode=None if redact else 0o600) as f:
+            f.write(self.yaml_text(redact).encode("utf-8"))
 
     def for_replica(self, replica_id: int) -> "TrainerConfig":
         """The job as replica ``replica_id``'s ranks see it: ``ranks_per_replica`` is theirs."""

@@ -8,12 +8,12 @@ model is written in Hugging Face format. Nothing here knows about Ray.
 
 from __future__ import annotations
 
-import os
 from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
+from diloco_ray import files
 from diloco_ray.config.sections import ModelSection, PeftSection
 from diloco_ray.errors import ConfigError, first_line
 from diloco_ray.model import hf_init
@@ -200,28 +200,17 @@ def save_hf(model: nn.Module, tokenizer, weights: dict[str, torch.Tensor], path:
             Loading copies in place, so tied parameters stay tied.
         tokenizer: saved beside the weights.
         weights: the global weights, by parameter name.
-        path: the destination folder (written to ``path.tmp`` then renamed, so a crash
-            never leaves a half-written folder).
+        path: the destination folder (written to a hidden temp folder beside it, then
+            renamed: a crash never leaves a half-written folder, see
+            :func:`diloco_ray.files.replace_folder`).
     """
     result = model.load_state_dict({n: torch.as_tensor(w) for n, w in weights.items()}, strict=False)
     if result.unexpected_keys:
         raise ValueError(f"weights hold tensors the model does not have: {result.unexpected_keys[:5]}")
-    write_atomically(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
+    files.replace_folder(path, lambda tmp: (model.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
 
 
 def save_merged(model: nn.Module, tokenizer, path: str) -> None:
     """Fold a PEFT adapter into its base weights and write a plain Hugging Face model."""
     merged = model.merge_and_unload()
-    write_atomically(path, lambda tmp: (merged.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))
-
-
-def write_atomically(path: str, write) -> None:
-    """Run ``write(tmp)`` into ``path.tmp``, then put it in place of ``path``: a crash
-    never leaves a half-written folder."""
-    import shutil
-
-    tmp = f"{path}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)  # safetensors
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+    files.replace_folder(path, lambda tmp: (merged.save_pretrained(tmp), tokenizer.save_pretrained(tmp)))

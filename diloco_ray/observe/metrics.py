@@ -2,7 +2,8 @@
 
 :class:`MetricsLogger` takes one dict per event (``{"event": "round", ...}``) and fans it
 out. ``metrics.jsonl`` is appended and flushed line by line, so a crash loses at most the
-line being written and ``diloco-ray report`` can read a run while it goes on.
+line being written and ``diloco-ray report`` can read a run while it goes on. It is
+opened with :func:`diloco_ray.files.open_append`: never through a link planted at its name.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import time
 from typing import Any, Optional
 
+from diloco_ray import files
 from diloco_ray.config.sections import ObservabilitySection
 from diloco_ray.errors import DataError
 from diloco_ray.observe.events import StepEvent
@@ -66,7 +68,7 @@ class MetricsLogger:
         wandb_settings: Optional[dict] = None,
     ):
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._file = open(self.path, "a", buffering=1)
+        self._file = files.open_append(self.path, buffering=1)  # a planted link: one line, exit 2
         self._tb = None
         self._wandb = None
         log_with = log_with or []
@@ -130,7 +132,7 @@ class MetricsLogger:
         try:
             return truncate_rounds(os.path.dirname(self.path), from_round)
         finally:
-            self._file = open(self.path, "a", buffering=1)
+            self._file = files.open_append(self.path, buffering=1)
 
     def close(self) -> None:
         if self._file.closed:
@@ -191,10 +193,7 @@ def truncate_rounds(output_dir: str, from_round: int) -> int:
                 dropped += 1
             else:
                 kept.append(line if line.endswith("\n") else line + "\n")
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(kept)
-    os.replace(tmp, path)
+    files.write_atomic(path, "".join(kept))
     return dropped
 
 

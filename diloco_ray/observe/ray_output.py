@@ -20,6 +20,8 @@ import os
 import threading
 from typing import Callable, Optional, TypeVar
 
+from diloco_ray import files
+
 T = TypeVar("T")
 
 RAY_LOG = "ray.log"
@@ -29,13 +31,14 @@ class RayOutputFile:
     """Ray's driver log records and forwarded worker output, appended to ``path``.
 
     Args:
-        path: the file (its folder is created).
+        path: the file (its folder is created; a link at its name is refused, see
+            :func:`diloco_ray.files.open_append`).
     """
 
     def __init__(self, path: str):
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self._file = open(path, "a", buffering=1, errors="replace")
+        self._file = files.open_append(path, buffering=1, errors="replace")
         self._lock = threading.Lock()
         self._logger_state: Optional[tuple] = None
         self._dispatcher = None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from diloco_ray import files
 from diloco_ray.errors import DataError
 from diloco_ray.observe.metrics import read_events
 
@@ -108,7 +109,7 @@ def plot(rounds: list[dict], path: str) -> None:
     axes[3].set(title="seconds per round", xlabel="outer round")
     axes[3].legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.save_figure(fig, path, dpi=100)  # replaces a link at report.png, never writes through it
     plt.close(fig)
 
 

@@ -26,6 +26,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from diloco_ray import files
 from diloco_ray.config.sections import ModelSection, PeftSection
 
 # What one tensor's rows look like when fetched: (first row, fp32 rows) per server holding some.
@@ -87,14 +88,14 @@ def write_sharded(
     """Write every tensor of ``shapes`` (keyed as the checkpoint names them) into
     ``folder`` as Hugging Face sharded safetensors plus the index; returns the files."""
     groups = plan_shards(shapes, max_shard_bytes)
-    files = shard_file_names(len(groups))
-    total = sum(write_shard(os.path.join(folder, f), g, shapes, fetch) for f, g in zip(files, groups))
-    if len(files) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, g in zip(files, groups) for n in g}}
+    names = shard_file_names(len(groups))
+    total = sum(write_shard(os.path.join(folder, f), g, shapes, fetch) for f, g in zip(names, groups))
+    if len(names) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": {n: f for f, g in zip(names, groups) for n in g}}
         with open(os.path.join(folder, WEIGHTS_INDEX), "w") as f:
             json.dump(index, f, indent=2)
-        files.append(WEIGHTS_INDEX)
-    return files
+        names.append(WEIGHTS_INDEX)
+    return names
 
 
 def assemble_rows(name: str, shape: Sequence[int], slices: list[tuple[int, np.ndarray]]) -> np.ndarray:
@@ -184,6 +185,6 @@ def save_from_servers(
         else:
             save_model(folder, meta, tokenizer, shapes, lambda n: tensor(n, shapes[n]), int(final_shard_mb * 2**20))
 
-    modeling.write_atomically(staging.scratch(path), write)
+    files.replace_folder(staging.scratch(path), write)
     staging.publish_tree(path)
     return path

@@ -6,6 +6,8 @@ With ``s3://`` or ``gs://``, the driver writes its own files (``config.yaml``,
 after every round; checkpoints and ``final/`` go straight to the bucket from the actors
 that write them (see :mod:`cloud_checkpoint` and :func:`storage.publish`). This class is
 the one place that knows which of the two it is: the trainer asks it where things go.
+The lock and a scale request are written through :mod:`diloco_ray.files`, so a link
+planted in a shared ``output_dir`` is refused or replaced, never written through.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import time
 from typing import Optional
 
+from diloco_ray import files
 from diloco_ray.config.sections import CheckpointSection, ModelSection, PeftSection
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist import checkpoint, cloud_checkpoint, storage
@@ -68,8 +71,8 @@ class RunFolder:
         import socket
 
         os.makedirs(self.local, exist_ok=True)
-        path = os.path.join(self.local, LOCK_FILE)
-        handle = open(path, "a+")
+        # Never through a link planted at the name: one line naming it instead (exit 2).
+        handle = files.open_lock(os.path.join(self.local, LOCK_FILE))
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -176,11 +179,11 @@ class RunFolder:
         import shutil
 
         removed = self.prune(None)
-        for name in ("final.tmp", "final_merged.tmp"):  # see model.loading.write_atomically
-            path = os.path.join(self.local, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
+        for name in ("final", "final_merged"):  # their temp folders: see files.replace_folder
+            for path in files.leftovers(self.local, name):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
         return removed
 
     def latest_valid(self) -> tuple[Optional[str], list]:
@@ -255,14 +258,7 @@ def request_scale(output_dir: str, target: int) -> str:
         return mirror.remote(SCALE_REQUEST_FILE)
     _check_running(output_dir)
     path = os.path.join(output_dir, SCALE_REQUEST_FILE)
-    tmp = f"{path}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(doc)
-        os.replace(tmp, path)
-    finally:  # a failed write (a full disk) leaves nothing behind
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    files.write_atomic(path, doc)  # a failed write (a full disk) leaves nothing behind
     return path
 
 
@@ -295,18 +291,19 @@ def in_use_message(output_dir: str, holder: str) -> str:
 def lock_holder(output_dir: str) -> Optional[str]:
     """Who holds the local folder ``output_dir`` (``"pid N on host"``, as :meth:`RunFolder.lock`
     wrote it), or None when no driver does. Opened read-only: asking creates and changes
-    nothing, so a refused second run leaves the folder as it found it."""
+    nothing, so a refused second run leaves the folder as it found it; a link planted at
+    the lock's name is a ConfigError naming it, never read through."""
     import fcntl
 
     try:
-        handle = open(os.path.join(output_dir, LOCK_FILE), "rb")
+        handle = files.open_lock(os.path.join(output_dir, LOCK_FILE), create=False)
     except OSError:
         return None  # no lock file: no driver ever held this folder here
     with handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except OSError:
-            return handle.read().decode("utf-8", "replace").strip() or "another process"
+            return handle.read().strip() or "another process"
         fcntl.flock(handle, fcntl.LOCK_UN)
         return None
 

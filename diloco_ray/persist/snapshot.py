@@ -21,6 +21,7 @@ import re
 import shutil
 from typing import Any, Optional
 
+from diloco_ray import files
 from diloco_ray.persist import checkpoint, state_files
 
 KEEP_PER_RANK = 2  # the newest may be torn by a crash; the one before is then used
@@ -50,10 +51,7 @@ def save(folder: str, slot: int, rank: int, step: int, state: dict[str, Any]) ->
     name = _name(slot, rank, step)
     state_files.save_state(folder, name, state)
     digest = state_files.sha256_file(os.path.join(folder, f"{name}.safetensors"))
-    tmp = os.path.join(folder, f"{name}.done.tmp")
-    with open(tmp, "w") as f:
-        json.dump({"sha256": digest}, f)
-    os.replace(tmp, os.path.join(folder, f"{name}.done"))
+    files.write_atomic(os.path.join(folder, f"{name}.done"), json.dumps({"sha256": digest}))
     for old in sorted(steps(folder, slot, rank))[:-KEEP_PER_RANK]:
         for ext in (".done", ".json", ".safetensors"):
             _remove(os.path.join(folder, _name(slot, rank, old) + ext))

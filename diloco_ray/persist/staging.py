@@ -5,8 +5,8 @@ or an ``s3://``/``gs://`` URI. They never branch on which: they write into
 :func:`scratch` (the folder itself, or its node-local staging copy), then
 :func:`publish` what they wrote (nothing to do locally; upload, hash and free the disk
 for a URI); to read, they :func:`localize` the files they need first. The staging copy
-of a URI is the same path on every node (:func:`storage.staging_root`), so no actor needs
-to know where another one runs.
+of a URI is the same path on every node (:func:`storage.staging_root`, inside the user's
+private staging base), so no actor needs to know where another one runs.
 """
 
 from __future__ import annotations

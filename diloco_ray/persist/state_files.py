@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 from torch import Tensor
 
+from diloco_ray import files
 from diloco_ray.errors import DataError
 
 FORMAT = 1  # of a state file and of a checkpoint's manifest
@@ -306,14 +307,7 @@ def _sibling_tmp(path: str) -> str:
 
 
 def _write_text_atomic(path: str, text: str) -> None:
-    tmp = _sibling_tmp(path)
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    files.write_atomic(path, text, mode=0o600)  # owner-only, as the safetensors beside it
 
 
 def _read_json(path: str, what: str) -> Any:

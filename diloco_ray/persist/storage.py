@@ -5,8 +5,9 @@ This module owns everything that touches an object store, through pyarrow's file
 
 * :func:`is_remote` / :func:`check_uri` tell a remote URI from a local folder and
   validate it offline; :func:`filesystem` turns a URI into a pyarrow filesystem;
-  :func:`staging_root` names the node-local folder that mirrors a remote folder (these live
-  in :mod:`diloco_ray.persist.uris`; this module is the one API callers use).
+  :func:`staging_root` names the node-local folder that mirrors a remote folder, inside
+  the user's private :func:`staging_base` (these live in :mod:`diloco_ray.persist.uris`;
+  this module is the one API callers use).
 * :class:`Mirror` is one remote folder plus its staging copy. The run writes every file
   locally first (all existing code keeps working on plain paths) and pushes or pulls
   files with :meth:`Mirror.upload` / :meth:`Mirror.download`. Object stores have no
@@ -38,6 +39,7 @@ from diloco_ray.persist.uris import (
     is_remote,
     put_file,
     redact,
+    staging_base,
     staging_root,
 )
 
@@ -50,6 +52,7 @@ __all__ = [
     "check_uri",
     "redact",
     "filesystem",
+    "staging_base",
     "staging_root",
     "Mirror",
     "for_output_dir",

@@ -4,22 +4,22 @@ folders, validating them offline, opening their filesystems, and naming their st
 A bad ``output_dir`` fails at config time with a message naming the field, not after Ray
 starts. Filesystems are pyarrow's (the layer Ray Train's ``storage_path`` uses), imported
 lazily and cached per process. Every process on every node computes the same staging path
-for a URI, so ranks agree on it without talking. :mod:`diloco_ray.persist.storage` is the
-API callers use; this module is what it stands on.
+for a URI, so ranks agree on it without talking; the staging base is the user's own
+(``~/.cache/diloco-ray/staging``, mode 0700, refused when anyone else can reach it).
+:mod:`diloco_ray.persist.storage` is the API callers use; this module is what it stands on.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import re
-import tempfile
+import stat
 import threading
-import uuid
 from typing import TYPE_CHECKING
 from urllib.parse import SplitResult, parse_qsl, unquote, urlsplit
 
+from diloco_ray import files
 from diloco_ray.errors import ConfigError
 
 if TYPE_CHECKING:  # pyarrow is imported lazily: local-only runs never pay for it
@@ -284,27 +284,88 @@ def _filesystem(parts: _Parts) -> "pyarrow.fs.FileSystem":
 
 
 def staging_root(uri: str) -> str:
-    """The node-local folder that mirrors remote folder ``uri``; not created here.
+    """The node-local folder that mirrors remote folder ``uri``; not created here (its
+    base, :func:`staging_base`, is).
 
-    ``$DILOCO_RAY_STAGING`` if set, else ``<tempfile.gettempdir()>/diloco-ray-staging``,
-    then one subfolder per remote folder: a readable ``scheme-bucket-prefix`` (sanitised,
-    shortened) plus the first 12 hex digits of the SHA-1 of the URI, so two different
-    remote folders never share a staging folder. Spellings of the same folder
-    (``gcs://`` vs ``gs://``, a trailing slash) share one. Deterministic: every process
-    with the same environment (``DILOCO_RAY_STAGING``, ``TMPDIR``) gets the same path.
+    :func:`staging_base`, then one subfolder per remote folder: a readable
+    ``scheme-bucket-prefix`` (sanitised, shortened) plus the first 12 hex digits of the
+    SHA-1 of the URI, so two different remote folders never share a staging folder.
+    Spellings of the same folder (``gcs://`` vs ``gs://``, a trailing slash) share one.
+    Deterministic: every process of the same user with the same environment
+    (``DILOCO_RAY_STAGING``, ``XDG_CACHE_HOME``, ``HOME``) gets the same path.
 
     Args:
         uri: ``s3://bucket[/path]`` or ``gs://bucket[/path]``.
 
     Raises:
-        ConfigError: ``uri`` is not a valid remote URI.
+        ConfigError: ``uri`` is not a valid remote URI, or the staging base is not a
+            private folder of this user (see :func:`staging_base`).
     """
     parts = _Parts(uri, "output_dir")
-    base = os.environ.get("DILOCO_RAY_STAGING") or os.path.join(tempfile.gettempdir(), "diloco-ray-staging")
     readable = re.sub(r"[^A-Za-z0-9._-]+", "_", f"{parts.scheme}-{parts.bucket}-{unquote(parts.prefix)}")
     readable = readable.strip("._-")[:80] or parts.scheme  # never "." / ".." / hidden / too long
     digest = hashlib.sha1(parts.uri.encode("utf-8")).hexdigest()[:12]
-    return os.path.join(os.path.abspath(base), f"{readable}-{digest}")
+    return os.path.join(staging_base(), f"{readable}-{digest}")
+
+
+# Bases found private in this process: staging_root is called for every Mirror, so each
+# base is created and checked once per process. Only its existence is looked at again: a
+# base removed meanwhile (a cleaned cache) is made anew, 0700, not left to the os.makedirs
+# of a staging folder inside it, which would make it with the umask's mode.
+_PRIVATE_BASES: set[str] = set()
+_BASE_LOCK = threading.Lock()
+
+
+def staging_base() -> str:
+    """The folder all of this user's staging copies live in, created (mode 0700) if missing.
+
+    ``$DILOCO_RAY_STAGING`` if set, else ``$XDG_CACHE_HOME/diloco-ray/staging``, else
+    ``~/.cache/diloco-ray/staging``: per user, never a fixed name in the shared temp
+    folder, where another user could create it first and read or swap what a run stages.
+
+    Raises:
+        ConfigError: one line naming the folder, when it is a symbolic link, not a folder,
+            not owned by this user, or open to group or others (mode & 0o077), or cannot
+            be created; and what to do about it.
+    """
+    base = os.path.abspath(os.environ.get("DILOCO_RAY_STAGING") or _default_base())
+    with _BASE_LOCK:
+        if base not in _PRIVATE_BASES or not os.path.isdir(base):
+            _make_private(base)
+            _PRIVATE_BASES.add(base)
+    return base
+
+
+def _default_base() -> str:
+    cache = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(cache):  # the XDG spec: a relative value is invalid and ignored
+        cache = os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "diloco-ray", "staging")
+
+
+def _make_private(base: str) -> None:
+    """Create ``base`` 0700 unless it exists, then check it is this user's alone."""
+    advice = "set DILOCO_RAY_STAGING to a folder of your own with mode 0700"
+    try:
+        os.makedirs(os.path.dirname(base), exist_ok=True)
+        os.mkdir(base, 0o700)
+    except FileExistsError:
+        pass  # checked below, whoever made it
+    except OSError as e:
+        raise ConfigError(f"staging folder '{base}' cannot be created ({e.strerror}); {advice}") from None
+    info = os.lstat(base)
+    if stat.S_ISLNK(info.st_mode):
+        problem = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        problem = "is not a folder"
+    elif info.st_uid != os.getuid():
+        problem = f"is owned by uid {info.st_uid}, not by you (uid {os.getuid()})"
+    elif info.st_mode & 0o077:
+        problem = f"has mode {stat.S_IMODE(info.st_mode):04o}, open to other users"
+        advice = f"run chmod 700 '{base}', or {advice}"
+    else:
+        return
+    raise ConfigError(f"staging folder '{base}' {problem}; {advice}")
 
 
 # ----------------------------------------------------------------------------- streaming
@@ -324,20 +385,13 @@ def put_file(fs: "pyarrow.fs.FileSystem", local: str, remote: str) -> int:
 
 def get_file(fs: "pyarrow.fs.FileSystem", remote: str, local: str, size: int | None) -> None:
     """Stream one remote file to ``local`` through a temporary name."""
-    folder, name = os.path.split(local)
-    os.makedirs(folder, exist_ok=True)
-    # Unique per process and call: several processes of a node may fetch the same file.
-    tmp = os.path.join(folder, f".{name}.part-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    os.makedirs(os.path.dirname(local), exist_ok=True)
     got = 0
-    try:
-        with fs.open_input_stream(remote, compression=None) as src, open(tmp, "wb") as dst:
-            while chunk := src.read(_CHUNK):
-                dst.write(chunk)
-                got += len(chunk)
+    # A temp name unique per call (several processes of a node may fetch the same file),
+    # removed if the download fails; a link at ``local`` is replaced, not written through.
+    with files.replacing(local) as dst, fs.open_input_stream(remote, compression=None) as src:
+        while chunk := src.read(_CHUNK):
+            dst.write(chunk)
+            got += len(chunk)
         if size is not None and size >= 0 and got != size:
             raise OSError(f"downloaded {got} bytes of {remote!r}, expected {size}")
-        os.replace(tmp, local)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from diloco_ray import files
 from diloco_ray.errors import DataError
 from diloco_ray.sweep.results import RESULTS_FILE, read_results, table
 
@@ -61,5 +62,5 @@ def plot(result, path: str) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    files.save_figure(fig, path, dpi=100)  # replaces a link at the name, never writes through it
     plt.close(fig)

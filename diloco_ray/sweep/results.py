@@ -15,6 +15,7 @@ import math
 import os
 from typing import Optional
 
+from diloco_ray import files
 from diloco_ray.errors import unwrap
 from diloco_ray.observe.metrics import read_events
 
@@ -124,11 +125,13 @@ def run_rounds(output_dir: str) -> tuple[list, int]:
 
 def write_results(result: SweepResult, trials: list) -> None:
     """``results.jsonl`` (a line a trial) and, when a trial finished, ``best.yaml``."""
-    _write(os.path.join(result.folder, RESULTS_FILE), "".join(json.dumps(t.to_record()) + "\n" for t in result.trials))
+    files.write_atomic(
+        os.path.join(result.folder, RESULTS_FILE), "".join(json.dumps(t.to_record()) + "\n" for t in result.trials)
+    )
     best = result.best
     if best is not None:
         config = next(t.config for t in trials if t.name == best.trial)
-        _write(os.path.join(result.folder, BEST_FILE), config.yaml_text())
+        files.write_atomic(os.path.join(result.folder, BEST_FILE), config.yaml_text())
 
 
 def read_results(folder: str) -> SweepResult:
@@ -173,10 +176,3 @@ def error_line(error, limit: int = 500) -> Optional[str]:
         error = cause.args[0] if getattr(cause, "args", None) else str(cause)
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return lines[-1][:limit] if lines else None
-
-
-def _write(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Callable, Optional
 
+from diloco_ray import files
+
 # How often the trial looks for new round records (a round of the tiny default takes ~1 s).
 POLL_S = 0.5
 # How long a stopped trial's driver gets to stop cleanly before it is killed.
@@ -92,7 +94,7 @@ def start_run(plan: TrialPlan, address: str) -> subprocess.Popen:
     """``python -m diloco_ray train CONFIG`` on the cluster at ``address``, its console to
     ``plan.console_log``."""
     env = {**os.environ, "RAY_ADDRESS": address}
-    with open(plan.console_log, "w") as log:
+    with files.open_fresh(plan.console_log) as log:  # never through a link at the name
         return subprocess.Popen(
             [sys.executable, "-m", "diloco_ray", "train", plan.config_path],
             stdout=log,

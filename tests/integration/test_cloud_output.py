@@ -87,10 +87,9 @@ def test_checkpoints_land_in_s3_and_a_resume_from_there_matches_an_uninterrupted
         k: s3_bucket.client.head_object(Bucket=s3_bucket.bucket, Key=k)["ETag"] for k in s3_bucket.keys("runs/tiny/")
     } == before
 
-    # Resume on a "fresh machine": nothing left in the staging area.
+    # Resume on a "fresh machine": no staging area (each process makes its own, 0700).
     for root in (staging, driver_staging):
         shutil.rmtree(root)
-        os.makedirs(root)
     resumed = DilocoFSDPTrainer(tiny_config(uri, resume_from=uri, **COMMON)).train()
     assert [r["round"] for r in resumed.rounds] == [2, 3, 4]
     assert resumed.final_path == f"{uri}/final"

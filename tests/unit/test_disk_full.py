@@ -103,7 +103,7 @@ def test_train_on_a_full_disk_is_one_line_exit_1_and_drops_the_half_checkpoint(t
     good = write_checkpoint(out / "checkpoints", 1)
     half = out / "checkpoints" / ".tmp-round-00000002-abc"  # the checkpoint being written
     half.mkdir()
-    (out / "final.tmp").mkdir()  # and final/, had the disk filled at the end
+    (out / ".final.0123abcd.tmp").mkdir()  # and final/'s temp folder, had the disk filled at the end
     failed = OSError(errno.ENOSPC, FULL, str(half / "global.safetensors"))
 
     class FullDiskTrainer:

@@ -255,7 +255,7 @@ def test_save_hf_writes_loadable_folder(tmp_path, tok, tie):
     assert glob.glob(str(path / "*.safetensors"))
     assert "tokenizer.json" in files and "tokenizer_config.json" in files
     assert "stale.txt" not in files
-    assert not (tmp_path / "final.tmp").exists()
+    assert sorted(os.listdir(tmp_path)) == ["final"]  # no temp folder left beside it
     # the weights were loaded into the model in place (tied parameters stay tied)
     assert torch.equal(model.model.norm.weight, weights["model.norm.weight"])
     back = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
@@ -266,3 +266,22 @@ def test_save_hf_writes_loadable_folder(tmp_path, tok, tie):
         assert torch.equal(back.lm_head.weight, weights["model.embed_tokens.weight"])
     t = AutoTokenizer.from_pretrained(str(path))
     assert t("1+2=3", add_special_tokens=False)["input_ids"] == tok("1+2=3", add_special_tokens=False)["input_ids"]
+
+
+def test_save_hf_never_writes_through_links_at_final_or_its_old_temp_name(tmp_path, tok):
+    """In a shared output_dir, a link at final/ (or at final.tmp, where it was written
+    first) pointing at someone's folder: the folder is left as it was, final/ is the model."""
+    model = tiny_llama(seed=1)
+    weights = {n: p.detach().clone() for n, p in trained_parameters(model)}
+    theirs = {name: tmp_path / name for name in ("theirs", "theirs_too")}
+    for folder in theirs.values():
+        folder.mkdir()
+        (folder / "keep.txt").write_text("theirs")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "final").symlink_to(theirs["theirs"])
+    (out / "final.tmp").symlink_to(theirs["theirs_too"])
+    save_hf(model, tok, weights, str(out / "final"))
+    for folder in theirs.values():
+        assert os.listdir(folder) == ["keep.txt"]
+    assert not (out / "final").is_symlink() and "config.json" in os.listdir(out / "final")

@@ -2,6 +2,7 @@
 
 import os
 import pickle
+import stat
 import subprocess
 import sys
 import time
@@ -200,13 +201,72 @@ def test_staging_root_is_deterministic_and_distinct(monkeypatch, tmp_path):
     assert len(roots) == len(distinct) + 1
 
 
-def test_staging_root_defaults_to_tempdir(monkeypatch):
+def test_staging_base_defaults_to_the_users_cache_folder(monkeypatch, tmp_path):
+    """Not a fixed name in the shared temp folder: $XDG_CACHE_HOME, else ~/.cache."""
     import tempfile
 
     monkeypatch.delenv("DILOCO_RAY_STAGING", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     root = storage.staging_root("gs://b/p")
-    assert os.path.dirname(root) == os.path.join(os.path.abspath(tempfile.gettempdir()), "diloco-ray-staging")
+    assert os.path.dirname(root) == str(tmp_path / "xdg" / "diloco-ray" / "staging")
     assert storage.Mirror("gs://b/p").local == root
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    base = storage.staging_base()
+    assert base == str(tmp_path / "home" / ".cache" / "diloco-ray" / "staging")
+    assert base != os.path.join(tempfile.gettempdir(), "diloco-ray-staging")
+
+
+def test_a_fresh_staging_base_is_created_private(monkeypatch, tmp_path):
+    monkeypatch.setenv("DILOCO_RAY_STAGING", str(tmp_path / "fresh" / "stage"))
+    storage.staging_root("s3://b/run")
+    assert stat.S_IMODE(os.stat(tmp_path / "fresh" / "stage").st_mode) == 0o700
+
+
+def test_a_staging_base_removed_while_the_process_runs_is_made_private_again(monkeypatch, tmp_path):
+    import shutil
+
+    base = tmp_path / "stage"
+    monkeypatch.setenv("DILOCO_RAY_STAGING", str(base))
+    root = storage.staging_root("s3://b/run")
+    shutil.rmtree(base)  # a cleaned cache: the check is cached, the folder is not
+    assert storage.staging_root("s3://b/run") == root
+    assert stat.S_IMODE(os.stat(base).st_mode) == 0o700
+
+
+def test_a_staging_base_others_can_reach_is_refused(monkeypatch, tmp_path):
+    base = tmp_path / "stage"
+    base.mkdir(mode=0o755)
+    os.chmod(base, 0o755)  # whatever the umask
+    monkeypatch.setenv("DILOCO_RAY_STAGING", str(base))
+    with pytest.raises(ConfigError) as err:
+        storage.staging_root("s3://b/run")
+    message = str(err.value)
+    assert "\n" not in message and f"'{base}'" in message and "mode 0755" in message
+    assert "DILOCO_RAY_STAGING" in message and "0700" in message
+    assert stat.S_IMODE(os.stat(base).st_mode) == 0o755  # refused, not changed behind the user's back
+
+
+def test_a_staging_base_owned_by_another_user_is_refused(monkeypatch, tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("giving a folder to another user (chown) needs root")
+    base = tmp_path / "stage"
+    base.mkdir(mode=0o700)
+    os.chown(base, 65534, 65534)  # nobody: created first by someone else
+    monkeypatch.setenv("DILOCO_RAY_STAGING", str(base))
+    with pytest.raises(ConfigError) as err:
+        storage.Mirror("s3://b/run")
+    message = str(err.value)
+    assert "\n" not in message and f"'{base}'" in message and "owned by uid 65534" in message
+    assert "DILOCO_RAY_STAGING" in message
+
+
+def test_a_staging_base_that_is_a_link_is_refused(monkeypatch, tmp_path):
+    (tmp_path / "elsewhere").mkdir(mode=0o700)
+    (tmp_path / "stage").symlink_to(tmp_path / "elsewhere")
+    monkeypatch.setenv("DILOCO_RAY_STAGING", str(tmp_path / "stage"))
+    with pytest.raises(ConfigError, match="symbolic link"):
+        storage.staging_root("s3://b/run")
 
 
 def test_for_output_dir(monkeypatch, tmp_path):
