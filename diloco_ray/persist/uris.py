@@ -305,7 +305,8 @@ def put_file(fs: "pyarrow.fs.FileSystem", local: str, remote: str) -> int:
 
 
 def get_file(fs: "pyarrow.fs.FileSystem", remote: str, local: str, size: int | None) -> None:
-    """Stream one remote file to ``local`` through a temporary name."""
+    """Stream one remote file to ``local`` through a temporary name; with ``size``, a
+    file of another length is refused, and no more than ``size`` + one chunk is written."""
     folder, name = os.path.split(local)
     os.makedirs(folder, exist_ok=True)
     # Unique per process and call: several processes of a node may fetch the same file.
@@ -316,8 +317,11 @@ def get_file(fs: "pyarrow.fs.FileSystem", remote: str, local: str, size: int | N
             while chunk := src.read(_CHUNK):
                 dst.write(chunk)
                 got += len(chunk)
+                if size is not None and size >= 0 and got > size:  # grew since it was listed
+                    break
         if size is not None and size >= 0 and got != size:
-            raise OSError(f"downloaded {got} bytes of {remote!r}, expected {size}")
+            what = f"more than {size}" if got > size else f"{got}"
+            raise OSError(f"downloaded {what} bytes of {remote!r}, expected {size}")
         os.replace(tmp, local)
     except BaseException:
         with contextlib.suppress(OSError):
