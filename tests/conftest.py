@@ -35,6 +35,24 @@ EXACT_JOB = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, eval_batches=1
 TWO_SERVERS = dict(num_param_servers=2)
 
 
+def seal(folder, round: int = 0) -> str:
+    """Write the manifest of every file in ``folder`` (states saved straight into it), as a
+    checkpoint commit would: an actor loads only what a manifest vouches for."""
+    from diloco_ray.persist import checkpoint
+    from diloco_ray.persist.state_files import sha256_file
+
+    folder = str(folder)
+    files = {}
+    for where, _, names in os.walk(folder):
+        for name in names:
+            rel = os.path.relpath(os.path.join(where, name), folder).replace(os.sep, "/")
+            if rel != checkpoint.MANIFEST:
+                files[rel] = sha256_file(os.path.join(where, name))
+    with open(os.path.join(folder, checkpoint.MANIFEST), "w") as f:
+        f.write(checkpoint.manifest_text(round, {}, files))
+    return folder
+
+
 def tiny_config(output_dir, **overrides) -> TrainerConfig:
     """A job small enough to run a few rounds in seconds on one CPU core per rank."""
     fields = dict(

@@ -15,6 +15,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
+# A builtin data set is generated whole in memory, in every process that tokenizes it:
+# ~0.35 KB of Python objects per row (plus its Arrow copy), so 1,000,000 rows is ~0.4 GB,
+# 50 times the default and more rows than the sums of up to three digits hold; a typo's
+# extra zeros (20,000,000: ~7 GB) is refused instead of filling a node's memory. A row's
+# text grows with digits (a+b=c: ~3 digits characters), so digits is bounded as well.
+BUILTIN_MAX_SAMPLES = 1_000_000
+BUILTIN_MAX_DIGITS = 18
+
 
 def _f(default: Any, help: str, **rules: Any) -> Any:
     """A dataclass field with a one-line description and validation rules.
@@ -55,7 +63,7 @@ class ConfigFields:
     dataset_split: str = _f("train", "split to train on")
     eval_split: Optional[str] = _f(None, "split to evaluate on (default: hold out split_ratio of the training split)")
     split_ratio: float = _f(0.05, "fraction of the training split held out for eval when there is no eval_split", gt=0.0, le=0.5)
-    dataset_kwargs: dict = _f({}, "extra keyword arguments to load_dataset (e.g. data_files) or to a builtin generator")
+    dataset_kwargs: dict = _f({}, f"extra keyword arguments to load_dataset (e.g. data_files) or to a builtin generator (builtin:arithmetic: num_samples 1 to {BUILTIN_MAX_SAMPLES:,}, digits 1 to {BUILTIN_MAX_DIGITS})")
     json_file_path: Optional[str] = _f(None, "local JSON/JSONL file to train on; when set, it replaces dataset_name")
     text_field: Optional[str] = _f(None, "column holding the text (default: 'text', else the only string column)")
     seq_len: int = _f(512, "tokens per training sequence (texts are packed to this length)", ge=8)

@@ -15,7 +15,7 @@ import typing
 from typing import Any, Callable, Literal, Union
 
 from diloco_ray.config import fault_plan as faults
-from diloco_ray.config.fields import FIELDS, ConfigFields
+from diloco_ray.config.fields import BUILTIN_MAX_DIGITS, BUILTIN_MAX_SAMPLES, FIELDS, ConfigFields
 from diloco_ray.errors import ConfigError
 
 # Each field's declared type, resolved once (the table's annotations are strings).
@@ -174,6 +174,21 @@ def _check_no_remote_code(cfg: ConfigFields) -> None:
             "dataset_kwargs.trust_remote_code: refused; diloco-ray never runs a data set's loading "
             "script; use a data set in files (JSON, JSONL, Parquet, CSV) or one saved with save_to_disk"
         )
+
+
+def _check_builtin_size(cfg: ConfigFields) -> None:
+    """A builtin data set's ``num_samples`` and ``digits``: whole numbers within bounds, since
+    the rows are generated in memory (see :data:`~diloco_ray.config.fields.BUILTIN_MAX_SAMPLES`)."""
+    if not (cfg.dataset_name or "").startswith("builtin:"):  # json_file_path cleared it
+        return
+    kwargs = cfg.dataset_kwargs or {}
+    for key, most in (("num_samples", BUILTIN_MAX_SAMPLES), ("digits", BUILTIN_MAX_DIGITS)):
+        value = kwargs.get(key, 1)
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= most:
+            raise ConfigError(
+                f"dataset_kwargs.{key}: {value!r} is not allowed; expected an integer from 1 to {most:,} "
+                f"({cfg.dataset_name} generates its rows in memory)"
+            )
 
 
 def _check_what_needs_another_field(cfg: ConfigFields) -> None:
@@ -358,6 +373,7 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_logging,
     _check_prompts_and_adapters,
     _check_no_remote_code,
+    _check_builtin_size,
     _check_what_needs_another_field,
     _check_fragments,
     _check_fault_plan,

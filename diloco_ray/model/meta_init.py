@@ -33,7 +33,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from diloco_ray.errors import ConfigError, first_line
+from diloco_ray.errors import ConfigError, DataError, first_line
 from diloco_ray.model import hf_init
 
 # The prefix PEFT puts before the wrapped model's names, and the segment it inserts
@@ -61,8 +61,7 @@ class CheckpointRows:
         self.folder, self.prefix = folder, prefix
         index = os.path.join(folder, "model.safetensors.index.json")
         if os.path.isfile(index):
-            with open(index) as f:
-                self.files = dict(json.load(f)["weight_map"])
+            self.files = read_weight_map(index)
         else:
             from safetensors import safe_open
 
@@ -100,6 +99,32 @@ class CheckpointRows:
     def shape(self, key: str) -> tuple:
         self.rows(key, slice(0, 0))  # opens the file
         return tuple(self._open[self.files[key]].get_slice(key).get_shape())
+
+
+def read_weight_map(index: str) -> dict[str, str]:
+    """A sharded checkpoint's ``weight_map`` (tensor name -> shard file) from its index file.
+
+    A model folder may come from anyone (the hub, a shared disk), and every shard it names is
+    opened: each must be a relative path inside the folder, never absolute or through ``..``.
+
+    Raises:
+        DataError: one line naming the index file and the entry.
+    """
+    try:
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f)["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise DataError(f"{index}: not a model index with a weight_map ({first_line(e)})") from None
+    if not isinstance(weight_map, dict):
+        raise DataError(f"{index}: weight_map is not a mapping of tensor names to shard files")
+    for name, file in weight_map.items():
+        parts = file.replace("\\", "/").split("/") if isinstance(file, str) else []
+        if not parts or os.path.isabs(file) or any(p in ("", ".", "..") for p in parts):
+            raise DataError(
+                f"{index}: weight_map entry {name!r}: {file!r} is not allowed; "
+                "expected a shard file inside the model folder (no absolute path, no '..')"
+            )
+    return dict(weight_map)
 
 
 def meta_model(build: Callable[[], nn.Module]) -> nn.Module:

@@ -12,7 +12,8 @@ i.e. the index of the next round to run) holding any number of *states* written 
   and renames the folder into place. A crash at any point leaves either the previous
   checkpoints untouched or a temp folder that is never listed and that :func:`prune`
   removes later.
-* :func:`verify` re-hashes every listed file; :func:`latest_valid`,
+* :func:`verify` re-hashes every listed file (the manifest itself, and checking files
+  against it, are :mod:`diloco_ray.persist.manifest`'s); :func:`latest_valid`,
   :func:`resolve_resume` and :func:`prune` only ever trust checkpoints that verify.
 
 It knows nothing about Ray or the trainer: callers decide what states to save and what
@@ -26,10 +27,17 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Mapping
 
 from diloco_ray.errors import ConfigError, DataError
-from diloco_ray.persist.state_files import FORMAT, _fsync_dir, _fsync_file, _read_json, sha256_file
+from diloco_ray.persist.manifest import (
+    MANIFEST,
+    first_bad_file,
+    manifest_text,
+    open_manifest,
+    read_manifest,
+    table_problem,
+)
+from diloco_ray.persist.state_files import FORMAT, _fsync_dir, _fsync_file, sha256_file
 
 __all__ = [
     "FORMAT",
@@ -40,13 +48,14 @@ __all__ = [
     "latest_valid",
     "list_checkpoints",
     "manifest_text",
+    "open_manifest",
     "prune",
     "read_manifest",
     "resolve_resume",
+    "table_problem",
     "verify",
 ]
 
-MANIFEST = "manifest.json"
 _TMP_PREFIX = ".tmp-"
 # The one name of a round's folder (checkpoints, bucket checkpoints, in-flight snapshots).
 ROUND_FOLDER = re.compile(r"^round-(\d+)$")
@@ -156,32 +165,6 @@ def _move_into_place(tmp: str, root: str, round: int) -> str:
     return final
 
 
-def manifest_text(round: int, meta: dict, files: Mapping[str, str]) -> str:
-    """The ``manifest.json`` of a checkpoint of ``round``: ``meta`` and the SHA-256 of
-    every file (relative path with ``/`` -> hex digest)."""
-    return json.dumps(
-        {"format": FORMAT, "round": round, "meta": meta, "files": dict(sorted(files.items()))},
-        allow_nan=False,
-        indent=1,
-    )
-
-
-def read_manifest(path: str) -> dict:
-    """The parsed ``manifest.json`` of the checkpoint folder ``path``.
-
-    Args:
-        path: a checkpoint folder (or its ``manifest.json``).
-
-    Raises:
-        DataError: no manifest, or it is not a JSON object.
-    """
-    file = path if os.path.basename(path) == MANIFEST else os.path.join(path, MANIFEST)
-    doc = _read_json(file, what="checkpoint manifest")
-    if not isinstance(doc, dict):
-        raise DataError(f"checkpoint manifest {file!r} is not a JSON object")
-    return doc
-
-
 def verify(path: str) -> str | None:
     """Check that the checkpoint at ``path`` is complete and intact.
 
@@ -196,67 +179,24 @@ def verify(path: str) -> str | None:
         file in the folder that the manifest does not list, fails too (a manifest is
         the commit of exactly the files it names).
     """
-    manifest, reason = _open_manifest(path)
+    manifest, reason = open_manifest(path)
     if reason is None:
-        reason = _listing_problem(path, manifest)
+        reason = table_problem(manifest) or _listing_problem(path, manifest)
     if reason is None:
-        reason = _first_bad_file(path, manifest["files"])
+        reason = first_bad_file(path, manifest["files"])
     return reason
 
 
-def _open_manifest(path: str) -> tuple[dict, None] | tuple[None, str]:
-    """``(manifest, None)`` when the folder holds a readable manifest of our format, else
-    ``(None, why not)``."""
-    if not os.path.isdir(path):
-        return None, "not a folder"
-    file = os.path.join(path, MANIFEST)
-    if not os.path.isfile(file):
-        return None, f"no {MANIFEST} (incomplete checkpoint)"
-    try:
-        with open(file, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, f"{MANIFEST} cannot be read: {exc}"
-    except json.JSONDecodeError as exc:
-        return None, f"{MANIFEST} is not valid JSON ({exc.msg} at line {exc.lineno})"
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        got = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        return None, f"{MANIFEST} has unsupported format {got!r} (expected {FORMAT})"
-    return manifest, None
-
-
 def _listing_problem(path: str, manifest: dict) -> str | None:
-    """Why the manifest's file table does not describe the folder, or None: it must list
-    every file the folder holds, and the round in its name."""
-    files = manifest.get("files")
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        return f"{MANIFEST} has no valid 'files' table"
-    if not files:
-        return f"{MANIFEST} lists no files (a checkpoint lists every file it holds)"
+    """Why the manifest's file table (checked by :func:`table_problem`) does not describe
+    the folder, or None: it must list every file the folder holds, and the round in its name."""
+    files = manifest["files"]
     unlisted = sorted(set(_files_under(path)) - set(files) - {MANIFEST})
     if unlisted:
         return f"{unlisted[0]!r} is in the checkpoint but not listed in its {MANIFEST}"
     named = round_of_folder(path)
     if named is not None and manifest.get("round") != named:
         return f"{MANIFEST} says round {manifest.get('round')!r} but the folder is round {named}"
-    return None
-
-
-def _first_bad_file(path: str, files: Mapping[str, str]) -> str | None:
-    """The first listed file that is unsafe, missing, unreadable or not its SHA-256, or None."""
-    for rel, digest in files.items():
-        parts = rel.split("/")
-        if not rel or os.path.isabs(rel) or any(p in ("", ".", "..") for p in parts):
-            return f"{MANIFEST} lists an unsafe path {rel!r}"
-        full = os.path.join(path, *parts)
-        if not os.path.isfile(full):
-            return f"missing file {rel!r}"
-        try:
-            actual = sha256_file(full)
-        except OSError as exc:
-            return f"cannot read {rel!r}: {exc}"
-        if actual != digest:
-            return f"checksum mismatch for {rel!r}"
     return None
 
 

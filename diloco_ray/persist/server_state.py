@@ -193,9 +193,11 @@ class ServerCheckpoint:
 
     def load(self, where: str) -> SavedServer:
         """What :meth:`save` wrote (a folder or a bucket URI), once :func:`read_meta` found
-        that this job may resume from it."""
+        that this job may resume from it; its files are checked against the checkpoint's
+        manifest first (:func:`staging.read_checked`)."""
         weights_file, outer_name, meta_file = file_names(self.index, self.checkpointing.num_param_servers)
-        folder = staging.localize(where, [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"])
+        names = [meta_file, weights_file, f"{outer_name}.safetensors", f"{outer_name}.json"]
+        folder = staging.read_checked(where, names)
         meta = read_meta(folder, self.checkpointing, self.index)
         weights = state_files.load_tensors(os.path.join(folder, weights_file))
         return SavedServer(meta=meta, weights=weights, outer=state_files.load_state(folder, outer_name))

@@ -22,6 +22,7 @@ import shutil
 from typing import Any, Optional
 
 from diloco_ray import files
+from diloco_ray.errors import DataError
 from diloco_ray.persist import checkpoint, state_files
 
 KEEP_PER_RANK = 2  # the newest may be torn by a crash; the one before is then used
@@ -95,7 +96,16 @@ def common_step(folder: str, slot: int, ranks: int) -> Optional[int]:
 
 
 def load(folder: str, slot: int, rank: int, step: int) -> dict[str, Any]:
-    """The state :func:`save` wrote."""
+    """The state :func:`save` wrote, checked against its ``.done`` checksum first: the
+    driver chose the step with :func:`common_step`, but the rank reads it later, maybe on
+    another node of a shared folder.
+
+    Raises:
+        DataError: one line naming the snapshot's file, when it no longer matches.
+    """
+    if not intact(folder, slot, rank, step):
+        tensors = os.path.join(folder, f"{_name(slot, rank, step)}.safetensors")
+        raise DataError(f"in-flight snapshot {tensors}: missing or not the checksum in its .done file; refused")
     return state_files.load_state(folder, _name(slot, rank, step))
 
 

@@ -4,7 +4,8 @@ Actors (the parameter server, rank 0 of a replica) are handed a *folder*: a loca
 or an ``s3://``/``gs://`` URI. They never branch on which: they write into
 :func:`scratch` (the folder itself, or its node-local staging copy), then
 :func:`publish` what they wrote (nothing to do locally; upload, hash and free the disk
-for a URI); to read, they :func:`localize` the files they need first. The staging copy
+for a URI); to read a checkpoint, they :func:`read_checked` the files they need first
+(downloaded when in a bucket, and checked against its manifest either way). The staging copy
 of a URI is the same path on every node (:func:`storage.staging_root`, inside the user's
 private staging base), so no actor needs to know where another one runs.
 """
@@ -58,13 +59,25 @@ def publish_tree(folder: str) -> None:
         shutil.rmtree(mirror.local, ignore_errors=True)
 
 
-def localize(folder: str, names: list[str]) -> str:
-    """The local folder holding ``names`` of ``folder``: the folder itself, or its
-    staging copy after downloading them (a name missing in the bucket stays missing,
-    so the caller's own "no such file" handling applies)."""
-    if not storage.is_remote(folder):
-        return folder
-    mirror = storage.Mirror(folder)
-    for name in names:
-        mirror.download(os.path.join(mirror.local, *name.split("/")))
-    return mirror.local
+def read_checked(folder: str, names: list[str]) -> str:
+    """The local folder holding ``names`` of checkpoint ``folder``, each re-checked against
+    the checkpoint's manifest right before the caller loads it: the folder itself, or a
+    bucket's staging copy after downloading them (:func:`cloud_checkpoint.fetch`: only what
+    the manifest lists, at its listed size). The driver verified the checkpoint, but on
+    another node and maybe minutes ago; a shared folder or a bucket may have changed since.
+    A name the checkpoint does not hold stays missing, so the caller's own "no such file"
+    handling applies.
+
+    Raises:
+        DataError: one line naming the checkpoint and the file that does not match.
+    """
+    from diloco_ray.errors import DataError
+    from diloco_ray.persist import cloud_checkpoint, manifest
+
+    local = folder
+    if storage.is_remote(folder):
+        local, reason = cloud_checkpoint.fetch(folder, names)
+        if reason is not None:
+            raise DataError(f"checkpoint {storage.redact(folder)}: {reason}; refused as it was about to be loaded")
+    manifest.check_read(local, names, storage.redact(folder))
+    return local

@@ -221,7 +221,7 @@ class Mirror:
                 found.append((f, os.path.relpath(f, self.local).replace(os.sep, "/")))
         return sorted(found, key=lambda item: item[1])
 
-    def download(self, path: str) -> bool:
+    def download(self, path: str, size: int | None = None) -> bool:
         """Copy a remote file, or a folder recursively, to its local path, overwriting.
 
         Each file is written to a hidden temporary name beside its target and renamed
@@ -230,6 +230,9 @@ class Mirror:
 
         Args:
             path: the local path (under ``self.local``, or relative to it) to fill.
+            size: for a file, the bytes a listing said it holds: another size is refused
+                before the transfer, and the transfer stops past it (the object may be
+                replaced in between), so no more than that is ever written.
 
         Returns:
             False if nothing exists at the remote path, else True.
@@ -246,8 +249,10 @@ class Mirror:
         if info.type == pafs.FileType.NotFound:
             return False
         if info.type == pafs.FileType.File:
+            if size is not None and info.size != size:
+                raise OSError(f"{self.remote(rel)} holds {info.size} bytes, not the {size} listed")
             try:
-                get_file(self.fs, remote, target, info.size)
+                get_file(self.fs, remote, target, info.size if size is None else size)
             except FileNotFoundError:  # deleted between the two requests
                 return False
             return True
@@ -296,6 +301,16 @@ class Mirror:
         remote = self._remote_path(path)
         infos = self.fs.get_file_info(pafs.FileSelector(remote, allow_not_found=True, recursive=False))
         return sorted({i.path[len(remote) :].strip("/") for i in infos} - {""})
+
+    def sizes(self, path: str) -> dict[str, int]:
+        """Bytes of every file below the remote counterpart of folder ``path``, by its
+        ``/``-separated path relative to that folder; {} if nothing is there. One listing,
+        no download: what a reader checks before deciding to fetch anything."""
+        import pyarrow.fs as pafs
+
+        remote = self._remote_path(path)
+        infos = self.fs.get_file_info(pafs.FileSelector(remote, allow_not_found=True, recursive=True))
+        return {i.path[len(remote) :].strip("/"): i.size for i in infos if i.type == pafs.FileType.File}
 
     def delete(self, path: str) -> None:
         """Delete the remote counterpart of ``path``: a file, or a folder recursively.

@@ -384,7 +384,8 @@ def put_file(fs: "pyarrow.fs.FileSystem", local: str, remote: str) -> int:
 
 
 def get_file(fs: "pyarrow.fs.FileSystem", remote: str, local: str, size: int | None) -> None:
-    """Stream one remote file to ``local`` through a temporary name."""
+    """Stream one remote file to ``local`` through a temporary name; with ``size``, a
+    file of another length is refused, and no more than ``size`` + one chunk is written."""
     os.makedirs(os.path.dirname(local), exist_ok=True)
     got = 0
     # A temp name unique per call (several processes of a node may fetch the same file),
@@ -393,5 +394,8 @@ def get_file(fs: "pyarrow.fs.FileSystem", remote: str, local: str, size: int | N
         while chunk := src.read(_CHUNK):
             dst.write(chunk)
             got += len(chunk)
+            if size is not None and size >= 0 and got > size:  # grew since it was listed
+                break
         if size is not None and size >= 0 and got != size:
-            raise OSError(f"downloaded {got} bytes of {remote!r}, expected {size}")
+            what = f"more than {size}" if got > size else f"{got}"
+            raise OSError(f"downloaded {what} bytes of {remote!r}, expected {size}")

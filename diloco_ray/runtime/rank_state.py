@@ -169,12 +169,13 @@ class RankState:
         return staging.publish(folder, [f"replicas/{name}" for name in written])
 
     def load_inner_state(self, folder: str, slot: int) -> bool:
-        """Restore what :meth:`save_inner_state` wrote; False (and a fresh optimizer) when
-        the checkpoint has no state for this slot and rank."""
+        """Restore what :meth:`save_inner_state` wrote, its files checked against the
+        checkpoint's manifest first (:func:`staging.read_checked`); False (and a fresh
+        optimizer) when the checkpoint has no state for this slot and rank."""
         from diloco_ray.persist import staging, state_files
 
         name = f"slot-{slot}-rank-{self.rank}"
-        folder = staging.localize(folder, [f"replicas/{name}.json", f"replicas/{name}.safetensors"])
+        folder = staging.read_checked(folder, [f"replicas/{name}.json", f"replicas/{name}.safetensors"])
         sub = os.path.join(folder, "replicas")
         if not os.path.exists(os.path.join(sub, f"{name}.json")):
             return False

@@ -173,6 +173,7 @@ CASES = [
     Case("set-unknown-field", train("lrr=1"), "--set: unknown field 'lrr'", ("did you mean 'lr'",)),
     Case("set-into-a-number", train("lr.x=1"), "--set lr.x: field 'lr' is not a mapping"),
     Case("report-extra-argument", ("report", "{tmp}/run", "again"), "unrecognized arguments: again", ("usage:",)),
+    Case("builtin-num-samples-huge", train("dataset_kwargs.num_samples=20000000"), "dataset_kwargs.num_samples: 20000000", ("from 1 to 1,000,000",)),
     Case("dataset-remote-code", train("dataset_kwargs.trust_remote_code=true"), "dataset_kwargs.trust_remote_code: refused", ("loading script", "save_to_disk")),
     # --- sweeps: refused before Ray starts, nothing written -------------------------------------------
     Case("sweep-without-grid", ("sweep", "{tiny}", "--set", "output_dir={tmp}/sw"), "--grid: give at least one", ("FIELD=V1,V2",)),

@@ -267,6 +267,30 @@ def test_json_file_path_takes_precedence_over_dataset_name():
     assert cfg.dataset_kwargs == {"num_samples": 5}  # kept: load_dataset("json", ...) takes them
 
 
+@pytest.mark.parametrize(
+    "kwargs,named",
+    [
+        ({"num_samples": 20_000_000}, "num_samples: 20000000"),  # a typo's extra zeros
+        ({"num_samples": 0}, "num_samples: 0"),
+        ({"num_samples": "many"}, "num_samples: 'many'"),
+        ({"num_samples": True}, "num_samples: True"),
+        ({"digits": 100_000}, "digits: 100000"),
+    ],
+)
+def test_a_builtin_data_set_is_bounded_in_one_line(kwargs, named):
+    with pytest.raises(ConfigError) as caught:
+        make(dataset_kwargs=kwargs)
+    line = str(caught.value)
+    assert line.startswith(f"dataset_kwargs.{named} is not allowed") and "\n" not in line
+    assert "from 1 to" in line and "builtin:arithmetic" in line
+
+
+def test_a_builtin_data_set_at_its_bounds_is_accepted():
+    assert make(dataset_kwargs={"num_samples": 1_000_000, "digits": 18}).dataset_kwargs["num_samples"] == 1_000_000
+    # The bound is the builtin's: a file's loader gets the key as it is (and refuses it itself).
+    assert make(json_file_path="d.jsonl", dataset_kwargs={"num_samples": 10**9}).json_file_path == "d.jsonl"
+
+
 def test_model_config_without_tokenizer_name_is_accepted():
     cfg = make(tokenizer_name=None)
     assert cfg.tokenizer_name is None and cfg.model_config["model_type"] == "llama"

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import numpy as np
 import pytest
 import torch
+from conftest import seal
 from ray.exceptions import RayActorError
 
 from diloco_ray.config import fault_plan
@@ -215,6 +216,7 @@ class Host:
         record = self.loop.run_round(self).to_record()
         if self.checkpoints:
             self.server.actors[0].save(self.folder)
+            seal(self.folder)  # what the checkpoint commit writes: a server loads only what it vouches for
         return record
 
 

@@ -4,6 +4,8 @@ gives it after ``torch.manual_seed(seed)`` (no Ray, tiny models made in the test
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import model_parts
@@ -69,3 +71,28 @@ def test_schedule_places_each_post_init_after_its_draws():
     assert [type(schedule[i]).__name__ for i in models] == ["LlamaModel", "LlamaForCausalLM"]
     assert models[1] == len(schedule) - 1 and isinstance(schedule[models[1] - 1], hf_init.Draw)
     assert schedule[models[1] - 1].written() is model.lm_head.weight
+
+
+@pytest.mark.parametrize("file", ["/etc/passwd", "../x.safetensors", "shards/../../x.safetensors", 3])
+def test_a_weight_map_naming_a_file_outside_the_model_folder_is_refused(tmp_path, file):
+    from diloco_ray.errors import DataError
+    from diloco_ray.model.meta_init import CheckpointRows
+
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"lm_head.weight": "model-1.safetensors", "w": file}}))
+    with pytest.raises(DataError) as caught:
+        CheckpointRows(str(tmp_path))
+    line = str(caught.value)
+    assert "\n" not in line and line.startswith(f"{index}: weight_map entry 'w': {file!r} is not allowed")
+
+
+def test_a_weight_map_inside_the_folder_reads_its_shards(tmp_path):
+    from safetensors.torch import save_file
+
+    from diloco_ray.model.meta_init import CheckpointRows
+
+    (tmp_path / "shards").mkdir()
+    save_file({"w": torch.arange(6.0).reshape(3, 2)}, str(tmp_path / "shards" / "a.safetensors"))
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"w": "shards/a.safetensors"}}))
+    assert torch.equal(CheckpointRows(str(tmp_path)).rows("w", slice(1, 2)), torch.tensor([[2.0, 3.0]]))

@@ -2,9 +2,11 @@
 
 import os
 
+import pytest
 import torch
 
-from diloco_ray.persist import snapshot
+from diloco_ray.errors import DataError
+from diloco_ray.persist import snapshot, state_files
 
 
 def state(value):
@@ -49,3 +51,14 @@ def test_clear_before(tmp_path):
         snapshot.save(snapshot.round_dir(root, r), 0, 0, 2, state(r))
     snapshot.clear_before(root, 3)
     assert sorted(os.listdir(root)) == ["round-00000003"]
+
+
+def test_a_snapshot_changed_after_the_driver_chose_it_is_refused_naming_it(tmp_path):
+    folder = str(tmp_path / "r")
+    snapshot.save(folder, 0, 0, 2, state(2))
+    assert snapshot.common_step(folder, slot=0, ranks=1) == 2  # the driver's choice
+    path = os.path.join(folder, "slot-0-rank-0-step-2.safetensors")
+    state_files.save_tensors(path, {"rows.w": torch.full((2, 3), 9.0)})  # then the rank reads it
+    with pytest.raises(DataError) as caught:
+        snapshot.load(folder, 0, 0, 2)
+    assert str(caught.value).startswith(f"in-flight snapshot {path}: ") and "\n" not in str(caught.value)

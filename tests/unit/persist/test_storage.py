@@ -401,6 +401,20 @@ def test_interrupted_download_keeps_old_file_and_no_partial(monkeypatch, mirror)
         assert f.read() == b"old"
 
 
+def test_a_download_is_held_to_the_size_listed(mirror):
+    write(os.path.join(mirror.local, "f.bin"), b"x" * 100)
+    mirror.upload("f.bin")
+    os.remove(os.path.join(mirror.local, "f.bin"))
+    assert mirror.sizes("") == {"f.bin": 100}
+    with pytest.raises(OSError, match="holds 100 bytes, not the 50 listed"):
+        mirror.download("f.bin", size=50)  # grew since the listing: refused before the transfer
+    # Replaced between the size check and the read: the transfer stops past the size.
+    with pytest.raises(OSError, match="more than 10 bytes"):
+        uris.get_file(mirror.fs, mirror._remote_path("f.bin"), os.path.join(mirror.local, "f.bin"), 10)
+    assert os.listdir(mirror.local) == []  # neither left a file, partial or whole
+    assert mirror.download("f.bin", size=100) and tree(mirror.local) == {"f.bin": b"x" * 100}
+
+
 def test_remote_only_operations(s3_bucket, mirror):
     before = time.time()
     assert mirror.read_bytes("a/x.json") is None and mirror.mtime("a/x.json") is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import seal
 
 from diloco_ray.algo import decoupled
 from diloco_ray.data import plan as data
@@ -105,6 +106,7 @@ def test_a_checkpoint_keeps_weights_momentum_work_and_the_cursor_with_in_flight_
     dec.train(0, 0, 0)
     merge(dec, 0, dec.outgoing(0, 0), 1.0, 2.0, plans[0])  # replica 1 is still in flight
     srv.save(str(tmp_path))
+    seal(tmp_path)
     restored = ParameterServer(dec.cfg.to_dict())
     restored.load(str(tmp_path))
     assert restored.merged_work() == pytest.approx(0.5) and restored.sync_version() == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from conftest import seal
 
 from diloco_ray.algo import compression, partition
 from diloco_ray.algo.rank_sync import RankSync
@@ -488,6 +489,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
     sim.sync(1, 0, plans)  # mid-round when streaming
     for s in sim.servers:
         s.save(str(tmp_path))
+    seal(tmp_path)
     loaded = [ThroughRay(ParameterServer(sim.cfg.to_dict(), index=i)) for i in range(num_servers)]
     for s in loaded:
         s.load(str(tmp_path))
@@ -534,6 +536,7 @@ def test_checkpoint_round_trip(tmp_path, num_servers, fragments, codec):
 def test_checkpoint_with_other_sync_fragments_is_refused(tmp_path):
     sim = Sim(1, 2, 1, 1)
     sim.servers[0].save(str(tmp_path))
+    seal(tmp_path)
     other = ParameterServer(make_config(sync_fragments=1).to_dict(), index=0)
     with pytest.raises(ConfigError, match=r"^sync_fragments"):
         other.load(str(tmp_path))
@@ -544,6 +547,7 @@ def test_checkpoint_with_other_server_count_is_refused(tmp_path, saved, loading)
     sim = Sim(saved, 1, 1, 1)
     for s in sim.servers:
         s.save(str(tmp_path))
+    seal(tmp_path)
     for i in range(loading):
         other = ParameterServer(make_config(num_param_servers=loading).to_dict(), index=i)
         with pytest.raises(ConfigError, match="num_param_servers"):
@@ -563,6 +567,7 @@ def test_full_load_after_resuming_a_compressed_checkpoint_without_compression(tm
     sim = Sim(1, 1, 1, 1, weights_compression="int8", compression_block=16)
     sim.round(0)
     sim.servers[0].save(str(tmp_path))
+    seal(tmp_path)
     server = ParameterServer(make_config(num_param_servers=1, sync_fragments=1).to_dict(), index=0)
     server.load(str(tmp_path))
     sim.servers, sim.messages, sim.full = [server], [server.full_weights()], True
