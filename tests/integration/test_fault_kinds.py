@@ -220,62 +220,73 @@ def run_cli(cfg, folder) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("kind", ["kill", "term"])
-def test_a_driver_fault_resumes_to_the_weights_of_a_run_without_it(fault_free, tmp_path, mode, kind):
-    """The driver is SIGTERMed while round (merge) 3 trains: it stops cleanly, the replicas
-    rewind to their period's start and round 3 is checkpointed (sync: the CLI; decoupled: the
-    Python API in this process). Or server 1 of 2 is
-    SIGKILLed while round 3 trains (the servers come back from the round-2 checkpoint, rounds
-    2 and 3 run again and their records are rewritten), then the driver is SIGKILLed while
-    round 4 trains, which leaves the round-4 checkpoint. In decoupled mode the resume starts
-    there, so the final weights hold the restored servers' rounds 2 and 3 (test_chaos checks
-    a synchronous restore exactly). In sync mode that checkpoint is then damaged: the resume
-    notices and falls back to round 2. Every way, the resumed run ends with the fault-free
-    weights."""
-    reference = fault_free(mode)
-    damaged = kind == "kill" and mode == "sync"  # the newest checkpoint, before the resume
-    plan = [{"kind": kind, "target": "driver", "round": 3 if kind == "term" else 4}]
-    servers = {}
-    if kind == "kill":
-        plan.insert(0, {"kind": "kill", "target": "server", "round": 3, "index": 1})
-        servers = TWO_SERVERS
-    cfg = tiny_config(tmp_path / "run", **EXACT, **LOCKSTEP[mode], **servers, fault_plan=plan)
-    if kind == "kill":  # in a process of its own: it dies
-        proc = run_cli(cfg, tmp_path)
-        assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-    elif mode == "sync":  # a spot preemption (`ray job stop`) of the CLI: exit 128 + SIGTERM, one line
+def stop_by_sigterm(cfg, tmp_path, mode) -> None:
+    """Run ``cfg``, whose plan SIGTERMs the driver while round 2 trains: it stops cleanly, the
+    replicas rewind to their period's start and round 2 is checkpointed. Sync: a spot
+    preemption (`ray job stop`) of the CLI, exit 128 + SIGTERM and one line; decoupled: the
+    Python API in this process, which SIGTERM stops as it stops the CLI."""
+    if mode == "sync":
         proc = run_cli(cfg, tmp_path)
         assert proc.returncode == 128 + signal.SIGTERM, proc.stderr[-3000:]
-        assert "stopped by SIGTERM at round 3" in proc.stderr and "round-00000003" in proc.stderr
-    else:  # SIGTERM stops this process's trainer as it stops the CLI's
+        assert "stopped by SIGTERM at round 2" in proc.stderr and "round-00000002" in proc.stderr
+    else:
         trainer = DilocoFSDPTrainer(cfg, stop_on_sigterm=True)
         with pytest.raises(KeyboardInterrupt):
             trainer.train()
-        assert trainer.stopped_by == "SIGTERM" and trainer.stop_checkpoint.endswith("round-00000003")
-    newest = checkpoint.list_checkpoints(os.path.join(cfg.output_dir, "checkpoints"))[-1]
-    if kind == "kill":
-        restarts = read_events(cfg.output_dir, "server")
-        assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
-        assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2, 3]
-        assert newest.endswith("round-00000004")
-        resumes_from = 4
-        if damaged:
-            with open(os.path.join(newest, "global-0-of-2.safetensors"), "r+b") as f:
-                f.seek(-8, os.SEEK_END)
-                f.write(b"\x00" * 8)
-            resumes_from = 2
-    else:
-        assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2]
-        assert newest.endswith("round-00000003")
-        resumes_from = 3
-    # Resumed in this process, on the module's Ray, as a user would: the saved config, no faults.
-    saved = TrainerConfig.from_yaml(
-        os.path.join(cfg.output_dir, "config.yaml"), overrides={"resume_from": cfg.output_dir, "fault_plan": None}
+        assert trainer.stopped_by == "SIGTERM" and trainer.stop_checkpoint.endswith("round-00000002")
+    assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1]
+
+
+def resumed(cfg, **fields) -> TrainerConfig:
+    """The run's saved config, resumed as a user would, with ``fields`` instead of its plan."""
+    return TrainerConfig.from_yaml(
+        os.path.join(cfg.output_dir, "config.yaml"),
+        overrides={"resume_from": cfg.output_dir, "fault_plan": None, **fields},
     )
-    DilocoFSDPTrainer(saved).train()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_driver_and_server_faults_resume_to_the_weights_of_a_run_without_them(fault_free, tmp_path, mode):
+    """One job, three runs. (1) The driver is SIGTERMed while round 2 trains (see
+    :func:`stop_by_sigterm`). (2) Resumed from that checkpoint, server 1 of 2 is SIGKILLed
+    while round 3 trains (the servers come back from that round-2 checkpoint, rounds 2 and 3
+    run again and their records are rewritten), then the driver is SIGKILLed while round 4
+    trains, which leaves the round-4 checkpoint. In decoupled mode the last resume starts
+    there, so the final weights hold the restored servers' rounds 2 and 3 (test_chaos checks
+    a synchronous restore exactly); in sync mode that checkpoint is damaged first: the resume
+    notices and falls back to round 2. (3) Every way, the last resumed run (in this process,
+    on the module's Ray) ends with the fault-free weights, no stream position trained twice."""
+    reference = fault_free(mode)
+    cfg = tiny_config(
+        tmp_path / "run",
+        **EXACT,
+        **LOCKSTEP[mode],
+        **TWO_SERVERS,
+        fault_plan=[{"kind": "term", "target": "driver", "round": 2}],
+    )
+    stop_by_sigterm(cfg, tmp_path, mode)
+
+    kills = [
+        {"kind": "kill", "target": "server", "round": 3, "index": 1},
+        {"kind": "kill", "target": "driver", "round": 4},
+    ]
+    killed = resumed(cfg, fault_plan=kills)
+    proc = run_cli(killed, tmp_path)  # in a process of its own: it dies
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    restarts = read_events(cfg.output_dir, "server")
+    assert len(restarts) == 1 and restarts[0]["from"].endswith("round-00000002")
+    assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2, 3]
+    newest = checkpoint.list_checkpoints(os.path.join(cfg.output_dir, "checkpoints"))[-1]
+    assert newest.endswith("round-00000004")
+    damaged = mode == "sync"
+    if damaged:
+        with open(os.path.join(newest, "global-0-of-2.safetensors"), "r+b") as f:
+            f.seek(-8, os.SEEK_END)
+            f.write(b"\x00" * 8)
+
+    DilocoFSDPTrainer(resumed(cfg)).train()
     events = read_events(cfg.output_dir, "checkpoint")
-    assert [e["round"] for e in events if e["action"] == "resume"] == [resumes_from]
+    assert [e["round"] for e in events if e["action"] == "resume"] == [2, 2 if damaged else 4]
     assert any(e["action"] == "skipped" for e in events) == damaged
     rounds = read_events(cfg.output_dir, "round")
     assert [r["round"] for r in rounds] == [0, 1, 2, 3, 4]
