@@ -48,11 +48,9 @@ __all__ = [
     "latest_valid",
     "list_checkpoints",
     "manifest_text",
-    "open_manifest",
     "prune",
     "read_manifest",
     "resolve_resume",
-    "table_problem",
     "verify",
 ]
 

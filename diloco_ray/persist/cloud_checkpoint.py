@@ -22,7 +22,14 @@ import shutil
 
 from diloco_ray.errors import ConfigError, first_line
 from diloco_ray.persist import checkpoint, storage
-from diloco_ray.persist.manifest import MANIFEST, MANIFEST_MAX_BYTES
+from diloco_ray.persist.manifest import (
+    MANIFEST,
+    MANIFEST_MAX_BYTES,
+    manifest_text,
+    open_manifest,
+    read_manifest,
+    table_problem,
+)
 
 # The most a resume (or a server restart) downloads to verify one bucket checkpoint: the
 # fp32 weights, the outer optimizer's state (1-2x the weights) and every replica rank's
@@ -111,8 +118,8 @@ def _plan(mirror: storage.Mirror, listing: dict[str, int], names: list[str] | No
         mirror.download(os.path.join(mirror.local, MANIFEST), size=listing[MANIFEST])
     except OSError as exc:
         return {}, f"cannot download {MANIFEST}: {first_line(exc)}"
-    manifest, reason = checkpoint.open_manifest(mirror.local)
-    reason = reason or checkpoint.table_problem(manifest)
+    manifest, reason = open_manifest(mirror.local)
+    reason = reason or table_problem(manifest)
     if reason is not None:
         return {}, reason
     files = manifest["files"]
@@ -159,7 +166,7 @@ def verify(uri: str) -> str | None:
     reason = checkpoint.verify(local)
     if reason is None and round_of(uri) is not None:
         # The staging folder is not named round-N, so check the name here.
-        said = checkpoint.read_manifest(local).get("round")
+        said = read_manifest(local).get("round")
         if said != round_of(uri):
             return f"{MANIFEST} says round {said!r} but the folder is round {round_of(uri)}"
     return reason
@@ -215,7 +222,7 @@ def begin(root: str, round: int) -> str:
 def commit(uri: str, round: int, meta: dict, files: dict[str, str]) -> str:
     """Seal the checkpoint at ``uri``: upload its manifest (``files``: relative path ->
     SHA-256, as the writers reported them) after every file is in place."""
-    storage.Mirror(uri).write_bytes(MANIFEST, checkpoint.manifest_text(round, meta, files).encode())
+    storage.Mirror(uri).write_bytes(MANIFEST, manifest_text(round, meta, files).encode())
     return uri
 
 
