@@ -15,6 +15,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from diloco_ray.observe.metrics import StepBoard
+from diloco_ray.runtime import remotes
 
 
 def new_board():
@@ -23,7 +24,7 @@ def new_board():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return ray.remote(num_cpus=0, scheduling_strategy=here)(StepBoard).remote()
+    return remotes.remote(StepBoard, num_cpus=0).options(scheduling_strategy=here).remote()
 
 
 class StepFeed:
