@@ -162,10 +162,12 @@ class CounterLog:
         return replica_traffic(first[1], last[1], what)
 
 
-def one_run(cluster, args, rate: float, codec: str, overlap: bool) -> dict:
+def one_run(cluster, args, rate: float, codec: str, overlap: bool, extra: tuple = ()) -> dict:
+    """One job on ``cluster`` at ``rate``; ``extra``: config FIELD=VALUE for it alone (last wins)."""
     out = tempfile.mkdtemp(prefix="wan-run-")
     fields = overrides(cluster, args.replicas, codec, overlap, out)
-    cmd = [sys.executable, "-m", "diloco_ray", "train", args.config, *fields, *(f"--set={kv}" for kv in args.set)]
+    sets = (f"--set={kv}" for kv in (*args.set, *extra))
+    cmd = [sys.executable, "-m", "diloco_ray", "train", args.config, *fields, *sets]
     with CounterLog(cluster) as log:
         done = cluster.run(*cmd)
     if done.returncode:
@@ -250,6 +252,12 @@ def main() -> int:
         default=20.0,
         help="with --quick, the fp32 run's link rate in Mbit/s (test_wan: 100, where that run is there for its bytes)",
     )
+    parser.add_argument(
+        "--quick-none-steps",
+        type=int,
+        default=None,
+        help="with --quick, the fp32 run's max_steps (test_wan: 10; its sync is exposed at any length)",
+    )
     parser.add_argument("--out", default=None, help="write {'runs': [...], ...} as JSON here")
     parser.add_argument("--replicas", type=int, default=2, help="replica regions (the config's num_replicas)")
     parser.add_argument("--set", action="append", default=[], help="config FIELD=VALUE for every run")
@@ -268,7 +276,9 @@ def main() -> int:
                 if args.idle_seconds > 0:  # for the record only: the runs count theirs by port
                     idle = idle_rate(cluster, args.idle_seconds)
                     print(f"# {rate:g} Mbit/s: Ray's idle traffic {idle:.0f} B/s over the replica links", flush=True)
-            runs.append(one_run(cluster, args, rate, codec, overlap))
+            shorter = args.quick and codec == "none" and args.quick_none_steps
+            extra = (f"max_steps={args.quick_none_steps}",) if shorter else ()
+            runs.append(one_run(cluster, args, rate, codec, overlap, extra))
             print("# " + json.dumps(runs[-1]), flush=True)
     print(table(runs))
     if args.out:

@@ -24,10 +24,11 @@ REASON = wan_links.why_not_available()
 # weighs more against one round's 285 kB), over two 1.17. 25 steps still hide topk's sync.
 # No idle measurement: each run counts Ray's control traffic by port. The fp32 run is here for
 # its bytes (wire against records, topk's share of them) and to show sync exposed without
-# codec and overlap: a 100 Mbit/s link does both (sync still 34% of its wall time, 49% at 50
-# Mbit/s, 51-55% at 20) in ~28 s less than 20; topk keeps the 20 Mbit/s link it must hide its
-# sync on. About 58 s here.
-SHORT = ["--set", "diloco_loops=3", "--set", "max_steps=25", "--idle-seconds", "0", "--quick-none-rate", "100"]
+# codec and overlap: a 100 Mbit/s link and 10 steps a round do both (sync 54% of its wall time;
+# 34% at 25 steps, 49% at 50 Mbit/s, 51-55% at 20) in ~36 s less than 20 Mbit/s and 25 steps;
+# topk keeps the 20 Mbit/s link and the 25 steps it must hide its sync in. About 51 s here.
+SHORT = ["--set", "diloco_loops=3", "--set", "max_steps=25", "--idle-seconds", "0"]
+SHORT += ["--quick-none-rate", "100", "--quick-none-steps", "10"]
 pytestmark = pytest.mark.skipif(REASON is not None, reason=f"bench/wan.py {REASON}")
 
 
