@@ -15,7 +15,6 @@ import ray
 from ray.exceptions import RayActorError
 
 from diloco_ray.observe.metrics import StepBoard
-from diloco_ray.runtime import remotes
 
 
 def new_board():
@@ -24,7 +23,7 @@ def new_board():
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    return remotes.remote(StepBoard, num_cpus=0).options(scheduling_strategy=here).remote()
+    return ray.remote(num_cpus=0, scheduling_strategy=here)(StepBoard).remote()
 
 
 class StepFeed:

@@ -19,7 +19,6 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DataSection, ModelSection
 from diloco_ray.data import samples, sources
-from diloco_ray.runtime import remotes
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.rank import RankWorker
 
@@ -42,7 +41,7 @@ def start_token_data(data: DataSection, model: ModelSection) -> list | None:
         # Generated and small (the default's 20000 rows take 0.3 s here): a task would first
         # start a worker process, ~1.5 s of CPU importing datasets and transformers.
         return [ray.put(samples.prepare_token_data(data, model))]
-    task = remotes.remote(samples.prepare_token_data, num_cpus=0, max_calls=1)
+    task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
     return [task.remote(data, model)]
 
 
@@ -95,7 +94,7 @@ class Replica:
         )
         # "control" lets abort() reach a rank while run_period() is busy; every other call
         # stays in the default group and runs in order.
-        remote_cls = remotes.remote(worker_cls, concurrency_groups={"control": 1})
+        remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         self.ranks = [
             remote_cls.options(
                 num_cpus=config.cpus_per_rank,

@@ -19,7 +19,6 @@ import ray
 
 from diloco_ray.algo import compression
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.runtime import remotes
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.server import ParameterServer
 
@@ -50,7 +49,7 @@ class ServerGroup:
         count = config.num_param_servers
         resources = config.server_resources
         per_server = resources if isinstance(resources, list) else [resources] * count
-        remote_cls = remotes.remote(server_cls)
+        remote_cls = ray.remote(server_cls)
         self.actors = [
             remote_cls.options(num_cpus=config.server_cpus, resources=per_server[s] or None, name=None).remote(
                 config.to_dict(), s
