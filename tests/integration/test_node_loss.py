@@ -19,9 +19,8 @@ pytestmark = pytest.mark.integration
 def two_nodes():
     # Head: the server (0.5 CPU) and one replica (1 CPU); the worker node: the other replica.
     # The GCS declares a silent node dead after 3 failed health checks 0.5 s apart (Ray's
-    # default: 5, 3 s apart): until then it may place the replacement's bundle on the lost
-    # node, and the replacement joined 14 s after the loss in 3 runs of 5 (4 s in the others;
-    # 4 s in 4 runs of 4 with this).
+    # default: 5, 3 s apart). With the default the replacement joined 14 s after the loss in
+    # 3 runs of 5 (4 s in the others); with this, 4 s in 4 runs of 4.
     fast_death = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
     cluster = Cluster(
         initialize_head=True,
