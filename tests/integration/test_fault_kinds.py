@@ -74,13 +74,16 @@ RUNS = {
                 {"kind": "nan", "replica": 0, "round": 1, "step": 1},
             ],
         ),
-        # Slow steps 0.5 s longer: clearly behind the other, paced to 5x a step of a busy machine
-        # (its first arrival is merged alone), which keeps merging until the slow one arrives.
+        # Replica 1's steps 0.2 s longer: behind replica 0, paced to 5x its own step time s, whose
+        # first arrival is merged alone and which keeps merging until the slow one arrives. That
+        # holds for 4 s < 0.2 s < 99 s (replica 0 needs 20 periods of 4 paced steps for the run):
+        # s is 4 ms on a quiet machine and ~25 ms on a busy one, 2x inside each bound. At 0.5 s a
+        # quiet machine's replica 0 once finished the run before replica 1 arrived (2.16 s).
         "slow": (
             LONGER,
             [
                 {**PACE, "replica": 0, "factor": 5},
-                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.5},
+                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.2},
             ],
         ),
         "drop_link": (LONGER, [{**PACE, "replica": 0}, {"kind": "drop_link", "replica": 1, "round": 1}]),
