@@ -242,6 +242,17 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def check_quick_flags(parser: argparse.ArgumentParser, args) -> None:
+    """The fp32 run's own flags mean something with --quick only, and only when positive."""
+    for flag, value in (("--quick-none-rate", args.quick_none_rate), ("--quick-none-steps", args.quick_none_steps)):
+        if value is None:
+            continue
+        if not args.quick:
+            parser.error(f"{flag} sets the fp32 run of --quick; without --quick it would be ignored")
+        if value <= 0:
+            parser.error(f"{flag}: {value:g} is not allowed; give a number above 0")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?", default=WAN)
@@ -249,8 +260,8 @@ def main() -> int:
     parser.add_argument(
         "--quick-none-rate",
         type=float,
-        default=20.0,
-        help="with --quick, the fp32 run's link rate in Mbit/s (test_wan: 100, where that run is there for its bytes)",
+        default=None,
+        help="with --quick, the fp32 run's link rate in Mbit/s (default 20; test_wan: 100, for that run's bytes)",
     )
     parser.add_argument(
         "--quick-none-steps",
@@ -263,6 +274,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], help="config FIELD=VALUE for every run")
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS, help="how long idle traffic is measured")
     args = parser.parse_args()
+    check_quick_flags(parser, args)
     reason = wan_links.why_not_available()
     if reason:
         print(f"bench/wan.py: {reason}", file=sys.stderr)
@@ -270,7 +282,8 @@ def main() -> int:
     print("links: tc tbf, rate only (tc netem is not available here: no added delay)", flush=True)
     runs, idle = [], None
     with wan_links.Regions(args.replicas, cpus=1, head_cpus=1) as cluster:
-        for rate, codec, overlap in variants(args.quick, args.quick_none_rate):
+        none_rate = 20.0 if args.quick_none_rate is None else args.quick_none_rate
+        for rate, codec, overlap in variants(args.quick, none_rate):
             if cluster.rate_mbit != rate:
                 cluster.shape(rate)
                 if args.idle_seconds > 0:  # for the record only: the runs count theirs by port

@@ -76,7 +76,7 @@ RUNS = {
         ),
         # Replica 1's steps 0.2 s longer: behind replica 0, paced to 5x its own step time s, whose
         # first arrival is merged alone and which keeps merging until the slow one arrives. That
-        # holds for 4 s < 0.2 s < 99 s (replica 0 needs 20 periods of 4 paced steps for the run):
+        # holds for 4*s < 0.2 s < 99*s (replica 0 needs 20 periods of 4 paced steps for the run):
         # s is 4 ms on a quiet machine and ~25 ms on a busy one, 2x inside each bound. At 0.5 s a
         # quiet machine's replica 0 once finished the run before replica 1 arrived (2.16 s).
         "slow": (
