@@ -1,21 +1,28 @@
 """The ``topk`` codec: per block, the largest values by magnitude, 2 bits each.
 
-A flattened tensor is cut into blocks of ``width = min(block, numel)`` values (the last
-one padded with zeros). Each block keeps its ``k = ceil(fraction * width)`` entries of
-largest magnitude (SparseLoCo's recipe: top-k, 2-bit values, error feedback). A block
-sends:
+A flattened tensor is cut into blocks of ``width = min(block, numel)`` values; the last
+one holds what is left, ``tail`` values (``width`` when ``numel`` is a multiple of it).
+A block of ``n`` values keeps its ``k = ceil(fraction * n)`` (at least 1) entries of
+largest magnitude (SparseLoCo's recipe: top-k, 2-bit values, error feedback), so a short
+tail block pays for its own length, not a whole block's. A block sends:
 
 * two fp16 scales (in the tensor's scales section): ``lo`` and ``hi``, the smallest and
-  largest magnitude it keeps;
-* ``k`` indices of ``ceil(log2(width))`` bits each, then ``k`` 2-bit codes: the sign, and
-  whether the magnitude is nearer ``hi`` (decoded ``lo + 0.75 (hi - lo)``) or ``lo``
-  (decoded ``lo + 0.25 (hi - lo)``).
+  largest non-zero magnitude it keeps ((0, 0) when it keeps none);
+* ``k`` indices of ``index_bits = ceil(log2(width))`` bits each (the tail block's too),
+  then ``k`` 2-bit codes: the sign, and whether the magnitude is nearer ``hi`` (decoded
+  ``lo + 0.75 (hi - lo)``) or ``lo`` (decoded ``lo + 0.25 (hi - lo)``).
+
+The levels have no zero, so a kept zero (a block with fewer than ``k`` non-zeros) is sent
+as a copy of the block's largest kept entry, index and code: the decoder writes that
+value twice and leaves the zero a zero.
 
 Bits, least significant first, run on across blocks with no padding, so a block costs
-``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 that is 0.84 bits per value with
-``fraction`` 1/16 (the default) and 0.22 with 1/64. What a block does not send is what error feedback carries to the
-next round (:func:`diloco_ray.algo.compression.pack_filled`), which is why ``topk`` always
-runs with it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
+``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 that is ``128 * 13 + 32`` bits,
+0.828 bits per value, with ``fraction`` 1/16 (the codecs' ``DEFAULT_FRACTION``), and
+``32 * 13 + 32``, 0.219, with 1/64. A message's header and its sections' alignment add a little on top. What a
+block does not send is what error feedback carries to the next round
+(:func:`diloco_ray.algo.compression.pack_filled`), which is why ``topk`` always runs with
+it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
 """
 
 from __future__ import annotations
@@ -29,15 +36,27 @@ _FP16_MAX = float(torch.finfo(torch.float16).max)
 _SCALE_BYTES = 4  # two fp16 scales per block
 
 
+def _kept(n: int, fraction: float) -> int:
+    """Entries a block of ``n`` values keeps."""
+    return min(n, max(1, math.ceil(fraction * n - 1e-9)))
+
+
 def shape_of(numel: int, block: int, fraction: float) -> tuple[int, int, int]:
-    """``(width, k, index_bits)`` of a tensor of ``numel`` values (width 0: empty)."""
+    """``(width, k, index_bits)`` of a tensor of ``numel`` values (width 0: empty); ``k``
+    is a whole block's (see :func:`_tail` for the last block's)."""
     if not 0.0 < fraction <= 1.0:
         raise ValueError(f"topk fraction must be in (0, 1], got {fraction!r}")
     width = min(block, numel)
     if width == 0:
         return 0, 0, 0
-    k = min(width, max(1, math.ceil(fraction * width - 1e-9)))
-    return width, k, max(1, math.ceil(math.log2(width)))
+    return width, _kept(width, fraction), max(1, math.ceil(math.log2(width)))
+
+
+def _tail(numel: int, width: int, fraction: float) -> tuple[int, int, int]:
+    """``(blocks, tail, k_tail)``: the block count, and the last block's length and k."""
+    blocks = -(-numel // width)
+    tail = numel - (blocks - 1) * width
+    return blocks, tail, _kept(tail, fraction)
 
 
 def sections(numel: int, block: int, fraction: float) -> tuple[int, int]:
@@ -45,13 +64,14 @@ def sections(numel: int, block: int, fraction: float) -> tuple[int, int]:
     width, k, bits = shape_of(numel, block, fraction)
     if width == 0:
         return 0, 0
-    blocks = -(-numel // width)
-    return _SCALE_BYTES * blocks, -(-blocks * k * (bits + 2) // 8)
+    blocks, _, k_tail = _tail(numel, width, fraction)
+    return _SCALE_BYTES * blocks, -(-((blocks - 1) * k + k_tail) * (bits + 2) // 8)
 
 
 def chunk_values(numel: int, block: int, fraction: float, chunk: int) -> int:
     """Values encoded at a time: whole blocks, a multiple of 8 of them, so every chunk's
-    bits start on a byte (about ``chunk`` values, at least 8 blocks)."""
+    bits start on a byte (about ``chunk`` values, at least 8 blocks). Only the last chunk
+    holds the tail block, so every chunk starts after whole blocks of ``k`` entries."""
     width = shape_of(numel, block, fraction)[0] or 1
     return max(8, chunk // width // 8 * 8) * width
 
@@ -87,6 +107,27 @@ def _levels(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return lo + 0.25 * (hi - lo), lo + 0.75 * (hi - lo)
 
 
+def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept."""
+    finite = torch.isfinite(rows).all(dim=1)
+    clean = torch.where(torch.isfinite(rows), rows, torch.zeros(()))
+    index = clean.abs().topk(k, dim=1, sorted=False).indices
+    kept = clean.gather(1, index)
+    # A kept zero becomes a copy of the row's largest entry (see the module docstring), so
+    # the levels below span the non-zero magnitudes; an all-zero row keeps (0, 0).
+    zero = kept == 0
+    top = kept.abs().argmax(1, keepdim=True)
+    index = torch.where(zero, index.gather(1, top), index)
+    kept = torch.where(zero, kept.gather(1, top), kept)
+    size = kept.abs()
+    scales = torch.stack([size.amin(1), size.amax(1)], dim=1).clamp(max=_FP16_MAX)
+    scales = torch.where(finite[:, None], scales, torch.full((), math.nan)).to(torch.float16)
+    low, high = _levels(scales)
+    # Nearer hi or lo, judged against the midpoint of the two decoded levels.
+    code = (kept < 0).to(torch.int64) * 2 + (size >= (low + high)[:, None] / 2).to(torch.int64)
+    return scales, torch.cat([_bits(index, nbits), _bits(code, 2)], dim=1).reshape(-1)
+
+
 def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values.
 
@@ -96,21 +137,32 @@ def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple
         block, fraction: ``compression_block`` and ``topk_fraction``.
     """
     width, k, nbits = shape_of(numel, block, fraction)
-    blocks = -(-flat.numel() // width)
-    padded = torch.nn.functional.pad(flat, (0, blocks * width - flat.numel())).view(blocks, width)
-    finite = torch.isfinite(padded).all(dim=1)
-    clean = torch.where(torch.isfinite(padded), padded, torch.zeros(()))
-    index = clean.abs().topk(k, dim=1, sorted=False).indices
-    kept = clean.gather(1, index)
-    size = kept.abs()
-    scales = torch.stack([size.amin(1), size.amax(1)], dim=1).clamp(max=_FP16_MAX)
-    scales = torch.where(finite[:, None], scales, torch.full((), math.nan)).to(torch.float16)
-    low, high = _levels(scales)
-    # Nearer hi or lo, judged against the midpoint of the two decoded levels.
-    code = (kept < 0).to(torch.int64) * 2 + (size >= (low + high)[:, None] / 2).to(torch.int64)
-    stream = torch.cat([_bits(index, nbits), _bits(code, 2)], dim=1).reshape(-1).numpy()
+    whole = flat.numel() // width
+    parts = [_encode_rows(flat[: whole * width].reshape(whole, width), k, nbits)] if whole else []
+    if flat.numel() > whole * width:  # the tensor's short tail block
+        rest = flat[whole * width :].reshape(1, -1)
+        parts.append(_encode_rows(rest, _kept(rest.numel(), fraction), nbits))
+    scales = torch.cat([s for s, _ in parts]) if parts else torch.zeros(0, 2, dtype=torch.float16)
+    stream = torch.cat([b for _, b in parts]).numpy() if parts else np.zeros(0, dtype=np.uint8)
     scale_bytes = np.ascontiguousarray(scales.view(torch.int16).numpy().astype("<i2")).view(np.uint8)
     return scale_bytes.reshape(-1), np.packbits(stream, bitorder="little")
+
+
+def _decode_rows(payload: np.ndarray, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int) -> torch.Tensor:
+    """``len(pairs)`` rows of ``n`` values, ``k`` entries each, whose bits start at bit
+    ``start`` of ``payload``."""
+    rows, per_row = pairs.shape[0], k * (nbits + 2)
+    length = rows * per_row
+    raw = np.unpackbits(payload[start // 8 : -(-(start + length) // 8)], bitorder="little")
+    bits = torch.from_numpy(raw[start % 8 : start % 8 + length]).view(rows, per_row)
+    index, code = _ints(bits[:, : k * nbits], nbits), _ints(bits[:, k * nbits :], 2)
+    low, high = _levels(pairs)
+    size = torch.where(code % 2 == 1, high[:, None], low[:, None])
+    values = torch.where(code >= 2, -size, size)
+    out = torch.zeros(rows, n)
+    # An index >= n cannot come from encode(); clamp so a corrupt message decodes to
+    # garbage values, not an out-of-range write.
+    return out.scatter_(1, index.clamp_(0, n - 1), values).view(-1)
 
 
 def decode(
@@ -124,18 +176,12 @@ def decode(
         numel, block, fraction: as for :func:`encode`.
     """
     width, k, nbits = shape_of(numel, block, fraction)
+    blocks, tail, k_tail = _tail(numel, width, fraction)
     first, last = lo // width, -(-hi // width)
-    per_block = k * (nbits + 2)
-    start, stop = first * per_block, last * per_block
-    raw = np.unpackbits(payload[start // 8 : -(-stop // 8)], bitorder="little")
-    bits = torch.from_numpy(raw[start % 8 : start % 8 + stop - start]).view(last - first, per_block)
-    index, code = _ints(bits[:, : k * nbits], nbits), _ints(bits[:, k * nbits :], 2)
     pairs = torch.from_numpy(scales[4 * first : 4 * last].copy().view("<f2").astype(np.float16)).view(-1, 2)
-    low, high = _levels(pairs)
-    size = torch.where(code % 2 == 1, high[:, None], low[:, None])
-    values = torch.where(code >= 2, -size, size)
-    out = torch.zeros(last - first, width)
-    # A block with index >= width cannot come from encode(); clamp so a corrupt message
-    # decodes to garbage values, not an out-of-range write.
-    out.scatter_(1, index.clamp_(0, width - 1), values)
-    return out.view(-1)[lo - first * width : hi - first * width]
+    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
+    per_block = k * (nbits + 2)
+    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width)]
+    if last == blocks:
+        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail))
+    return torch.cat(parts)[lo - first * width : hi - first * width]
