@@ -96,6 +96,9 @@ class RankSync:
         self.fragment_rows = partition.fragments(self.shapes, fragments)
         self.keeps_sent = overlap and self.error_feedback
         self.sent_local: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
+        # Error feedback: per launch (the driver's attempt), the buffers this rank sent, kept
+        # until the driver says whether the servers applied them (see settle).
+        self.unsettled: dict[int, list[np.ndarray]] = {}
 
     @classmethod
     def of(
@@ -220,10 +223,16 @@ class RankSync:
     # ---- what goes up ------------------------------------------------------------------
     @torch.no_grad()
     def outgoing(
-        self, fragment: int, local: Mapping[str, torch.Tensor], link: links.Link | None = None
+        self,
+        fragment: int,
+        local: Mapping[str, torch.Tensor],
+        link: links.Link | None = None,
+        attempt: Optional[int] = None,
     ) -> list[np.ndarray]:
         """This rank's pseudo-gradient ``anchor - local`` of ``fragment``, one packed
-        buffer per server, through the codec (with error feedback when enabled)."""
+        buffer per server, through the codec (with error feedback when enabled). With error
+        feedback the buffers are kept under ``attempt`` (the driver's launch counter) until
+        :meth:`settle` hears whether the servers applied them."""
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
         link_bytes = self.world_size * sum(
@@ -237,7 +246,46 @@ class RankSync:
                 n: (iv[0], partition.take(local[n], iv, self.held[n][0]).detach().float().clone())
                 for n, iv in held.items()
             }
-        return [self._pack_difference(rows, local, stamp) for rows in plan]
+        buffers = [self._pack_difference(rows, local, stamp) for rows in plan]
+        if self.error_feedback and attempt is not None:
+            self.unsettled[attempt] = buffers
+        return buffers
+
+    @torch.no_grad()
+    def settle(self, verdicts: Mapping[int, bool]) -> None:
+        """Close the sends the driver has a verdict on: ``verdicts`` maps a launch attempt
+        to whether the servers applied what this rank sent in it.
+
+        The residual was reduced by what a message carried when it was encoded. A message
+        that was then not applied (late past the deadline, rejected, lost in transit, or a
+        fragment of a replica that sat out the rest of its round) carried nothing to the
+        weights, so what it carried goes back into the residual, and error feedback sends
+        it again. The driver hands out verdicts in launch order: a send older than the
+        newest verdict and without one of its own was lost to the driver (a resumed run)
+        and is dropped.
+        """
+        if not verdicts:
+            return
+        for attempt, applied in sorted(verdicts.items()):
+            buffers = self.unsettled.pop(attempt, None)
+            if buffers is not None and not applied:
+                self._add_to_residual(buffers)
+        newest = max(verdicts)
+        self.unsettled = {a: b for a, b in self.unsettled.items() if a > newest}
+
+    def forget_sent(self) -> None:
+        """Drop every unsettled send: its work is undone another way (a re-run of the round
+        rewinds the residual, a reset clears it, a restored server reloads everything)."""
+        self.unsettled = {}
+
+    def _add_to_residual(self, buffers: Sequence[np.ndarray]) -> None:
+        """Add the values these buffers carried (decoded as the servers decode them) into
+        the residual of their rows."""
+        for buf in buffers:
+            pieces, _ = compression.unpack_pieces(buf, self.names)
+            for name, (start, values) in pieces.items():
+                rows = self._residual_rows({name: (start, start + partition.num_rows(values.shape))})[name]
+                rows.add_(values.view(rows.shape))
 
     def _pack_difference(self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict) -> np.ndarray:
         """``anchor - local`` of ``rows`` packed for one server, with its residual decayed
@@ -312,6 +360,7 @@ class RankSync:
 
     def load_state_dict(self, state: dict) -> None:
         self.residual = {n: t.clone() for n, t in (state.get("residual") or {}).items()}
+        self.unsettled = {}  # a checkpoint is taken with every send settled
         if "anchor" in state:
             self.anchor = {n: t.clone() for n, t in state["anchor"].items()}
             self.versions = list(state["versions"])

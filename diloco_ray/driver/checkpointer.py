@@ -32,6 +32,10 @@ class Checkpointer:
         run_dir: the run's :class:`~diloco_ray.persist.run_folder.RunFolder`.
         log: called with each :class:`CheckpointEvent`.
         warn: called with a message for whoever watches.
+        sent_verdicts: replica id -> what the driver has learnt of its earlier sends and not
+            yet told it (:meth:`PeriodJobs.verdicts_for
+            <diloco_ray.driver.period_jobs.PeriodJobs.verdicts_for>`): a replica settles
+            them before it saves, so its saved residual holds what a dropped message carried.
     """
 
     def __init__(
@@ -41,9 +45,11 @@ class Checkpointer:
         run_dir,
         log: Callable,
         warn: Callable[[str], None],
+        sent_verdicts: Callable[[int], tuple] = lambda replica_id: (),
     ):
         self.checkpointing, self.deadlines = checkpointing, deadlines
         self.run_dir, self.log, self.warn = run_dir, log, warn
+        self.sent_verdicts = sent_verdicts
         self.last_round: Optional[int] = None  # the round of the latest checkpoint written or loaded
         self.last_progress: Optional[float] = None  # the rounds' worth of work it held (see OuterLoop.progress)
 
@@ -71,7 +77,7 @@ class Checkpointer:
         where = self.run_dir.begin_checkpoint(round_index)
         refs = server.save(where)
         for slot, rep in replicas.items():
-            refs += rep.save_inner_state(where, slot)
+            refs += rep.save_inner_state(where, slot, self.sent_verdicts(rep.id))
         try:
             hashes = ray.get(refs, timeout=timeout_s or self.deadlines.call_timeout_s)
         except (RayActorError, GetTimeoutError) as e:

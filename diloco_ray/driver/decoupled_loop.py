@@ -357,7 +357,8 @@ class DecoupledLoop:
         plans = {rid: f.plan for rid, f in self.arrived.items()}
         refs = host.server.sync(0, contributions, plans, unused, merge=(weighting.divisor, weighting.shares))
         applied = self._on_server(lambda: self.calls.get(refs.commits)[0])
-        self.jobs.note_rejections(applied)
+        for rid, flight in self.arrived.items():
+            self.jobs.note_sync(flight.attempt, applied, [rid])
         self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
         self.work_before = self.work
         if applied.applied:

@@ -15,6 +15,7 @@ from typing import Optional, Protocol
 from diloco_ray.config.sections import Sections
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
 from diloco_ray.driver.host import Host
+from diloco_ray.driver.period_jobs import PeriodJobs
 from diloco_ray.driver.step_feed import StepFeed
 from diloco_ray.driver.sync_loop import SyncLoop
 from diloco_ray.observe.records import RoundRecord
@@ -24,6 +25,7 @@ class OuterLoop(Protocol):
     """Runs a run's outer updates, one :meth:`run_round` at a time."""
 
     steps: Optional[StepFeed]  # the ranks' step events and heartbeats (set once the run is set up)
+    jobs: PeriodJobs  # what replicas launch from, and what they learn of their earlier sends
 
     @property
     def update_index(self) -> int:

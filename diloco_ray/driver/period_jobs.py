@@ -11,7 +11,7 @@ launches each replica on its own clock. Neither knows the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Iterable, Optional
 
 from diloco_ray.algo import links
 from diloco_ray.algo.outer import Rejection
@@ -49,6 +49,9 @@ class PeriodJobs:
         self.handout = Handout()
         self.attempt = 0  # launches so far: keys aborts, so a re-run is not stopped by an old abort
         self.reset_inner: set[int] = set()  # replica ids whose inner state is poisoned (NaN/Inf rejected)
+        # Replica id -> {launch attempt: whether the servers applied what it sent then},
+        # learnt since its last period and handed to it with the next (error feedback).
+        self.verdicts: dict[int, dict[int, bool]] = {}
 
     def restore(self, server) -> int:
         """Point replicas at the servers' state: the latest sync's message (a resumed
@@ -95,6 +98,7 @@ class PeriodJobs:
             reset=reset,
             restart=restart,
             reset_inner=rep.id in self.reset_inner,
+            sent_verdicts=self.verdicts_for(rep.id),
             board=board,
             link=links.link_for_slot(codec.link_mbps, codec.link_latency_ms, slot),
             snapshots=snapshots,
@@ -103,9 +107,27 @@ class PeriodJobs:
         )
 
     def launched(self, replica_ids) -> None:
-        """Those replicas' periods have started: a fresh inner state applied to them once."""
+        """Those replicas' periods have started: a fresh inner state applied to them once,
+        and the verdicts on their earlier sends delivered."""
         self.reset_inner -= set(replica_ids)
+        for rid in replica_ids:
+            self.verdicts.pop(rid, None)
 
-    def note_rejections(self, applied: AppliedRound) -> None:
-        """A replica rejected for NaN/Inf starts its next period with a fresh inner state."""
+    def verdicts_for(self, replica_id: int) -> tuple[tuple[int, bool], ...]:
+        """``(attempt, applied)`` of the replica's sends learnt since its last period."""
+        return tuple(sorted(self.verdicts.get(replica_id, {}).items()))
+
+    def note_sync(self, attempt: int, applied: AppliedRound, sent: Iterable[int]) -> None:
+        """A sync of the period launched as ``attempt`` committed: each replica in ``sent``
+        (it sent a pseudo-gradient then) learns whether it was applied with its next
+        period, and one rejected for NaN/Inf starts that period with a fresh inner state."""
+        accepted = set(applied.accepted)
+        for rid in sent:
+            self.verdicts.setdefault(rid, {})[attempt] = rid in accepted
         self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.reason is Rejection.NON_FINITE}
+
+    def note_dropped(self, attempt: int, replica_ids: Iterable[int]) -> None:
+        """What these replicas sent in ``attempt`` (if they sent anything: one told to stop
+        may not have) reached no sync: late past the deadline."""
+        for rid in replica_ids:
+            self.verdicts.setdefault(rid, {})[attempt] = False

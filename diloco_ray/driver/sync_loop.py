@@ -50,10 +50,12 @@ from diloco_ray.runtime.messages import Contribution, Launch, RoundPoll, Snapsho
 
 @dataclass
 class Period:
-    """One sync period's results: what the replicas reported, and the servers' refs."""
+    """One sync period's results: what the replicas reported, the servers' refs, and the
+    launch attempt it ran as."""
 
     reported: dict
     refs: object
+    attempt: int
 
 
 class SyncLoop:
@@ -202,6 +204,7 @@ class SyncLoop:
             for rep, why in poll.failed:
                 host.members.remove(rep, why)
             late |= set(poll.late)
+            self.jobs.note_dropped(self.jobs.attempt, poll.late)
             failed |= {rep.id for rep, _ in poll.failed}
             verdict = too_few_reported(len(poll.reported), self.membership.min_replicas, self.streaming)
             if verdict is not None:
@@ -263,11 +266,11 @@ class SyncLoop:
         # sync's becomes one only once its commit says it applied (attempt_round).
         advanced = sync_advances(applied=False, streaming=self.streaming)
         self.jobs.handout = Handout(refs.weights, full=False, version=self.jobs.handout.version + advanced)
-        return Period(reported, refs)
+        return Period(reported, refs, self.jobs.attempt)
 
     def _count_rejected(self, applied: list, periods: list[Period]) -> None:
         for info, period in zip(applied, periods):
-            self.jobs.note_rejections(info)
+            self.jobs.note_sync(period.attempt, info, period.reported)
             self.wasted_steps += sum(
                 stats[0].inner_steps for rid, stats in period.reported.items() if rid not in info.accepted
             )

@@ -114,11 +114,12 @@ class DilocoFSDPTrainer:
         # metrics.jsonl, the Ray dashboard, the callbacks; the ranks' step events
         self.events = RunEvents(self, self.callbacks, lambda: self.round_index)
         sections = config.sections()  # each part gets the sections it reads, not the whole config
+        self.loop = loop_for(sections, self.inflight_root)  # the update index, what replicas load next
         self.checkpointer = Checkpointer(
-            sections.checkpointing, sections.membership, self.run_dir, self.events.log, self.events.warn
+            *(sections.checkpointing, sections.membership, self.run_dir, self.events.log, self.events.warn),
+            sent_verdicts=self.loop.jobs.verdicts_for,
         )
         self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
-        self.loop = loop_for(sections, self.inflight_root)  # the update index, what replicas load next
         self.chaos = DriverFaults(config.fault_plan)  # the fault plan's server and driver faults
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop

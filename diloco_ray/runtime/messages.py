@@ -52,8 +52,11 @@ class SyncPeriod:
         servers: the server actor handles, for a full load after a missed sync.
         reset: the servers were restored from a checkpoint: load everything again.
         restart: the round runs again (too few replicas reported, or a lost server).
-        reset_inner: start with a fresh inner optimizer and residual (the replica's last
-            pseudo-gradient was rejected as non-finite).
+        reset_inner: start with a fresh inner optimizer and residual, and reload every
+            weight (the replica's last pseudo-gradient was rejected as non-finite).
+        sent_verdicts: ``(attempt, applied)`` for each of the replica's earlier sends whose
+            fate the driver has learnt since its last period, in launch order: what a send
+            not applied carried goes back into the residual (error feedback).
         board: the driver's step board (step events, heartbeats), or None.
         link: the simulated link of the replica's slot (``links.Link``), or None.
         snapshots: in-flight snapshot settings (first period of a round only), or None.
@@ -76,6 +79,7 @@ class SyncPeriod:
     reset: bool = False
     restart: bool = False
     reset_inner: bool = False
+    sent_verdicts: tuple[tuple[int, bool], ...] = ()
     board: Any = None
     link: Any = None
     snapshots: Optional[SnapshotPlan] = None

@@ -175,8 +175,16 @@ class RankWorker:
         # Overlap: a fragment's new weights are merged one period late, so the steps run
         # while they travel; a full load (new replica, missed sync) cannot wait.
         late_merge = self.config.overlap_communication and not job.full
-        if job.reset:  # the servers were restored from a checkpoint: reload everything
+        if job.reset_inner:  # its last pseudo-gradient was rejected as non-finite
+            self.state.reset()
+        # Reload everything when the servers were restored from a checkpoint, or after a
+        # rejection: a fragment's message replaces its fragment's rows only, and the other
+        # rows may hold the NaN that was rejected.
+        if job.reset or job.reset_inner:
             self.weights.forget_versions()
+        if job.reset or job.restart:  # what was sent is undone by the reload or the rewind
+            self.sync.forget_sent()
+        self.sync.settle(dict(job.sent_verdicts))
         received = self.weights.receive(job, merge=False, full_only=late_merge)
         fetched = transport.prefetch(job.messages) if late_merge else None  # downloads while the steps run
         restarted = job.fragment == 0 and self._begin_round(job, resuming=self._resuming(job))
@@ -189,7 +197,7 @@ class RankWorker:
         # A dropped link (fault plan): the message never leaves; the driver gives up on it.
         if not tally.aborted and self.faults.hold_link(lambda: self._abort_attempt == job.attempt):
             tally.aborted = True
-        buffers = [] if tally.aborted else self.weights.outgoing(job.fragment, job.link)
+        buffers = [] if tally.aborted else self.weights.outgoing(job.fragment, job.link, job.attempt)
         stats = self._period_stats(tally, buffers, received, restarted, compute=t2 - t1, load=(t1 - t0) + (t3 - t2))
         if tally.aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * self.config.num_param_servers
@@ -319,8 +327,8 @@ class RankWorker:
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
     def _begin_round(self, job: SyncPeriod, resuming: bool) -> bool:
-        """At the start of a round: reset a poisoned replica, and either start a re-run
-        of the round from where its first attempt started or note that state for one.
+        """At the start of a round: either start a re-run of the round from where its
+        first attempt started or note that state for one.
 
         A re-run (``job.restart``: too few replicas reported, or the server was
         restored) always puts the local weights back to the global ones (local :=
@@ -329,8 +337,6 @@ class RankWorker:
         error-feedback residual of the round's start, so the re-run trains exactly as
         the first attempt did. Returns whether this was a re-run.
         """
-        if job.reset_inner:
-            self.state.reset()
         if job.restart:
             self.state.rewind(job.round, keep=True)
         elif self.config.restore_on_retry and not resuming:
@@ -383,8 +389,12 @@ class RankWorker:
         return torch.autocast(self.device.type, dtype=dtype)
 
     # ---- outside the rounds: what the parts answer ---------------------------------------
-    def save_inner_state(self, folder: str, slot: int) -> dict:
-        """:meth:`RankState.save_inner_state`: this rank's part of a round checkpoint."""
+    def save_inner_state(self, folder: str, slot: int, sent_verdicts: tuple = ()) -> dict:
+        """:meth:`RankState.save_inner_state`: this rank's part of a round checkpoint, once
+        the sends the driver has verdicts on are settled (``sent_verdicts``: as a
+        :class:`~diloco_ray.runtime.messages.SyncPeriod` carries them), so the saved
+        residual holds what a dropped message carried."""
+        self.sync.settle(dict(sent_verdicts))
         return self.state.save_inner_state(folder, slot)
 
     def load_inner_state(self, folder: str, slot: int) -> bool:

@@ -91,11 +91,14 @@ class RankState:
     def reset(self) -> None:
         """A fresh inner optimizer (and scaler) and no residual: what a replica whose
         pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in
-        AdamW's moments) does not make it diverge again next round."""
+        AdamW's moments) does not make it diverge again next round. Its weights are
+        reloaded whole by the worker (:meth:`RankWorker.run_period
+        <diloco_ray.runtime.rank.RankWorker.run_period>`)."""
         self.optimizer = build_inner_optimizer([p for _, p in self.params], self.inner_optim)
         if self.scaler is not None:
             self.scaler = torch.amp.GradScaler(self.device.type)
         self.sync.residual = {}
+        self.sync.forget_sent()
         self.round_start.clear()
 
     # ---- a round's start, and a re-run of it --------------------------------------------

@@ -63,9 +63,11 @@ class RankWeights:
             received += self._apply(transport.receive(fetched or job.messages, job.link), merge=merge)
         return received
 
-    def outgoing(self, fragment: int, link) -> list[np.ndarray]:
-        """This rank's packed pseudo-gradient of ``fragment``, one buffer per server."""
-        return self.sync.outgoing(fragment, self.local_rows(), link)
+    def outgoing(self, fragment: int, link, attempt: int) -> list[np.ndarray]:
+        """This rank's packed pseudo-gradient of ``fragment``, one buffer per server, kept
+        under launch ``attempt`` until the driver's verdict on it (see
+        :meth:`~diloco_ray.algo.rank_sync.RankSync.settle`)."""
+        return self.sync.outgoing(fragment, self.local_rows(), link, attempt)
 
     @torch.no_grad()
     def _apply(self, buffers: list, merge: bool) -> int:

@@ -142,8 +142,8 @@ class Replica:
         for r in self.ranks:
             r.abort.options(concurrency_group="control").remote(attempt)
 
-    def save_inner_state(self, folder: str, slot: int) -> list:
-        return [r.save_inner_state.remote(folder, slot) for r in self.ranks]
+    def save_inner_state(self, folder: str, slot: int, sent_verdicts: tuple = ()) -> list:
+        return [r.save_inner_state.remote(folder, slot, sent_verdicts) for r in self.ranks]
 
     def load_inner_state(self, folder: str, slot: int) -> list:
         return [r.load_inner_state.remote(folder, slot) for r in self.ranks]

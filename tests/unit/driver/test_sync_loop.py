@@ -277,6 +277,26 @@ def test_a_slow_replica_stops_when_told_and_stays(tmp_path):
     assert record["replica_ids"] == [0, 1]
 
 
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_each_replica_hears_with_its_next_period_whether_what_it_sent_was_applied(tmp_path, fragments):
+    """Error feedback keeps a send until its verdict: late (told to stop) is not applied, a
+    NaN rejection is not either (and resets the replica), a sync that took it is; one that
+    sat out a streaming round's later fragments hears of its one send."""
+    faults = [{"kind": "slow", "replica": 1, "round": 0, "seconds": 1.0}, {"kind": "nan", "replica": 0, "round": 1}]
+    loop, host, reps = make(
+        tmp_path, faults=faults, round_timeout_s=STEP_POLL_S / 100, abort_grace_s=0.01, sync_fragments=fragments
+    )
+    loop.run_round(host)
+    round0 = [j.attempt for j in reps[0].jobs]
+    loop.run_round(host)
+    round1 = [j.attempt for j in reps[0].jobs[fragments:]]
+    assert reps[0].jobs[fragments].sent_verdicts == tuple((a, True) for a in round0)
+    assert reps[1].jobs[1].sent_verdicts == ((round0[0], False),)  # late, then sat the round out
+    loop.run_round(host)
+    assert reps[0].jobs[2 * fragments].reset_inner
+    assert reps[0].jobs[2 * fragments].sent_verdicts[0] == (round1[0], False)  # rejected for NaN
+
+
 class Beats:
     """A step feed whose board heard only from the ranks in ``alive`` (None: the board is lost)."""
 
