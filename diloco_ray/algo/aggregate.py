@@ -1,12 +1,17 @@
 """The outer gradient as the server forms it: weighted sum, mean, norm; pure tensor code.
 
 One outer step is: reject what cannot be applied, add each accepted pseudo-gradient times
-its weight into an fp32 sum, divide by the total weight, take the global L2 norm, clip by
-it, and step the outer optimizer. The parameter server does this a slice at a time
-(several servers each hold some rows: each sums and squares its own, and the norm is
-taken over every server's squares, in one global order); :meth:`OuterOptimizer.step
-<diloco_ray.algo.outer.OuterOptimizer.step>` does it on whole tensors in one process. Both
-call the functions here, so the tests of one check the other.
+its weight over :func:`weight_scale` into an fp32 sum, divide by the total weight over the
+same scale, take the global L2 norm, clip by it, and step the outer optimizer; a mean whose
+norm is not finite is applied by no one. The scaled weights add up to less than 1, so the
+sum of finite values stays finite however many tokens weigh them (raw token weights put a
+pseudo-gradient of 1e34 at 2e5 tokens past fp32's range).
+
+The parameter server does this a slice at a time (several servers each hold some rows:
+each sums and squares its own, and the norm is taken over every server's squares, in one
+global order); :meth:`OuterOptimizer.step <diloco_ray.algo.outer.OuterOptimizer.step>` does
+it on whole tensors in one process. Both call the functions here, so the tests of one check
+the other.
 
 A server's sum covers the rows of one sync; a replica's pieces arrive as ``(name, rows,
 values)``, still encoded (:class:`~diloco_ray.algo.compression.Encoded`), and
@@ -56,7 +61,7 @@ def add_pieces(acc: Mapping[str, Tensor], found: Iterable, first_row: Mapping[st
         acc: name -> the sum's fp32 tensor, covering rows from ``first_row[name]`` on.
         found: ``(name, (start, end), piece)``: rows of ``name`` and their still encoded values.
         first_row: name -> the first row ``acc[name]`` covers.
-        weight: the contribution's weight in the sum.
+        weight: the contribution's weight in the sum (over :func:`weight_scale`).
 
     Raises:
         NonFiniteError: from :func:`check_finite`, part-way: ``acc`` then holds the
@@ -92,9 +97,22 @@ def add_corrected(
         add_weighted(acc[name].view(-1), whole.view(-1), weight, name)
 
 
-def mean_in_place(acc: dict[str, Tensor], total_weight: float) -> dict[str, Tensor]:
-    """The weighted sum ``acc`` divided by ``total_weight``, in place (no second copy)."""
-    return {n: t.div_(total_weight) for n, t in acc.items()} if total_weight > 0 else {}
+def weight_scale(total_weight: float) -> float:
+    """What each weight is divided by before its pseudo-gradient is added: the smallest power
+    of two above ``total_weight``, the weight of every contribution the sum may hold (any
+    subset of them then adds up to less than 1).
+
+    A power of two scales exactly, so the mean is, bit for bit, what raw weights and a
+    division by the total give wherever that does not overflow (values below fp32's
+    normal range aside)."""
+    return math.ldexp(1.0, math.frexp(total_weight)[1]) if total_weight > 0 else 1.0
+
+
+def mean_in_place(acc: dict[str, Tensor], divisor: float, scale: float = 1.0) -> dict[str, Tensor]:
+    """The sum ``acc``, whose weights were divided by ``scale``, as the weighted mean over
+    ``divisor`` (the total weight), in place (no second copy). Values past fp32's range come
+    out infinite; the caller's norm shows it."""
+    return {n: t.div_(divisor / scale) for n, t in acc.items()} if divisor > 0 else {}
 
 
 def sum_of_squares(t: Tensor, chunk: int = 1 << 16) -> float:

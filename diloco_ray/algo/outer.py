@@ -4,7 +4,8 @@ This module owns everything that happens to the *global* parameters once the
 replicas' pseudo-gradients (``global - local`` after the inner steps) are in
 hand: validating each pseudo-gradient, averaging the accepted ones with
 weights in fp32 and clipping by their global norm (both with the functions the
-parameter server uses, :mod:`diloco_ray.algo.aggregate`), the outer learning-rate
+parameter server uses, :mod:`diloco_ray.algo.aggregate`; a mean past fp32's
+range is applied by no one), the outer learning-rate
 schedule, and the ``torch.optim`` outer optimizer (Nesterov SGD by default)
 together with its checkpointable state. It knows nothing about Ray, workers or
 communication; callers hand it tensors and get tensors back.
@@ -21,12 +22,13 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
-from diloco_ray.algo.decoupled import delayed_nesterov_
+from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part, weight_scale
+from diloco_ray.algo.decoupled import delayed_nesterov_, delayed_nesterov_clipped_
 from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.config.sections import OuterOptimSection
 
 __all__ = [
+    "MEAN_OVERFLOWS",
     "OuterOptimizer",
     "OuterStepInfo",
     "Rejected",
@@ -104,6 +106,12 @@ class Rejected:
         return self.detail
 
 
+# Why every replica of a sync is rejected when each pseudo-gradient was finite but their
+# weighted mean is not (a decoupled merge divides by a round's worth of tokens, which can be
+# less than the weights it merges): the servers' agreement and OuterOptimizer.step say it alike.
+MEAN_OVERFLOWS = Rejected(Rejection.NON_FINITE, "the weighted mean overflows fp32")
+
+
 def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> Rejected | None:
     """Why ``pseudo_grad`` cannot be applied to ``reference_params``, or None if it can.
 
@@ -151,8 +159,9 @@ class OuterStepInfo:
 
     Args:
         applied: whether the global params were updated.
-        accepted: indices (into the pseudo_grads list) that passed validation.
-        rejected: indices that failed validation.
+        accepted: indices (into the pseudo_grads list) whose pseudo-gradients were applied.
+        rejected: indices that failed validation, and every index when their weighted mean
+            was not finite (:data:`MEAN_OVERFLOWS`).
         reasons: index -> why it was rejected (a :class:`Rejected`).
         grad_norm: L2 norm of the outer gradient before clipping; None if not applied.
         lr: the outer lr used (or that would have been used).
@@ -215,7 +224,8 @@ class OuterOptimizer:
         Args:
             pseudo_grads: one name -> tensor dict per replica (``global - local``).
                 Invalid ones (non-finite, wrong keys or shapes) are skipped and
-                recorded in ``last_step``.
+                recorded in ``last_step``; a weighted mean past fp32's range is
+                not applied, and every replica in it is recorded rejected.
             weights: one finite, non-negative weight per replica (e.g. tokens seen).
 
         Returns:
@@ -246,16 +256,23 @@ class OuterOptimizer:
         if not accepted or not total > 0:
             return self.params
 
-        # The server's outer step (algo.aggregate), on whole tensors: an fp32 weighted sum
-        # of each accepted pseudo-gradient, the mean in place, the norm of its parts.
+        # The server's outer step (algo.aggregate), on whole tensors: an fp32 sum of each
+        # accepted pseudo-gradient times its scaled weight, the mean in place, the norm of its parts.
+        scale = weight_scale(total)
         acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self._params.items()}
         for i, w in accepted.items():
             for name, g in pseudo_grads[i].items():
-                add_weighted(acc[name].view(-1), g.detach().reshape(-1).to(acc[name].device, torch.float32), w, name)
-        mean = mean_in_place(acc, total)
+                flat = g.detach().reshape(-1).to(acc[name].device, torch.float32)
+                add_weighted(acc[name].view(-1), flat, w / scale, name)
+        mean = mean_in_place(acc, total, scale)
         position = {n: k for k, n in enumerate(self._params)}
-        info.grad_norm = norm_of_parts(squares_by_part(mean, position, dict.fromkeys(mean, 0)))
-        self.apply(mean, lr, clip_coefficient(info.grad_norm, self._clip), in_place=True)
+        norm = norm_of_parts(squares_by_part(mean, position, dict.fromkeys(mean, 0)))
+        if not math.isfinite(norm):  # as the servers' agreement does: no step, and each replica told why
+            info.reasons.update(dict.fromkeys(info.accepted, MEAN_OVERFLOWS))
+            info.rejected, info.accepted = sorted(info.rejected + info.accepted), []
+            return self.params
+        info.grad_norm = norm
+        self.apply(mean, lr, clip_coefficient(norm, self._clip), in_place=True)
         self.round += 1
         info.applied = True
         return self.params
@@ -314,22 +331,47 @@ class OuterOptimizer:
         before the first step or for an optimizer that keeps none."""
         return self._optimizer.state.get(self._params[name], {}).get("momentum_buffer")
 
-    def apply_delayed(self, mean: dict, lr: float, clip_coef: float, cycle_end: bool) -> None:
+    def cycle_grad(self, name: str) -> Optional[Tensor]:
+        """Decoupled mode, clipped by the cycle: the unclipped sum of the cycle's merge
+        gradients of parameter ``name`` (None before its first merge)."""
+        return self._optimizer.state.get(self._params[name], {}).get("cycle_grad")
+
+    def apply_delayed(
+        self,
+        mean: dict,
+        lr: float,
+        clip_coef: float,
+        cycle_end: bool,
+        cycle_coefs: Optional[tuple[float, float]] = None,
+    ) -> None:
         """Decoupled mode's delayed-Nesterov step (:func:`~diloco_ray.algo.decoupled.delayed_nesterov_`)
         from one merge's outer gradient, consuming ``mean`` as :meth:`apply` with ``in_place``
         does. The buffer lives in the SGD optimizer's ``momentum_buffer`` state, so checkpoints
-        carry it; ``round`` is not advanced."""
+        carry it; ``round`` is not advanced.
+
+        With ``cycle_coefs`` (the cycle's clip coefficient before this merge, and with it) the
+        merge is clipped by its cycle instead of by ``clip_coef``
+        (:func:`~diloco_ray.algo.decoupled.delayed_nesterov_clipped_`); the cycle's unclipped
+        gradient lives in the optimizer's ``cycle_grad`` state, which checkpoints carry too."""
         beta = float(self._optimizer.param_groups[0].get("momentum", 0.0))
         for name in list(mean):
             p = self._params[name]
             g = mean.pop(name).to(device=p.device, dtype=torch.float32)
             if g.shape != p.shape:
                 raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
-            if clip_coef != 1.0:
-                g.mul_(clip_coef)
             state = self._optimizer.state[p]
             if state.get("momentum_buffer") is None:
                 state["momentum_buffer"] = torch.zeros_like(p)
+            if cycle_coefs is not None:  # clipped by the cycle: (coefficient before, with this merge)
+                if state.get("cycle_grad") is None:
+                    state["cycle_grad"] = torch.zeros_like(p)
+                before, now = cycle_coefs
+                delayed_nesterov_clipped_(
+                    p.data, g, state["momentum_buffer"], state["cycle_grad"], lr, beta, before, now, cycle_end
+                )
+                continue
+            if clip_coef != 1.0:
+                g.mul_(clip_coef)
             delayed_nesterov_(p.data, g, state["momentum_buffer"], lr, beta, cycle_end)
 
     def state_dict(self) -> dict[str, Any]:

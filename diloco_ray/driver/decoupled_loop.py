@@ -105,9 +105,8 @@ class DecoupledLoop:
         self.timing = MergeTiming(
             self.pace, decoupled.grace_fraction, decoupled.grace_window_s, decoupled.align_periods
         )
-        # Tokens merged and the rank-periods they came from: their ratio stands in for a
-        # rank not in a merge (the merge divisor's unit).
-        self.rank_tokens, self.rank_periods = 0.0, 0
+        # What stands in for a replica not in a merge, and the hindsight count of work.
+        self.token_ledger = decoupled_math.TokenLedger()
         self.work = 0.0  # rounds' worth of tokens merged, from the server's last commit
         self.work_before = 0.0  # the same before the last merge
         self.failed: set[int] = set()
@@ -137,6 +136,7 @@ class DecoupledLoop:
         self.merge_index = self.jobs.restore(server)
         self.reset = reset
         self.work = self.work_before = server.work()
+        self.token_ledger.rewind(self.merge_index)  # the merges since the servers' state are undone
 
     def resume_in_flight(self, replicas: list) -> None:
         """Nothing to resume: this mode takes no in-flight snapshots (the config refuses
@@ -370,16 +370,16 @@ class DecoupledLoop:
 
     def _weighting(self, host: Host, merged: dict) -> decoupled_math.Weighting:
         """Each contribution's weight (the tokens it trained on, discounted by its
-        staleness) and one round's worth of tokens to divide by (a replica's ranks: its
-        ``world_size``)."""
+        staleness) and one round's worth of tokens to divide by: the merged replicas'
+        tokens, and for each active replica not merged the tokens of its own latest period
+        (per rank, times its ranks: its ``world_size``) (:class:`~diloco_ray.algo.decoupled.TokenLedger`)."""
         tokens = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in merged.items()}
-        self.rank_periods += sum(self.arrived[rid].launch.replica.world_size for rid in merged)
-        self.rank_tokens += sum(tokens.values())
+        ranks = {rid: self.arrived[rid].launch.replica.world_size for rid in merged}
         now = self._mark()
         self._staleness = {rid: now - f.mark for rid, f in self.arrived.items()}
-        absent = sum(rep.world_size for rep in host.members.active if rep.id not in merged)
-        per_rank = self.rank_tokens / self.rank_periods
-        return decoupled_math.merge_weighting(tokens, self._staleness, absent, per_rank, self.decoupled.staleness_power)
+        absent = {rep.id: rep.world_size for rep in host.members.active if rep.id not in merged}
+        power = self.decoupled.staleness_power
+        return self.token_ledger.weigh(tokens, ranks, absent, self._staleness, power, self.merge_index)
 
     @staticmethod
     def _on_server(call):

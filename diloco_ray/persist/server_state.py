@@ -176,6 +176,7 @@ class ServerCheckpoint:
             "cursor": plans.resume_cursor().to_dict(),
             "sync_mode": self.checkpointing.sync_mode,
             "work": position["work"],
+            "cycle_clip": position["cycle_clip"],
             "count": self.checkpointing.num_param_servers,
             "sync_fragments": self.checkpointing.sync_fragments,
             "shapes": {n: list(s) for n, s in layout.shapes.items()},

@@ -157,6 +157,7 @@ class Reduced:
     sumsq: list[tuple[int, int, float]]
     reasons: dict[int, Rejected]
     started: float
+    cycle_sumsq: Optional[list[tuple[int, int, float]]] = None  # delayed + outer_grad_clip: the cycle's with this mean
 
 
 @dataclass

@@ -98,7 +98,15 @@ class ParameterServer:
         self.layout = SliceLayout(shapes, self.index, cfg.num_param_servers, cfg.sync_fragments)
         self.codec = SliceCodec(self.layout, cfg.compression_block, cfg.topk_fraction, allocate=self._message_space)
         correct = cfg.stale_correction == "momentum"
-        self.aggregator = Aggregator(self.layout, self.codec, momentum_of=self._momentum_of if correct else None)
+        by_cycle = (
+            cfg.sync_mode == "decoupled" and cfg.decoupled_momentum == "delayed" and cfg.outer_grad_clip is not None
+        )
+        self.aggregator = Aggregator(
+            self.layout,
+            self.codec,
+            momentum_of=self._momentum_of if correct else None,
+            cycle_of=self._cycle_of if by_cycle else None,
+        )
 
     def _hold(self, params: dict) -> OuterOptimizer:
         """The parts that hold the rows: the store (around a new outer optimizer over
@@ -113,6 +121,9 @@ class ParameterServer:
 
     def _momentum_of(self, name: str) -> Optional[torch.Tensor]:
         return self.store.momentum_of(name)
+
+    def _cycle_of(self, name: str) -> Optional[torch.Tensor]:
+        return self.store.optimizer.cycle_grad(self.store.layout.pieces[(name, 0)])
 
     # ---- state ---------------------------------------------------------------------------
     def initialize(self, buffer_refs: list, shapes: dict[str, tuple]) -> None:
@@ -247,7 +258,8 @@ class ParameterServer:
         consumed = self.plans.settle_merge(plans, agreed.accepted, unused)
         if agreed.accepted:
             share = sum(shares.get(rid, 0.0) for rid in agreed.accepted)
-            store.merge(mean, lr, agreed.norm, share, delayed=self.config.decoupled_momentum == "delayed")
+            delayed = self.config.decoupled_momentum == "delayed"
+            store.merge(mean, lr, agreed.norm, share, delayed=delayed, cycle_norm=agreed.cycle_norm)
         return self._applied(agreed, step, 0, lr, consumed, round_done=bool(agreed.accepted), work=store.work)
 
     @staticmethod

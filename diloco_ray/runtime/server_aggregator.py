@@ -1,6 +1,12 @@
 """A parameter server's side of one sync's agreement: the replicas' weighted sum, the
 verdicts every server shares, the mean and its squared norms.
 
+The sum is built with each weight over one power of two above the total weight of the
+contributions (:func:`~diloco_ray.algo.aggregate.weight_scale`), so it holds a mean's worth
+and finite pseudo-gradients never overflow it; a mean that is still past fp32's range (a
+decoupled divisor below the weights it divides) shows in the norm, and every server then
+rejects the whole sync.
+
 :class:`Aggregator` holds what a sync keeps between ``prepare`` and ``commit``
 (:class:`PendingSync`) and the memory its sum is built in (:class:`SumSpace`);
 :class:`Agreement` is what every server's ``reduce`` says together. The tensor math is
@@ -17,7 +23,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import partition
+from diloco_ray.algo import decoupled, partition
 from diloco_ray.algo.aggregate import (
     NonFiniteError,
     add_corrected,
@@ -25,12 +31,18 @@ from diloco_ray.algo.aggregate import (
     mean_in_place,
     norm_of_parts,
     squares_by_part,
+    weight_scale,
 )
-from diloco_ray.algo.outer import Rejected, Rejection
+from diloco_ray.algo.outer import MEAN_OVERFLOWS, Rejected, Rejection
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.runtime import transport
 from diloco_ray.runtime.messages import Contribution, Prepared, Reduced
 from diloco_ray.runtime.server_codec import SliceCodec
+
+# Decoupled, delayed, clipped by the cycle: the cycle's gradient is summed in fp32, so a cycle
+# whose norm passes fp32's largest value (which any overflowing entry needs) is not merged.
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+CYCLE_OVERFLOWS = Rejected(Rejection.NON_FINITE, "the cycle's gradient overflows fp32")
 
 
 @dataclass
@@ -48,6 +60,9 @@ class PendingSync:
         mean: name -> the accepted mean, from ``reduce`` until ``commit``.
         divisor: decoupled mode: what the weighted sum is divided by (one round's worth
             of tokens) instead of the accepted weights.
+        scale: what every weight was divided by before its pieces were added (the
+            :func:`~diloco_ray.algo.aggregate.weight_scale` of all the contributions), for
+            the sum of any accepted subset too.
     """
 
     fragment: int
@@ -57,6 +72,7 @@ class PendingSync:
     acc: Optional[dict] = None
     mean: Optional[dict] = None
     divisor: Optional[float] = None
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -64,25 +80,43 @@ class Agreement:
     """What every server's :meth:`Aggregator.reduce` says of one sync, together.
 
     Args:
-        accepted: the replicas whose contributions every server accepted.
+        accepted: the replicas whose contributions every server accepted (none when their
+            mean is not finite on some server's rows).
         norm: the global L2 norm of the accepted mean over every server's rows (None when
             nothing was accepted).
-        rejected: replica id -> why it was rejected (by any server).
+        rejected: replica id -> why it was rejected (by any server, or
+            :data:`~diloco_ray.algo.outer.MEAN_OVERFLOWS` or :data:`CYCLE_OVERFLOWS` for all
+            of them).
         started: when server 0's first piece arrived.
+        cycle_norm: decoupled, delayed and ``outer_grad_clip``: the global L2 norm of the
+            cycle's unclipped gradient with this mean, what the merge is clipped by (None
+            otherwise, or when nothing was accepted).
     """
 
     accepted: list[int]
     norm: Optional[float]
     rejected: dict
     started: float
+    cycle_norm: Optional[float] = None
 
     @classmethod
     def of(cls, reduced: Sequence[Reduced]) -> "Agreement":
         """From every server's ``reduce`` result, in server order."""
-        accepted = reduced[0].accepted
+        accepted, rejected = reduced[0].accepted, reduced[0].reasons
         # In one global order, so every server (and any server count) gets the same norm.
         norm = norm_of_parts(t for r in reduced for t in r.sumsq) if accepted else None
-        return cls(accepted, norm, reduced[0].reasons, reduced[0].started)
+        if norm is not None and not math.isfinite(norm):
+            # Finite values whose mean is past fp32's range (squares are summed in float64,
+            # so only such a mean makes the norm infinite): nothing is applied anywhere.
+            rejected = {**rejected, **dict.fromkeys(accepted, MEAN_OVERFLOWS)}
+            accepted, norm = [], None
+        cycle = None
+        if accepted and reduced[0].cycle_sumsq is not None:
+            cycle = norm_of_parts(t for r in reduced for t in r.cycle_sumsq)
+            if not cycle < _FP32_MAX:  # only then can an entry of the cycle's fp32 sum overflow: as above
+                rejected = {**rejected, **dict.fromkeys(accepted, CYCLE_OVERFLOWS)}
+                accepted, norm, cycle = [], None, None
+        return cls(accepted, norm, rejected, reduced[0].started, cycle)
 
 
 class SumSpace:
@@ -125,6 +159,10 @@ class Aggregator:
         momentum_of: name -> the outer momentum of this server's rows of it (or None), which a
             stale contribution is corrected against (``stale_correction: momentum``);
             None: no correction.
+        cycle_of: name -> the unclipped gradient of the current delayed-Nesterov cycle on this
+            server's rows of it (or None before the first merge): each merge's
+            ``cycle_sumsq`` then holds the squared norms of that plus the mean (decoupled,
+            delayed, ``outer_grad_clip``: clipped by the cycle); None: no such parts.
     """
 
     def __init__(
@@ -132,8 +170,10 @@ class Aggregator:
         layout: SliceLayout,
         codec: SliceCodec,
         momentum_of: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
+        cycle_of: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
     ):
         self.layout, self.codec, self.momentum_of = layout, codec, momentum_of
+        self.cycle_of = cycle_of
         self.pending: Optional[PendingSync] = None
         self.space = SumSpace()
 
@@ -144,17 +184,20 @@ class Aggregator:
         the sum's divisor."""
         started = time.time()
         target = self.layout.target(fragment)
+        # Every weight is known up front: scaled by their total's power of two, the sum of
+        # any of them holds a mean's worth, whichever turn out accepted.
+        scale = weight_scale(sum(float(c.weight) for c in contributions))
         acc = self._zeroed(target)
         reasons, valid = {}, []
         for c in contributions:
-            why = self._add(acc, c, target)
+            why = self._add(acc, c, target, scale)
             if why is None:
                 valid.append(c.replica_id)
                 continue
             reasons[c.replica_id] = why
             if why.reason is Rejection.NON_FINITE:  # added part-way: sum the valid ones again
-                acc = self._sum(contributions, set(valid), target)
-        self.pending = PendingSync(fragment, contributions, valid, started, acc=acc, divisor=divisor)
+                acc = self._sum(contributions, set(valid), target, scale)
+        self.pending = PendingSync(fragment, contributions, valid, started, acc=acc, divisor=divisor, scale=scale)
         return Prepared(
             order=[c.replica_id for c in contributions],
             weights={c.replica_id: float(c.weight) for c in contributions},
@@ -162,12 +205,12 @@ class Aggregator:
             arrived=time.time(),
         )
 
-    def _add(self, acc: dict, c: Contribution, target: partition.Rows) -> Optional[Rejected]:
+    def _add(self, acc: dict, c: Contribution, target: partition.Rows, scale: float) -> Optional[Rejected]:
         """Add ``c``'s pieces into ``acc``; why not, where they cannot be."""
         import ray
 
         try:
-            self._accumulate(acc, transport.receive(c.refs), target, c)
+            self._accumulate(acc, transport.receive(c.refs), target, c, scale)
         except NonFiniteError as e:
             return Rejected(Rejection.NON_FINITE, str(e))
         except ValueError as e:
@@ -176,23 +219,24 @@ class Aggregator:
             return Rejected(Rejection.LOST_IN_TRANSIT, f"pseudo-gradient lost in transit: {type(e).__name__}")
         return None
 
-    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, c: Contribution) -> None:
-        """Add one replica's checked pieces, times its weight, into ``acc``, corrected first
-        when it is stale and a correction is configured."""
+    def _accumulate(self, acc: dict, buffers: list, target: partition.Rows, c: Contribution, scale: float) -> None:
+        """Add one replica's checked pieces, times its weight over ``scale``, into ``acc``,
+        corrected first when it is stale and a correction is configured."""
         found = self.codec.decode(buffers, target)
         first_row = {n: iv[0] for n, iv in target.items()}
+        weight = float(c.weight) / scale
         if c.staleness > 0 and self.momentum_of is not None:
-            add_corrected(acc, found, first_row, float(c.weight), self.momentum_of)
+            add_corrected(acc, found, first_row, weight, self.momentum_of)
         else:
-            add_pieces(acc, found, first_row, float(c.weight))
+            add_pieces(acc, found, first_row, weight)
 
-    def _sum(self, contributions: list[Contribution], ids: set[int], target: partition.Rows) -> dict:
+    def _sum(self, contributions: list[Contribution], ids: set[int], target: partition.Rows, scale: float) -> dict:
         """The weighted sum of the contributions of replicas ``ids`` (checked before), in a
         new sum that replaces the last one."""
         acc = self._zeroed(target)
         for c in contributions:
             if c.replica_id in ids:
-                self._accumulate(acc, transport.resolve(c.refs), target, c)
+                self._accumulate(acc, transport.resolve(c.refs), target, c, scale)
         return acc
 
     def _zeroed(self, target: partition.Rows) -> dict[str, torch.Tensor]:
@@ -200,7 +244,8 @@ class Aggregator:
 
     def reduce(self, *prepared: Prepared) -> Reduced:
         """Agree on the accepted replicas (rejected anywhere means rejected everywhere),
-        turn the sum into this slice's mean in place, and return its squared norms."""
+        turn the sum into this slice's mean in place, and return its squared norms (infinite
+        where the mean is past fp32's range: :meth:`Agreement.of` then rejects the sync)."""
         pending = self.pending
         reasons = {rid: why for p in prepared for rid, why in p.reasons.items()}
         accepted = [rid for rid in prepared[0].order if rid not in reasons]
@@ -209,13 +254,21 @@ class Aggregator:
             total = pending.divisor
         target = self.layout.target(pending.fragment)
         if accepted != pending.valid:  # another server rejected one this server summed
-            pending.acc = self._sum(pending.contributions, set(accepted), target)  # in the same space
+            # The same scale: it bounds the weights of every subset of the contributions.
+            pending.acc = self._sum(pending.contributions, set(accepted), target, pending.scale)  # in the same space
         acc, pending.acc = pending.acc, None  # becomes the mean, in place: one reference, which commit consumes
-        pending.mean = mean_in_place(acc, total)
+        pending.mean = mean_in_place(acc, total, pending.scale)
         del acc
         mean = pending.mean
         sumsq = squares_by_part(mean, self.layout.position, {n: target[n][0] for n in mean})
-        return Reduced(accepted=accepted if total > 0 else [], sumsq=sumsq, reasons=reasons, started=pending.started)
+        cycle = None
+        if self.cycle_of is not None:
+            cycle = [
+                (self.layout.position[n], target[n][0], decoupled.cycle_sumsq(self.cycle_of(n), m))
+                for n, m in mean.items()
+            ]
+        accepted = accepted if total > 0 else []
+        return Reduced(accepted=accepted, sumsq=sumsq, reasons=reasons, started=pending.started, cycle_sumsq=cycle)
 
     def take_mean(self) -> dict:
         """The accepted mean (name -> this sync's rows), handed over once: the sync ends here,
@@ -227,9 +280,9 @@ class Aggregator:
     def message_space(self, nbytes: int) -> np.ndarray:
         """``nbytes`` for an uncompressed message: the sum space's memory when no sync holds a
         sum in it. A sync's weights message is built after its sum was consumed, so the two
-        share one buffer and the server's peak stays weights + momentum + one buffer. Such a
-        message is valid until the next :meth:`prepare`: through Ray it was copied into the
-        object store when the call returned."""
+        share one buffer and the server's peak stays weights + momentum + one buffer (+ the
+        cycle's gradient when clipped by the cycle). Such a message is valid until the next
+        :meth:`prepare`: through Ray it was copied into the object store when the call returned."""
         if self.pending is not None:
             return np.empty(nbytes, dtype=np.uint8)
         return self.space.as_bytes(nbytes)

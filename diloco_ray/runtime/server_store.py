@@ -38,6 +38,7 @@ class SliceStore:
         self.version = 0  # syncs committed: the version replicas hold
         self.round_accepted: Optional[set[int]] = None  # replicas with a fragment applied this round
         self.work = 0.0  # decoupled: rounds' worth of tokens merged (drives the lr schedule and the momentum cycle)
+        self.cycle_clip = 1.0  # decoupled, delayed, clipped by the cycle: the clip coefficient of the cycle so far
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -92,15 +93,22 @@ class SliceStore:
         """Decoupled mode: the outer lr, following the schedule by ``work``."""
         return self.optimizer.lr_at(int(self.work + decoupled.CYCLE_EPS))
 
-    def merge(self, mean: dict, lr: float, norm: float, share: float, delayed: bool) -> None:
+    def merge(
+        self, mean: dict, lr: float, norm: float, share: float, delayed: bool, cycle_norm: Optional[float] = None
+    ) -> None:
         """Decoupled mode: one outer step from a merge's accepted ``mean`` (consumed) worth
         ``share`` of a round; with ``delayed`` Nesterov its momentum applies each time
         ``work`` passes a whole round (:mod:`diloco_ray.algo.decoupled`)."""
         before, self.work = self.work, self.work + share
         clip = clip_coefficient(norm, self.optimizer.max_norm)
         keyed = self.layout.keyed(mean, 0)
-        if delayed:
-            self.optimizer.apply_delayed(keyed, lr, clip, decoupled.cycle_ends(before, self.work))
+        end = decoupled.cycle_ends(before, self.work)
+        if delayed and cycle_norm is not None:  # clipped by the cycle (outer_grad_clip)
+            coefs = (self.cycle_clip, clip_coefficient(cycle_norm, self.optimizer.max_norm))
+            self.optimizer.apply_delayed(keyed, lr, 1.0, end, cycle_coefs=coefs)
+            self.cycle_clip = 1.0 if end else coefs[1]
+        elif delayed:
+            self.optimizer.apply_delayed(keyed, lr, clip, end)
         else:
             self.optimizer.apply(keyed, lr, clip, in_place=True)
         self.optimizer.round += 1
@@ -110,7 +118,13 @@ class SliceStore:
     def position(self) -> dict:
         """Where the rows stand, as a checkpoint records it."""
         accepted = None if self.round_accepted is None else sorted(self.round_accepted)
-        return {"fragment": self.fragment, "version": self.version, "round_accepted": accepted, "work": self.work}
+        return {
+            "fragment": self.fragment,
+            "version": self.version,
+            "round_accepted": accepted,
+            "work": self.work,
+            "cycle_clip": self.cycle_clip,
+        }
 
     def restore_position(self, meta: Mapping) -> None:
         """Back to the :meth:`position` a checkpoint recorded (absent keys: a fresh run's)."""
@@ -118,6 +132,7 @@ class SliceStore:
         accepted = meta.get("round_accepted")
         self.round_accepted = None if accepted is None else set(accepted)
         self.work = float(meta.get("work", 0.0))
+        self.cycle_clip = float(meta.get("cycle_clip", 1.0))
 
 
 class PlanLedger:

@@ -1,4 +1,5 @@
-"""aggregate.add_pieces / add_corrected: a replica's encoded pieces added into a server's sum."""
+"""aggregate.add_pieces / add_corrected: a replica's encoded pieces added into a server's sum,
+with weights scaled (weight_scale) so the sum holds a mean's worth."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression, decoupled, partition
-from diloco_ray.algo.aggregate import add_corrected, add_pieces
+from diloco_ray.algo.aggregate import add_corrected, add_pieces, mean_in_place, weight_scale
 
 NAMES = ["a", "b", "c"]
 SHAPES = {"a": (6, 3), "b": (5,), "c": ()}
@@ -81,3 +82,38 @@ def test_a_stale_contribution_is_corrected_against_the_momentum_before_it_is_add
         if with_momentum:
             decoupled.correct_stale_(want, momentum[n])
         torch.testing.assert_close(acc[n], 0.5 * want)
+
+
+@pytest.mark.parametrize("weights", [(0.25, 2.0), (1000.0, 3000.0), (1.0, 1.0), (123457.0, 7.0)])
+def test_weights_scaled_by_a_power_of_two_leave_the_mean_bit_for_bit(weights):
+    """The scale is a power of two, which multiplies exactly: the mean is what the raw-weighted
+    sum divided by the total gives, to the bit."""
+    total = sum(weights)
+    scale = weight_scale(total)
+    assert scale > total and scale / 2 <= total and scale == 2.0 ** round(torch.log2(torch.tensor(scale)).item())
+    raw, scaled = zeros(), zeros()
+    for seed, w in enumerate(weights):
+        add_pieces(raw, found_of(values(seed)), FIRST, w)
+        add_pieces(scaled, found_of(values(seed)), FIRST, w / scale)
+    raw, scaled = mean_in_place(raw, total), mean_in_place(scaled, total, scale)
+    for n in NAMES:
+        assert torch.equal(raw[n], scaled[n])
+
+
+def test_scaled_weights_keep_a_sum_near_the_fp32_limit_finite():
+    big = {n: torch.full(shape_of(n), 3e38) for n in NAMES}
+    big["a"][0] = -1e38
+    scale = weight_scale(400.0)
+    acc = zeros()
+    add_pieces(acc, found_of(big), FIRST, 100.0 / scale)
+    add_pieces(acc, found_of({n: v.abs() for n, v in big.items()}), FIRST, 300.0 / scale)
+    mean = mean_in_place(acc, 400.0, scale)
+    for n in NAMES:
+        want = torch.full(shape_of(n), 3e38)
+        if n == "a":
+            want[0] = (100 * -1e38 + 300 * 1e38) / 400
+        torch.testing.assert_close(mean[n], want, rtol=1e-6, atol=0)
+
+
+def test_no_weight_gives_a_scale_of_one():
+    assert weight_scale(0.0) == 1.0

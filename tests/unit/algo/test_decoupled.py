@@ -63,17 +63,17 @@ def test_a_merge_divides_by_a_round_of_the_tokens_trained():
     # Both replicas merged (inner_time_s cut their periods short): the divisor is the tokens
     # they trained on, so the merge is the synchronous token-weighted mean (bug: it was the
     # tokens of full periods, and the update 0.75x the synchronous one).
-    w = decoupled.merge_weighting({0: 300.0, 1: 150.0}, {0: 0, 1: 0}, 0, 999.0, 1.0)
+    w = decoupled.merge_weighting({0: 300.0, 1: 150.0}, {0: 0, 1: 0}, 0.0, 1.0)
     assert (w.weights, w.divisor, w.shares) == ({0: 300.0, 1: 150.0}, 450.0, {0: 300 / 450, 1: 150 / 450})
     assert w.applied == pytest.approx(1.0) and sum(w.shares.values()) == pytest.approx(1.0)
-    # One merged, a 2-rank replica still training: it stands in at 2 ranks' tokens per period.
-    w = decoupled.merge_weighting({0: 300.0}, {0: 0}, 2, 290.0, 1.0)
+    # One merged, a replica still training stands in at 580 tokens.
+    w = decoupled.merge_weighting({0: 300.0}, {0: 0}, 580.0, 1.0)
     assert w.divisor == 300.0 + 580.0 and w.shares == {0: 300.0 / 880.0}
     # A stale contribution: its weight is discounted, its share of the work is not.
-    w = decoupled.merge_weighting({0: 300.0, 1: 300.0}, {0: 0, 1: 1}, 0, 300.0, 1.0)
+    w = decoupled.merge_weighting({0: 300.0, 1: 300.0}, {0: 0, 1: 1}, 0.0, 1.0)
     assert w.weights == {0: 300.0, 1: 150.0} and w.shares == {0: 0.5, 1: 0.5} and w.applied == 0.75
     with pytest.raises(ValueError):
-        decoupled.merge_weighting({}, {}, 0, 0.0, 1.0)
+        decoupled.merge_weighting({}, {}, 0.0, 1.0)
 
 
 def test_staleness_counts_outer_momentum_steps():

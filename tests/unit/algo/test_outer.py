@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part
+from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part, weight_scale
 from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, Rejected, Rejection, find_invalid, outer_lr_at
 from diloco_ray.config.sections import OuterOptimSection
 
@@ -38,12 +38,14 @@ def close(actual, expected, tol=1e-6):
 
 
 def weighted_mean(grads, weights):
-    """The server's way (algo.aggregate): an fp32 sum of checked, weighted parts, then / total."""
+    """The server's way (algo.aggregate): an fp32 sum of checked parts times their scaled
+    weights, then / the total over the same scale."""
     acc = {n: torch.zeros(g.shape) for n, g in grads[0].items()}
+    scale = weight_scale(sum(weights))
     for g, w in zip(grads, weights):
         for n, v in g.items():
-            add_weighted(acc[n].view(-1), v.reshape(-1).float(), w, n)
-    return mean_in_place(acc, sum(weights))
+            add_weighted(acc[n].view(-1), v.reshape(-1).float(), w / scale, n)
+    return mean_in_place(acc, sum(weights), scale)
 
 
 def test_weighted_mean_weights_1_3():
@@ -345,6 +347,51 @@ def test_load_state_dict_rejects_mismatched_params():
     other = OuterOptimizer({"w": t(0.0, 0.0, 0.0)}, cfg())
     with pytest.raises(ValueError):
         opt.load_state_dict(other.state_dict())
+
+
+# -------------------------------------------------------------------- overflow
+
+
+def test_a_weighted_sum_past_fp32_gives_finite_weights():
+    """1e34 times 2e5 tokens is past fp32's range; the mean, 1e34, is not, and clipping takes
+    it to norm 1."""
+    opt = OuterOptimizer({"w": t(0.0, 0.0, 0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=1.0))
+    out = opt.step([{"w": t(1e34, 0.0, 0.0)}], [2e5])
+    assert opt.last_step.applied and opt.last_step.grad_norm == pytest.approx(1e34, rel=1e-6)
+    close(out["w"], [-1.0, 0.0, 0.0])
+
+
+def test_values_near_the_fp32_limit_average_to_their_token_weighted_mean():
+    opt = OuterOptimizer({"w": t(0.0, 0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0, outer_grad_clip=1.0))
+    opt.step([{"w": t(3e38, -1e38)}, {"w": t(3e38, 3e38)}], [100.0, 300.0])
+    # mean: [3e38, (100 * -1e38 + 300 * 3e38) / 400] = [3e38, 2e38]; norm sqrt(13) * 1e38
+    assert opt.last_step.applied and opt.last_step.grad_norm == pytest.approx(math.sqrt(13) * 1e38, rel=1e-6)
+    close(opt.params["w"], [-3 / math.sqrt(13), -2 / math.sqrt(13)])
+
+
+def test_a_weight_past_fp32_is_a_share_of_the_total_like_any_other():
+    opt = OuterOptimizer({"w": t(0.0)}, cfg(outer_lr=1.0, outer_momentum=0.0))
+    opt.step([{"w": t(1.0)}, {"w": t(4.0)}], [1e39, 3e39])
+    assert opt.last_step.applied
+    close(opt.params["w"], [-3.25])
+
+
+def test_a_mean_that_is_not_finite_is_a_rejection_not_a_step(monkeypatch):
+    """Normalised weights keep the mean of finite values finite; should it still not be
+    (forced here), nothing moves and every accepted replica is rejected with the reason."""
+    import diloco_ray.algo.outer as outer
+
+    monkeypatch.setattr(outer, "mean_in_place", lambda acc, *args: {n: v.fill_(math.inf) for n, v in acc.items()})
+    opt = OuterOptimizer({"w": t(1.0, 2.0)}, cfg(outer_grad_clip=1.0))
+    out = opt.step([{"w": t(1.0, 0.0)}, {"w": t(math.nan, 0.0)}, {"w": t(2.0, 0.0)}], [1.0, 1.0, 1.0])
+    close(out["w"], [1.0, 2.0])
+    info = opt.last_step
+    assert not info.applied and info.grad_norm is None and opt.round == 0
+    assert info.accepted == [] and info.rejected == [0, 1, 2]
+    assert info.reasons[1] == Rejected(Rejection.NON_FINITE, "non-finite values in 'w'")
+    for i in (0, 2):
+        assert info.reasons[i].reason is Rejection.NON_FINITE and "weighted mean overflows" in str(info.reasons[i])
+    assert opt.state_dict()["optimizer"]["state"] == {}
 
 
 # ---------------------------------------------------------------------- dtypes

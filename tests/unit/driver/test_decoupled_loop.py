@@ -262,6 +262,91 @@ def test_a_delayed_cycle_of_single_merges_is_the_synchronous_round_at_the_defaul
     assert max_diff(host.server.weights(), reference) < 1e-6
 
 
+def round_gradient(periods: list[tuple[list, float]]) -> dict[str, torch.Tensor]:
+    """A synchronous round's outer gradient: its periods' pseudo-gradients (``STEP`` x the
+    noise of each plan) times their coefficients (tokens over the round's tokens)."""
+    return {n: sum(STEP * noise(SHAPES, plan[0][0], 0, 0)[n] * c for plan, c in periods) for n in SHAPES}
+
+
+def synchronous_rounds(cfg, rounds: list[list[tuple[list, float]]], clip=None) -> dict[str, torch.Tensor]:
+    """Synchronous DiLoCo rounds by hand, one Nesterov SGD step each on its
+    :func:`round_gradient`, clipped to global norm ``clip`` first when one is given."""
+    params = {n: t.clone().requires_grad_(True) for n, t in initial_weights().items()}
+    opt = torch.optim.SGD(params.values(), lr=cfg.outer_lr, momentum=cfg.outer_momentum, nesterov=True)
+    for periods in rounds:
+        grad = round_gradient(periods)
+        for n, p in params.items():
+            p.grad = grad[n]
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        opt.step()
+    return {n: p.detach() for n, p in params.items()}
+
+
+def test_unequal_replicas_merged_one_at_a_time_make_the_synchronous_rounds(tmp_path):
+    """Replica 0 trains 3x replica 1's tokens (30 vs 10 a period). The first merge holds both;
+    then each is merged alone, in turn, for three more cycles. Each absent replica stands in
+    at its own latest period's tokens, so every merge divides by the round's 40 tokens, a
+    cycle ends at each merge of replica 1 (work 1.0, 1.75, 2.0, ...), and the weights are the
+    four synchronous rounds' (the last cycle's momentum step included) to 1e-6. (Bug: one
+    running average per rank stood in for both: work 1.0, 1.5625, 1.896, ..., off the rounds.)
+    staleness_power 0: replica 0's periods start before the cycle end that precedes their
+    merge, and the rule under test is the weighting, not the discount."""
+    cycles = 4
+    delays = {0: [0, 0] + [1] * cycles, 1: [0] + [1] * cycles}
+    host, reps = make(tmp_path, staleness_power=0.0, steps={0: 3, 1: 1}, delays=delays)
+    records = [host.merge() for _ in range(2 * cycles - 1)]
+    assert [r["replica_ids"] for r in records] == [[0, 1]] + [[0], [1]] * (cycles - 1)
+    singles = [w for k in range(1, cycles) for w in (k + 0.75, k + 1)]
+    assert [r["work"] for r in records] == pytest.approx([1.0] + singles)
+    rounds = [[(reps[0].jobs[k].plan, 30 / 40), (reps[1].jobs[k].plan, 10 / 40)] for k in range(cycles)]
+    assert max_diff(host.server.weights(), synchronous_rounds(host.server.cfg, rounds)) < 1e-6
+
+
+def test_with_outer_grad_clip_each_delayed_cycle_is_the_synchronous_clipped_round(tmp_path):
+    """As above, with ``outer_grad_clip`` at half the rounds' mean gradient norm, so every
+    round is clipped: each merge moves what its cycle has applied to the cycle's gradient so
+    far clipped by that gradient's norm (the norm gathered from the servers' parts), so each
+    cycle ends on the synchronous round's clipped step, and the weights are the four clipped
+    synchronous rounds' to 1e-6. (Before: each merge was clipped by its own norm, so a cycle
+    applied the sum of separately clipped merges.)"""
+    cycles = 4
+    delays = {0: [0, 0] + [1] * cycles, 1: [0] + [1] * cycles}
+
+    def run(folder, **overrides):
+        host, reps = make(folder, staleness_power=0.0, steps={0: 3, 1: 1}, delays=delays, **overrides)
+        for _ in range(2 * cycles - 1):
+            host.merge()
+        return host, [[(reps[0].jobs[k].plan, 30 / 40), (reps[1].jobs[k].plan, 10 / 40)] for k in range(cycles)]
+
+    _, rounds = run(tmp_path / "plain")
+    norms = [float(sum(t.pow(2).sum() for t in round_gradient(r).values()).sqrt()) for r in rounds]
+    clip = 0.5 * sum(norms) / len(norms)
+    host, clipped_rounds = run(tmp_path / "clipped", outer_grad_clip=clip)
+    assert clipped_rounds == rounds and min(norms) > clip
+    reference = synchronous_rounds(host.server.cfg, rounds, clip=clip)
+    assert max_diff(host.server.weights(), reference) < 1e-6
+    assert max_diff(host.server.weights(), synchronous_rounds(host.server.cfg, rounds)) > 1e-4  # the clip mattered
+
+
+def test_a_replica_merged_before_the_other_has_reported_shifts_only_the_first_cycle(tmp_path):
+    """As above, but replica 0 is merged alone first, before replica 1 ever reported: the
+    running average per rank (its own 30) stands in for replica 1, so that merge applies
+    30/60 of its pseudo-gradient instead of 30/40. Replica 1's first merge settles the count
+    in hindsight (the first merge was 0.75 of a round, not 0.5), so the cycle still ends
+    there, at work 1.0, and every later cycle is the synchronous round: the weights are the
+    synchronous rounds' with the first round's gradient 0.5 g0 + 0.25 g1 instead of the mean."""
+    cycles = 4
+    host, reps = make(tmp_path, staleness_power=0.0, steps={0: 3, 1: 1}, delays={0: [0] + [1] * 9, 1: [1] * 9})
+    records = [host.merge() for _ in range(2 * cycles)]
+    assert [r["replica_ids"] for r in records] == [[0], [1]] * cycles
+    singles = [w for k in range(1, cycles) for w in (k + 0.75, k + 1)]
+    assert [r["work"] for r in records] == pytest.approx([0.5, 1.0] + singles)
+    first = [(reps[0].jobs[0].plan, 30 / 60), (reps[1].jobs[0].plan, 10 / 40)]  # as applied
+    rounds = [first] + [[(reps[0].jobs[k].plan, 30 / 40), (reps[1].jobs[k].plan, 10 / 40)] for k in range(1, cycles)]
+    assert max_diff(host.server.weights(), synchronous_rounds(host.server.cfg, rounds)) < 1e-6
+
+
 @pytest.mark.parametrize("every, evaluated", [(1, [False, True, False, True]), (2, [False, False, False, True])])
 def test_merges_are_evaluated_every_eval_every_rounds_worth(tmp_path, every, evaluated):
     """Single merges of half a round each: an eval at each round's worth by default, at
@@ -399,3 +484,13 @@ def test_a_frozen_replica_that_does_not_answer_its_stop_is_dropped(tmp_path):
         records.append(host.merge())
     assert host.members.removed == [(1, "unresponsive")] and reps[1].stopped and reps[1].aborted
     assert 1 in records[-1]["dropped"] and all(r["replica_ids"] == [0] for r in records)
+
+
+def test_a_merged_replica_hears_with_its_next_period_that_what_it_sent_was_applied(tmp_path):
+    """Error feedback keeps a send until its verdict, which comes with the replica's next
+    period (a rejected or lost one: False; see test_sync_loop for those)."""
+    host, reps = make(tmp_path, delays={0: [0, 0, 9], 1: [1, 1]})
+    host.merge()
+    first = reps[0].jobs[0].attempt
+    host.merge()
+    assert reps[0].jobs[0].sent_verdicts == () and reps[0].jobs[1].sent_verdicts == ((first, True),)

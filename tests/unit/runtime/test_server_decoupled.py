@@ -162,3 +162,107 @@ def test_a_stale_contribution_is_corrected_against_the_outer_momentum(correction
     if correction == "momentum":
         assert corrected > 0  # some tensors pointed against the momentum (else the test shows nothing)
     assert max_diff(dec.global_weights(), {n: p.detach().numpy() for n, p in params.items()}) < 1e-6
+
+
+def merge_everywhere(sim: Sim, rid: int, buffers, weight: float, divisor: float, plan):
+    """:func:`merge` on every server: each prepares its pieces, all reduce, all commit."""
+    prepared = [srv.prepare(0, [Contribution(rid, buffers[s], weight)], divisor) for s, srv in enumerate(sim.servers)]
+    reduced = [srv.reduce(*prepared) for srv in sim.servers]
+    applied = [srv.commit({rid: plan}, *reduced, unused={}, shares={rid: weight / divisor}) for srv in sim.servers]
+    sim.messages, sim.full = [srv.new_weights_message(0) for srv in sim.servers], False
+    return applied[0]
+
+
+def reload_servers(sim: Sim, folder, save: bool = True) -> None:
+    """Every server saves into ``folder`` (unless it holds their states already), and new
+    servers load from it in their place."""
+    from diloco_ray.runtime.server import ParameterServer
+    from tests.unit.runtime.test_server_shards import ThroughRay
+
+    for srv in sim.servers if save else ():
+        srv.save(str(folder))
+    seal(folder)
+    sim.servers = [ThroughRay(ParameterServer(sim.cfg.to_dict(), index=s)) for s in range(len(sim.servers))]
+    for srv in sim.servers:
+        srv.load(str(folder))
+
+
+@pytest.mark.parametrize("servers, checkpoint", [(1, False), (2, False), (1, True), (2, True)])
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_with_outer_grad_clip_a_delayed_cycle_is_the_synchronous_clipped_round(tmp_path, servers, checkpoint, fraction):
+    """Two replicas from one start, merged one at a time, with ``outer_grad_clip`` at a
+    ``fraction`` of the round's gradient norm: the first merge applies its gradient clipped by
+    its own norm (the cycle's so far; at 0.5 it is under the clip), the second brings the
+    cycle to the round's gradient clipped by the round's norm, gathered over every server's
+    rows. The weights are the synchronous clipped round's, also when the servers are
+    checkpointed between the merges (the cycle's gradient in the outer state, its clip
+    coefficient in the position)."""
+    ref = Sim(servers, 1, 1, 2)
+    ref.round(0)
+    clip = fraction * ref.history[0][0].pseudo_grad_norm
+    ref = Sim(servers, 1, 1, 2, outer_grad_clip=clip)
+    ref.round(0)
+    dec = Sim(servers, 1, 1, 2, sync_mode="decoupled", staleness_power=0.0, outer_grad_clip=clip)
+    plans, bufs = start_both(dec)
+    first = merge_everywhere(dec, 0, bufs[0], 1.0, 3.0, plans[0])
+    coef = [srv.store.cycle_clip for srv in dec.servers]
+    assert coef == [pytest.approx(min(1.0, clip / first.pseudo_grad_norm), rel=1e-3)] * servers  # (norm + 1e-6)
+    assert (coef[0] < 1.0) == (fraction == 0.25)
+    if checkpoint:
+        reload_servers(dec, tmp_path)
+        assert [srv.store.cycle_clip for srv in dec.servers] == coef
+    merge_everywhere(dec, 1, bufs[1], 2.0, 3.0, plans[1])
+    assert max_diff(dec.global_weights(), ref.global_weights()) < 1e-6
+    for srv in dec.servers:  # the cycle ended: its gradient and coefficient start over
+        assert srv.store.cycle_clip == 1.0
+        assert all(not srv.store.optimizer.cycle_grad(n).any() for n in srv.store.optimizer.params)
+
+
+def test_a_checkpoint_without_a_cycle_clip_loads_at_a_cycle_clip_of_1(tmp_path):
+    """A checkpoint written before the cycle was clipped (no ``cycle_clip`` in its meta, no
+    cycle gradient in its outer state) resumes with ``outer_grad_clip`` on: the cycle so far
+    counts as unclipped, and the next merge clips the rest of it by its own norm."""
+    import json
+
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.persist.server_state import file_names
+
+    dec = Sim(1, 1, 1, 2, sync_mode="decoupled", staleness_power=0.0)
+    plans, bufs = start_both(dec)
+    merge_everywhere(dec, 0, bufs[0], 1.0, 3.0, plans[0])
+    dec.servers[0].save(str(tmp_path))
+    meta_file = tmp_path / file_names(0, 1)[2]
+    meta = json.loads(meta_file.read_text())
+    del meta["cycle_clip"]
+    meta_file.write_text(json.dumps(meta))
+    dec.cfg = TrainerConfig.from_dict({**dec.cfg.to_dict(), "outer_grad_clip": 1e-4})
+    reload_servers(dec, tmp_path, save=False)
+    store = dec.servers[0].store
+    assert store.cycle_clip == 1.0 and all(store.optimizer.cycle_grad(n) is None for n in store.optimizer.params)
+    merged = merge_everywhere(dec, 1, bufs[1], 2.0, 3.0, plans[1])
+    assert merged.applied and merged.work == pytest.approx(1.0) and store.cycle_clip == 1.0
+    assert all(np.isfinite(w).all() for w in dec.global_weights().values())
+
+
+def test_a_cycle_whose_norm_passes_fp32s_range_is_not_merged():
+    """Clipped by the cycle, the cycle's gradient is summed in fp32: a merge that would take
+    the cycle's norm past fp32's largest value (the only way an entry of it can overflow) is
+    rejected for every replica in it, as a mean past fp32's range is; below it, the agreement
+    carries the cycle's norm over every server's parts."""
+    from diloco_ray.runtime.messages import Reduced
+    from diloco_ray.runtime.server_aggregator import CYCLE_OVERFLOWS, Agreement
+
+    big = float(torch.finfo(torch.float32).max) ** 2
+
+    def agree(cycle_parts):
+        return Agreement.of(
+            [Reduced([0, 1], [(0, 0, 1.0)], {}, 0.0, [(0, 0, cycle_parts[0])]), Reduced([0, 1], [], {}, 0.0, [])]
+        )
+
+    fine = agree([9.0])
+    assert fine.accepted == [0, 1] and fine.cycle_norm == 3.0 and fine.norm == 1.0
+    over = agree([big])
+    assert over.accepted == [] and over.norm is None and over.cycle_norm is None
+    assert over.rejected == {0: CYCLE_OVERFLOWS, 1: CYCLE_OVERFLOWS}
+    plain = Agreement.of([Reduced([0], [(0, 0, 4.0)], {}, 0.0)])  # no cycle parts: none asked for
+    assert plain.cycle_norm is None and plain.norm == 2.0
