@@ -33,6 +33,7 @@ import tempfile
 from safetensors.torch import load_file
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+from diloco_ray.config.fields import PLAIN_DEFAULTS
 
 TINY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny.yaml")
 LINK = {"link_mbps": 20.0, "link_latency_ms": 50.0}
@@ -45,34 +46,40 @@ def run(seed: int, loops: int, **overrides) -> tuple[list[dict], dict]:
     return result.rounds, load_file(os.path.join(result.final_path, "model.safetensors"))
 
 
-# name -> (pseudo-gradient codec, weights codec, extra fields); topk's down is int8 (a sparse
-# weights delta leaves replicas training from stale weights: 1.47 vs 1.04 at seed 1 on tiny).
+# name -> (pseudo-gradient codec, weights codec, extra fields, outer step); topk's down is int8
+# (a sparse weights delta leaves replicas training from stale weights: 1.47 vs 1.04 at seed 1
+# on tiny). The outer step: "setting" is the setting's own Nesterov step, stated so that topk
+# does not bring its own (tiny.yaml's lr 0.7 and momentum 0.5; the text model's plain DiLoCo
+# defaults, 0.7 and 0.9); "codec" leaves it to the codec, as a user who only names the codec.
+SPARSELOCO = {"outer_lr": 1.3, "outer_momentum": 0.0, "error_feedback_decay": 0.95}
 FRONTIER = {
-    "none": ("none", "none", {}),
-    "fp16": ("fp16", "fp16", {}),
-    "int8": ("int8", "int8", {}),
-    "int4+EF": ("int4", "int4", {"error_feedback": True}),
-    "topk 1/16": ("topk", "int8", {"topk_fraction": 1 / 16}),
-    "topk 1/32": ("topk", "int8", {"topk_fraction": 1 / 32}),
-    "topk 1/64": ("topk", "int8", {"topk_fraction": 1 / 64}),
-    "topk 1/64 both ways": ("topk", "topk", {"topk_fraction": 1 / 64}),
-    # SparseLoCo's outer step: no outer momentum, the decayed residual stands in for it.
-    "topk 1/64 SparseLoCo": (
-        "topk",
-        "int8",
-        {"topk_fraction": 1 / 64, "outer_momentum": 0.0, "outer_lr": 1.3, "error_feedback_decay": 0.95},
-    ),
+    "none": ("none", "none", {}, "codec"),
+    "fp16": ("fp16", "fp16", {}, "codec"),
+    "int8": ("int8", "int8", {}, "codec"),
+    "int4+EF": ("int4", "int4", {"error_feedback": True}, "codec"),
+    # What `pseudo_grad_compression: topk` alone gives: SparseLoCo's step and 1/64 where the
+    # setting leaves the outer step unset (text), the setting's step and 1/16 where it sets it (tiny).
+    "topk": ("topk", "int8", {}, "codec"),
+    "topk 1/16 Nesterov": ("topk", "int8", {"topk_fraction": 1 / 16}, "setting"),
+    "topk 1/32 Nesterov": ("topk", "int8", {"topk_fraction": 1 / 32}, "setting"),
+    "topk 1/64 Nesterov": ("topk", "int8", {"topk_fraction": 1 / 64}, "setting"),
+    "topk 1/64 both ways": ("topk", "topk", {"topk_fraction": 1 / 64}, "setting"),
+    "topk 1/16 SparseLoCo": ("topk", "int8", {"topk_fraction": 1 / 16, **SPARSELOCO}, "codec"),
+    "topk 1/64 SparseLoCo": ("topk", "int8", {"topk_fraction": 1 / 64, **SPARSELOCO}, "codec"),
 }
 
 
-def setting_config(setting: str, seed: int, fields: dict):
-    if setting == "tiny":
+def setting_config(setting: str, seed: int, fields: dict, replicas: int = 2, step: str = "codec"):
+    """The setting's config for one frontier run (``step``: see FRONTIER)."""
+    if setting == "tiny":  # tiny.yaml sets its outer step itself
         out = tempfile.mkdtemp()
         return TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "seed": seed, **fields})
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import decoupled  # the text model and corpus of bench/decoupled.py
 
-    return decoupled.config(seed, "sync", "equal", 16, {"num_replicas": 2, **fields})
+    if step == "setting":
+        fields = {"outer_lr": PLAIN_DEFAULTS["outer_lr"], "outer_momentum": PLAIN_DEFAULTS["outer_momentum"], **fields}
+    return decoupled.config(seed, "sync", "equal", 16, {"num_replicas": replicas, **fields})
 
 
 def earlier_rows(log: str | None) -> list[dict]:
@@ -84,15 +91,15 @@ def earlier_rows(log: str | None) -> list[dict]:
     return list({(r["codec"], r["seed"]): r for r in rows}.values())  # a codec run twice: once
 
 
-def frontier(setting: str, seeds: list[int], names: list[str], done: list[dict] = ()) -> list[dict]:
+def frontier(setting: str, seeds: list[int], names: list[str], done: list[dict] = (), replicas: int = 2) -> list[dict]:
     """One row per (codec, seed): bits per parameter up and down, final loss, its ratio
     (to ``none``'s run of the same seed, here or in ``done``)."""
     rows, base = [], {r["seed"]: r["final_eval_loss"] for r in done if r["codec"] == "none"}
     for name in names:
-        up_codec, down_codec, extra = FRONTIER[name]
+        up_codec, down_codec, extra, step = FRONTIER[name]
         for seed in seeds:
             fields = {"pseudo_grad_compression": up_codec, "weights_compression": down_codec, **extra}
-            cfg = setting_config(setting, seed, fields)
+            cfg = setting_config(setting, seed, fields, replicas, step)
             result = DilocoFSDPTrainer(cfg).train()
             params = sum(t.numel() for t in load_file(os.path.join(result.final_path, "model.safetensors")).values())
             rounds, later = result.rounds, result.rounds[1:]
@@ -103,6 +110,7 @@ def frontier(setting: str, seeds: list[int], names: list[str], done: list[dict] 
                 "bits_up": 8 * sum(r["bytes_up"] for r in rounds) / (per * len(rounds)),
                 "bits_down": 8 * sum(r["bytes_down"] for r in later) / (per * max(1, len(later))),
                 "final_eval_loss": rounds[-1]["eval_loss"],
+                "eval_losses": [r["eval_loss"] for r in rounds if r["eval_loss"] is not None],
             }
             if name == "none":  # the reference: run first
                 base[seed] = row["final_eval_loss"]
@@ -112,11 +120,25 @@ def frontier(setting: str, seeds: list[int], names: list[str], done: list[dict] 
     return rows
 
 
+def late_rise(losses: list[float], last: int = 5) -> float | None:
+    """The largest rise of the eval loss from one eval to the next over the last ``last``
+    evals (0: it kept falling; None: a row from before the evals were recorded)."""
+    if not losses:
+        return None
+    tail = losses[-last:]
+    return max([b - a for a, b in zip(tail, tail[1:])] + [0.0])
+
+
+def rise(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
 def frontier_summary(rows: list[dict]) -> list[dict]:
     out = []
     for name in dict.fromkeys(r["codec"] for r in rows):
         mine = [r for r in rows if r["codec"] == name and r["loss_ratio"] is not None]
         ratios = [r["loss_ratio"] for r in mine]
+        rises = [x for x in (late_rise(r.get("eval_losses", [])) for r in mine) if x is not None]
         out.append(
             {
                 "codec": name,
@@ -124,6 +146,7 @@ def frontier_summary(rows: list[dict]) -> list[dict]:
                 "bits_down": statistics.median(r["bits_down"] for r in mine),
                 "loss_ratio_median": statistics.median(ratios),
                 "loss_ratio_max": max(ratios),
+                "late_rise_max": max(rises) if rises else None,
             }
         )
     return out
@@ -163,6 +186,7 @@ def main() -> int:
     parser.add_argument("--seeds", default=None, help="comma-separated (default: tiny 1,2,3; text 0,1,2)")
     parser.add_argument("--codecs", default=",".join(FRONTIER), help="frontier codecs, comma-separated")
     parser.add_argument("--rows-from", default=None, help="add the rows an earlier --frontier run printed (its log)")
+    parser.add_argument("--replicas", type=int, default=2, help="--setting text: replicas (the JSON/PNG name them)")
     args = parser.parse_args()
     if args.frontier:
         seeds = [int(s) for s in (args.seeds or ("1,2,3" if args.setting == "tiny" else "0,1,2")).split(",")]
@@ -171,18 +195,21 @@ def main() -> int:
         ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
         rows = earlier_rows(args.rows_from)
         done = {r["codec"] for r in rows}
-        rows += frontier(args.setting, seeds, [c for c in args.codecs.split(",") if c not in done], rows)
+        todo = [c for c in args.codecs.split(",") if c not in done]
+        rows += frontier(args.setting, seeds, todo, rows, args.replicas)
         ray.shutdown()
         summary = frontier_summary(rows)
-        stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"frontier_{args.setting}")
+        name = args.setting if args.setting == "tiny" or args.replicas == 2 else f"{args.setting}{args.replicas}"
+        stem = os.path.join(os.path.dirname(os.path.abspath(__file__)), f"frontier_{name}")
         with open(stem + ".json", "w") as f:
             json.dump({"setting": args.setting, "seeds": seeds, "rows": rows, "summary": summary}, f, indent=1)
-        draw(summary, stem + ".png", f"codec frontier, {args.setting} ({len(seeds)} seeds)")
-        print("| codec | bits/param up | bits/param down | loss vs none, median | max |\n|---|---|---|---|---|")
+        draw(summary, stem + ".png", f"codec frontier, {name} ({len(seeds)} seeds)")
+        print("| codec | bits/param up | bits/param down | loss vs none, median | max | late rise, max |")
+        print("|---|---|---|---|---|---|")
         for s in summary:
             print(
                 f"| {s['codec']} | {s['bits_up']:.3g} | {s['bits_down']:.3g} | "
-                f"{s['loss_ratio_median']:.4f} | {s['loss_ratio_max']:.4f} |"
+                f"{s['loss_ratio_median']:.4f} | {s['loss_ratio_max']:.4f} | {rise(s['late_rise_max'])} |"
             )
         return 0
     loops = 4 if args.quick else 10

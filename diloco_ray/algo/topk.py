@@ -17,10 +17,10 @@ as a copy of the block's largest kept entry, index and code: the decoder writes 
 value twice and leaves the zero a zero.
 
 Bits, least significant first, run on across blocks with no padding, so a block costs
-``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 that is ``128 * 13 + 32`` bits,
-0.828 bits per value, with ``fraction`` 1/16 (the codecs' ``DEFAULT_FRACTION``), and
-``32 * 13 + 32``, 0.219, with 1/64. A message's header and its sections' alignment add a little on top. What a
-block does not send is what error feedback carries to the next round
+``k * (index_bits + 2) + 32`` bits: at ``block`` 2048 that is ``32 * 13 + 32`` bits, 0.219
+bits per value, with ``fraction`` 1/64 (the config's default for pseudo-gradients), and
+``128 * 13 + 32``, 0.828, with 1/16. A message's header and its sections' alignment add a
+little on top. What a block does not send is what error feedback carries to the next round
 (:func:`diloco_ray.algo.compression.pack_filled`), which is why ``topk`` always runs with
 it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
 """

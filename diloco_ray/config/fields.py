@@ -89,8 +89,8 @@ class ConfigFields:
     diloco_loops: int = _f(10, "outer rounds to run", ge=1)
     outer_opt: str = _f("SGD", "outer optimizer: a torch.optim class name")
     outer_opt_kwargs: dict = _f({}, "extra keyword arguments for the outer optimizer (SGD: nesterov defaults to true)")
-    outer_lr: float = _f(0.7, "outer learning rate", gt=0.0)
-    outer_momentum: float = _f(0.9, "outer momentum (Nesterov with SGD)", ge=0.0, lt=1.0)
+    outer_lr: Optional[float] = _f(None, "outer learning rate (null: 0.7; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings SparseLoCo's whole outer step)", gt=0.0)
+    outer_momentum: Optional[float] = _f(None, "outer momentum, Nesterov with SGD (null: 0.9; 0 when pseudo_grad_compression: topk and outer_lr is null too, the decayed residual standing in for it)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(None, "outer lr schedule over diloco_loops (null: constant)")
     outer_grad_clip: Optional[float] = _f(None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
     # --- decoupled mode ----------------------------------------------------------------
@@ -126,11 +126,11 @@ class ConfigFields:
     # --- sync over slow links -----------------------------------------------------------
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f("none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales; topk: per block the topk_fraction largest values, 2 bits each, with error feedback always on)")
     error_feedback: bool = _f(False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none; always on with topk)")
-    error_feedback_decay: float = _f(1.0, "with error feedback, each sync sends the codec's share of pseudo-gradient + decay x residual (SparseLoCo: 0.95 with outer_momentum 0, the residual standing in for outer momentum)", ge=0.0, le=1.0)
+    error_feedback_decay: Optional[float] = _f(None, "with error feedback, each sync sends the codec's share of pseudo-gradient + decay x residual (null: 1.0; 0.95 with topk's outer step, SparseLoCo's: pseudo_grad_compression: topk with outer_lr and outer_momentum null)", ge=0.0, le=1.0)
     anchor_on_host: bool = _f(False, "on GPU, keep each rank's anchor (its rows of the global weights, 4 bytes per parameter over the replica's ranks) in pinned host memory instead of GPU memory, as torchft does; the pseudo-gradient is then taken on the host")
     weights_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
     compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs, and per top-k selection for topk", ge=16)
-    topk_fraction: float = _f(1 / 16, "topk: the share of each block's values sent (at block 2048: 1/16 0.84 bits per parameter, 1/64 0.22 bits; see the README's codec frontier)", gt=0.0, le=1.0)
+    topk_fraction: Optional[float] = _f(None, "topk: the share of each block's values sent (null: 1/64 with topk's outer step: pseudo_grad_compression: topk with outer_lr and outer_momentum null; else 1/16; at block 2048 0.227 and 0.836 bits per parameter with headers; see the README's codec frontier)", gt=0.0, le=1.0)
     sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps (rounded down)", ge=1)
     overlap_communication: bool = _f(False, "keep running inner steps while a fragment's sync is in flight; merge it one sync period later")
     fragment_alpha: float = _f(0.5, "with overlap: a returning fragment becomes alpha*local + (1-alpha)*global", ge=0.0, le=1.0)
@@ -197,6 +197,34 @@ class ConfigFields:
         if isinstance(self.ranks_per_replica, list):
             raise TypeError("ranks_per_replica is a list: ask sequences_for(replica_id)")
         return self.sequences_for(0)
+
+
+# The null outer-step fields take the pseudo-gradient codec's defaults: ``topk`` brings
+# SparseLoCo's outer step (no outer momentum, the decayed error-feedback residual standing in
+# for it, and 1/64 of each block), every other codec plain DiLoCo's. The outer step comes as
+# a whole: a config that sets outer_lr or outer_momentum has chosen its own, and the fields it
+# leaves null take plain DiLoCo's values, which were measured with such a step. A value the
+# user sets always wins.
+CODEC_DEFAULTS: dict[str, dict[str, float]] = {
+    "topk": {"outer_lr": 1.3, "outer_momentum": 0.0, "error_feedback_decay": 0.95, "topk_fraction": 1 / 64},
+}
+PLAIN_DEFAULTS: dict[str, float] = {
+    "outer_lr": 0.7,
+    "outer_momentum": 0.9,
+    "error_feedback_decay": 1.0,
+    "topk_fraction": 1 / 16,
+}
+OWN_OUTER_STEP = ("outer_lr", "outer_momentum")  # setting either is choosing the outer step
+CODEC_FIELDS = ("pseudo_grad_compression", *PLAIN_DEFAULTS)  # what codec_defaults reads
+
+
+def codec_defaults(values: dict) -> dict[str, float]:
+    """What the null codec-defaulted fields of ``values`` (field -> value) become: the
+    codec's bundle when the outer step is left to it, else plain DiLoCo's."""
+    codec = values.get("pseudo_grad_compression")
+    own_step = any(values.get(name) is not None for name in OWN_OUTER_STEP)
+    bundle = {} if own_step or not isinstance(codec, str) else CODEC_DEFAULTS.get(codec, {})
+    return {name: bundle.get(name, plain) for name, plain in PLAIN_DEFAULTS.items() if values.get(name) is None}
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ConfigFields)}

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import yaml
 
 from diloco_ray import files
-from diloco_ray.config.fields import FIELD_NAMES, FIELDS, ConfigFields, field_help
+from diloco_ray.config.fields import CODEC_FIELDS, FIELD_NAMES, FIELDS, ConfigFields, codec_defaults, field_help
 from diloco_ray.config.sections import Sections
 from diloco_ray.config.validation import validate
 from diloco_ray.errors import ConfigError
@@ -39,6 +39,10 @@ class TrainerConfig(ConfigFields):
     """
 
     def __post_init__(self) -> None:
+        # The fields a codec brings defaults for are resolved here, once, so config.yaml
+        # holds the values the run used and a resumed run uses them again.
+        for name, value in codec_defaults({name: getattr(self, name) for name in CODEC_FIELDS}).items():
+            setattr(self, name, value)
         validate(self)
 
     def __setattr__(self, name: str, value: Any) -> None:

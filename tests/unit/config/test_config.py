@@ -541,7 +541,7 @@ def test_field_help_covers_every_field():
         assert isinstance(text, str) and text.strip(), name
         assert "\n" not in text, name
     defaults = {name: default for name, default, _ in rows}
-    assert defaults["outer_lr"] == 0.7
+    assert defaults["outer_lr"] is None  # the codec's (see test_a_codec_brings_its_own_outer_defaults)
     assert defaults["inner_opt"] == "AdamW"
     assert defaults["dataset_kwargs"] == {}
     assert defaults["model_name"] is None
@@ -611,3 +611,33 @@ def test_the_trackers_get_the_redacted_config(monkeypatch, tmp_path):
     (tmp_path / "run").mkdir()
     trainer._open_records(trainer.config.sections())
     assert seen["dataset_kwargs"]["token"] == "***" and seen["dataset_kwargs"]["storage_options"]["secret"] == "***"
+
+
+def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
+    base = dict(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic")
+    plain = TrainerConfig(**base)
+    assert (plain.outer_lr, plain.outer_momentum, plain.error_feedback_decay, plain.topk_fraction) == (
+        0.7,
+        0.9,
+        1.0,
+        1 / 16,
+    )
+    sparse = TrainerConfig(**base, pseudo_grad_compression="topk")
+    assert (sparse.outer_lr, sparse.outer_momentum, sparse.error_feedback_decay, sparse.topk_fraction) == (
+        1.3,
+        0.0,
+        0.95,
+        1 / 64,
+    )
+    mine = TrainerConfig(**base, pseudo_grad_compression="topk", topk_fraction=1 / 32)
+    assert (mine.outer_lr, mine.outer_momentum, mine.error_feedback_decay, mine.topk_fraction) == (
+        1.3,
+        0.0,
+        0.95,
+        1 / 32,
+    )
+    # The outer step comes as a whole: a config that chose its own keeps plain DiLoCo's fraction and decay.
+    own = TrainerConfig(**base, pseudo_grad_compression="topk", outer_momentum=0.5)
+    assert (own.outer_lr, own.outer_momentum, own.error_feedback_decay, own.topk_fraction) == (0.7, 0.5, 1.0, 1 / 16)
+    # What the run used is what config.yaml holds, so a resume uses it again.
+    assert TrainerConfig.from_dict(sparse.to_dict()).to_dict() == sparse.to_dict()
