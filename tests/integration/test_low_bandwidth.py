@@ -116,8 +116,7 @@ def test_fragments_cut_the_peak_bytes_of_a_sync(plain, four_fragments):
 # overlapped run test_streaming_converges reads, and the uninterrupted run a resume of it
 # must end like (test_topk_with_overlap_resumes_to_the_uninterrupted_weights). Its own outer
 # step (plain DiLoCo's Nesterov) and so 1/16: four rounds of 4 steps are too few for what 1/64
-# leaves in the residual to come back (SparseLoCo's step at 1/64 ends at 0.955x of round 0's
-# loss here, not under 0.9x).
+# leaves in the residual to come back, and converging is what this run is asked.
 TOPK_OVERLAPPED = dict(
     diloco_loops=4,
     max_steps=4,
