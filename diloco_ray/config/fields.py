@@ -130,7 +130,7 @@ class ConfigFields:
     anchor_on_host: bool = _f(False, "on GPU, keep each rank's anchor (its rows of the global weights, 4 bytes per parameter over the replica's ranks) in pinned host memory instead of GPU memory, as torchft does; the pseudo-gradient is then taken on the host")
     weights_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f("none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
     compression_block: int = _f(2048, "values per absmax scale for the int8/int4 codecs, and per top-k selection for topk", ge=16)
-    topk_fraction: Optional[float] = _f(None, "topk: the share of each block's values sent (null: 1/64 with topk's outer step: pseudo_grad_compression: topk with outer_lr and outer_momentum null; else 1/16; at block 2048 0.227 and 0.836 bits per parameter with headers; see the README's codec frontier)", gt=0.0, le=1.0)
+    topk_fraction: Optional[float] = _f(None, "topk: the share of each block's values sent (null: 1/64 with topk's outer step: pseudo_grad_compression: topk with outer_lr and outer_momentum null; else 1/16; at block 2048 0.219 and 0.828 bits per parameter before headers; see the README's codec frontier)", gt=0.0, le=1.0)
     sync_fragments: int = _f(1, "Streaming DiLoCo: sync 1/F of the parameters (strided layer groups) every max_steps/F inner steps (rounded down)", ge=1)
     overlap_communication: bool = _f(False, "keep running inner steps while a fragment's sync is in flight; merge it one sync period later")
     fragment_alpha: float = _f(0.5, "with overlap: a returning fragment becomes alpha*local + (1-alpha)*global", ge=0.0, le=1.0)
