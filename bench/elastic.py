@@ -96,17 +96,23 @@ def kill_to_contribution(spares: int, mode: str = "sync", mid_period: bool = Fal
     }
 
 
-def run(overrides, **kwargs):
+class DroppingTrainer(DilocoFSDPTrainer):
+    """A trainer whose replica 1 dies at the start of round 2 (:class:`DiesInRoundTwo`)."""
+
+    worker_cls = DiesInRoundTwo
+
+
+def run(overrides, trainer_cls: type = DilocoFSDPTrainer, **kwargs):
     out = tempfile.mkdtemp()
     cfg = TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "diloco_loops": 8, **overrides})
-    DilocoFSDPTrainer(cfg, **kwargs).train()
+    trainer_cls(cfg, **kwargs).train()
     return out
 
 
 def recovery(**overrides) -> dict:
     """Kill replica 1's process at the start of round 2; seconds from its death to full
     membership again, and how long the replacement took to start."""
-    out = run(overrides, worker_cls=DiesInRoundTwo)
+    out = run(overrides, trainer_cls=DroppingTrainer)
     with open(DEATH_FILE) as f:
         died = json.load(f)["time"]
     join = next(e for e in read_events(out, "membership") if e["action"] == "join" and e["replica_id"] == 2)

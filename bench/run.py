@@ -108,8 +108,8 @@ def config(**overrides) -> TrainerConfig:
     return TrainerConfig.from_yaml(TINY, overrides={"output_dir": tempfile.mkdtemp(prefix="bench-"), **overrides})
 
 
-def train(cfg: TrainerConfig, **kwargs) -> list[dict]:
-    return DilocoFSDPTrainer(cfg, **kwargs).train().rounds
+def train(cfg: TrainerConfig, trainer_cls: type = DilocoFSDPTrainer, **kwargs) -> list[dict]:
+    return trainer_cls(cfg, **kwargs).train().rounds
 
 
 def tokens_per_s(rounds: list[dict]) -> float:
@@ -316,7 +316,7 @@ class Bench:
             "DiLoCo, 2 replicas, int4 + error feedback", config(pseudo_grad_compression="int4", error_feedback=True)
         )
         self.run(
-            "DiLoCo, 2 replicas, one dropped at round 2", config(diloco_loops=10), worker_cls=elastic.DiesInRoundTwo
+            "DiLoCo, 2 replicas, one dropped at round 2", config(diloco_loops=10), trainer_cls=elastic.DroppingTrainer
         )
 
 

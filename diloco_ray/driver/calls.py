@@ -5,12 +5,35 @@ values, and all of a list within a deadline; the decoupled loop also asks the ti
 :class:`RayCalls` does that with Ray and the wall clock; tests hand the loop an object
 with the same methods over plain values (and a fake clock), as Ray Train tests its
 controller with a dummy worker group, so the loop's decisions run without a cluster.
+
+Both loops call the parameter servers through :func:`server_call`: a dead server raises
+:class:`ServerLost`, which each loop's ``run_round`` turns into the one outcome that asks
+the trainer to restore the servers (``Action.RECOVER_SERVER``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
+
+from ray.exceptions import RayActorError
+
+T = TypeVar("T")
+
+
+class ServerLost(Exception):
+    """A parameter server died during a loop's call: the update in progress is abandoned
+    as a unit and the servers are restored from the last checkpoint."""
+
+
+def server_call(call: Callable[[], T], when: str) -> T:
+    """``call()``, a call to the parameter servers (or a wait on their answer); a dead
+    server raises :class:`ServerLost` saying ``when`` it died (e.g. "during the sync")."""
+    try:
+        return call()
+    except RayActorError as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ServerLost(f"a server died {when} ({first})") from e
 
 
 class RayCalls:

@@ -6,7 +6,8 @@ and its own starting point. It is the synchronous :class:`~diloco_ray.driver.syn
 sibling (one loop interface, :class:`~diloco_ray.driver.loop.OuterLoop`, over one
 :class:`~diloco_ray.driver.host.Host`), launching from the same kind of
 :class:`~diloco_ray.driver.period_jobs.PeriodJobs`. One call of :meth:`DecoupledLoop.run_round`
-is one outer step (a *merge*; ``merge_index`` counts them):
+is one outer step (a *merge*; ``round_index`` counts them, as it counts a synchronous
+loop's rounds), or as much of one as the loop can take alone:
 
 1. launch every active replica that is not training (new ones, and the ones just merged),
    from the newest weights, a period that would end well after others' arrivals cut to
@@ -14,8 +15,9 @@ is one outer step (a *merge*; ``merge_index`` counts them):
    carry out the fault plan's server and driver faults due in this merge (as a
    synchronous round does once its replicas have started);
 2. collect every report that is ready at each poll; a replica that dies gives its plan
-   back and the membership is reconciled at once (a hot spare steps in without waiting for
-   a merge); one that shows no step for ``stall_timeout_s`` is told to stop, and dropped
+   back and the call returns at once (``RUN_AGAIN``), so that the trainer replaces it (a
+   hot spare steps in without waiting for a merge) and calls again to go on with the same
+   merge; one that shows no step for ``stall_timeout_s`` is told to stop, and dropped
    as unresponsive if it cannot within ``abort_grace_s`` (a frozen process);
 3. once ``min_quorum`` contributions are in, wait for the replicas expected within the
    grace window (``grace_fraction`` of a period, at most ``grace_window_s``:
@@ -24,12 +26,13 @@ is one outer step (a *merge*; ``merge_index`` counts them):
    one round's worth of tokens (:func:`~diloco_ray.algo.decoupled.merge_weighting`);
 4. when the merge completes ``eval_every`` rounds' worth of tokens (and at the end), evaluate on a
    replica that was merged (it is idle; the others keep training), and return the
-   merge's record. Evaluating at every merge would keep merged replicas idle more often,
+   merge's record (``PROCEED``). Evaluating at every merge would keep merged replicas idle more often,
    and these points line up with a synchronous run's rounds (equal tokens).
 
 If a parameter server dies, the merge is abandoned as a unit: every period in flight is
-let finish and thrown away (it trained from weights the restored servers never had), the
-servers are restored from the last checkpoint (``host.recover_server``), the merges since
+let finish and thrown away (it trained from weights the restored servers never had), and
+the call returns ``RECOVER_SERVER``: the trainer restores the servers from the last
+checkpoint and points the loop at them (:meth:`DecoupledLoop.restore`), the merges since
 it are run again on the data its cursor hands out again, and every replica reloads the
 restored weights. The run ends when ``diloco_loops`` rounds' worth of tokens has been
 merged (``work``), so a decoupled run trains on as many tokens as a synchronous one.
@@ -40,8 +43,6 @@ from __future__ import annotations
 import time
 from typing import Optional
 
-from ray.exceptions import RayActorError
-
 from diloco_ray.algo import decoupled as decoupled_math
 from diloco_ray.algo.merge_timing import InFlight, MergeTiming, Pace
 from diloco_ray.config.sections import (
@@ -51,20 +52,15 @@ from diloco_ray.config.sections import (
     RunShapeSection,
     SyncCodecSection,
 )
-from diloco_ray.driver.calls import RayCalls
+from diloco_ray.driver.calls import RayCalls, ServerLost, server_call
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
-from diloco_ray.driver.policies import MAX_ROUND_RETRIES, eval_due
+from diloco_ray.driver.policies import Action, RoundOutcome
 from diloco_ray.driver.poll import STEP_POLL_S
-from diloco_ray.observe.records import MergeFacts, RoundRecord, Syncs, Timing
-from diloco_ray.runtime.messages import AppliedRound, Contribution, Launch, SyncPeriod
-
-GIVE_UP_AFTER_LOSSES = 8  # periods lost in a row, with no merge between, before the run stops
-
-
-class ServerLost(Exception):
-    """A parameter server died during a merge's calls: the merge is abandoned as a unit."""
+from diloco_ray.driver.round_parts import evaluate_and_record, per_server, token_weights, unused_ranges, wasted
+from diloco_ray.observe.records import MergeFacts, RoundRecord, Syncs
+from diloco_ray.runtime.messages import AppliedRound, Launch, SyncPeriod
 
 
 class DecoupledLoop:
@@ -95,7 +91,7 @@ class DecoupledLoop:
         self.membership, self.evaluation = membership, evaluation
         self.calls = calls or RayCalls()
         self.steps = steps
-        self.merge_index = 0  # the next merge (the servers' round index between merges)
+        self.round_index = 0  # the next merge (the servers' round index between merges)
         self.jobs = PeriodJobs(sync_codec)
         self.reset = False  # the servers were restored: every replica reloads (see reload)
         self.wasted_steps = 0  # replica inner steps this merge whose work reached no applied update
@@ -113,14 +109,10 @@ class DecoupledLoop:
         self.reload: set[int] = set()  # replica ids whose next period reloads every weight
         self._staleness: dict[int, int] = {}
         self._applied_share = 0.0
-        self.losses = 0  # periods lost since the last merge
+        self.in_merge = False  # a merge has started and not been applied yet
+        self.started: Optional[float] = None  # when the current attempt at the merge began
 
     # ---- what the trainer asks of its loop (driver.loop.OuterLoop) ----------------------
-    @property
-    def update_index(self) -> int:
-        """The next outer update's index: the merge's."""
-        return self.merge_index
-
     @property
     def progress(self) -> float:
         """Rounds' worth of tokens merged: what checkpoints fall due by."""
@@ -133,65 +125,86 @@ class DecoupledLoop:
     def restore(self, server, reset: bool) -> None:
         """Take up the servers' state: their merge count, latest message and work
         (``reset``: every replica reloads everything first)."""
-        self.merge_index = self.jobs.restore(server)
+        self.round_index = self.jobs.restore(server)
         self.reset = reset
         self.work = self.work_before = server.work()
-        self.token_ledger.rewind(self.merge_index)  # the merges since the servers' state are undone
+        self.token_ledger.rewind(self.round_index)  # the merges since the servers' state are undone
 
     def resume_in_flight(self, replicas: list) -> None:
         """Nothing to resume: this mode takes no in-flight snapshots (the config refuses
         ``checkpoint_steps`` below ``max_steps``; a resumed run trains in-flight data again)."""
 
     def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
-        """Replica id -> (launch attempt, merge index) of each period not merged yet (in
+        """Replica id -> (launch attempt, round index) of each period not merged yet (in
         flight, or arrived and waiting for the merge)."""
-        return {rid: (f.attempt, f.merge_index) for rid, f in {**self.flights, **self.arrived}.items()}
+        return {rid: (f.attempt, f.round_index) for rid, f in {**self.flights, **self.arrived}.items()}
 
     # ---- one merge, recovered as a unit ------------------------------------------------
-    def run_round(self, host: Host) -> RoundRecord:
-        """Run one merge (the trainer's round): launch, wait, merge, record."""
-        self.wasted_steps, self.failed = 0, set()
-        for _ in range(MAX_ROUND_RETRIES + 1):
-            try:
-                return self._run_merge(host)
-            except ServerLost:
-                self._recover(host)
-        raise RuntimeError(f"merge {self.merge_index}: the parameter servers died {MAX_ROUND_RETRIES + 1} times")
+    def run_round(self, host: Host) -> RoundOutcome:
+        """Run the merge (the trainer's round) as far as the loop can alone, and say how it
+        ended: merged (``PROCEED`` with its record); a replica's period was lost, or none is
+        training (``RUN_AGAIN``: the trainer replaces lost replicas, and the next call goes
+        on with the same merge, launching the idle ones); or a server died (``RECOVER_SERVER``:
+        every period in flight was let finish and thrown away, and the next call starts the
+        merge again on the restored servers)."""
+        if not self.in_merge:  # a new merge: its wasted steps and failures count from zero
+            self.wasted_steps, self.failed, self.in_merge = 0, set(), True
+        try:
+            if self.started is None:
+                self._begin(host)
+            else:
+                self._launch_idle(host)  # the trainer has replaced the lost replicas
+            why = self._wait_for_merge(host)
+            if why is not None:
+                return RoundOutcome(Action.RUN_AGAIN, why=why)
+            record = self._merge_and_record(host)
+        except ServerLost as lost:
+            self._throw_away_in_flight(host)
+            self.started = None
+            return RoundOutcome(Action.RECOVER_SERVER, why=str(lost))
+        self.in_merge, self.started = False, None
+        return RoundOutcome(Action.PROCEED, record=record)
 
-    def _run_merge(self, host: Host) -> RoundRecord:
-        t_start = time.perf_counter()
-        host.notify("on_round_begin", self.merge_index, len(host.members.active))
+    def _begin(self, host: Host) -> None:
+        """Start an attempt at the merge: launch the idle replicas, then fire the faults due."""
+        self.started = time.perf_counter()
+        host.notify("on_round_begin", self.round_index, len(host.members.active))
         self._launch_idle(host)
         host.inject_faults()  # after the replicas have started, so faults hit a merge in flight
-        self._wait_for_merge(host)
+
+    def _merge_and_record(self, host: Host) -> RoundRecord:
         t_merge = time.perf_counter()
         applied, merged = self._merge(host)
         t_applied = time.perf_counter()
-        self.merge_index = applied.round + 1 if applied.applied else self.merge_index
-        record = self._record(host, applied, merged, t_start, t_merge, t_applied)
+        self.round_index = applied.round + 1 if applied.applied else self.round_index
+        syncs = Syncs([applied], [merged], late=set(), failed=self.failed)
+
+        def facts() -> dict:
+            merge = MergeFacts(
+                staleness={str(rid): self._staleness[rid] for rid in applied.accepted},
+                applied_weight=self._applied_share,
+                in_flight=sorted(self.flights),
+                work=applied.work if applied.applied else self.work,
+                merge_seconds=t_applied - t_merge,
+            )
+            return dict(merge=merge, abandoned_steps=self._abandoned())
+
+        # Evaluated on a replica just merged: it is idle, while the others go on training.
+        record = evaluate_and_record(
+            host,
+            syncs,
+            wasted_steps=self.wasted_steps,
+            started=self.started,
+            applied_at=t_applied,
+            progress=(self.work_before, self.work),
+            finished=self.finished(),
+            eval_every=self.evaluation.eval_every,
+            shape=dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments),
+            among=list(self.arrived),
+            facts=facts,
+        )
         self.arrived = {}
         return record
-
-    def _record(
-        self, host: Host, applied: AppliedRound, merged: dict, t_start: float, t_merge: float, t_applied: float
-    ) -> RoundRecord:
-        """Evaluate when due (on a replica just merged: it is idle, while the others go on
-        training), and write the merge's record."""
-        due = eval_due(self.work_before, self.work, self.evaluation.eval_every, self.finished())
-        evaluation = host.evaluate(among=list(self.arrived), due=due)
-        timing = Timing(round_seconds=time.perf_counter() - t_start, until_applied=t_applied - t_start)
-        facts = MergeFacts(
-            staleness={str(rid): self._staleness[rid] for rid in applied.accepted},
-            applied_weight=self._applied_share,
-            in_flight=sorted(self.flights),
-            work=applied.work if applied.applied else self.work,
-            merge_seconds=t_applied - t_merge,
-        )
-        syncs = Syncs([applied], [merged], late=set(), failed=self.failed)
-        shape = dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments)
-        return RoundRecord.build(
-            syncs, self.wasted_steps, evaluation, timing, **shape, merge=facts, abandoned_steps=self._abandoned()
-        )
 
     def _abandoned(self) -> Optional[int]:
         """When the run ends here: the steps of the periods still in flight, never merged
@@ -202,25 +215,29 @@ class DecoupledLoop:
             self.steps.beats()
         return sum(self._flight_poll().steps_run(f) for f in self.flights.values())
 
-    def _wait_for_merge(self, host: Host) -> None:
-        """Collect reports until the quorum is in and the grace window has passed."""
+    def _wait_for_merge(self, host: Host) -> Optional[str]:
+        """Collect reports until the quorum is in and the grace window has passed (None);
+        or why the trainer must replace replicas first: a period was lost, or none is left
+        training or waiting to be merged."""
         deadline = None
         while True:
             wait = STEP_POLL_S if deadline is None else min(STEP_POLL_S, deadline - self.calls.now())
-            self._poll(host, max(0.0, wait))
+            lost = self._poll(host, max(0.0, wait))
+            if lost is not None:
+                return lost
             quorum = min(self.decoupled.min_quorum, max(1, len(host.members.active)))
             now = self.calls.now()
             training = self._training()
             deadline = self.timing.merge_deadline(now, len(self.arrived) >= quorum, training)
             if deadline is not None and (now >= deadline or not training):
-                return
+                return None
             if not self.flights and not self.arrived:
-                host.reconcile()  # everyone was lost: bring replicas back before waiting on none
-                self._launch_idle(host)
+                return "no replica is training"
 
-    def _recover(self, host: Host) -> None:
-        """A server died: let every period in flight finish and throw it away, restore the
-        servers from the last checkpoint, and have every replica reload the weights."""
+    def _throw_away_in_flight(self, host: Host) -> None:
+        """A server died: let every period in flight finish and throw it away (the trainer
+        then restores the servers from the last checkpoint, and every replica reloads the
+        weights: see :meth:`restore`)."""
         self.wasted_steps += sum(f.stats[0].inner_steps for f in self.arrived.values())
         self.arrived = {}
         poll = self._flight_poll()
@@ -229,7 +246,6 @@ class DecoupledLoop:
             self.wasted_steps += sum(poll.steps_run(flight) for _, flight in done)
             for gone in lost:
                 self._lose(host, gone, server_alive=False)
-        host.recover_server()  # restore() follows, with reset: every replica reloads
 
     # ---- the steps of a merge ----------------------------------------------------------
     def _launch_idle(self, host: Host) -> None:
@@ -249,14 +265,14 @@ class DecoupledLoop:
     def _launch(self, host: Host, rep, slot: int, now: float, due: Optional[float]) -> None:
         """Start ``rep``'s period from the newest weights (``due``: the arrival its time
         budget aims at, None: a full period)."""
-        plan = self._on_server(lambda: host.server.reserve_plan(rep.id))
+        plan = server_call(lambda: host.server.reserve_plan(rep.id), "reserving a plan")
         self.jobs.next_attempt()
         launch = Launch(rep, *rep.run_period(self._job(host, rep, slot, plan, now, due)))
         self.flights[rep.id] = Flight(
             launch,
             plan,
             version=self.jobs.handout.version,
-            merge_index=self.merge_index,
+            round_index=self.round_index,
             mark=self._mark(),
             launched_at=now,
             attempt=self.jobs.attempt,
@@ -271,14 +287,14 @@ class DecoupledLoop:
             host,
             rep,
             slot,
-            index=self.merge_index,
+            index=self.round_index,
             fragment=0,
             plan=plan,
             board=self.steps.board if self.steps is not None else None,
             reset=rep.id in self.reload,
-            # The inner lr schedule runs over the tokens merged, not over merges: a run of 14
-            # merges of 10 rounds' worth would otherwise reach the schedule's end (lr 0) at
-            # merge 10 and train its last rounds' worth at no lr (measured: eval 0.93 vs 0.79).
+            # The inner lr schedule runs over the tokens merged, not over merges: a run that
+            # takes more merges than diloco_loops would otherwise reach the schedule's end
+            # (lr 0) early and train its last rounds' worth at no lr.
             schedule_step=round(self.work * self.run.max_steps),
             time_budget_s=self.timing.budget_s(rep.id, now, due) if due is not None else None,
         )
@@ -291,10 +307,11 @@ class DecoupledLoop:
         """The periods in flight that may still report, as merge timing sees them."""
         return {rid: InFlight(f.launched_at, f.due) for rid, f in self.flights.items() if f.abort_by is None}
 
-    def _poll(self, host: Host, wait: float) -> None:
+    def _poll(self, host: Host, wait: float) -> Optional[str]:
         """Move finished periods to ``arrived`` (their pace learned); a period stopped after
-        a stall gives its plan back (the replica trains on from the newest weights); a lost
-        replica is replaced at once (a spare, or a new replica, cut to land with the others)."""
+        a stall gives its plan back (the replica trains on from the newest weights). A lost
+        replica leaves, and the poll says why (None: none was lost), so that the trainer
+        replaces it at once (a spare, or a new replica, cut to land with the others)."""
         poll = self._flight_poll()
         done, lost = poll.poll(self.flights, wait)
         for gone in lost:
@@ -303,16 +320,24 @@ class DecoupledLoop:
         for rid, flight in done:
             if flight.aborted:  # told to stop: its work is lost, its data goes back
                 self.wasted_steps += poll.steps_run(flight)
-                self._on_server(lambda: host.server.release_plan(rid))
+                server_call(lambda: host.server.release_plan(rid), "giving a plan back")
                 stopped = True
                 continue
             compute = max(s.compute_seconds for s in flight.stats)
             self.pace.observe(rid, self.calls.now() - flight.launched_at, compute, flight.stats[0].inner_steps)
             self.arrived[rid] = flight
         if lost:
-            host.reconcile()
-        if stopped or lost:
+            return "; ".join(self._why_lost(gone) for gone in lost)
+        if stopped:
             self._launch_idle(host)
+        return None
+
+    @staticmethod
+    def _why_lost(gone: Lost) -> str:
+        """One line on a lost period: whose, why, and the last line of its error."""
+        error = gone.error
+        last = f" ({type(error).__name__}: {str(error).splitlines()[-1] if str(error) else ''})" if error else ""
+        return f"replica {gone.replica_id}'s period was lost: {gone.why}{last}"
 
     def _flight_poll(self) -> FlightPoll:
         return FlightPoll(self.calls, self.steps, self.membership.stall_timeout_s, self.membership.abort_grace_s)
@@ -320,22 +345,13 @@ class DecoupledLoop:
     def _lose(self, host: Host, gone: Lost, server_alive: bool = True) -> None:
         """A replica's period will never report: its steps are wasted, its plan goes back,
         and it leaves."""
-        self.losses += 1
-        if self.losses > GIVE_UP_AFTER_LOSSES:
-            # Every replacement fails too (a bug, a bad node): stop, as a synchronous run
-            # stops after a round fails GIVE_UP_AFTER_LOSSES times.
-            error = gone.error
-            last = f" ({type(error).__name__}: {str(error).splitlines()[-1] if str(error) else ''})" if error else ""
-            raise RuntimeError(
-                f"{self.losses} replica periods were lost in a row without a merge; the last: {gone.why}{last}"
-            ) from error
         rid, flight = gone.replica_id, gone.flight
         self.wasted_steps += self._flight_poll().steps_run(flight)
         self.pace.forget(rid)
         self.failed.add(rid)
         host.members.remove(flight.launch.replica, gone.why)
         if server_alive:  # (a dead server's plans are gone with it: the restored cursor has them)
-            self._on_server(lambda: host.server.release_plan(rid))
+            server_call(lambda: host.server.release_plan(rid), "giving a plan back")
 
     def _merge(self, host: Host) -> tuple[AppliedRound, dict]:
         """One outer step from the contributions that arrived: the servers' report, and
@@ -346,23 +362,17 @@ class DecoupledLoop:
         self.arrived = dict(sorted(self.arrived.items()))
         merged = {rid: f.stats for rid, f in self.arrived.items()}
         weighting = self._weighting(host, merged)
-        contributions = [
-            [
-                Contribution(rid, f.launch.buffers[s], weighting.weights[rid], self._staleness[rid])
-                for rid, f in self.arrived.items()
-            ]
-            for s in range(len(host.server))
-        ]
-        unused = {rid: f.stats[0].unused for rid, f in self.arrived.items() if f.stats[0].unused}
+        buffers = {rid: f.launch.buffers for rid, f in self.arrived.items()}
+        contributions = per_server(buffers, weighting.weights, len(host.server), self._staleness)
         plans = {rid: f.plan for rid, f in self.arrived.items()}
-        refs = host.server.sync(0, contributions, plans, unused, merge=(weighting.divisor, weighting.shares))
-        applied = self._on_server(lambda: self.calls.get(refs.commits)[0])
+        merge = (weighting.divisor, weighting.shares)
+        refs = host.server.sync(0, contributions, plans, unused_ranges(merged), merge=merge)
+        applied = server_call(lambda: self.calls.get(refs.commits)[0], "during the merge")
         for rid, flight in self.arrived.items():
             self.jobs.note_sync(flight.attempt, applied, [rid])
-        self.wasted_steps += sum(merged[rid][0].inner_steps for rid in merged if rid not in applied.accepted)
+        self.wasted_steps += wasted(merged, [rid for rid in merged if rid not in applied.accepted])
         self.work_before = self.work
         if applied.applied:
-            self.losses = 0
             self.jobs.handout = Handout(refs.weights, full=False, version=version + 1)
             self.work = applied.work
         self._applied_share = sum(weighting.weights[rid] for rid in applied.accepted) / weighting.divisor
@@ -373,18 +383,10 @@ class DecoupledLoop:
         staleness) and one round's worth of tokens to divide by: the merged replicas'
         tokens, and for each active replica not merged the tokens of its own latest period
         (per rank, times its ranks: its ``world_size``) (:class:`~diloco_ray.algo.decoupled.TokenLedger`)."""
-        tokens = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in merged.items()}
+        tokens = token_weights(merged)
         ranks = {rid: self.arrived[rid].launch.replica.world_size for rid in merged}
         now = self._mark()
         self._staleness = {rid: now - f.mark for rid, f in self.arrived.items()}
         absent = {rep.id: rep.world_size for rep in host.members.active if rep.id not in merged}
         power = self.decoupled.staleness_power
-        return self.token_ledger.weigh(tokens, ranks, absent, self._staleness, power, self.merge_index)
-
-    @staticmethod
-    def _on_server(call):
-        """``call()``, a server call: a dead server abandons the merge (see :meth:`_recover`)."""
-        try:
-            return call()
-        except RayActorError as e:
-            raise ServerLost(str(e).splitlines()[0] if str(e) else "a parameter server died") from e
+        return self.token_ledger.weigh(tokens, ranks, absent, self._staleness, power, self.round_index)

@@ -30,7 +30,7 @@ class Flight:
         launch: its :class:`Launch` (buffer and stats refs).
         plan: the stream ranges reserved for it.
         version: the global version it started from.
-        merge_index: the merge it was launched in (its ranks key their period-start state by it).
+        round_index: the merge it was launched in (its ranks key their period-start state by it).
         mark: the outer momentum steps taken when it started (its staleness is counted
             from it, see :func:`~diloco_ray.algo.decoupled.momentum_steps`).
         launched_at: wall-clock launch time.
@@ -44,7 +44,7 @@ class Flight:
     launch: Launch
     plan: list
     version: int
-    merge_index: int
+    round_index: int
     mark: int
     launched_at: float
     attempt: int

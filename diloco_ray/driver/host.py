@@ -1,10 +1,13 @@
-"""What a loop may ask of the trainer: the :class:`Host` protocol.
+"""What a loop may ask of the trainer (:class:`Host`), and what the trainer does for a
+loop's outcome (:class:`Recovery`).
 
 Both loops (:class:`~diloco_ray.driver.sync_loop.SyncLoop` and
-:class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`) call back only through it, and
-nothing else of the trainer. :class:`~diloco_ray.driver.trainer.DilocoFSDPTrainer`
-implements it; the loops' unit tests hand them a fake with the same members, over fake
-servers and replicas (no Ray).
+:class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`) ask the trainer only through
+:class:`Host`: the servers, the replicas, the callbacks, the fault plan and the eval. They
+never recover, reconcile or restore: they return an outcome, and
+:func:`~diloco_ray.driver.loop.apply_next_update` carries it out through :class:`Recovery`.
+:class:`~diloco_ray.driver.trainer.DilocoFSDPTrainer` implements both; the loops' unit tests
+hand them a fake with the same members, over fake servers and replicas (no Ray).
 """
 
 from __future__ import annotations
@@ -57,11 +60,15 @@ class Host(Protocol):
         ``among`` first: idle ones, in decoupled mode)."""
         ...
 
+
+class Recovery(Host, Protocol):
+    """What the trainer does for a loop's outcome that did not apply the update."""
+
     def reconcile(self) -> None:
         """Move the replica count towards the target (replace lost replicas)."""
         ...
 
     def recover_server(self) -> None:
-        """A server died: start new ones from the latest checkpoint; the trainer then
-        points the loop at them (``restore`` with ``reset``)."""
+        """A server died: start new ones from the latest checkpoint, and point the loop at
+        them (``restore`` with ``reset``: every replica reloads)."""
         ...

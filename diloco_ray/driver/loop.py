@@ -2,10 +2,17 @@
 
 Two siblings implement :class:`OuterLoop`, neither built on the other:
 :class:`~diloco_ray.driver.sync_loop.SyncLoop` (rounds: every replica trains a period, the
-servers average them; ``round_index``) and :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`
-(merges: replicas on their own clocks, merged as they arrive; ``merge_index``). The trainer
-owns one (:func:`loop_for`), and the loop calls the trainer back only through the
+servers average them) and :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop` (merges:
+replicas on their own clocks, merged as they arrive). Both count their outer updates as
+``round_index``, as the servers and the records (``round``) do. The trainer owns one
+(:func:`loop_for`), and the loop asks the trainer for things only through the
 :class:`~diloco_ray.driver.host.Host` protocol.
+
+The loops decide and the trainer acts, as Ray Train v2's policies return decisions that its
+controller alone carries out: ``run_round`` returns a
+:class:`~diloco_ray.driver.policies.RoundOutcome` and never recovers, reconciles or restores
+anything itself. :func:`apply_next_update` is the one place an outcome is carried out, for
+both modes, with one give-up rule (:func:`~diloco_ray.driver.policies.give_up_after`).
 """
 
 from __future__ import annotations
@@ -14,8 +21,9 @@ from typing import Optional, Protocol
 
 from diloco_ray.config.sections import Sections
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
-from diloco_ray.driver.host import Host
+from diloco_ray.driver.host import Host, Recovery
 from diloco_ray.driver.period_jobs import PeriodJobs
+from diloco_ray.driver.policies import Action, RoundOutcome, give_up_after
 from diloco_ray.driver.step_feed import StepFeed
 from diloco_ray.driver.sync_loop import SyncLoop
 from diloco_ray.observe.records import RoundRecord
@@ -27,11 +35,7 @@ class OuterLoop(Protocol):
     steps: Optional[StepFeed]  # the ranks' step events and heartbeats (set once the run is set up)
     jobs: PeriodJobs  # what replicas launch from, and what they learn of their earlier sends
 
-    @property
-    def update_index(self) -> int:
-        """The next outer update's index, as the servers count it: the round
-        (``SyncLoop.round_index``) or the merge (``DecoupledLoop.merge_index``)."""
-        ...
+    round_index: int  # the next outer update (a round, or a merge), as the servers count it
 
     @property
     def progress(self) -> float:
@@ -51,8 +55,9 @@ class OuterLoop(Protocol):
         """At a resume: let ``replicas`` continue from the in-flight snapshots there are."""
         ...
 
-    def run_round(self, host: Host) -> RoundRecord:
-        """Run and apply one outer update (a round, or a merge); its record."""
+    def run_round(self, host: Host) -> RoundOutcome:
+        """Run the next outer update (a round, or a merge) as far as the loop can alone;
+        how it ended (applied, with its record; or what the trainer must do first)."""
         ...
 
     def unmerged(self, replicas: list) -> dict[int, tuple[int, int]]:
@@ -70,3 +75,30 @@ def loop_for(sections: Sections, inflight_root: str, calls=None) -> OuterLoop:
     if s.run.sync_mode == "decoupled":
         return DecoupledLoop(**shared, decoupled=s.decoupled)
     return SyncLoop(**shared, checkpointing=s.checkpointing, inflight_root=inflight_root)
+
+
+def apply_next_update(loop: OuterLoop, host: Recovery) -> RoundRecord:
+    """Run ``loop``'s next outer update until it is applied, carrying out every other
+    outcome on ``host`` (the trainer): its record.
+
+    The one give-up rule of both modes: an update that is not applied in
+    ``MAX_ROUND_RETRIES + 1`` calls in a row (a round run again, a merge that lost a
+    replica's period or found none training, the servers restored) stops the run."""
+    failures = 0
+    while True:
+        outcome = loop.run_round(host)
+        if outcome.action is Action.PROCEED:
+            return outcome.record
+        failures += 1
+        carry_out(give_up_after(outcome, failures, loop.round_index), host)
+
+
+def carry_out(outcome: RoundOutcome, host: Recovery) -> None:
+    """What the trainer does for an outcome that did not apply the update, before the
+    loop's next call: stop the run, or restore the servers (the trainer then points the
+    loop at them), and in every case bring the replica count back to its target."""
+    if outcome.action is Action.STOP:
+        raise RuntimeError(outcome.why)
+    if outcome.action is Action.RECOVER_SERVER:
+        host.recover_server()
+    host.reconcile()

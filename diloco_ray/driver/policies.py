@@ -3,9 +3,9 @@
 In the manner of Ray Train v2's scaling and failure policies: the round loop and the
 trainer ask, these answer, and the caller acts. Each is unit-tested on plain values.
 
-* :class:`RoundOutcome` -- how an attempt at a round ended (an :class:`Action` and why):
-  proceed, run again, recover the servers, or stop (:func:`give_up_after` turns a run-again
-  into a stop once the retries are spent).
+* :class:`RoundOutcome` -- how an attempt at an outer update (a round, or a merge) ended
+  (an :class:`Action` and why): proceed, run again, recover the servers, or stop
+  (:func:`give_up_after` turns any of them into a stop once the retries are spent).
 * :func:`attempt_verdict` -- whether a sync's result lets plain DiLoCo proceed.
 * :func:`checkpoint_due` -- whether the round just applied is checkpointed.
 * :func:`early_stop` -- whether eval loss has stopped improving.
@@ -21,16 +21,18 @@ from typing import Optional, Sequence
 
 from diloco_ray.observe.records import RoundRecord
 
-# A round that too few replicas finish is run again; this many times in a row is fatal.
+# An outer update that is not applied is attempted again (a round run again; a merge
+# that lost a replica's period, or whose servers were restored, goes on); this many
+# retries in a row, in either mode, stop the run (driver.loop.apply_next_update).
 MAX_ROUND_RETRIES = 3
 
 
 class Action(enum.Enum):
-    """What the round loop does after an attempt at a round."""
+    """What the trainer does after a loop's attempt at an outer update."""
 
     PROCEED = "proceed"  # applied: go on with its record
-    RUN_AGAIN = "run_again"  # run the round again from its start
-    RECOVER_SERVER = "recover_server"  # restore the servers from the last checkpoint, then run it again
+    RUN_AGAIN = "run_again"  # replace lost replicas, then call again (a round reruns from its start; a merge goes on)
+    RECOVER_SERVER = "recover_server"  # restore the servers from the last checkpoint, then call again
     STOP = "stop"  # the run cannot go on
 
 
@@ -50,8 +52,8 @@ class RoundOutcome:
 
 
 def give_up_after(outcome: RoundOutcome, attempts: int, round_index: int) -> RoundOutcome:
-    """``outcome``, or a stop once ``attempts`` attempts at the round have all had to run it
-    again (``MAX_ROUND_RETRIES`` + 1 in all)."""
+    """``outcome``, or a stop once ``attempts`` attempts in a row at the update have all
+    failed to apply it (``MAX_ROUND_RETRIES`` + 1 in all), in either mode."""
     if outcome.action is Action.PROCEED or attempts <= MAX_ROUND_RETRIES:
         return outcome
     why = f"round {round_index}: not applied in {attempts} attempts (the last: {outcome.why})"

@@ -4,10 +4,13 @@
 it shares in kind with the decoupled loop (:class:`~diloco_ray.driver.period_jobs.PeriodJobs`:
 what replicas load next, the launch counter), and the work lost to faults. It asks the
 trainer for things only through the :class:`~diloco_ray.driver.host.Host` protocol, and
-waits on refs only through ``calls`` (:class:`~diloco_ray.driver.calls.RayCalls`). So its
-decisions -- who reported, whether the round proceeds, runs again, recovers the servers or
-stops (:mod:`~diloco_ray.driver.policies`), which version replicas are handed -- are
-unit-tested with fakes and no Ray (``tests/unit/driver/test_sync_loop.py``).
+waits on refs only through ``calls`` (:class:`~diloco_ray.driver.calls.RayCalls`). It
+decides and the trainer acts: :meth:`SyncLoop.run_round` runs one attempt at a round and
+returns how it ended (:class:`~diloco_ray.driver.policies.RoundOutcome`: proceed with the
+record, run again, or recover the servers first), and the trainer carries that out
+(:func:`~diloco_ray.driver.loop.apply_next_update`). So its decisions -- who reported,
+what the attempt's outcome is, which version replicas are handed -- are unit-tested with
+fakes and no Ray (``tests/unit/driver/test_sync_loop.py``).
 
 A round is ``sync_fragments`` sync periods, each ending with one fragment's sync (one for
 plain DiLoCo). Every period: launch the active replicas, collect what they report by the
@@ -18,10 +21,8 @@ read once, and the round proceeds with its record or says why it must run again.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
-from typing import Optional, Union
-
-from ray.exceptions import RayActorError
+from dataclasses import dataclass, field
+from typing import Optional
 
 from diloco_ray.algo.outer import sync_advances
 from diloco_ray.config.sections import (
@@ -31,21 +32,20 @@ from diloco_ray.config.sections import (
     RunShapeSection,
     SyncCodecSection,
 )
-from diloco_ray.driver.calls import RayCalls
+from diloco_ray.driver.calls import RayCalls, ServerLost, server_call
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
 from diloco_ray.driver.policies import (
     Action,
     RoundOutcome,
     attempt_verdict,
-    eval_due,
-    give_up_after,
     too_few_reported,
 )
 from diloco_ray.driver.poll import PeriodPoll
-from diloco_ray.observe.records import RoundRecord, Syncs, Timing
+from diloco_ray.driver.round_parts import evaluate_and_record, per_server, token_weights, unused_ranges, wasted
+from diloco_ray.observe.records import Syncs
 from diloco_ray.persist import snapshot
-from diloco_ray.runtime.messages import Contribution, Launch, RoundPoll, SnapshotPlan
+from diloco_ray.runtime.messages import Launch, RoundPoll, SnapshotPlan
 
 
 @dataclass
@@ -56,6 +56,17 @@ class Period:
     reported: dict
     refs: object
     attempt: int
+
+
+@dataclass
+class Periods:
+    """The sync periods of one attempt at a round: those synced, who was late and who
+    failed, and the verdict that ended the attempt early (None: every period synced)."""
+
+    periods: list[Period] = field(default_factory=list)
+    late: set = field(default_factory=set)
+    failed: set = field(default_factory=set)
+    verdict: Optional[RoundOutcome] = None
 
 
 class SyncLoop:
@@ -100,11 +111,6 @@ class SyncLoop:
 
     # ---- what the trainer asks of its loop (driver.loop.OuterLoop) ----------------------
     @property
-    def update_index(self) -> int:
-        """The next outer update's index: the round's."""
-        return self.round_index
-
-    @property
     def progress(self) -> float:
         """Rounds applied so far: what checkpoints fall due by (``checkpoint_steps``)."""
         return float(self.round_index)
@@ -138,48 +144,39 @@ class SyncLoop:
     def streaming(self) -> bool:
         return self.sync_codec.sync_fragments > 1
 
-    # ---- the round, retried ------------------------------------------------------------
-    def run_round(self, host: Host) -> RoundRecord:
-        """Run and apply one outer round, running it again while an attempt says so.
-
-        A re-run starts every replica again from the global weights of the round (and,
-        with ``restore_on_retry``, from its inner state at the round's start), on the
-        same data plan: the cursor only moves when a round is applied.
-        """
-        self.wasted_steps = 0
-        self.in_round = True
-        attempts = 0
-        while True:
-            attempts += 1
-            outcome = give_up_after(self.attempt_round(host), attempts, self.round_index)
-            if outcome.action is Action.PROCEED:
-                self.in_round = False
-                return outcome.record
-            if outcome.action is Action.STOP:
-                raise RuntimeError(outcome.why)
-            if outcome.action is Action.RECOVER_SERVER:
-                host.recover_server()
+    # ---- one attempt at the round --------------------------------------------------------
+    def run_round(self, host: Host) -> RoundOutcome:
+        """One attempt at the round, and how it ended: applied (``PROCEED`` with its
+        record), or why it must run again (``RUN_AGAIN``), after the servers are restored
+        (``RECOVER_SERVER``). The trainer carries a non-proceeding outcome out and calls
+        again; a re-run starts every replica again from the global weights of the round
+        (and, with ``restore_on_retry``, from its inner state at the round's start), on the
+        same data plan: the cursor only moves when a round is applied."""
+        if not self.in_round:  # a new round: its wasted steps count from zero
+            self.wasted_steps, self.in_round = 0, True
+        try:
+            outcome = self._attempt(host)
+        except ServerLost as lost:
+            outcome = RoundOutcome(Action.RECOVER_SERVER, why=str(lost))
+        if outcome.action is Action.PROCEED:
+            self.in_round = False
+        else:
             self.restart = True
-            host.reconcile()
+        return outcome
 
-    def attempt_round(self, host: Host) -> RoundOutcome:
-        """One attempt: the sync periods, the commit, the record."""
+    def _attempt(self, host: Host) -> RoundOutcome:
+        """The sync periods, the commit, the record."""
         t_start = time.perf_counter()
         members = list(host.members.active)
         host.notify("on_round_begin", self.round_index, len(members))
-        try:
-            plans = dict(zip([rep.id for rep in members], host.server.data_plan([rep.id for rep in members])))
-        except RayActorError:
-            return RoundOutcome(Action.RECOVER_SERVER, why="a server died before the round")
+        ids = [rep.id for rep in members]
+        plans = dict(zip(ids, server_call(lambda: host.server.data_plan(ids), "before the round")))
         held = self.jobs.handout
-        periods = self._run_periods(host, members, plans)
-        if isinstance(periods, RoundOutcome):
-            return periods
-        periods, late, failed = periods
-        try:
-            applied = [self.calls.get(p.refs.commits)[0] for p in periods]
-        except RayActorError:
-            return RoundOutcome(Action.RECOVER_SERVER, why="a server died during the sync")
+        run = self._run_periods(host, members, plans)
+        if run.verdict is not None:
+            return run.verdict
+        periods = run.periods
+        applied = [server_call(lambda p=p: self.calls.get(p.refs.commits)[0], "during the sync") for p in periods]
         self._count_rejected(applied, periods)
         if not self.streaming:
             verdict = attempt_verdict(applied[0].applied, streaming=False)
@@ -189,30 +186,41 @@ class SyncLoop:
             self.jobs.handout.version += sync_advances(applied=True, streaming=False)
         t_applied = time.perf_counter()
         self.round_index = applied[-1].round + 1
-        syncs = Syncs(applied, [p.reported for p in periods], late, failed)
-        return RoundOutcome(Action.PROCEED, record=self._record(host, syncs, t_start, t_applied))
+        syncs = Syncs(applied, [p.reported for p in periods], run.late, run.failed)
+        record = evaluate_and_record(
+            host,
+            syncs,
+            wasted_steps=self.wasted_steps,
+            started=t_start,
+            applied_at=t_applied,
+            progress=(self.round_index - 1, self.round_index),
+            finished=self.finished(),
+            eval_every=self.evaluation.eval_every,
+            shape=dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments),
+        )
+        return RoundOutcome(Action.PROCEED, record=record)
 
     # ---- the steps of an attempt -------------------------------------------------------
-    def _run_periods(self, host: Host, members: list, plans: dict) -> Union[RoundOutcome, tuple[list, set, set]]:
-        """Every sync period of the round: (the periods, who was late, who failed), or
-        the outcome that ends the attempt when too few reported."""
+    def _run_periods(self, host: Host, members: list, plans: dict) -> Periods:
+        """Every sync period of the round, who was late and who failed; or, when too few
+        reported, the verdict that ends the attempt."""
         slots = {rep.id: slot for slot, rep in enumerate(members)}
-        periods, late, failed, active = [], set(), set(), members
+        run, active = Periods(), members
         for fragment in range(self.sync_codec.sync_fragments):
             launched = self._launch(host, active, slots, plans, fragment)
             poll = self._collect(launched)
             for rep, why in poll.failed:
                 host.members.remove(rep, why)
-            late |= set(poll.late)
+            run.late |= set(poll.late)
             self.jobs.note_dropped(self.jobs.attempt, poll.late)
-            failed |= {rep.id for rep, _ in poll.failed}
-            verdict = too_few_reported(len(poll.reported), self.membership.min_replicas, self.streaming)
-            if verdict is not None:
-                self.wasted_steps += sum(s.inner_steps for stats in poll.reported.values() for s in stats[:1])
-                return verdict
-            periods.append(self._sync(host.server, fragment, launched, poll.reported, plans))
+            run.failed |= {rep.id for rep, _ in poll.failed}
+            run.verdict = too_few_reported(len(poll.reported), self.membership.min_replicas, self.streaming)
+            if run.verdict is not None:
+                self.wasted_steps += wasted(poll.reported, poll.reported)
+                return run
+            run.periods.append(self._sync(host.server, fragment, launched, poll.reported, plans))
             active = [rep for rep in active if rep.id in poll.reported]  # one that missed a sync sits out the round
-        return periods, late, failed
+        return run
 
     def _launch(self, host: Host, active: list, slots: dict, plans: dict, fragment: int) -> dict[int, Launch]:
         """Start one sync period on every active replica."""
@@ -254,14 +262,9 @@ class SyncLoop:
 
     def _sync(self, server, fragment: int, launched: dict, reported: dict, plans: dict) -> Period:
         """Hand the reports to the servers; the handout moves on to the sync's message."""
-        # Each replica counts by the tokens that carried loss (see diloco_ray.algo.loss).
-        weight = {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
-        contributions = [
-            [Contribution(rid, launched[rid].buffers[s], weight[rid]) for rid in reported] for s in range(len(server))
-        ]
-        # With inner_time_s, what each replica had no time for goes back to the cursor.
-        unused = {rid: stats[0].unused for rid, stats in reported.items() if stats[0].unused}
-        refs = server.sync(fragment, contributions, plans, unused)
+        buffers = {rid: launched[rid].buffers for rid in reported}
+        contributions = per_server(buffers, token_weights(reported), len(server))
+        refs = server.sync(fragment, contributions, plans, unused_ranges(reported))
         # A streaming sync's message is a new version whatever its commit says; a plain
         # sync's becomes one only once its commit says it applied (attempt_round).
         advanced = sync_advances(applied=False, streaming=self.streaming)
@@ -271,18 +274,7 @@ class SyncLoop:
     def _count_rejected(self, applied: list, periods: list[Period]) -> None:
         for info, period in zip(applied, periods):
             self.jobs.note_sync(period.attempt, info, period.reported)
-            self.wasted_steps += sum(
-                stats[0].inner_steps for rid, stats in period.reported.items() if rid not in info.accepted
-            )
-
-    def _record(self, host: Host, syncs: Syncs, t_start: float, t_applied: float) -> RoundRecord:
-        """After the round just applied (``round_index`` is the next one): evaluate when
-        ``eval_every`` says so, and write the record."""
-        due = eval_due(self.round_index - 1, self.round_index, self.evaluation.eval_every, self.finished())
-        evaluation = host.evaluate(due=due)
-        timing = Timing(round_seconds=time.perf_counter() - t_start, until_applied=t_applied - t_start)
-        shape = dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments)
-        return RoundRecord.build(syncs, self.wasted_steps, evaluation, timing, **shape)
+            self.wasted_steps += wasted(period.reported, [rid for rid in period.reported if rid not in info.accepted])
 
     def _snapshot_plan(self, slot: int) -> Optional[SnapshotPlan]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,

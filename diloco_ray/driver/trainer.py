@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray.config.schema import TrainerConfig, redacted
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
-from diloco_ray.driver.loop import loop_for
+from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
 from diloco_ray.driver.run_events import RunEvents
@@ -75,33 +75,36 @@ class DilocoFSDPTrainer:
             ``on_round_begin(trainer, round_index, replicas)``, ``on_step(trainer, event)``
             (a replica's step event, every ``logging_steps``),
             ``on_round_end(trainer, record)`` and ``on_train_end(trainer)``.
-        worker_cls: the rank class (tests swap in fakes).
-        server_cls: the parameter-server class (likewise).
         stop_on_sigterm: make SIGTERM stop :meth:`train` as Ctrl-C does (raising
             :class:`~diloco_ray.errors.Stopped` after a checkpoint on stop); the CLI sets
             it. Installed once Ray is connected, since ``ray.init`` sets its own handler.
         ray_output_to_file: send Ray's own log lines and what the actors print to
             ``output_dir/logs/ray.log`` instead of this process's console (the CLI does,
             unless ``--verbose``); see :mod:`~diloco_ray.observe.ray_output`.
+
+    The rank and parameter-server classes are the class attributes ``worker_cls`` and
+    ``server_cls``, made Ray actors when they are started; tests swap in fakes by
+    subclassing the trainer.
     """
+
+    worker_cls: type = RankWorker
+    server_cls: type = ParameterServer
 
     def __init__(
         self,
         config: TrainerConfig,
         callbacks: Optional[list] = None,
-        worker_cls: type = RankWorker,
-        server_cls: type = ParameterServer,
         stop_on_sigterm: bool = False,
         ray_output_to_file: bool = False,
     ):
         self.config = config
+        self.sections = sections = config.sections()  # what each part reads; the config itself is shipped whole
         self.ray_output_to_file = ray_output_to_file
         self._ray_output: Optional[RayOutputFile] = None
         self.stop_on_sigterm = stop_on_sigterm
         self._previous_sigterm = None
         self.callbacks = list(callbacks or [])
-        self.worker_cls, self.server_cls = worker_cls, server_cls
-        self._target = config.num_replicas
+        self._target = sections.membership.num_replicas
         self._lock = threading.Lock()
         self._started_ray = False
         self._scale_mtime = 0.0
@@ -109,18 +112,17 @@ class DilocoFSDPTrainer:
         self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
         # output_dir: a folder, or a bucket and its staging copy
-        self.run_dir = RunFolder(config.sections().checkpointing, config.log_dir)
+        self.run_dir = RunFolder(sections.checkpointing, sections.observability.log_dir)
         self.inflight_root = self.run_dir.inflight
         # metrics.jsonl, the Ray dashboard, the callbacks; the ranks' step events
         self.events = RunEvents(self, self.callbacks, lambda: self.round_index)
-        sections = config.sections()  # each part gets the sections it reads, not the whole config
         self.loop = loop_for(sections, self.inflight_root)  # the update index, what replicas load next
         self.checkpointer = Checkpointer(
             *(sections.checkpointing, sections.membership, self.run_dir, self.events.log, self.events.warn),
             sent_verdicts=self.loop.jobs.verdicts_for,
         )
         self._inner_state_from: Optional[str] = None  # checkpoint the replicas placed at set-up resume from
-        self.chaos = DriverFaults(config.fault_plan)  # the fault plan's server and driver faults
+        self.chaos = DriverFaults(sections.faults.fault_plan)  # the fault plan's server and driver faults
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop
         self.stopped_by: Optional[str] = None  # the signal that stopped it (SIGTERM), when one did
@@ -129,7 +131,7 @@ class DilocoFSDPTrainer:
     def scale(self, n: int) -> int:
         """Set the target replica count (clamped to [min_replicas, max_replicas]); it
         takes effect at the next round boundary. Returns the target set. Thread-safe."""
-        lo, hi = self.config.replica_bounds
+        lo, hi = self.sections.membership.replica_bounds
         if not isinstance(n, int) or isinstance(n, bool):
             raise ConfigError(f"scale: {n!r} is not an integer replica count")
         with self._lock:
@@ -144,7 +146,7 @@ class DilocoFSDPTrainer:
     @property
     def round_index(self) -> int:
         """The next round to run (decoupled: the next merge; the servers' round index between them)."""
-        return self.loop.update_index
+        return self.loop.round_index
 
     @property
     def board(self):
@@ -165,7 +167,7 @@ class DilocoFSDPTrainer:
 
     def train(self) -> TrainResult:
         """Run outer rounds until ``diloco_loops`` are applied; blocks. Returns the records."""
-        result = TrainResult(output_dir=self.config.output_dir)
+        result = TrainResult(output_dir=self.sections.checkpointing.output_dir)
         try:
             self.setup()
             self.notify("on_train_begin")
@@ -192,8 +194,9 @@ class DilocoFSDPTrainer:
         replicas."""
         cfg = self.config
         # Everything that can be checked without Ray is checked before Ray starts.
-        s = cfg.sections()
-        resume = resolve_resume(cfg.resume_from, s.checkpointing, s.model, s.peft) if cfg.resume_from else None
+        s = self.sections
+        resume_from = s.checkpointing.resume_from
+        resume = resolve_resume(resume_from, s.checkpointing, s.model, s.peft) if resume_from else None
         preflight.check(cfg, resuming=resume is not None)
         self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)
@@ -203,7 +206,7 @@ class DilocoFSDPTrainer:
         else:
             self._connect_ray()
         self._catch_sigterm()
-        self.device = ray_connection.resolve_device(self.config.device)
+        self.device = ray_connection.resolve_device(s.placement.device)
         self._open_records(s)
         self.loop.steps = self.events.steps
         token_data = start_token_data(s.data, s.model)  # first: it runs while the actors start
@@ -211,8 +214,8 @@ class DilocoFSDPTrainer:
         # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
         self._inner_state_from = resume[0] if resume else None
         self.members = Membership(
-            cfg.sections().membership,
-            cfg.sections().placement,
+            s.membership,
+            s.placement,
             self.device,
             lambda rid: Replica(rid, cfg, self.device, self.worker_cls, token_data),
             self.events.log,
@@ -230,7 +233,7 @@ class DilocoFSDPTrainer:
             adopted = self.members.adopt_initial(seed)
             log.info("replicas %s built the initial weights: no round-0 load", adopted)
             self._after_restore(reset=False)
-            if cfg.checkpoint_steps is not None:
+            if s.checkpointing.checkpoint_steps is not None:
                 self.save_checkpoint()  # so a lost server can always be recreated
 
     def _after_restore(self, reset: bool) -> None:
@@ -242,7 +245,7 @@ class DilocoFSDPTrainer:
     def _restore_inner(self, rep: Replica, slot: int) -> None:
         """A replica about to join: with set-up resuming a checkpoint, its inner state."""
         if self._inner_state_from is not None:
-            ray.get(rep.load_inner_state(self._inner_state_from, slot), timeout=self.config.call_timeout_s)
+            ray.get(rep.load_inner_state(self._inner_state_from, slot), timeout=self.sections.membership.call_timeout_s)
 
     def _load_server(self, path: str, skipped: list, reason: str) -> None:
         """Load the server state from checkpoint ``path`` and rewind the records to it."""
@@ -269,7 +272,7 @@ class DilocoFSDPTrainer:
 
     def _connect_ray(self) -> None:
         if not ray.is_initialized():
-            sections = self.config.sections()
+            sections = self.sections
             self._started_ray = ray_connection.connect(sections.membership, sections.placement)
 
     def _catch_sigterm(self) -> None:
@@ -283,9 +286,11 @@ class DilocoFSDPTrainer:
 
     # ---- one round --------------------------------------------------------------------
     def run_round(self) -> dict:
-        """Run and apply one outer round (decoupled: one merge; see :mod:`~diloco_ray.driver.loop`),
-        then record it, checkpoint when due, publish, and reconcile the replica count."""
-        record = self.loop.run_round(self).to_record()
+        """Run and apply one outer round (decoupled: one merge), carrying out what the loop
+        asks for on the way (:func:`~diloco_ray.driver.loop.apply_next_update`: replace lost
+        replicas, restore the servers, or stop); then record it, checkpoint when due,
+        publish, and reconcile the replica count."""
+        record = apply_next_update(self.loop, self).to_record()
         self.records.append(record)
         self.events.round_done(record)
         self.checkpointer.maybe_save(self.server, self._checkpointed_replicas, self.round_index, self.loop.progress)
@@ -294,7 +299,7 @@ class DilocoFSDPTrainer:
         self.reconcile()
         return record
 
-    # ---- what the loop asks of its host (driver.host.Host) -------------------------------
+    # ---- what the loop asks of its host (driver.host.Host) ------------------------------
     def notify(self, hook: str, *args) -> None:
         """Call the callbacks' ``hook`` (see :class:`RunEvents`)."""
         self.events.notify(hook, *args)
@@ -311,7 +316,7 @@ class DilocoFSDPTrainer:
         (None: not due, no eval, or none left); ``among``: ids to try first (decoupled: idle ones)."""
         started = time.perf_counter()
         self._global_refs = None  # the weights moved: fetched on demand
-        loss, bytes_down = self._eval_loss(among) if due and self.config.eval_batches != 0 else (None, 0)
+        loss, bytes_down = self._eval_loss(among) if due and self.sections.evaluation.eval_batches != 0 else (None, 0)
         return Evaluation(loss, time.perf_counter() - started, bytes_down)
 
     def _eval_loss(self, among: Optional[list]) -> tuple[Optional[float], int]:
@@ -329,7 +334,7 @@ class DilocoFSDPTrainer:
         """Carry out the fault plan's server and driver faults due in this round."""
         self.chaos.fire(self.round_index, self.server, self.events.log)
 
-    # ---- membership, checkpoints, recovery --------------------------------------------
+    # ---- what the trainer does for a loop's outcome (driver.host.Recovery), checkpoints --
     def reconcile(self) -> None:
         """Move the replica count towards the target, at a round boundary."""
         self._read_scale_request()
@@ -347,10 +352,9 @@ class DilocoFSDPTrainer:
     def _early_stop(self) -> bool:
         """Whether eval loss has stopped improving (:func:`~diloco_ray.driver.policies.early_stop`):
         then the run ends, and final/ is still written."""
-        cfg = self.config
-        stop = early_stop(
-            [r["eval_loss"] for r in self.records], cfg.early_stopping_patience, cfg.early_stopping_threshold
-        )
+        evaluation = self.sections.evaluation
+        patience, threshold = evaluation.early_stopping_patience, evaluation.early_stopping_threshold
+        stop = early_stop([r["eval_loss"] for r in self.records], patience, threshold)
         if stop is not None:
             self.events.log(EarlyStopEvent(self.round_index, stop.best, stop.patience))
         return stop is not None
@@ -389,13 +393,13 @@ class DilocoFSDPTrainer:
         self.server = ServerGroup(self.config, self.server_cls)
         was_at = self.round_index
         self._load_server(path, skipped, reason="server_restart")
-        if self.round_index < was_at or self.config.sync_mode == "decoupled":
+        if self.round_index < was_at or self.sections.run.sync_mode == "decoupled":
             # The checkpoint is older than the round the replicas were at (or, decoupled, they
             # finished periods that were thrown away): their state is the checkpoint's, not
             # the one they keep in memory.
             for slot, rep in enumerate(list(self.replicas)):
                 try:
-                    ray.get(rep.load_inner_state(path, slot), timeout=self.config.call_timeout_s)
+                    ray.get(rep.load_inner_state(path, slot), timeout=self.sections.membership.call_timeout_s)
                 except (RayActorError, ray.exceptions.GetTimeoutError):
                     self.members.remove(rep, "failed")
 
@@ -405,14 +409,15 @@ class DilocoFSDPTrainer:
         sharded safetensors streamed from the servers one tensor at a time (see
         :mod:`diloco_ray.persist.final_save`), or the PEFT adapter."""
         path = self.run_dir.path("final")
-        if self.config.merge_adapter:
+        if self.sections.checkpointing.merge_adapter:
             # Merging needs the base weights beside the adapter: a replica, which has
             # them, writes both folders (that rank builds the whole base model).
             merged = self.run_dir.path("final_merged")
             if self.members.first_answer(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
                 raise RuntimeError("no replica is left to write final/")
             return path
-        model, peft, shard_mb = self.config.sections().model, self.config.sections().peft, self.config.final_shard_mb
+        s = self.sections
+        model, peft, shard_mb = s.model, s.peft, s.checkpointing.final_shard_mb
         return final_save.save_from_servers(model, peft, shard_mb, path, self.server.tensor, self.shapes)
 
     def shutdown(self) -> None:

@@ -20,8 +20,8 @@ from diloco_ray.observe.metrics import read_events
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
-# The keys every round record holds (CONTRACT.md).
-CONTRACT_KEYS = [
+# The keys every round record holds (docs/interface.md, metrics.jsonl).
+ROUND_RECORD_KEYS = [
     "round",
     "replicas",
     "replica_ids",
@@ -66,7 +66,10 @@ class KillDriverMidRound(RankWorker):
             os.kill(self.driver_pid, signal.SIGKILL)
             time.sleep(60)   # Ray ends this actor with its driver's job
 
-DilocoFSDPTrainer(TrainerConfig(**json.loads(sys.argv[1])), worker_cls=KillDriverMidRound).train()
+class Trainer(DilocoFSDPTrainer):
+    worker_cls = KillDriverMidRound
+
+Trainer(TrainerConfig(**json.loads(sys.argv[1]))).train()
 """
 
 
@@ -129,7 +132,7 @@ def test_scale_from_another_process_and_from_a_callback_and_a_lost_step_board(ra
     assert [e["replica_id"] for e in joins[2:]] == [2, 3] and all(e["start_seconds"] > 0 for e in joins[2:])
     assert glob.glob(os.path.join(cfg.output_dir, "logs", "events.out.tfevents.*"))
     for rec in read_events(cfg.output_dir, "round"):
-        assert all(k in rec for k in CONTRACT_KEYS)
+        assert all(k in rec for k in ROUND_RECORD_KEYS)
         assert rec["eval_loss"] is None
         assert rec["bytes_up"] > 0 and (rec["bytes_down"] > 0 or rec["round"] == 0)  # round 0: kept, not loaded
     positions = applied_positions(result.rounds)

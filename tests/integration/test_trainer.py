@@ -39,6 +39,10 @@ class RecordingServer(ParameterServer):
         return self.recorded
 
 
+class RecordingTrainer(DilocoFSDPTrainer):
+    server_cls = RecordingServer
+
+
 def test_fsdp_replicas_round_equals_outer_optimizer_then_a_rank_dies_mid_round(ray_local, tmp_path):
     """Round 0 of two 2-rank FSDP replicas is exactly the outer optimizer over their
     pseudo-gradients. Then the last rank of replica 1 dies at inner step 1 of round 2: the
@@ -56,7 +60,7 @@ def test_fsdp_replicas_round_equals_outer_optimizer_then_a_rank_dies_mid_round(r
         join_timeout_s=120,
         fault_plan=[kill],
     )
-    trainer = DilocoFSDPTrainer(cfg, server_cls=RecordingServer)
+    trainer = RecordingTrainer(cfg)
     trainer.setup()
     try:
         before = trainer.global_weights()

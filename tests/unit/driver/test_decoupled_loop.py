@@ -22,7 +22,8 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.config import fault_plan
 from diloco_ray.data import plan as data
-from diloco_ray.driver.loop import loop_for
+from diloco_ray.driver.loop import apply_next_update, loop_for
+from diloco_ray.driver.policies import Action
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.runtime.messages import RoundStats
 from diloco_ray.runtime.server import ParameterServer
@@ -197,9 +198,9 @@ class Host:
         return Evaluation(1.0 if due else None)
 
     def inject_faults(self):
-        self.calls.append(("inject_faults", self.loop.merge_index, sorted(self.loop.flights)))
+        self.calls.append(("inject_faults", self.loop.round_index, sorted(self.loop.flights)))
         for target in ("server", "driver"):
-            for f in fault_plan.due(self.faults, self.loop.merge_index, fired=frozenset(self.fired), target=target):
+            for f in fault_plan.due(self.faults, self.loop.round_index, fired=frozenset(self.fired), target=target):
                 self.fired.append(f.key)
                 if target == "server":
                     self.server.dead = True
@@ -213,7 +214,7 @@ class Host:
         self.calls.append("reconcile")
 
     def merge(self) -> dict:
-        record = self.loop.run_round(self).to_record()
+        record = apply_next_update(self.loop, self).to_record()
         if self.checkpoints:
             self.server.actors[0].save(self.folder)
             seal(self.folder)  # what the checkpoint commit writes: a server loads only what it vouches for
@@ -494,3 +495,19 @@ def test_a_merged_replica_hears_with_its_next_period_that_what_it_sent_was_appli
     first = reps[0].jobs[0].attempt
     host.merge()
     assert reps[0].jobs[0].sent_verdicts == () and reps[0].jobs[1].sent_verdicts == ((first, True),)
+
+
+def test_a_lost_period_hands_the_merge_to_the_trainer_and_the_next_call_goes_on_with_it(tmp_path):
+    """The loop never reconciles: a replica dropped mid-merge ends the call with RUN_AGAIN
+    (saying whose period and why), and the next call goes on with the same merge (no second
+    on_round_begin, no second fault check) to merge replica 0's period."""
+    host, reps = make(tmp_path, stall_timeout_s=0.01, abort_grace_s=0.01, delays={0: [30]})
+    reps[1].never = {0}
+    host.loop.steps = Beats(host.loop, silent={1})
+    first = host.loop.run_round(host)
+    assert first.action is Action.RUN_AGAIN and first.why.startswith("replica 1's period was lost: unresponsive")
+    assert host.members.removed == [(1, "unresponsive")] and "reconcile" not in host.calls
+    second = host.loop.run_round(host)
+    assert second.action is Action.PROCEED and second.record.to_record()["replica_ids"] == [0]
+    assert host.calls.count("on_round_begin") == 1
+    assert sum(1 for c in host.calls if isinstance(c, tuple) and c[0] == "inject_faults") == 1

@@ -21,7 +21,7 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config import fault_plan
-from diloco_ray.driver.loop import loop_for
+from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
@@ -157,7 +157,7 @@ class Host:
     def notify(self, hook, *args):
         self.calls.append(hook)
 
-    def evaluate(self, due=True):
+    def evaluate(self, among=None, due=True):
         return Evaluation(1.5 if due else None)
 
     def inject_faults(self):
@@ -185,7 +185,7 @@ def make(tmp_path, replicas=2, faults=None, **overrides):
 
 def test_every_replica_reports_and_the_round_is_applied(tmp_path):
     loop, host, reps = make(tmp_path)
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert record["replicas"] == 2 and record["dropped"] == [] and record["eval_loss"] == 1.5
     assert host.server.synced == [{0: 10.0, 1: 20.0}]  # each weighted by the tokens that carried loss
     assert loop.round_index == 1 and loop.jobs.handout.version == 1 == host.server.version
@@ -195,13 +195,13 @@ def test_every_replica_reports_and_the_round_is_applied(tmp_path):
 
 def test_eval_every_evaluates_every_nth_round_and_the_last(tmp_path):
     loop, host, reps = make(tmp_path, eval_every=2, diloco_loops=5)
-    losses = [loop.run_round(host).evaluation.loss for _ in range(5)]
+    losses = [apply_next_update(loop, host).evaluation.loss for _ in range(5)]
     assert losses == [None, 1.5, None, 1.5, 1.5]  # after rounds 2 and 4, and the last (5)
 
 
 def test_a_killed_replica_is_dropped_and_the_others_are_applied(tmp_path):
     loop, host, reps = make(tmp_path, replicas=3, faults=[{"kind": "kill", "replica": 1, "round": 0}])
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert host.members.removed == [(1, "failed")] and reps[1].stopped
     assert record["replica_ids"] == [0, 2] and record["dropped"] == [1]
     assert host.server.synced == [{0: 10.0, 2: 30.0}]
@@ -211,7 +211,7 @@ def test_a_killed_replica_is_dropped_and_the_others_are_applied(tmp_path):
 def test_too_few_reporting_runs_the_round_again_from_the_same_plan(tmp_path):
     loop, host, reps = make(tmp_path, faults=[{"kind": "kill", "replica": 1, "round": 0}], min_replicas=2)
     host.reconcile = lambda: host.members.active.append(reps[1])  # a replacement joins at the boundary
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert host.members.removed == [(1, "failed")]
     assert len(host.server.synced) == 1 and record["replicas"] == 2 and loop.round_index == 1
     first, again = reps[0].jobs
@@ -225,17 +225,17 @@ def test_a_round_never_applied_is_fatal_after_the_retries(tmp_path):
     faults = [{"kind": "nan", "replica": 0, "round": 0, "step": s} for s in range(4)]  # every attempt
     loop, host, reps = make(tmp_path, replicas=1, faults=faults)
     with pytest.raises(RuntimeError, match=r"round 0: not applied in 4 attempts \(the last: no update applied"):
-        loop.run_round(host)
+        apply_next_update(loop, host)
     assert host.calls.count("on_round_begin") == 4 and host.calls.count("reconcile") == 3  # between the attempts
     assert loop.jobs.handout.version == 0 and loop.jobs.handout.messages == []  # replicas keep what they hold
 
 
 def test_a_nan_replica_is_rejected_and_restarts_with_a_fresh_inner_state(tmp_path):
     loop, host, reps = make(tmp_path, faults=[{"kind": "nan", "replica": 0, "round": 0}])
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert record["replica_ids"] == [1] and "non-finite" in record["rejected"]["0"]
     assert loop.wasted_steps == 4  # its round's steps reached no update
-    loop.run_round(host)
+    apply_next_update(loop, host)
     assert [j.reset_inner for j in reps[0].jobs] == [False, True]
     assert [j.reset_inner for j in reps[1].jobs] == [False, False]
 
@@ -243,7 +243,7 @@ def test_a_nan_replica_is_rejected_and_restarts_with_a_fresh_inner_state(tmp_pat
 def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
     faults = [{"kind": "kill", "target": "server", "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults)
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
     assert record["round"] == 0 and loop.round_index == 1
     assert [j.restart for j in reps[0].jobs] == [False, True]  # the re-run starts from the global weights
@@ -251,8 +251,8 @@ def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
 
 def test_streaming_hands_each_period_the_next_version_before_its_commit(tmp_path):
     loop, host, reps = make(tmp_path, sync_fragments=2, max_steps=4)
-    loop.run_round(host)
-    loop.run_round(host)
+    apply_next_update(loop, host)
+    apply_next_update(loop, host)
     assert [j.version for j in reps[0].jobs] == [0, 1, 2, 3]
     assert [j.fragment for j in reps[0].jobs] == [0, 1, 0, 1]
     assert loop.jobs.handout.version == host.server.version == 4  # one count, by one rule
@@ -261,7 +261,7 @@ def test_streaming_hands_each_period_the_next_version_before_its_commit(tmp_path
 def test_a_frozen_replica_is_stopped_at_the_deadline_and_dropped(tmp_path):
     faults = [{"kind": "freeze", "replica": 1, "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=0.01, abort_grace_s=0.01)
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert reps[1].aborted == [loop.jobs.attempt]
     assert host.members.removed == [(1, "unresponsive")] and reps[1].stopped
     assert record["dropped"] == [1] and record["late"] == [] and record["replica_ids"] == [0]
@@ -270,10 +270,10 @@ def test_a_frozen_replica_is_stopped_at_the_deadline_and_dropped(tmp_path):
 def test_a_slow_replica_stops_when_told_and_stays(tmp_path):
     faults = [{"kind": "slow", "replica": 1, "round": 0, "seconds": 1.0}]
     loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=STEP_POLL_S / 100, abort_grace_s=0.01)
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert host.members.removed == [] and record["late"] == [1] and record["replica_ids"] == [0]
     assert loop.wasted_steps == 1  # the step it had run when it stopped
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert record["replica_ids"] == [0, 1]
 
 
@@ -286,13 +286,13 @@ def test_each_replica_hears_with_its_next_period_whether_what_it_sent_was_applie
     loop, host, reps = make(
         tmp_path, faults=faults, round_timeout_s=STEP_POLL_S / 100, abort_grace_s=0.01, sync_fragments=fragments
     )
-    loop.run_round(host)
+    apply_next_update(loop, host)
     round0 = [j.attempt for j in reps[0].jobs]
-    loop.run_round(host)
+    apply_next_update(loop, host)
     round1 = [j.attempt for j in reps[0].jobs[fragments:]]
     assert reps[0].jobs[fragments].sent_verdicts == tuple((a, True) for a in round0)
     assert reps[1].jobs[1].sent_verdicts == ((round0[0], False),)  # late, then sat the round out
-    loop.run_round(host)
+    apply_next_update(loop, host)
     assert reps[0].jobs[2 * fragments].reset_inner
     assert reps[0].jobs[2 * fragments].sent_verdicts[0] == (round1[0], False)  # rejected for NaN
 
@@ -316,7 +316,7 @@ class Beats:
 def test_a_frozen_replica_is_dropped_by_its_silence_without_a_deadline(tmp_path):
     loop, host, reps = make(tmp_path, faults=[{"kind": "freeze", "replica": 1, "round": 0}], stall_timeout_s=0.05)
     loop.steps = Beats(alive={0})  # replica 0 beats; replica 1 says nothing
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert host.members.removed == [(1, "unresponsive")] and record["replica_ids"] == [0]
     assert loop.steps.polls >= 1  # step events were passed on while waiting
 
@@ -325,6 +325,6 @@ def test_a_lost_board_judges_nobody(tmp_path):
     faults = [{"kind": "freeze", "replica": 1, "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults, stall_timeout_s=0.01, round_timeout_s=0.2, abort_grace_s=0.01)
     loop.steps = Beats(alive=set(), board_lost=True)
-    record = loop.run_round(host).to_record()
+    record = apply_next_update(loop, host).to_record()
     assert record["dropped"] == [1]  # by the deadline, not by silence the lost board cannot vouch for
     assert reps[1].aborted == [1]

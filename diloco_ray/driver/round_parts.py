@@ -1,0 +1,76 @@
+"""What both loops build the same way from the periods they hand to the servers.
+
+A synchronous round (:class:`~diloco_ray.driver.sync_loop.SyncLoop`) and a decoupled merge
+(:class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`) differ in who is waited for and
+how each contribution is weighted, not in what they send: every replica's pseudo-gradient
+buffers by server, weighted by the tokens that carried loss; the stream ranges it had no
+time for; and, once the update is applied, one record evaluated on the new weights. Those
+are built here, once, as plain functions over the periods' stats.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable, Mapping, Optional
+
+from diloco_ray.driver.host import Host
+from diloco_ray.driver.policies import eval_due
+from diloco_ray.observe.records import RoundRecord, Syncs, Timing
+from diloco_ray.runtime.messages import Contribution
+
+# A replica's period reports one stats object per rank; the first rank's speaks for the
+# replica where every rank trained the same steps (steps, unused ranges).
+
+
+def token_weights(reported: Mapping[int, list]) -> dict[int, float]:
+    """Replica id -> the tokens that carried loss in its period, summed over its ranks
+    (each replica counts by them: see :mod:`diloco_ray.algo.loss`)."""
+    return {rid: float(sum(s.loss_tokens for s in stats)) for rid, stats in reported.items()}
+
+
+def per_server(
+    buffers: Mapping[int, list],
+    weights: Mapping[int, float],
+    servers: int,
+    staleness: Optional[Mapping[int, int]] = None,
+) -> list[list[Contribution]]:
+    """For each of ``servers`` servers, every replica's contribution to it, in the order of
+    ``buffers`` (replica id -> its packed buffers, one per server): the buffer, its weight
+    and, in decoupled mode, its staleness."""
+    extra = (lambda rid: (staleness[rid],)) if staleness is not None else (lambda rid: ())
+    return [[Contribution(rid, buffers[rid][s], weights[rid], *extra(rid)) for rid in buffers] for s in range(servers)]
+
+
+def unused_ranges(reported: Mapping[int, list]) -> dict[int, list]:
+    """Replica id -> the stream ranges its period had no time for (``inner_time_s``), which
+    go back to the data cursor; replicas that used all their data are left out."""
+    return {rid: stats[0].unused for rid, stats in reported.items() if stats[0].unused}
+
+
+def wasted(reported: Mapping[int, list], replica_ids: Iterable[int]) -> int:
+    """The inner steps of those replicas' periods (work that reached no applied update)."""
+    return sum(reported[rid][0].inner_steps for rid in replica_ids)
+
+
+def evaluate_and_record(
+    host: Host,
+    syncs: Syncs,
+    *,
+    wasted_steps: int,
+    started: float,
+    applied_at: float,
+    progress: tuple[float, float],
+    finished: bool,
+    eval_every: int,
+    shape: dict,
+    among: Optional[list] = None,
+    facts: Callable[[], dict] = dict,
+) -> RoundRecord:
+    """The record of an update just applied: its weights evaluated when ``eval_every`` says
+    so (``progress``: rounds' worth done before and after it; ``among``: the replicas to
+    evaluate on first), its timing from ``started`` (perf_counter seconds), and the further
+    facts :meth:`RoundRecord.build` takes (a decoupled merge's), read once the eval is done."""
+    due = eval_due(*progress, eval_every, finished)
+    evaluation = host.evaluate(among=among, due=due)
+    timing = Timing(round_seconds=time.perf_counter() - started, until_applied=applied_at - started)
+    return RoundRecord.build(syncs, wasted_steps, evaluation, timing, **shape, **facts())
