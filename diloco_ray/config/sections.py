@@ -3,9 +3,14 @@
 Users write one flat config (YAML, ``--set``, :class:`~diloco_ray.config.schema.TrainerConfig`).
 Inside, a part takes the section it reads, a small frozen dataclass, instead of the whole
 config: the inner optimiser takes :class:`InnerOptimSection`, the outer step
-:class:`OuterOptimSection`, and so on. A section's fields carry the flat config's names, so
-the README's field table (generated from :mod:`diloco_ray.config.fields`) is the meaning of
-each. :meth:`Sections.of` builds every section once from a validated config
+:class:`OuterOptimSection`, and so on. No section declares a field: each field is declared
+once, in the table of :mod:`diloco_ray.config.fields`, with the sections that carry it, and
+:func:`section` builds each class here from that table (the fields under the flat config's
+names, in the table's order, and an ``Args:`` list of them with their descriptions). The
+values derived from fields are the table's too (:class:`~diloco_ray.config.fields.DerivedValues`):
+a section that carries a value's fields offers it by taking it from there.
+
+:meth:`Sections.of` builds every section once from a validated config
 (``TrainerConfig.sections()`` keeps the result). A field sits in more than one section where
 two parts read it: ``diloco_loops`` is the horizon of both the inner and the outer schedule,
 ``seq_len`` cuts the samples and sizes a built model's positions, ``max_steps`` and
@@ -18,11 +23,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from dataclasses import dataclass
-from typing import Literal, Optional, TypeVar, Union
+from typing import Callable, TypeVar
 
-from diloco_ray.config import fields
-from diloco_ray.config.fields import ConfigFields
+from diloco_ray.config import fields as table
+from diloco_ray.config.fields import ConfigFields, DerivedValues
 
 __all__ = [
     "CheckpointSection",
@@ -40,10 +46,39 @@ __all__ = [
     "RunShapeSection",
     "Sections",
     "SyncCodecSection",
+    "section",
+    "section_fields",
     "section_of",
 ]
 
 SectionT = TypeVar("SectionT")
+
+# Section name (a Sections attribute) -> its class, as section() builds them.
+SECTION_CLASSES: dict[str, type] = {}
+
+
+def section_fields(name: str) -> list[dataclasses.Field]:
+    """The fields of the table that section ``name`` carries, in the table's order."""
+    return [f for f in dataclasses.fields(ConfigFields) if name in f.metadata["sections"]]
+
+
+def section(name: str) -> Callable[[type], type]:
+    """Make a class the frozen dataclass of section ``name`` (one of
+    :data:`~diloco_ray.config.fields.SECTION_NAMES`): its fields are the table's fields that
+    name it, in the table's order, with the table's types and no defaults, and its docstring
+    (the section's purpose) gains an ``Args:`` list of them with their descriptions."""
+
+    def build(cls: type) -> type:
+        carried = section_fields(name)
+        if not carried or name in SECTION_CLASSES:
+            raise ValueError(f"section {name!r}: no field names it, or it is built twice")
+        cls.__annotations__ = {f.name: table.FIELD_TYPES[f.name] for f in carried}
+        args = "\n".join(f"    {f.name}: {f.metadata['help']}" for f in carried)
+        cls.__doc__ = f"{inspect.cleandoc(cls.__doc__ or '')}\n\nArgs:\n{args}\n"
+        SECTION_CLASSES[name] = dataclass(frozen=True)(cls)
+        return SECTION_CLASSES[name]
+
+    return build
 
 
 def section_of(kind: type[SectionT], source: object) -> SectionT:
@@ -53,317 +88,104 @@ def section_of(kind: type[SectionT], source: object) -> SectionT:
     return kind(**{f.name: copy.deepcopy(getattr(source, f.name)) for f in dataclasses.fields(kind)})
 
 
-@dataclass(frozen=True)
+@section(table.RUN)
 class RunShapeSection:
-    """The shape of the run: how many outer rounds of how many inner steps, and the sync mode.
-
-    Args:
-        sync_mode, max_steps, diloco_loops, inner_time_s: the config fields of those names.
-    """
-
-    sync_mode: Literal["sync", "decoupled"]
-    max_steps: int
-    diloco_loops: int
-    inner_time_s: Optional[float]
+    """The shape of the run: how many outer rounds of how many inner steps, and the sync mode."""
 
 
-@dataclass(frozen=True)
+@section(table.MODEL)
 class ModelSection:
-    """What model trains and how each rank computes it.
-
-    Args:
-        model_name, model_config, tokenizer_name, mixed_precision, attn_implementation,
-        gradient_checkpointing, torch_compile, seed, seq_len: the config fields of those
-        names (``seed`` seeds the model's initialisation; ``seq_len`` is a ``model_config``
-        model's ``max_position_embeddings`` unless that names its own).
-    """
-
-    model_name: Optional[str]
-    model_config: Optional[dict]
-    tokenizer_name: Optional[str]
-    mixed_precision: Literal["no", "bf16", "fp16"]
-    attn_implementation: Optional[str]
-    gradient_checkpointing: bool
-    torch_compile: bool
-    seed: int
-    seq_len: int
+    """What model trains and how each rank computes it. ``seed`` seeds the model's
+    initialisation; ``seq_len`` is a ``model_config`` model's ``max_position_embeddings``
+    unless that names its own."""
 
 
-@dataclass(frozen=True)
+@section(table.PEFT)
 class PeftSection:
-    """The PEFT adapter trained instead of all weights (``use_peft``).
-
-    Args:
-        use_peft, peft_type, lora_r, lora_alpha, lora_dropout, target_modules, peft_bias:
-        the config fields of those names.
-    """
-
-    use_peft: bool
-    peft_type: Literal["LORA", "IA3"]
-    lora_r: int
-    lora_alpha: float
-    lora_dropout: float
-    target_modules: Optional[list]
-    peft_bias: Literal["none", "all", "lora_only"]
+    """The PEFT adapter trained instead of all weights (``use_peft``)."""
 
 
-@dataclass(frozen=True)
+@section(table.DATA)
 class DataSection:
     """Where the rows come from, how they become token samples, and how they are batched.
+    ``seed`` orders the data. ``max_steps`` and ``ranks_per_replica`` are the shape of one
+    replica's round, which its data plan is cut into (``[step][micro]`` per rank); a
+    replica's own view of the config (``TrainerConfig.for_replica``) has its rank count
+    here, never a list."""
 
-    Args:
-        dataset_name, subset, dataset_split, eval_split, split_ratio, dataset_kwargs,
-        json_file_path, text_field, seq_len, batch_size, grad_accum, num_workers, streaming,
-        shuffle_buffer, streaming_eval_rows, dynamic_batch, seed, prompt_template,
-        completion_template, prompt_func, completion_func, group_by_length: the config
-        fields of those names (``seed`` orders the data).
-        max_steps, ranks_per_replica: the shape of one replica's round, which its data plan
-        is cut into (``[step][micro]`` per rank); a replica's own view of the config
-        (``TrainerConfig.for_replica``) has its rank count here, never a list.
-    """
-
-    dataset_name: Optional[str]
-    subset: Optional[str]
-    dataset_split: str
-    eval_split: Optional[str]
-    split_ratio: float
-    dataset_kwargs: dict
-    json_file_path: Optional[str]
-    text_field: Optional[str]
-    seq_len: int
-    batch_size: int
-    grad_accum: int
-    num_workers: int
-    streaming: bool
-    shuffle_buffer: int
-    streaming_eval_rows: int
-    dynamic_batch: bool
-    seed: int
-    prompt_template: Optional[str]
-    completion_template: Optional[str]
-    prompt_func: Optional[str]
-    completion_func: Optional[str]
-    group_by_length: bool
-    max_steps: int
-    ranks_per_replica: Union[int, list]
+    ranks_of = DerivedValues.ranks_of
+    sequences_for = DerivedValues.sequences_for
+    sequences_per_replica_round = DerivedValues.sequences_per_replica_round
 
 
-@dataclass(frozen=True)
+@section(table.INNER_OPTIM)
 class InnerOptimSection:
-    """The inner optimiser every rank steps, and its learning-rate schedule over the run.
-
-    Args:
-        inner_opt, inner_opt_kwargs, lr, lr_schedule, warmup_steps, min_lr_ratio,
-        max_grad_norm: the config fields of those names.
-        max_steps, diloco_loops: the schedule's horizon, ``max_steps * diloco_loops`` inner steps.
-    """
-
-    inner_opt: str
-    inner_opt_kwargs: dict
-    lr: float
-    lr_schedule: Literal["constant", "cosine", "linear"]
-    warmup_steps: int
-    min_lr_ratio: float
-    max_grad_norm: Optional[float]
-    max_steps: int
-    diloco_loops: int
+    """The inner optimiser every rank steps, and its learning-rate schedule over the run, whose
+    horizon is ``max_steps * diloco_loops`` inner steps."""
 
 
-@dataclass(frozen=True)
+@section(table.OUTER_OPTIM)
 class OuterOptimSection:
-    """The outer optimiser the parameter server steps, its schedule and its clipping.
-
-    Args:
-        outer_opt, outer_opt_kwargs, outer_lr, outer_momentum, outer_lr_schedule,
-        outer_grad_clip: the config fields of those names.
-        diloco_loops: the outer schedule's horizon, in rounds.
-    """
-
-    outer_opt: str
-    outer_opt_kwargs: dict
-    outer_lr: float
-    outer_momentum: float
-    outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]]
-    outer_grad_clip: Optional[float]
-    diloco_loops: int
+    """The outer optimiser the parameter server steps, its schedule (over ``diloco_loops``
+    rounds) and its clipping. The codec-defaulted ``outer_lr`` and ``outer_momentum`` are
+    never null here: a validated config has resolved them."""
 
 
-@dataclass(frozen=True)
+@section(table.DECOUPLED)
 class DecoupledSection:
-    """How ``sync_mode: decoupled`` merges: the quorum, the grace window, staleness, momentum.
-
-    Args:
-        min_quorum, grace_window_s, grace_fraction, align_periods, staleness_power,
-        stale_correction, decoupled_momentum: the config fields of those names.
-    """
-
-    min_quorum: int
-    grace_window_s: float
-    grace_fraction: float
-    align_periods: bool
-    staleness_power: float
-    stale_correction: Literal["none", "momentum"]
-    decoupled_momentum: Literal["every_step", "delayed"]
+    """How ``sync_mode: decoupled`` merges: the quorum, the grace window, staleness, momentum."""
 
 
-@dataclass(frozen=True)
+@section(table.MEMBERSHIP)
 class MembershipSection:
-    """Elastic membership: how many replicas run, spares, and the deadlines that drop one.
+    """Elastic membership: how many replicas run, spares, and the deadlines that drop one."""
 
-    Args:
-        num_replicas, min_replicas, spare_replicas, max_replicas, round_timeout_s,
-        join_timeout_s, placement_timeout_s, abort_grace_s, stall_timeout_s, call_timeout_s,
-        shutdown_grace_s, restore_on_retry: the config fields of those names.
-    """
-
-    num_replicas: int
-    min_replicas: int
-    spare_replicas: int
-    max_replicas: Optional[int]
-    round_timeout_s: Optional[float]
-    join_timeout_s: float
-    placement_timeout_s: float
-    abort_grace_s: float
-    stall_timeout_s: float
-    call_timeout_s: float
-    shutdown_grace_s: float
-    restore_on_retry: bool
-
-    @property
-    def replica_bounds(self) -> tuple[int, int]:
-        """(least, most) replicas that may run: ``min_replicas`` and ``max_replicas``
-        (default: ``num_replicas``), as ``TrainerConfig.replica_bounds``."""
-        return fields.replica_bounds(self.num_replicas, self.min_replicas, self.max_replicas)
+    replica_bounds = DerivedValues.replica_bounds
 
 
-@dataclass(frozen=True)
+@section(table.PLACEMENT)
 class PlacementSection:
-    """Where the actors run: ranks per replica, devices, CPUs and custom Ray resources.
+    """Where the actors run: ranks per replica, devices, CPUs and custom Ray resources."""
 
-    Args:
-        ranks_per_replica, device, cpus_per_rank, server_cpus, server_resources,
-        replica_resources, num_param_servers: the config fields of those names.
-    """
-
-    ranks_per_replica: Union[int, list]
-    device: Literal["auto", "cpu", "cuda"]
-    cpus_per_rank: float
-    server_cpus: float
-    server_resources: Union[dict, list]
-    replica_resources: Union[dict, list]
-    num_param_servers: int
-
-    def ranks_of(self, replica_id: int) -> int:
-        """The ranks of replica ``replica_id``: ``ranks_per_replica``, or its entry of a list."""
-        return fields.ranks_of(self.ranks_per_replica, replica_id)
-
-    @property
-    def max_ranks(self) -> int:
-        """The most ranks any replica has."""
-        return fields.max_ranks(self.ranks_per_replica)
+    ranks_of = DerivedValues.ranks_of
+    max_ranks = DerivedValues.max_ranks
 
 
-@dataclass(frozen=True)
+@section(table.SYNC_CODEC)
 class SyncCodecSection:
     """What crosses a link and how: the codecs both ways, error feedback, Streaming DiLoCo's
-    fragments and overlap, and the simulated links.
-
-    Args:
-        pseudo_grad_compression, error_feedback, error_feedback_decay, anchor_on_host,
-        weights_compression, compression_block, topk_fraction, sync_fragments,
-        overlap_communication, fragment_alpha, link_mbps, link_latency_ms: the config
-        fields of those names.
-    """
-
-    pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
-    error_feedback: bool
-    error_feedback_decay: float
-    anchor_on_host: bool
-    weights_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"]
-    compression_block: int
-    topk_fraction: float
-    sync_fragments: int
-    overlap_communication: bool
-    fragment_alpha: float
-    link_mbps: Optional[Union[float, list]]
-    link_latency_ms: float
+    fragments and overlap, and the simulated links. The codec-defaulted
+    ``error_feedback_decay`` and ``topk_fraction`` are never null here: a validated config
+    has resolved them."""
 
 
-@dataclass(frozen=True)
+@section(table.FAULTS)
 class FaultPlanSection:
-    """The faults to inject, for tests and benchmarks (parsed by :mod:`diloco_ray.config.fault_plan`).
-
-    Args:
-        fault_plan: the config field of that name, as written (null: none).
-    """
-
-    fault_plan: Optional[list]
+    """The faults to inject, for tests and benchmarks, as written (parsed by
+    :mod:`diloco_ray.config.fault_plan`; null: none)."""
 
 
-@dataclass(frozen=True)
+@section(table.CHECKPOINTING)
 class CheckpointSection:
     """What the run leaves on disk: the output folder, checkpoints, resuming and the final save.
-
-    Args:
-        output_dir, overwrite_output_dir, checkpoint_steps, save_total_limit, resume_from,
-        final_shard_mb, merge_adapter: the config fields of those names.
-        sync_mode, num_param_servers, sync_fragments: the layout of the servers' state a
-            checkpoint records and a resume must match.
-        max_steps: the inner steps of a round, the unit ``checkpoint_steps`` counts in.
-        ranks_per_replica, seed: what wrote a checkpoint, recorded in its manifest.
-        overlap_communication: with ``sync_fragments``, whether a rank's weights stay apart
-            from the global ones between syncs (then a stop writes no checkpoint).
-    """
-
-    output_dir: str
-    overwrite_output_dir: bool
-    checkpoint_steps: Optional[int]
-    save_total_limit: Optional[int]
-    resume_from: Optional[str]
-    final_shard_mb: float
-    merge_adapter: bool
-    sync_mode: Literal["sync", "decoupled"]
-    num_param_servers: int
-    sync_fragments: int
-    max_steps: int
-    ranks_per_replica: Union[int, list]
-    seed: int
-    overlap_communication: bool
+    ``sync_mode``, ``num_param_servers`` and ``sync_fragments`` are the layout of the servers'
+    state a checkpoint records and a resume must match; ``max_steps`` is the unit
+    ``checkpoint_steps`` counts in; ``ranks_per_replica`` and ``seed`` say what wrote a
+    checkpoint, in its manifest; ``overlap_communication``, with ``sync_fragments``, says
+    whether a rank's weights stay apart from the global ones between syncs (then a stop
+    writes no checkpoint)."""
 
 
-@dataclass(frozen=True)
+@section(table.EVALUATION)
 class EvalSection:
-    """When the run evaluates, and when it stops early on the eval loss.
-
-    Args:
-        eval_batches, eval_every, early_stopping_patience, early_stopping_threshold: the
-        config fields of those names.
-    """
-
-    eval_batches: int
-    eval_every: int
-    early_stopping_patience: Optional[int]
-    early_stopping_threshold: float
+    """When the run evaluates, and when it stops early on the eval loss."""
 
 
-@dataclass(frozen=True)
+@section(table.OBSERVABILITY)
 class ObservabilitySection:
-    """Where the run reports: step events, TensorBoard and W&B (metrics.jsonl is always written).
-
-    Args:
-        output_dir, log_with, log_dir, logging_steps, wandb_project, wandb_entity,
-        wandb_run_name, wandb_tags: the config fields of those names (``output_dir`` holds
-        metrics.jsonl and the default ``log_dir``).
-    """
-
-    output_dir: str
-    log_with: Optional[list]
-    log_dir: Optional[str]
-    logging_steps: int
-    wandb_project: Optional[str]
-    wandb_entity: Optional[str]
-    wandb_run_name: Optional[str]
-    wandb_tags: list
+    """Where the run reports: step events, TensorBoard and W&B (metrics.jsonl is always
+    written, in ``output_dir``, which also holds the default ``log_dir``). A validated
+    ``log_with`` is a list (or null)."""
 
 
 @dataclass(frozen=True)
@@ -373,7 +195,7 @@ class Sections:
     Args:
         run, model, peft, data, inner_optim, outer_optim, decoupled, membership, placement,
         sync_codec, faults, checkpointing, evaluation, observability: one section each
-        (the classes of this module, in that order).
+        (the classes of this module, in that order; the names the table's fields give).
     """
 
     run: RunShapeSection
@@ -394,19 +216,4 @@ class Sections:
     @classmethod
     def of(cls, config: ConfigFields) -> Sections:
         """Every section of ``config``, which must already be validated (a TrainerConfig is)."""
-        return cls(
-            run=section_of(RunShapeSection, config),
-            model=section_of(ModelSection, config),
-            peft=section_of(PeftSection, config),
-            data=section_of(DataSection, config),
-            inner_optim=section_of(InnerOptimSection, config),
-            outer_optim=section_of(OuterOptimSection, config),
-            decoupled=section_of(DecoupledSection, config),
-            membership=section_of(MembershipSection, config),
-            placement=section_of(PlacementSection, config),
-            sync_codec=section_of(SyncCodecSection, config),
-            faults=section_of(FaultPlanSection, config),
-            checkpointing=section_of(CheckpointSection, config),
-            evaluation=section_of(EvalSection, config),
-            observability=section_of(ObservabilitySection, config),
-        )
+        return cls(**{part.name: section_of(SECTION_CLASSES[part.name], config) for part in dataclasses.fields(cls)})

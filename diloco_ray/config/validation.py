@@ -15,11 +15,8 @@ import typing
 from typing import Any, Callable, Literal, Union
 
 from diloco_ray.config import fault_plan as faults
-from diloco_ray.config.fields import BUILTIN_MAX_DIGITS, BUILTIN_MAX_SAMPLES, FIELDS, ConfigFields
+from diloco_ray.config.fields import BUILTIN_MAX_DIGITS, BUILTIN_MAX_SAMPLES, FIELD_TYPES, FIELDS, ConfigFields
 from diloco_ray.errors import ConfigError
-
-# Each field's declared type, resolved once (the table's annotations are strings).
-HINTS = typing.get_type_hints(ConfigFields)
 
 
 def _describe(tp: Any) -> str:
@@ -93,9 +90,9 @@ _BOUNDS = (("ge", float.__ge__, ">="), ("gt", float.__gt__, ">"), ("le", float._
 
 def _checked_value(name: str, value: Any, bounds: typing.Mapping[str, Any]) -> Any:
     """``value`` of field ``name`` after its type and range checks (converted as :func:`_coerce` does)."""
-    ok, value = _coerce(value, HINTS[name])
+    ok, value = _coerce(value, FIELD_TYPES[name])
     if not ok:
-        raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(HINTS[name])}")
+        raise ConfigError(f"{name}: {value!r} is not allowed; expected {_describe(FIELD_TYPES[name])}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{name}: {value!r} is not allowed; expected a finite number")
     if isinstance(value, (int, float)) and not isinstance(value, bool):

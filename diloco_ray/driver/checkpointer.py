@@ -57,8 +57,8 @@ class Checkpointer:
         """Checkpoint ``round_index`` when ``checkpoint_steps`` say it is due by ``progress``
         (rounds' worth of inner steps done, :attr:`~diloco_ray.driver.loop.OuterLoop.progress`);
         its path, or None."""
-        cfg = self.checkpointing
-        if not checkpoint_due(progress, self.last_progress, cfg.checkpoint_steps, cfg.max_steps):
+        checkpointing = self.checkpointing
+        if not checkpoint_due(progress, self.last_progress, checkpointing.checkpoint_steps, checkpointing.max_steps):
             return None
         return self.save(server, replicas, round_index, progress=progress)
 
@@ -73,7 +73,7 @@ class Checkpointer:
         """Write the servers' state and the inner state of ``replicas`` (slot -> replica) as
         one checkpoint; prune old ones. Returns its path, or None if a replica died while it
         was being written (the round goes on, and the last checkpoint stands)."""
-        cfg = self.checkpointing
+        checkpointing = self.checkpointing
         where = self.run_dir.begin_checkpoint(round_index)
         refs = server.save(where)
         for slot, rep in replicas.items():
@@ -87,15 +87,15 @@ class Checkpointer:
         meta = {
             "replica_ids": [r.id for r in replicas.values()],
             "replica_slots": list(replicas),
-            "ranks_per_replica": cfg.ranks_per_replica,
-            "seed": cfg.seed,
-            "max_steps": cfg.max_steps,
+            "ranks_per_replica": checkpointing.ranks_per_replica,
+            "seed": checkpointing.seed,
+            "max_steps": checkpointing.max_steps,
         }
         path = self.run_dir.commit_checkpoint(where, round_index, meta, files)
         self.last_round = round_index
         self.last_progress = float(round_index) if progress is None else progress
         snapshot.clear_before(self.run_dir.inflight, round_index)
-        pruned = self.run_dir.prune(cfg.save_total_limit)
+        pruned = self.run_dir.prune(checkpointing.save_total_limit)
         self.log(CheckpointEvent("saved", path=path, round=round_index, pruned=pruned))
         return path
 
@@ -115,10 +115,10 @@ class Checkpointer:
 
         Returns the checkpoint, or None (a merge the driver did not record was committed,
         or the time ran out: the last checkpoint stands)."""
-        cfg = self.checkpointing
-        if cfg.checkpoint_steps is None or server is None or not replicas:
+        checkpointing = self.checkpointing
+        if checkpointing.checkpoint_steps is None or server is None or not replicas:
             return None
-        if cfg.sync_fragments > 1 or cfg.overlap_communication:
+        if checkpointing.sync_fragments > 1 or checkpointing.overlap_communication:
             # Local weights differ from the global ones between rounds and a rank keeps no
             # copy of them from the round's start: the last round checkpoint stands.
             self.warn("stopped: streaming runs keep their last round checkpoint (none written on stop)")

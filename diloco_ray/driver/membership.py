@@ -145,26 +145,26 @@ class Membership:
     def place_initial(self, warn: Callable[[str], None]) -> None:
         """Place the run's first ``num_replicas`` replicas, waiting up to
         ``placement_timeout_s``; go on with fewer (warning) if at least ``min_replicas`` fit."""
-        cfg = self.membership
-        shortfall = capacity_shortfall(self.placement, cfg.num_replicas, self.device, ray.cluster_resources())
+        membership = self.membership
+        shortfall = capacity_shortfall(self.placement, membership.num_replicas, self.device, ray.cluster_resources())
         if shortfall:
             # An autoscaler may still add nodes, so this warns rather than fails; without
             # one, the wait below ends at placement_timeout_s with the replicas that fit.
             warn(
-                f"{shortfall}. Waiting up to placement_timeout_s={cfg.placement_timeout_s:g}s for room, "
-                f"then going on with the replicas that fit (at least min_replicas={cfg.min_replicas})."
+                f"{shortfall}. Waiting up to placement_timeout_s={membership.placement_timeout_s:g}s for room, "
+                f"then going on with the replicas that fit (at least min_replicas={membership.min_replicas})."
             )
-        self.reconcile(cfg.num_replicas, wait_s=cfg.placement_timeout_s)
-        if cfg.min_replicas <= len(self.active) < cfg.num_replicas:
+        self.reconcile(membership.num_replicas, wait_s=membership.placement_timeout_s)
+        if membership.min_replicas <= len(self.active) < membership.num_replicas:
             warn(
-                f"starting with {len(self.active)} of num_replicas={cfg.num_replicas} replicas; "
+                f"starting with {len(self.active)} of num_replicas={membership.num_replicas} replicas; "
                 "the others join at a round boundary when they are placed"
             )
-        if len(self.active) < cfg.min_replicas:
+        if len(self.active) < membership.min_replicas:
             totals = {k: v for k, v in ray.cluster_resources().items() if "_group_" not in k}
             raise RuntimeError(
-                f"only {len(self.active)} of min_replicas={cfg.min_replicas} replicas were placed "
-                f"and set up within placement_timeout_s={cfg.placement_timeout_s:g}s "
+                f"only {len(self.active)} of min_replicas={membership.min_replicas} replicas were placed "
+                f"and set up within placement_timeout_s={membership.placement_timeout_s:g}s "
                 f"(cluster resources: {totals})"
             )
 
@@ -172,14 +172,14 @@ class Membership:
         """Move towards ``target`` at a round boundary (waiting up to ``join_timeout_s`` for
         joiners); with fewer than ``min_replicas`` left, wait up to ``placement_timeout_s`` for
         starting ones, and fail when still too few."""
-        cfg = self.membership
-        self.reconcile(target, wait_s=cfg.join_timeout_s)
-        if len(self.active) < cfg.min_replicas:
-            self.admit_ready(cfg.placement_timeout_s)
-            if len(self.active) < cfg.min_replicas:
+        membership = self.membership
+        self.reconcile(target, wait_s=membership.join_timeout_s)
+        if len(self.active) < membership.min_replicas:
+            self.admit_ready(membership.placement_timeout_s)
+            if len(self.active) < membership.min_replicas:
                 raise RuntimeError(
                     f"{len(self.active)} replicas are running and no more could be placed within "
-                    f"placement_timeout_s={cfg.placement_timeout_s:g}s; min_replicas={cfg.min_replicas}"
+                    f"placement_timeout_s={membership.placement_timeout_s:g}s; min_replicas={membership.min_replicas}"
                 )
 
     def first_answer(self, call: Callable, among: Optional[list] = None):

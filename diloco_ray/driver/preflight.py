@@ -16,6 +16,13 @@ import os
 from typing import Optional
 
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.config.sections import (
+    CheckpointSection,
+    DataSection,
+    InnerOptimSection,
+    ModelSection,
+    OuterOptimSection,
+)
 from diloco_ray.data import samples
 from diloco_ray.errors import ConfigError, DataError
 from diloco_ray.persist.run_folder import in_use_message, lock_holder, resumes_own_run
@@ -23,15 +30,15 @@ from diloco_ray.persist.run_folder import in_use_message, lock_holder, resumes_o
 RUN_MARKERS = ("final", "checkpoints")  # besides round records in metrics.jsonl
 
 
-def check_optimizers(cfg: TrainerConfig) -> None:
+def check_optimizers(inner: InnerOptimSection, outer: OuterOptimSection) -> None:
     """Build both optimizers over one dummy parameter, so unknown names and kwargs the
     class rejects fail here, naming ``inner_opt``/``outer_opt`` or their kwargs."""
     import torch
 
     from diloco_ray.algo.optimizers import build_inner_optimizer, build_outer_optimizer
 
-    build_inner_optimizer([torch.zeros(1, requires_grad=True)], cfg.sections().inner_optim)
-    build_outer_optimizer([torch.zeros(1, requires_grad=True)], cfg.sections().outer_optim)
+    build_inner_optimizer([torch.zeros(1, requires_grad=True)], inner)
+    build_outer_optimizer([torch.zeros(1, requires_grad=True)], outer)
 
 
 def _looks_local(name: Optional[str]) -> bool:
@@ -39,19 +46,19 @@ def _looks_local(name: Optional[str]) -> bool:
     return bool(name) and name.startswith(("/", "./", "../", "~"))
 
 
-def check_paths(cfg: TrainerConfig) -> None:
+def check_paths(data: DataSection, model: ModelSection) -> None:
     """Local files and folders the job reads exist (hub ids are left to the loaders)."""
-    if cfg.json_file_path is not None and not os.path.isfile(cfg.json_file_path):
-        raise DataError(f"json_file_path: '{cfg.json_file_path}' does not exist or is not a file")
-    if cfg.json_file_path is not None:
+    if data.json_file_path is not None and not os.path.isfile(data.json_file_path):
+        raise DataError(f"json_file_path: '{data.json_file_path}' does not exist or is not a file")
+    if data.json_file_path is not None:
         try:  # here, not in a rank actor minutes later: a file the driver cannot read at all
-            with open(cfg.json_file_path, "rb") as f:
+            with open(data.json_file_path, "rb") as f:
                 f.read(1)
         except OSError as e:
-            raise DataError(f"json_file_path: '{cfg.json_file_path}' cannot be read ({e.strerror or e})") from None
-        samples.check_first_record(cfg.sections().data)
-    for field in ("model_name", "tokenizer_name", "dataset_name"):
-        value = getattr(cfg, field)
+            raise DataError(f"json_file_path: '{data.json_file_path}' cannot be read ({e.strerror or e})") from None
+        samples.check_first_record(data)
+    named = {"model_name": model.model_name, "tokenizer_name": model.tokenizer_name, "dataset_name": data.dataset_name}
+    for field, value in named.items():
         if (
             value
             and not value.startswith("builtin:")
@@ -62,7 +69,7 @@ def check_paths(cfg: TrainerConfig) -> None:
                 f"{field}: '{value}' looks like a local path but does not exist; "
                 "give an existing folder or a hub id such as 'HuggingFaceTB/SmolLM2-135M'"
             )
-    files = (cfg.dataset_kwargs or {}).get("data_files")
+    files = (data.dataset_kwargs or {}).get("data_files")
     for path in [files] if isinstance(files, str) else (files if isinstance(files, list) else []):
         if (
             isinstance(path, str)
@@ -122,7 +129,7 @@ def check_local_folder(field: str, path: str) -> None:
         raise ConfigError(f"{field}: '{path}' cannot be created: '{parent}' is not a writable folder")
 
 
-def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
+def check_output_dir(checkpointing: CheckpointSection, resuming: bool) -> None:
     """Refuse to start into an ``output_dir`` that already holds a run, unless resuming
     that run or ``overwrite_output_dir``: a new run, and a resume from *another* run's
     checkpoint, would mix two runs' records and checkpoints. Touches nothing."""
@@ -130,19 +137,19 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
 
     # A live run first, even when overwriting or resuming: "already holds a run" would
     # suggest overwrite_output_dir or a resume, and both are refused while it runs.
-    holder = None if storage.is_remote(cfg.output_dir) else lock_holder(cfg.output_dir)
+    holder = None if storage.is_remote(checkpointing.output_dir) else lock_holder(checkpointing.output_dir)
     if holder is not None:
-        raise ConfigError(in_use_message(cfg.output_dir, holder))
-    if cfg.overwrite_output_dir or (resuming and resumes_own_run(cfg.sections().checkpointing)):
+        raise ConfigError(in_use_message(checkpointing.output_dir, holder))
+    if checkpointing.overwrite_output_dir or (resuming and resumes_own_run(checkpointing)):
         return
 
-    mirror = storage.for_output_dir(cfg.output_dir)
+    mirror = storage.for_output_dir(checkpointing.output_dir)
     if mirror is not None:
         listing = mirror.listdir(mirror.local)
         data = mirror.read_bytes("metrics.jsonl") if "metrics.jsonl" in listing else None
         text = data.decode("utf-8", "replace") if data else None
     else:
-        path = cfg.output_dir
+        path = checkpointing.output_dir
         if os.path.exists(path) and not os.path.isdir(path):
             raise ConfigError(f"output_dir: '{path}' is a file; give a folder")
         listing = os.listdir(path) if os.path.isdir(path) else []
@@ -151,13 +158,13 @@ def check_output_dir(cfg: TrainerConfig, resuming: bool) -> None:
     why = holds_run(listing, text)
     if why and resuming:
         raise ConfigError(
-            f"resume_from: '{cfg.resume_from}' is another run's checkpoint, and output_dir "
-            f"'{cfg.output_dir}' already holds a run ({why}); resume into a new output_dir, "
+            f"resume_from: '{checkpointing.resume_from}' is another run's checkpoint, and output_dir "
+            f"'{checkpointing.output_dir}' already holds a run ({why}); resume into a new output_dir, "
             "or set overwrite_output_dir: true to replace that run"
         )
     if why:
         raise ConfigError(
-            f"output_dir: '{cfg.output_dir}' already holds a run ({why}); choose a new "
+            f"output_dir: '{checkpointing.output_dir}' already holds a run ({why}); choose a new "
             "output_dir, set resume_from to continue it, or set overwrite_output_dir: true"
         )
 
@@ -168,15 +175,16 @@ _ENDPOINT_KEYS = ("endpoint_url", "endpoint_override", "endpoint")
 _TLS_KEYS = ("verify", "ssl_verify", "use_ssl", "tls_verify_certificates")
 
 
-def loosened_settings(cfg: TrainerConfig) -> list[str]:
-    """One line for each setting that turns TLS verification off or overrides an
-    endpoint: a config is code, and these are where a hostile one reads a run's data."""
+def loosened_settings(checkpointing: CheckpointSection, data: DataSection) -> list[str]:
+    """One line for each setting (the output and resume folders, the data set's keyword
+    arguments) that turns TLS verification off or overrides an endpoint: a config is code,
+    and these are where a hostile one reads a run's data."""
     from diloco_ray.persist.uris import is_remote, loosened, redact
 
     lines = [
         f"{field}: {redact(value)!r} {what}"
         for field in ("output_dir", "resume_from")
-        if is_remote(value := getattr(cfg, field))
+        if is_remote(value := getattr(checkpointing, field))
         for what in loosened(value)
     ]
 
@@ -189,35 +197,37 @@ def loosened_settings(cfg: TrainerConfig) -> list[str]:
                 lines.append(f"{here}: {inner!r} turns TLS certificate checks off")
             walk(inner, here)
 
-    walk(cfg.dataset_kwargs, "dataset_kwargs")
+    walk(data.dataset_kwargs, "dataset_kwargs")
     return lines
 
 
-def check(cfg: TrainerConfig, resuming: bool) -> None:
+def check(config: TrainerConfig, resuming: bool) -> None:
     """Every check that can run before Ray starts (see the module docstring), and a
     warning for each of :func:`loosened_settings`."""
     from diloco_ray.logs import log
     from diloco_ray.persist import storage
 
+    sections = config.sections()
+    checkpointing = sections.checkpointing
     for field in ("output_dir", "resume_from"):
-        value = getattr(cfg, field)
+        value = getattr(checkpointing, field)
         if value:  # every value: "s3:bucket" (no "//") must not become a local folder named so
             storage.check_uri(field, value)
-    for line in loosened_settings(cfg):
+    for line in loosened_settings(checkpointing, sections.data):
         log.warning("%s (a config is code: run only configs whose author you trust)", line)
-    check_optimizers(cfg)
-    check_paths(cfg)
-    mirror = storage.for_output_dir(cfg.output_dir)
+    check_optimizers(sections.inner_optim, sections.outer_optim)
+    check_paths(sections.data, sections.model)
+    mirror = storage.for_output_dir(checkpointing.output_dir)
     if mirror is not None:
-        if cfg.checkpoint_steps is not None and cfg.checkpoint_steps < cfg.max_steps:
+        if checkpointing.checkpoint_steps is not None and checkpointing.checkpoint_steps < checkpointing.max_steps:
             # In-flight snapshots are small files written many times a round by every
             # rank; they stay on shared local storage.
             raise ConfigError(
-                f"checkpoint_steps: {cfg.checkpoint_steps} < max_steps asks for in-flight "
+                f"checkpoint_steps: {checkpointing.checkpoint_steps} < max_steps asks for in-flight "
                 "snapshots, which need a local (or shared) output_dir, not a bucket; "
                 "use a multiple of max_steps"
             )
         mirror.check_writable()
     else:
-        check_local_folder("output_dir", cfg.output_dir)
-    check_output_dir(cfg, resuming)
+        check_local_folder("output_dir", checkpointing.output_dir)
+    check_output_dir(checkpointing, resuming)

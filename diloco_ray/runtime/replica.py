@@ -29,8 +29,8 @@ def start_token_data(data: DataSection, model: ModelSection) -> list | None:
     stream themselves).
 
     Tokenising once instead of on every rank saves each rank importing ``datasets`` and
-    tokenising (~1.3 s here, minutes on a large corpus) and keeps one copy of the
-    samples per node instead of one per rank. It asks for no CPU, so a cluster whose
+    tokenising (which takes minutes on a large corpus) and keeps one copy of the samples
+    per node instead of one per rank. It asks for no CPU, so a cluster whose
     CPUs the replicas reserve still runs it, and ends its worker process after it
     (``max_calls=1``), so what tokenising held goes back to the node. A ``builtin:`` data
     set is tokenised here, on the driver, instead.
@@ -38,8 +38,8 @@ def start_token_data(data: DataSection, model: ModelSection) -> list | None:
     if data.streaming:
         return None
     if sources.is_builtin(data):
-        # Generated and small (the default's 20000 rows take 0.3 s here): a task would first
-        # start a worker process, ~1.5 s of CPU importing datasets and transformers.
+        # Generated and small, so quicker here than in a task, which would first start a
+        # worker process that imports datasets and transformers.
         return [ray.put(samples.prepare_token_data(data, model))]
     task = ray.remote(num_cpus=0, max_calls=1)(samples.prepare_token_data)
     return [task.remote(data, model)]
@@ -58,7 +58,9 @@ class Replica:
 
     Args:
         replica_id: stable id (never reused within a run).
-        config: the job's TrainerConfig.
+        config: the job's TrainerConfig, shipped to each rank as its own view
+            (:meth:`~diloco_ray.config.schema.TrainerConfig.for_replica`); the replica itself
+            reads its placement and membership sections.
         device: ``"cpu"`` or ``"cuda"`` (one GPU per rank).
         worker_cls: the rank class to run (``RankWorker``; tests may pass a fake).
         token_data: :func:`start_token_data`'s ``[ref]``, handed to every rank's set-up
@@ -73,14 +75,15 @@ class Replica:
         worker_cls: type = RankWorker,
         token_data: list | None = None,
     ):
+        sections = config.sections()
         self.id = replica_id
-        self.config = config
-        self.world_size = config.ranks_of(replica_id)
+        self.placement, self.membership = sections.placement, sections.membership
+        self.world_size = self.placement.ranks_of(replica_id)
         self.token_data = token_data
-        bundle: dict[str, float] = {"CPU": config.cpus_per_rank}
+        bundle: dict[str, float] = {"CPU": self.placement.cpus_per_rank}
         if device == "cuda":
             bundle["GPU"] = 1
-        bundle.update(resources_for_replica(config.replica_resources, replica_id))
+        bundle.update(resources_for_replica(self.placement.replica_resources, replica_id))
         self.bundle = bundle
         self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
         self.setup_refs: list | None = None  # set once set-up has been started
@@ -97,7 +100,7 @@ class Replica:
         remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
         self.ranks = [
             remote_cls.options(
-                num_cpus=config.cpus_per_rank,
+                num_cpus=self.placement.cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
             ).remote(config.for_replica(replica_id).to_dict(), replica_id, r, self.world_size, device)
@@ -114,12 +117,12 @@ class Replica:
         parameter shapes."""
         init_method = None
         if self.world_size > 1:
-            init_method = ray.get(self.ranks[0].rendezvous.remote(), timeout=self.config.call_timeout_s)
+            init_method = ray.get(self.ranks[0].rendezvous.remote(), timeout=self.membership.call_timeout_s)
         return [r.setup.remote(init_method, self.token_data) for r in self.ranks]
 
     def seed_pieces(self) -> list[list]:
         """Per server, refs to each rank's rows of the freshly built weights."""
-        servers = self.config.num_param_servers
+        servers = self.placement.num_param_servers
         refs = [r.seed_pieces.options(num_returns=servers).remote() for r in self.ranks]
         refs = [[ref] if servers == 1 else ref for ref in refs]
         return [[per_rank[s] for per_rank in refs] for s in range(servers)]
@@ -132,7 +135,7 @@ class Replica:
     def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:
         """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
         buffer refs; the ranks' stats refs)."""
-        servers = self.config.num_param_servers
+        servers = self.placement.num_param_servers
         outs = [r.run_period.options(num_returns=servers + 1).remote(job) for r in self.ranks]
         return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
 

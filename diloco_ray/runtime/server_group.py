@@ -40,18 +40,19 @@ class ServerGroup:
     """Starts and drives the parameter-server actors.
 
     Args:
-        config: the job's TrainerConfig.
+        config: the job's TrainerConfig, shipped to every server (as a dict); the group
+            itself reads its placement section.
         server_cls: the server class (``ParameterServer``; tests may pass a subclass).
     """
 
     def __init__(self, config: TrainerConfig, server_cls: type = ParameterServer):
-        self.config = config
-        count = config.num_param_servers
-        resources = config.server_resources
+        placement = config.sections().placement
+        count = placement.num_param_servers
+        resources = placement.server_resources
         per_server = resources if isinstance(resources, list) else [resources] * count
         remote_cls = ray.remote(server_cls)
         self.actors = [
-            remote_cls.options(num_cpus=config.server_cpus, resources=per_server[s] or None, name=None).remote(
+            remote_cls.options(num_cpus=placement.server_cpus, resources=per_server[s] or None, name=None).remote(
                 config.to_dict(), s
             )
             for s in range(count)

@@ -1,13 +1,20 @@
 """The config seams, checked from the source: a part takes the typed section it reads
 (config/sections.py) or plain values, never the whole TrainerConfig. One walker finds every
-way code reaches for the whole config; one allow-list names, per package, who may."""
+way code reaches for the whole config; one allow-list names, per package, who may. A second
+walker finds reads of a field off the whole config in driver/ and runtime/, which even a
+holder may not do: it ships the config, cuts it into sections and reads those. And each
+field is declared once, in the table (config/fields.py), which the sections are built from."""
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 
 import pytest
-from layout_tools import MODULES, package_trees
+from layout_tools import MODULES, PACKAGE, package_trees
+
+from diloco_ray.config.fields import FIELD_NAMES, FIELDS, SECTION_NAMES, DerivedValues
+from diloco_ray.config.sections import SECTION_CLASSES, Sections
 
 # The whole config, under any of its names: the class, the table of fields it is built on,
 # and every section at once.
@@ -34,7 +41,7 @@ WHOLE_CONFIG_HOLDERS: dict[str, dict[str, str]] = {
     },
     "driver": {
         "diloco_ray.driver.trainer.DilocoFSDPTrainer": "builds every part, ships the config, writes config.yaml",
-        "diloco_ray.driver.preflight": "checks files, folders and optimizer names before Ray starts",
+        "diloco_ray.driver.preflight.check": "cuts the config into the sections each pre-Ray check reads",
         "diloco_ray.driver.loop.loop_for": "hands each loop the sections it reads, and no others",
     },
     # Records, metrics and the report each take the sections (or values) they read.
@@ -240,3 +247,143 @@ def test_the_walker_sees_every_way_to_hold_the_whole_config():
     found = offences({"m": tree}, {"m.Holder": "the self-test's holder"})
     assert not any(line.startswith(("m.Holder", "m imports")) for line in found)
     assert "m.Part.__init__ keeps self.config" in found and "m.build takes sections: Sections" in found
+
+
+# --- reads of a field off the whole config ----------------------------------------------
+
+# What a part reads off a config: its fields, and the values derived from them.
+FIELD_READS = set(FIELD_NAMES) | {name for name in vars(DerivedValues) if not name.startswith("_")}
+# The packages whose holders keep the whole config: there, a holder ships it (``to_dict()``,
+# ``for_replica()``, ``to_yaml()``), cuts it (``sections()``) or hands it on, and reads its
+# fields off the sections like every other part.
+READ_PACKAGES = ("driver", "runtime")
+
+
+class FieldReadFinder(ast.NodeVisitor):
+    """``(where, line, what)`` for each read of a config field, or of a value derived from
+    fields, off a whole config: ``<name>.<field>`` for a name of CONFIG_NAMES,
+    ``self.<name>.<field>``, and ``getattr(<name>, ...)``. A name of CONFIG_NAMES that its
+    function takes annotated as a section is that section, and reading it is what sections
+    are for."""
+
+    def __init__(self):
+        self.scope: list[str] = []
+        self.section_params: list[set[str]] = []
+        self.found: list[tuple[str, int, str]] = []
+
+    def is_whole_config(self, node: ast.AST) -> bool:
+        if isinstance(node, ast.Name):
+            return node.id in CONFIG_NAMES and not any(node.id in names for names in self.section_params)
+        return (
+            isinstance(node, ast.Attribute)
+            and node.attr in CONFIG_NAMES
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+        )
+
+    def report(self, node: ast.AST, what: str) -> None:
+        self.found.append((".".join(self.scope) or "<module>", node.lineno, what))
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self.scope.append(node.name)
+        self.generic_visit(node)
+        self.scope.pop()
+
+    def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+        a = node.args
+        params = filter(None, [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg])
+        self.scope.append(node.name)
+        self.section_params.append({p.arg for p in params if p.arg in CONFIG_NAMES and says_a_section(p.annotation)})
+        self.generic_visit(node)
+        self.section_params.pop()
+        self.scope.pop()
+
+    visit_AsyncFunctionDef = visit_FunctionDef
+
+    def visit_Attribute(self, node: ast.Attribute) -> None:
+        if node.attr in FIELD_READS and self.is_whole_config(node.value):
+            self.report(node, f"reads {ast.unparse(node)}")
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        if isinstance(node.func, ast.Name) and node.func.id == "getattr" and node.args:
+            if self.is_whole_config(node.args[0]):
+                self.report(node, f"reads {ast.unparse(node)}")
+        self.generic_visit(node)
+
+
+def field_reads(tree: ast.AST) -> list[tuple[str, int, str]]:
+    finder = FieldReadFinder()
+    finder.visit(tree)
+    return finder.found
+
+
+@pytest.mark.parametrize("package", READ_PACKAGES)
+def test_parts_read_fields_off_their_sections_not_off_the_whole_config(package):
+    """No part of driver/ or runtime/ reads a field off the whole config, holders included:
+    ``self.sections = config.sections()`` once (or a section handed in), then
+    ``self.sections.membership.call_timeout_s``."""
+    found = sorted(
+        (module, line, f"{MODULES[module].relative_to(PACKAGE.parent)}:{line} {where} {what}")
+        for module, tree in package_trees(package).items()
+        for where, line, what in field_reads(tree)
+    )
+    per_module: dict[str, int] = {}
+    for module, _, _ in found:
+        per_module[module] = per_module.get(module, 0) + 1
+    summary = ", ".join(f"{module} ({n})" for module, n in sorted(per_module.items()))
+    assert found == [], (
+        f"{len(found)} reads of a config field off the whole config, in {summary}; read each off "
+        "the part's section (config.sections().<section>.<field>) instead:\n" + "\n".join(line for *_, line in found)
+    )
+
+
+def test_the_read_walker_sees_every_read_off_a_whole_config():
+    source = (
+        "def plain(config, cfg: 'TrainerConfig', spec):\n"
+        "    return config.lr, cfg.replica_bounds, cfg.ranks_of(1), getattr(config, 'seed'), spec.lr\n"
+        "def shipped(config):\n"
+        "    return config.to_dict(), config.sections().data.seq_len, config.for_replica(0)\n"
+        "def cut(config: 'DataSection', data: DataSection):\n"
+        "    return config.seq_len, data.seq_len, getattr(config, 'seed')\n"
+        "class Holder:\n"
+        "    def __init__(self, config):\n"
+        "        self.config, self.data = config, config.sections().data\n"
+        "    def later(self):\n"
+        "        return self.config.max_steps, self.data.max_steps, self.cfg.seed, self.model.config.lr\n"
+    )
+    assert field_reads(ast.parse(source)) == [
+        ("plain", 2, "reads config.lr"),
+        ("plain", 2, "reads cfg.replica_bounds"),
+        ("plain", 2, "reads cfg.ranks_of"),
+        ("plain", 2, "reads getattr(config, 'seed')"),
+        ("Holder.later", 11, "reads self.config.max_steps"),
+        ("Holder.later", 11, "reads self.cfg.seed"),
+    ]
+
+
+# --- each field declared once ------------------------------------------------------------
+
+
+def test_no_field_is_declared_twice():
+    """A field is a class-body annotation once in all of config/: in the table. The sections
+    are built from it, never re-declared."""
+    declared: dict[str, list[str]] = {}
+    for path in sorted((PACKAGE / "config").glob("*.py")):
+        for cls in [n for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.ClassDef)]:
+            for stmt in cls.body:
+                if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name):
+                    if stmt.target.id in FIELD_NAMES:
+                        declared.setdefault(stmt.target.id, []).append(f"{path.name}:{cls.name}")
+    twice = {name: where for name, where in declared.items() if len(where) > 1}
+    assert twice == {}
+    assert sorted(declared) == sorted(FIELD_NAMES)
+
+
+def test_each_section_carries_exactly_the_fields_the_table_gives_it():
+    assert [part.name for part in dataclasses.fields(Sections)] == list(SECTION_NAMES)
+    assert sorted(SECTION_CLASSES) == sorted(SECTION_NAMES)
+    for name in SECTION_NAMES:
+        table = [f.name for f in FIELDS.values() if name in f.metadata["sections"]]
+        assert [f.name for f in dataclasses.fields(SECTION_CLASSES[name])] == table, name
+    assert all(f.metadata["sections"] for f in FIELDS.values())

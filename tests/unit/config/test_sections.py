@@ -5,12 +5,21 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import typing
 
 import pytest
 
 from diloco_ray.config import Sections, TrainerConfig
-from diloco_ray.config.fields import FIELD_NAMES
-from diloco_ray.config.sections import InnerOptimSection, OuterOptimSection, section_of
+from diloco_ray.config.fields import FIELD_NAMES, FIELDS, DerivedValues, _f
+from diloco_ray.config.sections import (
+    SECTION_CLASSES,
+    DataSection,
+    InnerOptimSection,
+    MembershipSection,
+    OuterOptimSection,
+    PlacementSection,
+    section_of,
+)
 
 BASE = dict(
     model_config={"model_type": "llama", "hidden_size": 32},
@@ -109,3 +118,71 @@ def test_sections_of_a_replica_config():
     cfg = make(ranks_per_replica=[1, 2])
     assert cfg.sections().placement.ranks_per_replica == [1, 2]
     assert cfg.for_replica(1).sections().placement.ranks_per_replica == 2
+
+
+DERIVED = [name for name in vars(DerivedValues) if not name.startswith("_")]
+
+
+def answer(holder, name: str):
+    """A derived value of ``holder``: a property's value, or a method's for replica ids 0..3."""
+    value = getattr(holder, name)
+    return [value(rid) for rid in range(4)] if callable(value) else value
+
+
+@pytest.mark.parametrize("ranks", [2, [1, 3]])
+def test_a_section_offers_the_derived_values_of_the_config_from_their_one_definition(ranks):
+    cfg = make(num_replicas=3, min_replicas=2, ranks_per_replica=ranks, max_steps=3, grad_accum=2, batch_size=5)
+    offered = {}
+    for name, kind in SECTION_CLASSES.items():
+        for value in DERIVED:
+            if value in vars(kind):
+                assert vars(kind)[value] is vars(DerivedValues)[value], f"{kind.__name__}.{value} is its own rule"
+                offered.setdefault(value, []).append(name)
+                if value == "sequences_per_replica_round" and isinstance(ranks, list):
+                    continue  # one value per replica: asked per id
+                assert answer(getattr(cfg.sections(), name), value) == answer(cfg, value), (name, value)
+    assert offered == {
+        "replica_bounds": ["membership"],
+        "ranks_of": ["data", "placement"],
+        "max_ranks": ["placement"],
+        "sequences_for": ["data"],
+        "sequences_per_replica_round": ["data"],
+    }
+
+
+def test_derived_values():
+    cfg = make(num_replicas=3, min_replicas=2, ranks_per_replica=[1, 3], max_steps=3, grad_accum=2, batch_size=5)
+    sections = cfg.sections()
+    assert sections.membership.replica_bounds == cfg.replica_bounds == (2, 3)
+    assert make(min_replicas=3, num_replicas=3, max_replicas=5).replica_bounds == (3, 5)
+    assert [sections.placement.ranks_of(i) for i in range(3)] == [1, 3, 1]
+    assert sections.placement.max_ranks == 3
+    assert sections.data.sequences_for(1) == 3 * 2 * 5 * 3
+    with pytest.raises(TypeError):
+        sections.data.sequences_per_replica_round
+    assert cfg.for_replica(1).sections().data.sequences_per_replica_round == 3 * 2 * 5 * 3
+
+
+def test_each_section_documents_its_fields_with_their_descriptions():
+    for kind in SECTION_CLASSES.values():
+        doc = kind.__doc__
+        assert doc.splitlines()[0].strip(), kind.__name__  # its purpose comes first
+        for f in dataclasses.fields(kind):
+            assert f"{f.name}: {FIELDS[f.name].metadata['help']}" in doc, (kind.__name__, f.name)
+
+
+def test_a_section_has_the_tables_types_and_pickles_on_its_own():
+    hints = {f.name: f.type for f in dataclasses.fields(MembershipSection)}
+    assert hints["round_timeout_s"] == typing.Optional[float]
+    section = make(ranks_per_replica=[1, 2]).sections().placement
+    assert isinstance(section, PlacementSection)
+    assert pickle.loads(pickle.dumps(section)) == section
+    assert pickle.loads(pickle.dumps(make().sections())) == make().sections()
+    assert DataSection.__module__ == "diloco_ray.config.sections"
+
+
+def test_a_field_names_known_sections():
+    with pytest.raises(ValueError, match="sections"):
+        _f("nowhere", 1, "a field in no section")
+    with pytest.raises(ValueError, match="sections"):
+        _f((), 1, "a field in no section")
