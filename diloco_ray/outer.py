@@ -1,8 +1,10 @@
-"""The public path of the outer optimizer: ``from diloco_ray.outer import OuterOptimizer`` (CONTRACT.md).
+"""The public path of the outer optimizer: ``from diloco_ray.outer import OuterOptimizer``
+(docs/interface.md, "The outer step without Ray").
 
 The math lives in :mod:`diloco_ray.algo.outer`, whose optimizer takes only the outer-optimiser
-section of a config (:class:`~diloco_ray.config.sections.OuterOptimSection`). The class here is
-that optimizer with the documented constructor: it takes a whole
+section of a config (:class:`~diloco_ray.config.sections.OuterOptimSection`); its ``step`` is
+the parameter servers' outer step, made of the same calls. The class here is that optimizer
+with the documented constructor: it takes a whole
 :class:`~diloco_ray.config.schema.TrainerConfig` too, and cuts the section out of it.
 """
 
@@ -28,7 +30,7 @@ class OuterOptimizer(outer_math.OuterOptimizer):
         config: a TrainerConfig or its ``sections().outer_optim``; any other object with the
             outer section's attributes (``outer_opt``, ``outer_opt_kwargs``, ``outer_lr``,
             ``outer_momentum``, ``outer_lr_schedule``, ``outer_grad_clip``, ``diloco_loops``)
-            works too, as it did before the sections.
+            works too.
     """
 
     def __init__(self, global_params: Mapping[str, Tensor], config: Union[TrainerConfig, OuterOptimSection]) -> None:

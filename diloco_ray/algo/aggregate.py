@@ -1,17 +1,19 @@
-"""The outer gradient as the server forms it: weighted sum, mean, norm; pure tensor code.
+"""One outer step's rules, as pure tensor code: what is rejected and why, the weighted sum,
+the mean, its norm, and whether it may be applied.
 
 One outer step is: reject what cannot be applied, add each accepted pseudo-gradient times
 its weight over :func:`weight_scale` into an fp32 sum, divide by the total weight over the
 same scale, take the global L2 norm, clip by it, and step the outer optimizer; a mean whose
-norm is not finite is applied by no one. The scaled weights add up to less than 1, so the
-sum of finite values stays finite however many tokens weigh them (raw token weights put a
-pseudo-gradient of 1e34 at 2e5 tokens past fp32's range).
+norm is not finite is applied by no one (:func:`agree_on_norm`). The scaled weights add up
+to less than 1, so the sum of finite values stays finite however many tokens weigh them
+(raw token weights would carry a large but finite pseudo-gradient past fp32's range).
 
-The parameter server does this a slice at a time (several servers each hold some rows:
+The parameter servers do this a slice at a time (several servers each hold some rows:
 each sums and squares its own, and the norm is taken over every server's squares, in one
 global order); :meth:`OuterOptimizer.step <diloco_ray.algo.outer.OuterOptimizer.step>` does
-it on whole tensors in one process. Both call the functions here, so the tests of one check
-the other.
+it on whole tensors in one process. Both compose the functions here, with the clipped step
+and the round counter of :class:`~diloco_ray.algo.outer.OuterOptimizer`, so the two cannot
+drift apart and the tests of one check the other.
 
 A server's sum covers the rows of one sync; a replica's pieces arrive as ``(name, rows,
 values)``, still encoded (:class:`~diloco_ray.algo.compression.Encoded`), and
@@ -22,18 +24,63 @@ momentum first (:func:`add_corrected`), which needs each tensor whole.
 
 from __future__ import annotations
 
+import enum
 import math
-from typing import Callable, Iterable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from diloco_ray.algo import decoupled, partition
 
+# ---- rejections ------------------------------------------------------------------------
+
+
+class Rejection(enum.Enum):
+    """Why a pseudo-gradient was not applied (what the driver acts on; the record writes
+    the :class:`Rejected` detail). A replica rejected for ``NON_FINITE`` values starts its
+    next period with a fresh inner state."""
+
+    NON_FINITE = "non-finite values"
+    MALFORMED = "malformed"  # a missing or unexpected key, not a tensor, a wrong shape, an unreadable message
+    LOST_IN_TRANSIT = "lost in transit"  # its node went down after it reported
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """One pseudo-gradient's rejection.
+
+    Args:
+        reason: the kind, for decisions.
+        detail: what a reader is told (the round record's ``rejected`` value), e.g.
+            ``non-finite values in 'w'``.
+    """
+
+    reason: Rejection
+    detail: str
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+# Why every replica of a sync is rejected when each pseudo-gradient was finite but their
+# weighted mean is not (a decoupled merge divides by a round's worth of tokens, which can be
+# less than the weights it merges); see agree_on_norm.
+MEAN_OVERFLOWS = Rejected(Rejection.NON_FINITE, "the weighted mean overflows fp32")
+
 
 class NonFiniteError(ValueError):
-    """A pseudo-gradient holds NaN or Inf (the server rejects it as ``Rejection.NON_FINITE``,
-    and the driver resets that replica's inner state)."""
+    """A pseudo-gradient holds NaN or Inf (rejected as ``Rejection.NON_FINITE``, and the
+    driver resets that replica's inner state)."""
+
+
+def rejection_of(error: ValueError) -> Rejected:
+    """The rejection a check's error stands for: :class:`NonFiniteError` is
+    ``NON_FINITE``, any other ``ValueError`` (a key, shape or row the pseudo-gradient
+    should not have, or lacks) ``MALFORMED``; its message is the detail."""
+    kind = Rejection.NON_FINITE if isinstance(error, NonFiniteError) else Rejection.MALFORMED
+    return Rejected(kind, str(error))
 
 
 def check_finite(values: Tensor, name: str) -> Tensor:
@@ -47,6 +94,47 @@ def check_finite(values: Tensor, name: str) -> Tensor:
     if not math.isfinite(float(values.sum())) and not bool(torch.isfinite(values).all()):
         raise NonFiniteError(f"non-finite values in '{name}'")
     return values
+
+
+def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> Rejected | None:
+    """Why a whole ``pseudo_grad`` cannot be applied to ``reference_params``, or None if it can.
+
+    The server checks a replica's rows as it decodes them (wrong rows or shapes are
+    ``MALFORMED``) and their values with :func:`check_finite` as it adds them; this is
+    the same verdict for a whole pseudo-gradient, through the same :func:`check_finite`
+    and :func:`rejection_of`.
+
+    Args:
+        pseudo_grad: name -> tensor, one replica's ``global - local``.
+        reference_params: name -> tensor, the global params it must match in keys and shapes.
+
+    Returns:
+        The rejection (non-finite values, or malformed: a missing/unexpected key, a
+        non-tensor, a shape mismatch, with a human-readable detail), or None when the
+        pseudo-gradient is usable.
+    """
+    missing = [k for k in reference_params if k not in pseudo_grad]
+    if missing:
+        return Rejected(Rejection.MALFORMED, f"missing key {missing[0]!r}")
+    extra = [k for k in pseudo_grad if k not in reference_params]
+    if extra:
+        return Rejected(Rejection.MALFORMED, f"unexpected key {extra[0]!r}")
+    for name, ref in reference_params.items():
+        g = pseudo_grad[name]
+        if not isinstance(g, Tensor):
+            return Rejected(Rejection.MALFORMED, f"{name!r} is a {type(g).__name__}, not a tensor")
+        if g.shape != ref.shape:
+            detail = f"shape mismatch for {name!r}: got {tuple(g.shape)}, want {tuple(ref.shape)}"
+            return Rejected(Rejection.MALFORMED, detail)
+        if g.is_floating_point():
+            try:
+                check_finite(g, name)
+            except NonFiniteError as e:
+                return rejection_of(e)
+    return None
+
+
+# ---- the weighted sum ------------------------------------------------------------------
 
 
 def add_weighted(acc: Tensor, values: Tensor, weight: float, name: str) -> None:
@@ -108,6 +196,33 @@ def weight_scale(total_weight: float) -> float:
     return math.ldexp(1.0, math.frexp(total_weight)[1]) if total_weight > 0 else 1.0
 
 
+# ---- the mean, its norm and the verdict on it ------------------------------------------
+
+
+def accepted_of(
+    order: Iterable[Hashable], weights: Mapping[Hashable, float], rejected: Mapping, divisor: Optional[float] = None
+) -> tuple[list, float]:
+    """The contributions a sync's mean is formed from, and what their sum is divided by.
+
+    Args:
+        order: every contribution's id, in the order they were summed.
+        weights: id -> its weight.
+        rejected: the ids rejected by any check (anywhere: rejected by one server means
+            rejected by all).
+        divisor: decoupled mode: one round's worth of tokens, which replaces the accepted
+            weights as the divisor when they are positive.
+
+    Returns:
+        The accepted ids in ``order``, and their total weight (or ``divisor``). A total
+        that is not positive leaves no mean to apply (:func:`mean_in_place`).
+    """
+    accepted = [rid for rid in order if rid not in rejected]
+    total = sum(weights[rid] for rid in accepted)
+    if divisor is not None and total > 0:
+        total = divisor
+    return accepted, total
+
+
 def mean_in_place(acc: dict[str, Tensor], divisor: float, scale: float = 1.0) -> dict[str, Tensor]:
     """The sum ``acc``, whose weights were divided by ``scale``, as the weighted mean over
     ``divisor`` (the total weight), in place (no second copy). Values past fp32's range come
@@ -118,7 +233,8 @@ def mean_in_place(acc: dict[str, Tensor], divisor: float, scale: float = 1.0) ->
 def sum_of_squares(t: Tensor, chunk: int = 1 << 16) -> float:
     """Sum of squares accumulated in float64, a chunk at a time through one reused
     float64 scratch: float64 precision without a float64 copy of the whole tensor, and
-    no allocation per chunk (fresh pages per chunk made this the server's largest cost)."""
+    no allocation per chunk (a fresh scratch would fault its pages in again for every
+    chunk, on the server's hottest path)."""
     flat = t.reshape(-1)
     if not flat.numel():
         return 0.0
@@ -140,3 +256,23 @@ def norm_of_parts(parts: Iterable[tuple[int, int, float]]) -> float:
 def squares_by_part(mean: Mapping[str, Tensor], position: Mapping[str, int], first_row: Mapping[str, int]) -> list:
     """The ``(position, first row, sum of squares)`` parts of ``mean`` for :func:`norm_of_parts`."""
     return [(position[n], first_row[n], sum_of_squares(g)) for n, g in mean.items()]
+
+
+def agree_on_norm(
+    accepted: Sequence, rejected: Mapping, parts: Iterable[tuple[int, int, float]]
+) -> tuple[Sequence, Optional[float], Mapping]:
+    """Whether the mean of ``accepted`` may be applied, by its global norm over ``parts``
+    (see :func:`norm_of_parts`).
+
+    Squares are summed in float64, so only a mean whose values are past fp32's range makes
+    the norm infinite; such a mean is applied by no one, and every accepted contribution is
+    rejected with :data:`MEAN_OVERFLOWS`.
+
+    Returns:
+        ``(accepted, norm, rejected)``: the accepted ids (none when the mean overflows),
+        the norm to clip by (None when nothing is accepted), and id -> every rejection.
+    """
+    norm = norm_of_parts(parts) if accepted else None
+    if norm is not None and not math.isfinite(norm):
+        return [], None, {**rejected, **dict.fromkeys(accepted, MEAN_OVERFLOWS)}
+    return accepted, norm, rejected

@@ -1,20 +1,19 @@
-"""The DiLoCo outer update, as pure tensor math.
+"""The DiLoCo outer optimizer: the global parameters, their outer-optimizer state and
+the round counter, as pure tensor code.
 
-This module owns everything that happens to the *global* parameters once the
-replicas' pseudo-gradients (``global - local`` after the inner steps) are in
-hand: validating each pseudo-gradient, averaging the accepted ones with
-weights in fp32 and clipping by their global norm (both with the functions the
-parameter server uses, :mod:`diloco_ray.algo.aggregate`; a mean past fp32's
-range is applied by no one), the outer learning-rate
-schedule, and the ``torch.optim`` outer optimizer (Nesterov SGD by default)
-together with its checkpointable state. It knows nothing about Ray, workers or
-communication; callers hand it tensors and get tensors back.
+:class:`OuterOptimizer` owns the fp32 global parameters, the ``torch.optim`` outer optimizer
+(Nesterov SGD by default) with its checkpointable state, the outer learning-rate schedule
+and the index of the next round. The parameter servers hold one per slice and drive it
+through the rules of :mod:`diloco_ray.algo.aggregate` (what is rejected, the weighted mean,
+its norm and whether it may be applied), :meth:`OuterOptimizer.apply_clipped` and
+:meth:`OuterOptimizer.advance`; :meth:`OuterOptimizer.step` composes the very same calls on
+whole tensors, in one process. It knows nothing about Ray, workers or communication;
+callers hand it tensors and get tensors back.
 """
 
 from __future__ import annotations
 
 import copy
-import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
@@ -22,7 +21,18 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
-from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part, weight_scale
+from diloco_ray.algo.aggregate import (
+    MEAN_OVERFLOWS,
+    Rejected,
+    Rejection,
+    accepted_of,
+    add_weighted,
+    agree_on_norm,
+    find_invalid,
+    mean_in_place,
+    squares_by_part,
+    weight_scale,
+)
 from diloco_ray.algo.decoupled import delayed_nesterov_, delayed_nesterov_clipped_
 from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.config.sections import OuterOptimSection
@@ -79,69 +89,6 @@ def sync_advances(applied: bool, streaming: bool) -> bool:
     return streaming or applied
 
 
-class Rejection(enum.Enum):
-    """Why a pseudo-gradient was not applied (what the driver acts on; the record writes
-    the :class:`Rejected` detail). A replica rejected for ``NON_FINITE`` values starts its
-    next period with a fresh inner state."""
-
-    NON_FINITE = "non-finite values"
-    MALFORMED = "malformed"  # a missing or unexpected key, not a tensor, a wrong shape, an unreadable message
-    LOST_IN_TRANSIT = "lost in transit"  # its node went down after it reported
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """One pseudo-gradient's rejection.
-
-    Args:
-        reason: the kind, for decisions.
-        detail: what a reader is told (the round record's ``rejected`` value), e.g.
-            ``non-finite values in 'w'``.
-    """
-
-    reason: Rejection
-    detail: str
-
-    def __str__(self) -> str:
-        return self.detail
-
-
-# Why every replica of a sync is rejected when each pseudo-gradient was finite but their
-# weighted mean is not (a decoupled merge divides by a round's worth of tokens, which can be
-# less than the weights it merges): the servers' agreement and OuterOptimizer.step say it alike.
-MEAN_OVERFLOWS = Rejected(Rejection.NON_FINITE, "the weighted mean overflows fp32")
-
-
-def find_invalid(pseudo_grad: Mapping[str, Any], reference_params: Mapping[str, Tensor]) -> Rejected | None:
-    """Why ``pseudo_grad`` cannot be applied to ``reference_params``, or None if it can.
-
-    Args:
-        pseudo_grad: name -> tensor, one replica's ``global - local``.
-        reference_params: name -> tensor, the global params it must match in keys and shapes.
-
-    Returns:
-        The rejection (non-finite values, or malformed: a missing/unexpected key, a
-        non-tensor, a shape mismatch, with a human-readable detail), or None when the
-        pseudo-gradient is usable.
-    """
-    missing = [k for k in reference_params if k not in pseudo_grad]
-    if missing:
-        return Rejected(Rejection.MALFORMED, f"missing key {missing[0]!r}")
-    extra = [k for k in pseudo_grad if k not in reference_params]
-    if extra:
-        return Rejected(Rejection.MALFORMED, f"unexpected key {extra[0]!r}")
-    for name, ref in reference_params.items():
-        g = pseudo_grad[name]
-        if not isinstance(g, Tensor):
-            return Rejected(Rejection.MALFORMED, f"{name!r} is a {type(g).__name__}, not a tensor")
-        if g.shape != ref.shape:
-            detail = f"shape mismatch for {name!r}: got {tuple(g.shape)}, want {tuple(ref.shape)}"
-            return Rejected(Rejection.MALFORMED, detail)
-        if g.is_floating_point() and not bool(torch.isfinite(g).all()):
-            return Rejected(Rejection.NON_FINITE, f"non-finite values in {name!r}")
-    return None
-
-
 def clip_coefficient(total_norm: float, max_norm: float | None) -> float:
     """The factor global-norm clipping scales the gradient by, as ``clip_grad_norm_``
     computes it: ``min(1, max_norm / (total_norm + 1e-6))`` (1.0 when clipping is off).
@@ -189,7 +136,7 @@ class OuterOptimizer:
             takes a whole TrainerConfig too.
 
     Attributes:
-        round: number of updates applied so far.
+        round: the index of the next round (read-only; :meth:`advance` moves it).
         last_step: ``OuterStepInfo`` of the latest ``step`` call (None before any).
     """
 
@@ -210,8 +157,20 @@ class OuterOptimizer:
         self._optimizer = build_outer_optimizer(list(self._params.values()), outer)
         # An explicit lr in outer_opt_kwargs overrides outer_lr, schedule included.
         self._base_lr = float(self._optimizer.defaults["lr"])
-        self.round = 0
+        self._round = 0
         self.last_step: OuterStepInfo | None = None
+
+    @property
+    def round(self) -> int:
+        """The index of the next round to apply: what the lr schedule reads and a checkpoint
+        keeps. Only :meth:`advance` (and :meth:`load_state_dict`) move it."""
+        return self._round
+
+    def advance(self) -> None:
+        """Move on to the next round. :meth:`step` calls it once it applied an update; a
+        parameter server, once a round's last sync committed (applied or not, when it syncs
+        in fragments) or a decoupled merge was applied."""
+        self._round += 1
 
     @property
     def params(self) -> dict[str, Tensor]:
@@ -240,40 +199,37 @@ class OuterOptimizer:
             if not (math.isfinite(float(w)) and float(w) >= 0):
                 raise ValueError(f"weight {i} must be finite and >= 0, got {w!r}")
 
-        lr = outer_lr_at(self._base_lr, self._schedule, self.round, self._loops)
+        lr = self.lr_at(self.round)
         info = OuterStepInfo(applied=False, lr=lr, round=self.round)
-        for i, g in enumerate(pseudo_grads):
-            reason = find_invalid(g, self._params)
-            if reason is None:
-                info.accepted.append(i)
-            else:
-                info.rejected.append(i)
-                info.reasons[i] = reason
         self.last_step = info
-
-        accepted = {i: float(weights[i]) for i in info.accepted}
-        total = sum(accepted.values())
-        if not accepted or not total > 0:
+        # What the servers do a slice at a time (prepare, reduce, commit), on whole tensors.
+        for i, g in enumerate(pseudo_grads):
+            why = find_invalid(g, self._params)
+            if why is not None:
+                info.reasons[i] = why
+        weight_of = {i: float(w) for i, w in enumerate(weights)}
+        info.accepted, total = accepted_of(range(len(pseudo_grads)), weight_of, info.reasons)
+        info.rejected = sorted(info.reasons)
+        if not total > 0:
             return self.params
-
-        # The server's outer step (algo.aggregate), on whole tensors: an fp32 sum of each
-        # accepted pseudo-gradient times its scaled weight, the mean in place, the norm of its parts.
-        scale = weight_scale(total)
+        # Every weight is known up front: scaled by their total's power of two, the sum of the
+        # accepted ones holds a mean's worth.
+        scale = weight_scale(sum(weight_of.values()))
         acc = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device) for n, p in self._params.items()}
-        for i, w in accepted.items():
+        for i in info.accepted:
             for name, g in pseudo_grads[i].items():
                 flat = g.detach().reshape(-1).to(acc[name].device, torch.float32)
-                add_weighted(acc[name].view(-1), flat, w / scale, name)
+                add_weighted(acc[name].view(-1), flat, weight_of[i] / scale, name)
         mean = mean_in_place(acc, total, scale)
         position = {n: k for k, n in enumerate(self._params)}
-        norm = norm_of_parts(squares_by_part(mean, position, dict.fromkeys(mean, 0)))
-        if not math.isfinite(norm):  # as the servers' agreement does: no step, and each replica told why
-            info.reasons.update(dict.fromkeys(info.accepted, MEAN_OVERFLOWS))
-            info.rejected, info.accepted = sorted(info.rejected + info.accepted), []
+        parts = squares_by_part(mean, position, dict.fromkeys(mean, 0))
+        accepted, norm, info.reasons = agree_on_norm(info.accepted, info.reasons, parts)
+        info.accepted, info.rejected = list(accepted), sorted(info.reasons)
+        if not accepted:
             return self.params
         info.grad_norm = norm
-        self.apply(mean, lr, clip_coefficient(norm, self._clip), in_place=True)
-        self.round += 1
+        self.apply_clipped(mean, lr, norm)
+        self.advance()
         info.applied = True
         return self.params
 
@@ -286,12 +242,26 @@ class OuterOptimizer:
         """``outer_grad_clip`` (None: no clipping)."""
         return self._clip
 
+    def apply_clipped(self, mean: dict, lr: float, norm: float) -> None:
+        """One outer step from an accepted mean, clipped by its global norm: what a server's
+        commit takes for its rows and :meth:`step` for whole tensors.
+
+        Args:
+            mean: name -> the accepted weighted mean (any subset of the params), consumed
+                as :meth:`apply` with ``in_place`` consumes it.
+            lr: the outer lr for this step (see :meth:`lr_at`).
+            norm: the global L2 norm of the whole mean (over every server's rows), which
+                :func:`clip_coefficient` clips by.
+        """
+        self.apply(mean, lr, clip_coefficient(norm, self._clip), in_place=True)
+
     def apply(self, mean: Mapping[str, Tensor], lr: float, clip_coef: float = 1.0, in_place: bool = False) -> None:
         """One outer optimizer step from an already averaged, validated outer gradient.
 
         Only the params named in ``mean`` move (and only their optimizer state): the
         others get no gradient, and torch optimizers skip those. This is what a streaming
-        sync of one fragment, or one server shard, needs. ``round`` is not advanced.
+        sync of one fragment, or one server shard, needs. ``round`` is not advanced
+        (:meth:`advance`).
 
         Args:
             mean: name -> outer gradient (any subset of the params, same shapes).
@@ -413,4 +383,4 @@ class OuterOptimizer:
             optim["state"] = {position[names[int(i)]]: v for i, v in optim["state"].items()}
         # torch's load_state_dict keeps same-dtype/device state tensors by reference.
         self._optimizer.load_state_dict(optim)
-        self.round = int(sd["round"])
+        self._round = int(sd["round"])

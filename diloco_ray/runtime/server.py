@@ -39,7 +39,7 @@ from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.config.sections import OuterOptimSection
+from diloco_ray.config.sections import DecoupledSection, OuterOptimSection, SyncCodecSection
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
 from diloco_ray.persist.server_state import ServerCheckpoint
@@ -55,8 +55,8 @@ __all__ = ["ParameterServer", "resolve"]
 
 
 def warm_optimizer_imports(outer_optim: OuterOptimSection) -> None:
-    """torch imports its optimizer machinery (``torch._dynamo``, ~1 s) when the first
-    optimizer is built: pay that while the replicas set up, rather than once they are done.
+    """torch imports its optimizer machinery (``torch._dynamo``, slow to import) when the
+    first optimizer is built: pay that while the replicas set up, rather than once they are done.
     A bad ``outer_opt`` is the preflight's to report (and :meth:`ParameterServer.initialize`'s,
     which builds the real one): an actor that fails in ``__init__`` would only say that it died."""
     try:
@@ -69,37 +69,45 @@ class ParameterServer:
     """Holds one slice of the global model state and applies outer updates to it.
 
     Args:
-        config: the job's TrainerConfig, as a dict.
+        config: the job's TrainerConfig, as a dict. The server keeps the sections its parts
+            are built from, not the config.
         index: this server's position among the ``num_param_servers``.
     """
 
     def __init__(self, config: dict, index: int = 0):
-        self.config = TrainerConfig.from_dict(config)
+        job = TrainerConfig.from_dict(config)
+        sections = job.sections()
         self.index = index
+        self.num_servers = sections.placement.num_param_servers
+        self.sync_codec: SyncCodecSection = sections.sync_codec
+        self.outer_optim: OuterOptimSection = sections.outer_optim
+        self.merging: DecoupledSection = sections.decoupled
         # Decoding, summing, clipping and stepping are vectorised torch ops: give them
         # the cores this actor reserves.
-        torch.set_num_threads(max(1, int(self.config.server_cpus)))
+        torch.set_num_threads(max(1, int(sections.placement.server_cpus)))
         host_memory.fix_mmap_threshold(host_memory.SERVER_THRESHOLD)
-        self.decoupled = self.config.sync_mode == "decoupled"
-        self.plans = PlanLedger(self.config.sequences_for, owner=f"server {index}")
-        self.checkpoint = ServerCheckpoint(index, self.config.sections().checkpointing)
+        self.decoupled = sections.run.sync_mode == "decoupled"
+        self.plans = PlanLedger(job.sequences_for, owner=f"server {index}")
+        self.checkpoint = ServerCheckpoint(index, sections.checkpointing)
         # The parts that know the model's rows come with its shapes (initialize or load).
         self.layout: Optional[SliceLayout] = None
         self.codec: Optional[SliceCodec] = None
         self.aggregator: Optional[Aggregator] = None
         self.store: Optional[SliceStore] = None
         self.outbox: Optional[WeightsOutbox] = None
-        warm_optimizer_imports(self.config.sections().outer_optim)
+        warm_optimizer_imports(self.outer_optim)
 
     # ---- the parts ---------------------------------------------------------------------
     def _lay_out(self, shapes: dict) -> None:
         """The parts that need only the rows: layout, codec and aggregator."""
-        cfg = self.config
-        self.layout = SliceLayout(shapes, self.index, cfg.num_param_servers, cfg.sync_fragments)
-        self.codec = SliceCodec(self.layout, cfg.compression_block, cfg.topk_fraction, allocate=self._message_space)
-        correct = cfg.stale_correction == "momentum"
+        links = self.sync_codec
+        self.layout = SliceLayout(shapes, self.index, self.num_servers, links.sync_fragments)
+        self.codec = SliceCodec(self.layout, links.compression_block, links.topk_fraction, allocate=self._message_space)
+        correct = self.merging.stale_correction == "momentum"
         by_cycle = (
-            cfg.sync_mode == "decoupled" and cfg.decoupled_momentum == "delayed" and cfg.outer_grad_clip is not None
+            self.decoupled
+            and self.merging.decoupled_momentum == "delayed"
+            and self.outer_optim.outer_grad_clip is not None
         )
         self.aggregator = Aggregator(
             self.layout,
@@ -111,9 +119,9 @@ class ParameterServer:
     def _hold(self, params: dict) -> OuterOptimizer:
         """The parts that hold the rows: the store (around a new outer optimizer over
         ``params``, optimizer pieces by key) and the outbox."""
-        optimizer = OuterOptimizer(params, self.config.sections().outer_optim)
-        self.store = SliceStore(self.layout, optimizer, self.config.sync_fragments)
-        self.outbox = WeightsOutbox(self.store, self.codec, self.config.weights_compression)
+        optimizer = OuterOptimizer(params, self.outer_optim)
+        self.store = SliceStore(self.layout, optimizer, self.sync_codec.sync_fragments)
+        self.outbox = WeightsOutbox(self.store, self.codec, self.sync_codec.weights_compression)
         return optimizer
 
     def _message_space(self, nbytes: int) -> np.ndarray:
@@ -227,7 +235,7 @@ class ParameterServer:
             return self._merge(agreed, mean, plans, unused or {}, shares or {})
         store = self.store
         lr, round_index, fragment = store.optimizer.lr_at(store.round), store.round, store.fragment
-        if not agreed.accepted and self.config.sync_fragments == 1:
+        if not agreed.accepted and self.sync_codec.sync_fragments == 1:
             # Plain DiLoCo: nothing usable arrived, so nothing moves and the round runs again.
             return AppliedRound(
                 applied=False,
@@ -258,7 +266,7 @@ class ParameterServer:
         consumed = self.plans.settle_merge(plans, agreed.accepted, unused)
         if agreed.accepted:
             share = sum(shares.get(rid, 0.0) for rid in agreed.accepted)
-            delayed = self.config.decoupled_momentum == "delayed"
+            delayed = self.merging.decoupled_momentum == "delayed"
             store.merge(mean, lr, agreed.norm, share, delayed=delayed, cycle_norm=agreed.cycle_norm)
         return self._applied(agreed, step, 0, lr, consumed, round_done=bool(agreed.accepted), work=store.work)
 

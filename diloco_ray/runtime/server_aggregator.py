@@ -25,15 +25,18 @@ import torch
 
 from diloco_ray.algo import decoupled, partition
 from diloco_ray.algo.aggregate import (
-    NonFiniteError,
+    Rejected,
+    Rejection,
+    accepted_of,
     add_corrected,
     add_pieces,
+    agree_on_norm,
     mean_in_place,
     norm_of_parts,
+    rejection_of,
     squares_by_part,
     weight_scale,
 )
-from diloco_ray.algo.outer import MEAN_OVERFLOWS, Rejected, Rejection
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.runtime import transport
 from diloco_ray.runtime.messages import Contribution, Prepared, Reduced
@@ -85,7 +88,7 @@ class Agreement:
         norm: the global L2 norm of the accepted mean over every server's rows (None when
             nothing was accepted).
         rejected: replica id -> why it was rejected (by any server, or
-            :data:`~diloco_ray.algo.outer.MEAN_OVERFLOWS` or :data:`CYCLE_OVERFLOWS` for all
+            :data:`~diloco_ray.algo.aggregate.MEAN_OVERFLOWS` or :data:`CYCLE_OVERFLOWS` for all
             of them).
         started: when server 0's first piece arrived.
         cycle_norm: decoupled, delayed and ``outer_grad_clip``: the global L2 norm of the
@@ -102,14 +105,10 @@ class Agreement:
     @classmethod
     def of(cls, reduced: Sequence[Reduced]) -> "Agreement":
         """From every server's ``reduce`` result, in server order."""
-        accepted, rejected = reduced[0].accepted, reduced[0].reasons
-        # In one global order, so every server (and any server count) gets the same norm.
-        norm = norm_of_parts(t for r in reduced for t in r.sumsq) if accepted else None
-        if norm is not None and not math.isfinite(norm):
-            # Finite values whose mean is past fp32's range (squares are summed in float64,
-            # so only such a mean makes the norm infinite): nothing is applied anywhere.
-            rejected = {**rejected, **dict.fromkeys(accepted, MEAN_OVERFLOWS)}
-            accepted, norm = [], None
+        # In one global order, so every server (and any server count) gets the same norm; a
+        # mean past fp32's range is applied nowhere.
+        parts = (t for r in reduced for t in r.sumsq)
+        accepted, norm, rejected = agree_on_norm(reduced[0].accepted, reduced[0].reasons, parts)
         cycle = None
         if accepted and reduced[0].cycle_sumsq is not None:
             cycle = norm_of_parts(t for r in reduced for t in r.cycle_sumsq)
@@ -121,10 +120,10 @@ class Agreement:
 
 class SumSpace:
     """One fp32 buffer kept from sync to sync, where a sync's sum is built and, once the sum
-    is consumed, an uncompressed weights message. A fresh sum each sync cost more than the
-    adds into it: every page of it faulted in again (0.13 s of a 0.45 s sync at 27M
-    parameters on this VM). 4 bytes per parameter of the slice: the server's peak holds a
-    sum anyway. What it hands out is valid until it hands out the next."""
+    is consumed, an uncompressed weights message. A fresh sum each sync would fault every
+    page of it in again, a cost on the order of the adds into it. 4 bytes per parameter of
+    the slice: the server's peak holds a sum anyway. What it hands out is valid until it
+    hands out the next."""
 
     def __init__(self):
         self._buffer = torch.empty(0)
@@ -211,10 +210,8 @@ class Aggregator:
 
         try:
             self._accumulate(acc, transport.receive(c.refs), target, c, scale)
-        except NonFiniteError as e:
-            return Rejected(Rejection.NON_FINITE, str(e))
-        except ValueError as e:
-            return Rejected(Rejection.MALFORMED, str(e))
+        except ValueError as e:  # non-finite values, or rows and shapes this sync does not take
+            return rejection_of(e)
         except ray.exceptions.RayError as e:  # its node went down after it reported
             return Rejected(Rejection.LOST_IN_TRANSIT, f"pseudo-gradient lost in transit: {type(e).__name__}")
         return None
@@ -248,10 +245,7 @@ class Aggregator:
         where the mean is past fp32's range: :meth:`Agreement.of` then rejects the sync)."""
         pending = self.pending
         reasons = {rid: why for p in prepared for rid, why in p.reasons.items()}
-        accepted = [rid for rid in prepared[0].order if rid not in reasons]
-        total = sum(prepared[0].weights[rid] for rid in accepted)
-        if pending.divisor is not None and total > 0:
-            total = pending.divisor
+        accepted, total = accepted_of(prepared[0].order, prepared[0].weights, reasons, pending.divisor)
         target = self.layout.target(pending.fragment)
         if accepted != pending.valid:  # another server rejected one this server summed
             # The same scale: it bounds the weights of every subset of the contributions.

@@ -4,9 +4,9 @@ with the plans handed out on it (:class:`PlanLedger`).
 
 Both change only when a sync commits (:meth:`ParameterServer.commit
 <diloco_ray.runtime.server.ParameterServer.commit>`), and both are what a checkpoint
-writes (:class:`~diloco_ray.persist.server_state.ServerCheckpoint`). The outer step itself is
-:class:`~diloco_ray.algo.outer.OuterOptimizer`'s; the cursor's moves are
-:mod:`diloco_ray.data.plan`'s.
+writes (:class:`~diloco_ray.persist.server_state.ServerCheckpoint`). The outer step and the
+round counter are :class:`~diloco_ray.algo.outer.OuterOptimizer`'s (the same calls its
+``step`` makes on whole tensors); the cursor's moves are :mod:`diloco_ray.data.plan`'s.
 """
 
 from __future__ import annotations
@@ -65,8 +65,7 @@ class SliceStore:
     def step(self, mean: dict, lr: float, norm: float) -> None:
         """The outer step of the current fragment from its accepted ``mean`` (name -> rows,
         consumed), clipped by ``norm``, the norm over every server's rows."""
-        keyed = self.layout.keyed(mean, self.fragment)
-        self.optimizer.apply(keyed, lr, clip_coefficient(norm, self.optimizer.max_norm), in_place=True)
+        self.optimizer.apply_clipped(self.layout.keyed(mean, self.fragment), lr, norm)
 
     def advance(self, accepted: list[int]) -> Optional[set[int]]:
         """Move past the current fragment's sync: the version (when replicas get new weights),
@@ -86,7 +85,7 @@ class SliceStore:
             return None
         trained, self.round_accepted = self.round_accepted, None
         self.fragment = 0
-        self.optimizer.round += 1
+        self.optimizer.advance()
         return trained
 
     def merge_lr(self) -> float:
@@ -100,7 +99,6 @@ class SliceStore:
         ``share`` of a round; with ``delayed`` Nesterov its momentum applies each time
         ``work`` passes a whole round (:mod:`diloco_ray.algo.decoupled`)."""
         before, self.work = self.work, self.work + share
-        clip = clip_coefficient(norm, self.optimizer.max_norm)
         keyed = self.layout.keyed(mean, 0)
         end = decoupled.cycle_ends(before, self.work)
         if delayed and cycle_norm is not None:  # clipped by the cycle (outer_grad_clip)
@@ -108,10 +106,10 @@ class SliceStore:
             self.optimizer.apply_delayed(keyed, lr, 1.0, end, cycle_coefs=coefs)
             self.cycle_clip = 1.0 if end else coefs[1]
         elif delayed:
-            self.optimizer.apply_delayed(keyed, lr, clip, end)
+            self.optimizer.apply_delayed(keyed, lr, clip_coefficient(norm, self.optimizer.max_norm), end)
         else:
-            self.optimizer.apply(keyed, lr, clip, in_place=True)
-        self.optimizer.round += 1
+            self.optimizer.apply_clipped(keyed, lr, norm)
+        self.optimizer.advance()
         self.version += 1
 
     # ---- checkpoints -------------------------------------------------------------------

@@ -7,7 +7,19 @@ import math
 import pytest
 import torch
 
-from diloco_ray.algo.aggregate import add_weighted, mean_in_place, norm_of_parts, squares_by_part, weight_scale
+from diloco_ray.algo.aggregate import (
+    MEAN_OVERFLOWS,
+    NonFiniteError,
+    accepted_of,
+    add_weighted,
+    agree_on_norm,
+    check_finite,
+    mean_in_place,
+    norm_of_parts,
+    rejection_of,
+    squares_by_part,
+    weight_scale,
+)
 from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, Rejected, Rejection, find_invalid, outer_lr_at
 from diloco_ray.config.sections import OuterOptimSection
 
@@ -95,6 +107,33 @@ def test_find_invalid_reasons():
     assert missing.reason is Rejection.MALFORMED and "missing key 'layer.weight'" in str(missing)
     extra = {"w": t(1.0, 2.0), "layer.weight": t(3.0), "zzz": t(1.0)}
     assert "unexpected key 'zzz'" in str(find_invalid(extra, ref))
+
+
+def test_a_checks_error_is_the_rejection_both_paths_report():
+    """The servers turn a check's error into a rejection with rejection_of, and find_invalid
+    checks values with the same check_finite: one verdict, one detail."""
+    assert rejection_of(NonFiniteError("non-finite values in 'w'")) == Rejected(
+        Rejection.NON_FINITE, "non-finite values in 'w'"
+    )
+    assert rejection_of(ValueError("rank 0 sent rows (0, 9) of 'w'")).reason is Rejection.MALFORMED
+    with pytest.raises(NonFiniteError) as raised:
+        check_finite(t(1.0, math.inf), "w")
+    assert find_invalid({"w": t(1.0, math.inf)}, {"w": torch.zeros(2)}) == rejection_of(raised.value)
+
+
+def test_the_accepted_and_their_divisor():
+    weights = {3: 1.0, 1: 2.0, 2: 0.5}
+    assert accepted_of([3, 1, 2], weights, {1: "rejected"}) == ([3, 2], 1.5)
+    assert accepted_of([3, 1, 2], weights, {1: "rejected"}, divisor=4.0) == ([3, 2], 4.0)
+    assert accepted_of([3], {3: 0.0}, {}, divisor=4.0) == ([3], 0.0)  # no weight: no mean, whatever the divisor
+
+
+def test_a_mean_past_fp32_is_applied_by_no_one():
+    finite = agree_on_norm([0, 2], {1: "bad"}, [(0, 0, 9.0), (1, 0, 16.0)])
+    assert finite == ([0, 2], 5.0, {1: "bad"})
+    assert agree_on_norm([], {1: "bad"}, [(0, 0, 9.0)]) == ([], None, {1: "bad"})
+    accepted, norm, rejected = agree_on_norm([0, 2], {1: "bad"}, [(0, 0, math.inf)])
+    assert (accepted, norm) == ([], None) and rejected == {1: "bad", 0: MEAN_OVERFLOWS, 2: MEAN_OVERFLOWS}
 
 
 # --------------------------------------------------------------- SGD semantics

@@ -1,4 +1,4 @@
-"""The documented outer-optimizer path (CONTRACT.md): ``diloco_ray.outer.OuterOptimizer`` takes a
+"""The documented outer-optimizer path (docs/interface.md): ``diloco_ray.outer.OuterOptimizer`` takes a
 TrainerConfig or the outer-optimiser section built from it, while ``diloco_ray.algo.outer``'s
 takes the section only; both step bitwise alike (no Ray)."""
 
