@@ -189,13 +189,14 @@ def first_round(worker, plan, round_index=0):
     the weights it built; returns (pseudo-gradient name -> fp32 tensor, RoundStats)."""
     from diloco_ray.algo import compression
     from diloco_ray.runtime.messages import SyncPeriod
+    from diloco_ray.runtime.rank_state import local_rows
 
     job = SyncPeriod(
         round=round_index,
         fragment=0,
         plan=plan,
         attempt=round_index,
-        messages=worker.weights.seed(),
+        messages=worker.sync.seed(local_rows(worker.params)),
         full=True,
         version=0,
     )

@@ -129,6 +129,12 @@ class RankSync:
             return "full"
         return "apply"
 
+    def forget_versions(self) -> None:
+        """Hold no sync version any more, so the next message loads everything: the servers
+        were restored from a checkpoint, or a rejected pseudo-gradient may have left NaN in
+        rows that a fragment message (which replaces its own rows only) would not reach."""
+        self.versions = [-1] * len(self.versions)
+
     @torch.no_grad()
     def apply(self, buffers: Sequence, local: Mapping[str, torch.Tensor], merge: bool = False) -> None:
         """Apply one message per server to the anchor and the local rows.

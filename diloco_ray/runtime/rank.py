@@ -6,15 +6,17 @@ set-up, each with only what it needs:
 * ``batches`` (:mod:`~diloco_ray.runtime.rank_batches`): its view of the data, round by round;
 * ``state`` (:mod:`~diloco_ray.runtime.rank_state`): the inner optimizer, whose state stays
   with the replica across rounds, and its save and restore;
-* ``weights`` (:mod:`~diloco_ray.runtime.rank_weights`): the global weights in and the
-  pseudo-gradient out, around ``sync`` (:mod:`diloco_ray.algo.rank_sync`);
+* ``sync`` (:mod:`diloco_ray.algo.rank_sync`): what it holds of the global weights (anchor,
+  versions, error-feedback residuals), the messages it applies and the pseudo-gradient it
+  packs; :func:`~diloco_ray.runtime.rank_weights.receive_weights` fetches those messages;
 * ``output`` (:mod:`~diloco_ray.runtime.rank_output`): eval, the final save, a description;
 * ``faults`` (:mod:`~diloco_ray.runtime.faults`): the fault plan's hook points.
 
 Each sync period it loads its rows of the global weights, runs its inner steps, and returns
 its rows of the pseudo-gradient ``global - local``, one packed buffer per server. With
 ``sync_fragments`` > 1 one call covers one fragment's sync period. It is a plain class: the
-replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process.
+replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process. It keeps
+the whole config (for tests and tools) but reads it by section (``sections``).
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from diloco_ray.runtime.faults import RankFaults
 from diloco_ray.runtime.messages import RoundStats, SnapshotPlan, SyncPeriod
 from diloco_ray.runtime.rank_batches import RankBatches, load_tokens
 from diloco_ray.runtime.rank_output import RankOutput
-from diloco_ray.runtime.rank_state import RankState
-from diloco_ray.runtime.rank_weights import RankWeights
+from diloco_ray.runtime.rank_state import RankState, local_rows
+from diloco_ray.runtime.rank_weights import receive_weights
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
@@ -87,13 +89,14 @@ class RankWorker:
         # which would keep Ray from using one of its already started worker processes.
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         self.config = TrainerConfig.from_dict(config)
+        self.sections = self.config.sections()
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
         self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
         self.model = None
-        self.state: RankState | None = None  # batches, state, weights and output: built by setup()
+        self.state: RankState | None = None  # sync, batches, state and output: built by setup()
         self._abort_attempt = -1  # set from another thread by abort()
-        decoupled = self.config.sync_mode == "decoupled"
-        self.faults = RankFaults.for_rank(self.config.fault_plan, replica_id, rank, at_or_after=decoupled)
+        decoupled = self.sections.run.sync_mode == "decoupled"
+        self.faults = RankFaults.for_rank(self.sections.faults.fault_plan, replica_id, rank, at_or_after=decoupled)
         self._last_beat = 0.0
 
     # ---- set-up -----------------------------------------------------------------------
@@ -111,19 +114,20 @@ class RankWorker:
                 driver's one tokenising task; in a list, so Ray hands over the ref and
                 the model is built while the task runs), or None to tokenise here.
         """
-        cfg, sections = self.config, self.config.sections()
-        torch.set_num_threads(max(1, int(cfg.cpus_per_rank)))
+        sections = self.sections
+        torch.set_num_threads(max(1, int(sections.placement.cpus_per_rank)))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
             fsdp.join_process_group(init_method, self.rank, self.world_size, self.device)
         self.tokenizer = tokenization.load_tokenizer(sections.model)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
-        shard = functools.partial(fsdp.shard, mixed_precision=cfg.mixed_precision) if self.world_size > 1 else None
+        mixed_precision = sections.model.mixed_precision
+        shard = functools.partial(fsdp.shard, mixed_precision=mixed_precision) if self.world_size > 1 else None
         here = (self.device, shard, self.world_size, self.rank)
         model = modeling.build_model(sections.model, sections.peft, self.tokenizer, *here)
         self.shapes = {n: tuple(p.shape) for n, p in modeling.trained_parameters(model)}
-        if cfg.torch_compile:
+        if sections.model.torch_compile:
             model = torch.compile(model)  # attribute access still reaches the wrapped module
         self.model = model
         # Named as in the model itself: a compiled wrapper would prefix every name.
@@ -133,33 +137,46 @@ class RankWorker:
 
     def _build_parts(self, token_data: list | None) -> None:
         """The named parts around the built model, each given the section it reads."""
-        cfg, sections = self.config, self.config.sections()
-        self.sync = RankSync.of(sections.sync_codec, self.shapes, self.world_size, self.rank, cfg.num_param_servers)
-        self.weights = RankWeights(self.sync, self.params)
+        sections = self.sections
+        servers = sections.placement.num_param_servers
+        self.sync = RankSync.of(sections.sync_codec, self.shapes, self.world_size, self.rank, servers)
         here = (self.rank, self.world_size, self.device)
-        self.state = RankState(self.params, self.sync, sections.inner_optim, cfg.mixed_precision, *here, self.streamed)
+        mixed_precision = sections.model.mixed_precision
+        self.state = RankState(self.params, self.sync, sections.inner_optim, mixed_precision, *here, self.streamed)
         self.tokens = load_tokens(sections.data, self.tokenizer, token_data)
         self.batches = RankBatches(sections.data, self.tokens, *here)
-        fresh_model = functools.partial(modeling.build_model, sections.model, sections.peft, self.tokenizer)
         self.output = RankOutput(
-            *(sections.evaluation, sections.data, self.model, self.params, self.sync, self.tokens, self.tokenizer),
-            *(fresh_model, *here, self.streamed, self._autocast),
+            evaluation=sections.evaluation,
+            batching=sections.data,
+            model=self.model,
+            params=self.params,
+            sync=self.sync,
+            tokens=self.tokens,
+            tokenizer=self.tokenizer,
+            fresh_model=functools.partial(modeling.build_model, sections.model, sections.peft, self.tokenizer),
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            streamed=self.streamed,
+            autocast=self._autocast,
         )
 
     def seed_pieces(self):
         """This rank's rows of its freshly built weights, one fp32 buffer per server (a
         bare buffer for one server, as ``num_returns=1`` expects)."""
-        buffers = self.weights.seed()
+        buffers = self.sync.seed(local_rows(self.params))
         return buffers[0] if len(buffers) == 1 else buffers
 
     def adopt_initial(self, expected: list | None) -> tuple[list[str], bool]:
-        """:meth:`~diloco_ray.runtime.rank_weights.RankWeights.adopt`: seeding's check."""
-        return self.weights.adopt(expected)
+        """:meth:`~diloco_ray.algo.rank_sync.RankSync.adopt` of this rank's freshly built
+        rows: seeding's check."""
+        return self.sync.adopt(local_rows(self.params), expected)
 
     @property
     def streamed(self) -> bool:
         """Whether local weights may differ from the global ones at a round boundary."""
-        return self.config.sync_fragments > 1 or self.config.overlap_communication
+        codec = self.sections.sync_codec
+        return codec.sync_fragments > 1 or codec.overlap_communication
 
     # ---- one sync period --------------------------------------------------------------
     def run_period(self, job: SyncPeriod):
@@ -174,33 +191,36 @@ class RankWorker:
         self.faults.start_period()
         # Overlap: a fragment's new weights are merged one period late, so the steps run
         # while they travel; a full load (new replica, missed sync) cannot wait.
-        late_merge = self.config.overlap_communication and not job.full
+        late_merge = self.sections.sync_codec.overlap_communication and not job.full
         if job.reset_inner:  # its last pseudo-gradient was rejected as non-finite
             self.state.reset()
         # Reload everything when the servers were restored from a checkpoint, or after a
         # rejection: a fragment's message replaces its fragment's rows only, and the other
         # rows may hold the NaN that was rejected.
         if job.reset or job.reset_inner:
-            self.weights.forget_versions()
+            self.sync.forget_versions()
         if job.reset or job.restart:  # what was sent is undone by the reload or the rewind
             self.sync.forget_sent()
         self.sync.settle(dict(job.sent_verdicts))
-        received = self.weights.receive(job, merge=False, full_only=late_merge)
+        received = receive_weights(self.sync, self.params, job, merge=False, full_only=late_merge)
         fetched = transport.prefetch(job.messages) if late_merge else None  # downloads while the steps run
         restarted = job.fragment == 0 and self._begin_round(job, resuming=self._resuming(job))
         t1 = time.perf_counter()
         tally = self._run_steps(job, started=t1)
         t2 = time.perf_counter()
         if late_merge and not tally.aborted:
-            received += self.weights.receive(job, merge=True, fetched=fetched)
+            received += receive_weights(self.sync, self.params, job, merge=True, fetched=fetched)
         t3 = time.perf_counter()
         # A dropped link (fault plan): the message never leaves; the driver gives up on it.
         if not tally.aborted and self.faults.hold_link(lambda: self._abort_attempt == job.attempt):
             tally.aborted = True
-        buffers = [] if tally.aborted else self.weights.outgoing(job.fragment, job.link, job.attempt)
+        # Kept under the launch's attempt until the driver's verdict on it (RankSync.settle).
+        buffers = (
+            [] if tally.aborted else self.sync.outgoing(job.fragment, local_rows(self.params), job.link, job.attempt)
+        )
         stats = self._period_stats(tally, buffers, received, restarted, compute=t2 - t1, load=(t1 - t0) + (t3 - t2))
         if tally.aborted:  # nothing to send: an empty message per server keeps the return count fixed
-            buffers = [np.zeros(0, dtype=np.uint8)] * self.config.num_param_servers
+            buffers = [np.zeros(0, dtype=np.uint8)] * self.sections.placement.num_param_servers
         return (*buffers, stats)
 
     def _period_stats(
@@ -229,7 +249,7 @@ class RankWorker:
         period's last, or until an abort, or until the next step would not fit the budget."""
         self.model.train()
         source, steps = self.batches.for_round(job.round, job.plan)
-        first, last = sync_period(job.fragment, len(steps), self.config.sync_fragments)
+        first, last = sync_period(job.fragment, len(steps), self.sections.sync_codec.sync_fragments)
         tally = PeriodTally(first, last, torch.zeros((), device=self.device), logged=(first, 0.0), at=first)
         if self._resuming(job):
             tally.resumed, tally.tokens, tally.counted = self.state.restore_snapshot(
@@ -237,7 +257,7 @@ class RankWorker:
             )
             tally.first = max(first, tally.resumed)
         # Adaptive inner steps: stop when the next would not fit the budget (the smaller of two).
-        budget = min((b for b in (self.config.inner_time_s, job.time_budget_s) if b is not None), default=None)
+        budget = min((b for b in (self.sections.run.inner_time_s, job.time_budget_s) if b is not None), default=None)
         for t, batches in self.batches.step_batches(source, steps[:last], tally.first):
             tally.at = t
             if self._stop_requested(job.attempt):
@@ -254,11 +274,11 @@ class RankWorker:
 
     def _train_step(self, job: SyncPeriod, step: int, batches: list, tally: PeriodTally) -> None:
         """One inner step over its micro-batches, gradients reduced once at its end."""
-        self.state.set_lr(inner_lr_at(self._schedule_start(job) + step, self.config.sections().inner_optim))
+        self.state.set_lr(inner_lr_at(self._schedule_start(job) + step, self.sections.inner_optim))
         step_tokens = [loss.loss_tokens(b["labels"]) for b in batches]
         replica_tokens = fsdp.replica_total(sum(step_tokens), self.world_size, self.device)
         items = loss.items_per_rank(replica_tokens, self.world_size)
-        sharded = self.world_size > 1 and self.config.grad_accum > 1
+        sharded = self.world_size > 1 and self.sections.data.grad_accum > 1
         for m, batch in enumerate(batches):
             if sharded:  # reduce-scatter gradients once per step, not per micro-batch
                 self.model.set_requires_gradient_sync(m == len(batches) - 1)
@@ -278,7 +298,7 @@ class RankWorker:
     def _after_step(self, job: SyncPeriod, done: int, total: int, tally: PeriodTally) -> None:
         """After ``done`` of the round's ``total`` steps: a step event every ``logging_steps``,
         an in-flight snapshot every ``snapshots.every`` (not at the round's end)."""
-        if done % self.config.logging_steps == 0:
+        if done % self.sections.observability.logging_steps == 0:
             tally.logged = self._report_step(job, done, tally.loss_sum, tally.logged, tally.tokens)
         snapshots = job.snapshots
         if snapshots and done % snapshots.every == 0 and done < total:
@@ -322,7 +342,7 @@ class RankWorker:
 
     def _schedule_start(self, job: SyncPeriod) -> int:
         """The inner lr schedule's step at the period's step 0."""
-        return job.round * self.config.max_steps if job.schedule_step is None else job.schedule_step
+        return job.round * self.sections.run.max_steps if job.schedule_step is None else job.schedule_step
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
@@ -339,7 +359,7 @@ class RankWorker:
         """
         if job.restart:
             self.state.rewind(job.round, keep=True)
-        elif self.config.restore_on_retry and not resuming:
+        elif self.sections.membership.restore_on_retry and not resuming:
             self.state.note_round_start(job.round)
         return job.restart
 
@@ -370,8 +390,8 @@ class RankWorker:
 
     def _stop_requested(self, attempt: int) -> bool:
         stop = self._abort_attempt == attempt
-        cfg = self.config
-        if self.world_size > 1 and (cfg.round_timeout_s is not None or cfg.sync_mode == "decoupled"):
+        run, membership = self.sections.run, self.sections.membership
+        if self.world_size > 1 and (membership.round_timeout_s is not None or run.sync_mode == "decoupled"):
             # Every rank must stop at the same step, or FSDP's collectives hang. Without a
             # round deadline only decoupled mode stops a period (a stalled one, or on SIGTERM).
             import torch.distributed as dist
@@ -382,10 +402,10 @@ class RankWorker:
         return stop
 
     def _autocast(self):
-        cfg = self.config
-        if cfg.mixed_precision == "no" or (cfg.mixed_precision == "bf16" and self.world_size > 1):
+        mixed_precision = self.sections.model.mixed_precision
+        if mixed_precision == "no" or (mixed_precision == "bf16" and self.world_size > 1):
             return contextlib.nullcontext()  # no autocast, or FSDP's policy casts instead
-        dtype = torch.bfloat16 if self.config.mixed_precision == "bf16" else torch.float16
+        dtype = torch.bfloat16 if mixed_precision == "bf16" else torch.float16
         return torch.autocast(self.device.type, dtype=dtype)
 
     # ---- outside the rounds: what the parts answer ---------------------------------------

@@ -8,12 +8,14 @@ disturbed; the loss is summed over the eval set's loss tokens on every rank.
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager
 
 import numpy as np
 import torch
 
 from diloco_ray.algo import compression, loss, partition
+from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.config.sections import DataSection, EvalSection
 from diloco_ray.data import plan as data
 from diloco_ray.data.samples import TokenData
@@ -22,8 +24,11 @@ from diloco_ray.runtime.rank_state import local_rows
 from diloco_ray.runtime.transport import resolve
 
 
+@dataclass(frozen=True, kw_only=True, eq=False)
 class RankOutput:
     """What one rank does with the global weights: eval, the final save, a description.
+
+    Built once by the rank, every field named.
 
     Args:
         evaluation: how many eval batches (``eval_batches``).
@@ -41,26 +46,19 @@ class RankOutput:
         autocast: the mixed-precision context a forward runs in.
     """
 
-    def __init__(
-        self,
-        evaluation: EvalSection,
-        batching: DataSection,
-        model: torch.nn.Module,
-        params: list,
-        sync,
-        tokens: TokenData,
-        tokenizer,
-        fresh_model: Callable[[], torch.nn.Module],
-        rank: int,
-        world_size: int,
-        device: torch.device,
-        streamed: bool,
-        autocast: Callable[[], ContextManager],
-    ):
-        self.evaluation, self.batching = evaluation, batching
-        self.model, self.params, self.sync = model, params, sync
-        self.tokens, self.tokenizer, self.fresh_model, self.autocast = tokens, tokenizer, fresh_model, autocast
-        self.rank, self.world_size, self.device, self.streamed = rank, world_size, device, streamed
+    evaluation: EvalSection
+    batching: DataSection
+    model: torch.nn.Module
+    params: list
+    sync: RankSync
+    tokens: TokenData
+    tokenizer: Any
+    fresh_model: Callable[[], torch.nn.Module]
+    rank: int
+    world_size: int
+    device: torch.device
+    streamed: bool
+    autocast: Callable[[], ContextManager]
 
     @torch.no_grad()
     def evaluate(self, weights: list) -> tuple[float, int, int]:

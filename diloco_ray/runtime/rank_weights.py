@@ -1,16 +1,16 @@
-"""One rank's side of the weights traffic: the global weights in, its pseudo-gradient out.
+"""How a rank takes in the global weights before a sync period: the fetching half of its sync.
 
-Around the rank's :class:`~diloco_ray.algo.rank_sync.RankSync` (anchor, versions, codec) and
-its local rows: before a sync period :class:`RankWeights` brings the rows up to the sync
-version the driver names (skipping a message it already holds, loading everything from the
-servers after a gap, or applying the message, blended in for an overlapped merge); after
-it, it packs the pseudo-gradient ``global - local``, one buffer per server. The transport
-waits out a simulated link both ways.
+The rank's :class:`~diloco_ray.algo.rank_sync.RankSync` is plain tensor code: it decides what
+a message of a sync version means for what the rank holds (skip it, apply it, or load
+everything first) and applies it to the anchor and the local rows. :func:`receive_weights`
+is what brings the messages to it: the period's messages through the transport (which waits
+out a simulated link), and, when the rank missed a sync or holds nothing yet, every server's
+full weights first, asked of the servers themselves. Nothing here goes up: the rank hands
+:meth:`~diloco_ray.algo.rank_sync.RankSync.outgoing` its local rows directly.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from diloco_ray.algo.rank_sync import RankSync
@@ -19,57 +19,38 @@ from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.rank_state import local_rows
 
 
-class RankWeights:
-    """One rank's weights messages, in and out.
+def receive_weights(
+    sync: RankSync, params: list, job: SyncPeriod, merge: bool, full_only: bool = False, fetched=None
+) -> int:
+    """Bring a rank up to the weights of the job's sync version: skip messages it already
+    holds, load everything from the servers after a gap, else apply the messages. Returns the
+    bytes received.
 
     Args:
         sync: the rank's :class:`~diloco_ray.algo.rank_sync.RankSync`.
-        params: the rank's trained parameters, ``(name, parameter)`` in model order.
+        params: the rank's trained parameters, ``(name, parameter)`` in model order, whose
+            local rows a message writes.
+        job: the sync period: its version, messages, servers and link.
+        merge: blend the messages into the local rows (an overlapped merge) instead of
+            replacing them.
+        full_only: a full load only; the messages themselves wait (for the overlapped merge).
+        fetched: the messages' :func:`~diloco_ray.runtime.transport.prefetch`, if one was
+            started, else None (they are fetched here).
     """
+    version = job.version
+    decision = sync.decide_load(version, fragment_message=not job.full)
+    received = 0
+    if decision == "full":
+        full = transport.receive([s.full_weights.remote() for s in job.servers], job.link)
+        received += _apply(sync, params, full, merge=False)
+        decision = sync.decide_load(version, fragment_message=not job.full)
+    if decision == "apply" and not full_only:
+        received += _apply(sync, params, transport.receive(fetched or job.messages, job.link), merge=merge)
+    return received
 
-    def __init__(self, sync: RankSync, params: list):
-        self.sync, self.params = sync, params
 
-    def local_rows(self) -> dict[str, torch.Tensor]:
-        """name -> the rows of each trained parameter this rank holds."""
-        return local_rows(self.params)
-
-    def seed(self) -> list[np.ndarray]:
-        """This rank's rows of its freshly built weights, one fp32 buffer per server."""
-        return self.sync.seed(self.local_rows())
-
-    def adopt(self, expected: list | None) -> tuple[list[str], bool]:
-        """:meth:`~diloco_ray.algo.rank_sync.RankSync.adopt` of this rank's freshly built rows."""
-        return self.sync.adopt(self.local_rows(), expected)
-
-    def forget_versions(self) -> None:
-        """The servers were restored from a checkpoint: the next message loads everything."""
-        self.sync.versions = [-1] * len(self.sync.versions)
-
-    def receive(self, job: SyncPeriod, merge: bool, full_only: bool = False, fetched=None) -> int:
-        """Bring this rank up to the weights of the job's sync version: skip messages it
-        already holds, load everything after a gap, else apply them (blending them in
-        with ``merge``; ``fetched``: the messages' prefetch, if one was started;
-        ``full_only``: a full load only, the message itself waits). Returns the bytes
-        received."""
-        version = job.version
-        decision = self.sync.decide_load(version, fragment_message=not job.full)
-        received = 0
-        if decision == "full":
-            full = transport.receive([s.full_weights.remote() for s in job.servers], job.link)
-            received += self._apply(full, merge=False)
-            decision = self.sync.decide_load(version, fragment_message=not job.full)
-        if decision == "apply" and not full_only:
-            received += self._apply(transport.receive(fetched or job.messages, job.link), merge=merge)
-        return received
-
-    def outgoing(self, fragment: int, link, attempt: int) -> list[np.ndarray]:
-        """This rank's packed pseudo-gradient of ``fragment``, one buffer per server, kept
-        under launch ``attempt`` until the driver's verdict on it (see
-        :meth:`~diloco_ray.algo.rank_sync.RankSync.settle`)."""
-        return self.sync.outgoing(fragment, self.local_rows(), link, attempt)
-
-    @torch.no_grad()
-    def _apply(self, buffers: list, merge: bool) -> int:
-        self.sync.apply(buffers, self.local_rows(), merge=merge)
-        return sum(len(b) for b in buffers)
+@torch.no_grad()
+def _apply(sync: RankSync, params: list, buffers: list, merge: bool) -> int:
+    """:meth:`RankSync.apply` of ``buffers`` to the local rows of ``params``; their bytes."""
+    sync.apply(buffers, local_rows(params), merge=merge)
+    return sum(len(b) for b in buffers)

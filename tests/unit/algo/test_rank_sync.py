@@ -168,6 +168,22 @@ def test_plan_looks_at_every_server():
     assert sync.decide_load(5, False) == "apply"
 
 
+def test_a_rank_that_forgets_its_versions_loads_everything_before_the_next_fragment():
+    """After a restored server or a rejected pseudo-gradient a rank holds no version: the next
+    fragment message needs a full load first, while the anchor and what was sent stay."""
+    sync = RankSync(SHAPES, world_size=1, rank=0, servers=2, codec="int8", error_feedback=True, block=16)
+    local = local_of(full(3), 1, 0)
+    sync.apply([message(full(1), 0)] * 2, local)
+    sync.apply([message(full(2), 1, fragment=0, target=fragment_rows(0))] * 2, local)
+    sync.outgoing(0, local, attempt=4)
+    anchor = {n: t.clone() for n, t in sync.anchor.items()}
+    sync.forget_versions()
+    assert sync.versions == [-1, -1]
+    assert sync.decide_load(2, fragment_message=True) == "full"
+    assert sync.decide_load(1, fragment_message=False) == "apply"  # even the version it held
+    assert all(torch.equal(sync.anchor[n], anchor[n]) for n in SHAPES) and list(sync.unsettled) == [4]
+
+
 def test_one_message_per_server():
     sync = RankSync(SHAPES, world_size=2, rank=1, servers=2)
     a = full(1)

@@ -34,7 +34,7 @@ def period(w, job_over=None):
 @pytest.mark.parametrize("codec", ["none", "int8"])
 def test_rerun_sends_the_first_attempts_pseudo_gradient(tmp_path, codec):
     w = rank(tmp_path, pseudo_grad_compression=codec, error_feedback=codec != "none")
-    w._start = w.weights.seed()[0]
+    w._start = w.seed_pieces()  # one server: one bare buffer
     first, stats = period(w)
     assert not stats.restarted and stats.inner_steps == 3
     again, stats = period(w, {"restart": True, "attempt": 8})  # same version: nothing new to load
@@ -45,7 +45,7 @@ def test_rerun_sends_the_first_attempts_pseudo_gradient(tmp_path, codec):
 
 def test_rerun_after_an_abort_is_not_aborted(tmp_path):
     w = rank(tmp_path)
-    w._start = w.weights.seed()[0]
+    w._start = w.seed_pieces()  # one server: one bare buffer
     w.abort(7)
     _, stats = period(w)
     assert stats.aborted and stats.inner_steps == 0
@@ -55,7 +55,7 @@ def test_rerun_after_an_abort_is_not_aborted(tmp_path):
 
 def test_reset_inner_gives_a_fresh_optimizer(tmp_path):
     w = rank(tmp_path)
-    w._start = w.weights.seed()[0]
+    w._start = w.seed_pieces()  # one server: one bare buffer
     period(w)
     assert w.state.optimizer.state  # AdamW moments after a round
     for state in w.state.optimizer.state.values():
