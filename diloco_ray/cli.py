@@ -142,7 +142,8 @@ def _train(args) -> int:
     if args.print_config:
         print(config.yaml_text(), end="")
         return EXIT_OK
-    # Only now torch and Ray (~1.1 s here): a config that is wrong is one line at once.
+    # Only now torch and Ray, whose imports take a while: a config that is wrong is one
+    # line at once.
     from diloco_ray.driver.trainer import DilocoFSDPTrainer
 
     shown = _ShowProgress(config, verbose=args.verbose)

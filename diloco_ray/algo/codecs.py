@@ -19,11 +19,11 @@ import torch
 from diloco_ray.algo import topk
 
 CODECS = ("none", "fp16", "bf16", "int8", "int4", "topk")
-DEFAULT_BLOCK = 2048  # values per absmax scale for int8/int4: ~0.2% overhead in scales
+DEFAULT_BLOCK = 2048  # values per absmax scale for int8/int4: one 4-byte scale per 2048 values
 # topk: values kept per block where no config says otherwise (weights_compression: topk, and
 # callers of these functions): 0.828 bits per value at block 2048, headers not counted. The
 # config's default for topk pseudo-gradients is 1/64 with SparseLoCo's outer step
-# (diloco_ray.config.fields.CODEC_DEFAULTS; the README's codec frontier says why).
+# (diloco_ray.config.fields.CODEC_DEFAULTS; docs/slow-links.md's codec frontier says why).
 DEFAULT_FRACTION = 1 / 16
 _QMAX = {"int8": 127, "int4": 7}
 _FP16_MAX = float(torch.finfo(torch.float16).max)

@@ -3,9 +3,9 @@
 A step of one replica is ``grad_accum`` micro-batches on each of its FSDP ranks. Its
 gradient should be that of one big batch: the sum of every token's loss over the tokens
 that carry loss (labels other than -100, after the causal shift), across all of them.
-Averaging each micro-batch's own mean instead (what ``loss / grad_accum`` did) weights a
+Averaging each micro-batch's own mean instead (``loss / grad_accum``) would weight a
 token in a short or mostly-masked micro-batch (padding, completion-only data, dynamic
-batches) more than one in a full one; Hugging Face fixed the same bug in its Trainer with
+batches) more than one in a full one; Hugging Face's Trainer avoids the same bias with
 ``num_items_in_batch``, which its models' loss functions take.
 
 FSDP averages gradients over the replica's ranks (divides their sum by the rank count),

@@ -26,8 +26,8 @@ arriving together:
 A replica's pace is its seconds per inner step and its seconds outside the inner steps
 (receiving weights, sending its pseudo-gradient), each the median of its last few periods
 (:class:`Pace`): a period cut short still teaches the pace, and a one-off delay does not
-(a running average took an 8 s hiccup for a slower pace for several periods, and cut the
-replica's next period too little to land with the others).
+(a running average would take one hiccup for a slower pace for several periods, and cut
+the replica's next period too little to land with the others).
 """
 
 from __future__ import annotations

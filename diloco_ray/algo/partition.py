@@ -214,9 +214,9 @@ def fragments(shapes: Mapping[str, Sequence[int]], count: int) -> list[Rows]:
 
     The non-layer parameters, laid end to end in model order, are cut (at row boundaries,
     so a large embedding may be split) into pieces that fill the lightest fragments up to
-    one common level (water-filling). A cut in byte order instead put the whole embedding
-    in fragment 0 (at vocab 32k, d 512, 8 layers and 4 fragments, most of fragment 0),
-    and moved layers out of their ``i % count`` group to balance it. A model with no
+    one common level (water-filling). A cut in byte order instead would put the whole
+    embedding in fragment 0 (at vocab 32k, d 512, 8 layers and 4 fragments, most of
+    fragment 0), and move layers out of their ``i % count`` group to balance it. A model with no
     recognisable layers, or fewer layers than fragments (whole layers cannot fill them
     all), is cut into ``count`` byte-balanced runs in model order.
 

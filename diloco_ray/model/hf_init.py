@@ -12,19 +12,16 @@ module is materialised alone in that same memory, given to ``_init_weights`` wit
 generator where transformers had it, and handed over. The values equal transformers' own
 build bit for bit (tests/unit/model/test_meta_init.py: Llama tied and untied, GPT-2,
 Qwen2, GPT-NeoX, OPT), while the host holds one module's worth of scratch memory, reused
-from one module to the next (a fresh allocation per module left glibc's heap fragmented:
-a rank of tests/integration/test_sharded_load.py grew by up to 0.81x the model instead
-of 0.55-0.62x).
+from one module to the next: a fresh allocation per module would fragment glibc's heap and
+leave a rank holding more memory than the build needs.
 
-Why this draw and not a seed per module (0137b71 to 2026-11-25): both give every tensor
-the same distribution, and over seeds 1-20 of ``configs/tiny.yaml`` both end at the same
-median (0.772 and 0.766), each with 4-5 seeds still above 0.82 at the end; but a run's
-final loss depends on its particular draw, so only transformers' draw keeps a run
-comparable, seed for seed, with the model transformers itself builds and with the runs
-measured before sharded building (over seeds 1-7 alone the per-module draw ended at
-median 0.827, transformers' draw at 0.790). The per-module seeds also missed initialisers
-that reach into children: GPT-2's output projections got std 0.02 instead of
-0.02 / sqrt(2 x layers).
+Why transformers' draw and not a seed of its own per module: both give every tensor the
+same distribution, and over many seeds both end at about the same loss, but a run's final
+loss depends on its particular draw. Only transformers' draw keeps a run comparable, seed
+for seed, with the model transformers itself builds from the same seed (docs/results.md
+compares the two draws over seeds). A seed per module would also miss initialisers that
+reach into children: GPT-2 draws its blocks' output projections with std 0.02 /
+sqrt(2 x layers) from the block, not from the projection.
 """
 
 from __future__ import annotations

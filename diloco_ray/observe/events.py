@@ -3,9 +3,10 @@
 Each place that notes something (a checkpoint saved, a replica joining, a fault fired)
 builds one of these instead of a dict, so a kind's fields are written down once, here.
 :meth:`Event.to_record` is the metrics.jsonl line (``MetricsLogger`` adds ``time`` where
-the event has none); a field left at :data:`OMIT` is not written, so each line keeps
-exactly the keys it always had. The round record is not here: it has a module of its
-own (:class:`diloco_ray.observe.records.RoundRecord`, the callbacks' and the contract's dict).
+the event has none); a field left at :data:`OMIT` is not written, so a line holds no key
+for a fact it does not have (docs/interface.md lists each kind's keys). The round record
+is not here: it has a module of its own (:class:`diloco_ray.observe.records.RoundRecord`,
+the dict the callbacks get).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 (:class:`Syncs`), its evaluation (:class:`Evaluation`), its timing (:class:`Timing`) and, in
 decoupled mode, the merge's own facts (:class:`MergeFacts`). :meth:`RoundRecord.to_record`
 is the dict that metrics.jsonl, ``on_round_end(trainer, record)`` and ``TrainResult.rounds``
-get, with the keys CONTRACT.md lists. Pure, so the figures users read (bytes per sync,
+get, with the keys docs/interface.md lists. Pure, so the figures users read (bytes per sync,
 replicas applied, loss) are computed in one place and tested without Ray.
 """
 
@@ -232,7 +232,7 @@ class RoundRecord:
         return max(0.0, self.timing.until_applied - self.compute_seconds)
 
     def to_record(self) -> dict[str, Any]:
-        """The ``metrics.jsonl`` line (less ``time``): the keys CONTRACT.md lists, and more."""
+        """The ``metrics.jsonl`` line (less ``time``): the keys docs/interface.md lists, and more."""
         ups, downs = [f.bytes_up for f in self.fragments], [f.bytes_down for f in self.fragments]
         record = {
             "event": "round",

@@ -7,9 +7,9 @@ reuse. The threshold starts at 128 KiB and rises after the first large free (up 
 message, an FSDP rank's all-gathered layers -- are carved from the heap and their pages
 stay resident when freed: a process's memory creeps far above what is live. Fixing the
 threshold stops that. Too low a threshold costs speed where a process frees and
-allocates many medium buffers (a CPU training step's activations: 1.5x slower at
-128 KiB, unchanged at 1 MiB and above, measured on a 41M model), so each process kind
-picks its own.
+allocates many medium buffers (a CPU training step's activations: each gets a mapping of
+its own, which the kernel must zero, where the heap would have reused freed memory), so
+each process kind picks its own.
 """
 
 from __future__ import annotations

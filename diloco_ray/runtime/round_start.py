@@ -46,8 +46,8 @@ class RoundStart:
         """Write ``state`` (nested dicts/lists/tuples of tensors and plain values) as
         the start of ``round_index``, replacing what was kept before."""
         # Written over the last round's file rather than a new one: its pages are still in
-        # the page cache, so this costs a memcpy (1.1 ns/param) where a truncated file
-        # makes the kernel free and zero them again (8-12 ns/param, measured at 27M).
+        # the page cache, so this costs one copy into them, where a truncated file makes
+        # the kernel free those pages and zero them again, several times the cost.
         with open(self.path, "r+b" if os.path.exists(self.path) else "wb") as f:
             self._layout = _write(state, f)
             f.truncate()
