@@ -14,7 +14,7 @@ acceptance bounds, on the median:
 
 One seed's final loss says little here: the default ends near the task's floor for most
 initial draws, but for some (one seed in four or five) it is still on a plateau at the
-end, whatever the code (see README, Measured), so bounds are on the median over seeds
+end, whatever the code (see docs/results.md), so bounds are on the median over seeds
 and a comparison is always seed for seed. A synchronous run is deterministic for its
 seed (the same loss to the last digit twice), so each pair is measured once.
 
@@ -99,7 +99,7 @@ def summary(losses: dict) -> dict:
 
 
 def table(seeds: list[int], losses: dict, result: dict) -> str:
-    """The per-seed table, ratios and checks as text (the README's Measured section uses it)."""
+    """The per-seed table, ratios and checks as text (docs/results.md quotes it)."""
     head = f"| mode | codec | {' | '.join(f'seed {s}' for s in seeds)} | median | max |"
     lines = [head, "|" + "---|" * (len(seeds) + 4)]
     for (mode, codec), values in losses.items():

@@ -1,6 +1,6 @@
 """Every fault of the fault plan, in both sync modes, as a real run: each kind and target
-fires, and the run ends the way its documented rule says (README, Faults: what each one
-costs), not only that it finished.
+fires, and the run ends the way its documented rule says (docs/faults.md, Faults: what each
+one costs), not only that it finished.
 
 * replica faults (``kill``, ``freeze``, ``slow``, ``slowdown``, ``nan``, ``drop_link``):
   who is dropped and why, who stays, what is discounted, and no stream position twice;

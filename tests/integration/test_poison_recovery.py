@@ -4,7 +4,7 @@ weights message takes into a rank: one or two fragments, overlapped or not, ``to
 its error feedback) or uncompressed. Decoupled mode merges whole models without overlap.
 
 One fragment without a codec is test_fault_kinds' ``nan`` run, in each mode. The rule
-(README, Faults: ``nan``): the rejected replica starts its next period with a
+(docs/faults.md, Faults: ``nan``): the rejected replica starts its next period with a
 fresh inner optimizer, no residual and a full load of the global weights, so its next
 pseudo-gradient is finite and accepted.
 """

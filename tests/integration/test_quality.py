@@ -18,7 +18,7 @@ regression's. (Over 3 rounds the two medians are 1.0486 and 1.0864, too close to
 apart; over 5, 0.9208 and 1.0138, and a perturbed run, int8 pseudo-gradients with error
 feedback or ``sync_mode: decoupled``, moved the median by at most 0.001. Over 20 seeds the
 two draws share a median; what the test guards is the plateau some draws sat on at lr
-3e-3, README "Quality over seeds".)
+3e-3, docs/results.md "Quality over seeds".)
 About 30 s here (one Ray instance, three trainers of ~10 s each).
 """
 

@@ -1,6 +1,6 @@
-"""``ray job submit`` against a local head, as the README walks through it: a head with
-token authentication (Ray 2.60's default), the job refused without the token, and the
-embedded default run to completion with it."""
+"""``ray job submit`` against a local head, as the README and docs/clusters.md walk through it:
+a head with token authentication (Ray 2.60's default), the job refused without the token, and
+the embedded default run to completion with it."""
 
 import json
 import os
