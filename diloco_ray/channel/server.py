@@ -1,0 +1,300 @@
+"""The home's end of the channel: one TLS port that the regions dial out to.
+
+:class:`ChannelServer` is a gRPC server (gRPC comes with Ray) with one service of four
+calls, each request and reply one checked frame (:mod:`diloco_ray.channel.frames`):
+
+* ``Join``: a region names itself and its agent's instance; it gets a session and what the
+  home hands it (the job's config). An agent that reconnects (same instance) takes its
+  session back; another agent claiming a region that is still connected is refused.
+* ``Wait``: a long poll for the region's next notice (a small JSON object: a job, a stop).
+* ``Put``: one chunk of an upload (a region's message to the home), at an offset. A transfer
+  that breaks is resumed where the home's copy ends, so no chunk crosses twice, and the
+  whole is checked against its SHA-256 once it is complete.
+* ``Get``: a download (a message the home published), streamed in chunks from an offset.
+
+Every call carries the bearer token; a wrong one, an unknown region, a name already held, a
+malformed, truncated, corrupt or oversized frame is refused with one line at both ends
+naming the region and why (the home logs it; the region receives it as the call's status),
+and the channel goes on serving everyone else. The home's side of the traffic is the
+methods :meth:`publish`, :meth:`notify` and :meth:`take`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import grpc
+
+from diloco_ray.channel import frames
+from diloco_ray.channel.credentials import Token
+
+SERVICE = "diloco.Channel"
+REGION_KEY = "x-diloco-region"  # metadata: who is calling, so that even a bad frame is attributed
+CHUNK_BYTES = 1 << 20  # a transfer's chunk: what one Put or one streamed Get reply carries
+MAX_WAIT_S = 30.0  # the longest a Wait is held open (the region calls again)
+# gRPC refuses on its own what is far past the frame limit; below that the handler refuses,
+# naming the region.
+GRPC_LIMIT_FACTOR = 4
+
+
+class Refused(Exception):
+    """A call the home refuses: ``code`` is its gRPC status, ``why`` the one line."""
+
+    def __init__(self, code: grpc.StatusCode, why: str):
+        super().__init__(why)
+        self.code, self.why = code, why
+
+
+@dataclass
+class Session:
+    """A connected region: its agent's instance, and when it was last heard from."""
+
+    region: str
+    instance: str
+    token: str
+    seen: float
+
+
+@dataclass
+class Upload:
+    """An upload in progress: the bytes so far, and the whole's size and digest."""
+
+    total: int
+    digest: str
+    data: bytearray = field(default_factory=bytearray)
+
+
+class ChannelServer:
+    """The home's end of the channel.
+
+    Args:
+        regions: the names of the regions that may join.
+        token: the bearer token every call must carry.
+        cert, key: the home's TLS certificate and key (PEM bytes).
+        host, port: where to listen (port 0: any free port; :meth:`start` returns it).
+        max_frame_bytes: the largest frame accepted (a chunk and its header fit well under it).
+        join_info: what a joining region is handed (region name -> JSON object).
+        session_timeout_s: a region not heard from for this long is no longer connected
+            (another agent may then take its name).
+        log: where the home's one-line refusals and joins go.
+    """
+
+    def __init__(
+        self,
+        *,
+        regions: Iterable[str],
+        token: Token,
+        cert: bytes,
+        key: bytes,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        max_frame_bytes: int = 8 << 20,
+        join_info: Callable[[str], dict] = lambda region: {},
+        session_timeout_s: float = 60.0,
+        log: Callable[[str], None] = print,
+    ):
+        self.regions, self.token, self.max_frame_bytes = set(regions), token, max_frame_bytes
+        self.join_info, self.session_timeout_s, self.log = join_info, session_timeout_s, log
+        self._cert, self._key, self._address = cert, key, f"{host}:{port}"
+        self._lock = threading.Condition()
+        self._sessions: dict[str, Session] = {}  # region -> its live session
+        self._published: dict[str, bytes] = {}
+        self._uploads: dict[str, Upload] = {}
+        self._received: dict[str, bytes] = {}
+        self._notices: dict[str, list] = {}
+        self._seq = 0
+        self._server: Optional[grpc.Server] = None
+        self.port: Optional[int] = None
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def start(self) -> int:
+        """Listen; the bound port."""
+        limit = self.max_frame_bytes * GRPC_LIMIT_FACTOR
+        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
+        calls = {
+            "Join": grpc.unary_unary_rpc_method_handler(self._guarded(self._join)),
+            "Wait": grpc.unary_unary_rpc_method_handler(self._guarded(self._wait)),
+            "Put": grpc.unary_unary_rpc_method_handler(self._guarded(self._put)),
+            "Get": grpc.unary_stream_rpc_method_handler(self._guarded_stream(self._get)),
+        }
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, calls)])
+        credentials = grpc.ssl_server_credentials([(self._key, self._cert)])
+        self.port = server.add_secure_port(self._address, credentials)
+        server.start()
+        self._server = server
+        return self.port
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        """Stop listening; calls in flight get ``grace_s`` to finish."""
+        if self._server is not None:
+            self._server.stop(grace_s).wait()
+            self._server = None
+        with self._lock:
+            self._lock.notify_all()
+
+    # ---- the home's side --------------------------------------------------------------
+    def connected(self) -> set[str]:
+        """The regions heard from within ``session_timeout_s``."""
+        now = time.monotonic()
+        with self._lock:
+            return {r for r, s in self._sessions.items() if now - s.seen <= self.session_timeout_s}
+
+    def publish(self, key: str, payload: bytes) -> None:
+        """Make ``payload`` downloadable by any region as ``key``."""
+        with self._lock:
+            self._published[key] = bytes(payload)
+
+    def unpublish(self, key: str) -> None:
+        with self._lock:
+            self._published.pop(key, None)
+
+    def notify(self, region: str, notice: dict) -> int:
+        """Queue ``notice`` for ``region``'s next Wait (kept across its reconnects); its seq."""
+        with self._lock:
+            self._seq += 1
+            self._pending(region).append((self._seq, notice))
+            self._lock.notify_all()
+            return self._seq
+
+    def take(self, key: str, timeout_s: Optional[float]) -> Optional[bytes]:
+        """The upload ``key`` once it is complete and checked (removed from the channel),
+        waiting up to ``timeout_s``; None if it has not arrived by then."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._lock:
+            while key not in self._received:
+                left = None if deadline is None else deadline - time.monotonic()
+                if (left is not None and left <= 0) or self._server is None:
+                    return None
+                self._lock.wait(left)
+            return self._received.pop(key)
+
+    def _pending(self, region: str) -> list:
+        """``region``'s queued notices, (seq, notice) in order. They outlive its sessions: a
+        region that reconnects gets what was sent while it was away."""
+        return self._notices.setdefault(region, [])
+
+    # ---- the calls --------------------------------------------------------------------
+    def _join(self, frame: frames.Frame, region: str) -> bytes:
+        instance = str(frame.header.get("instance", ""))
+        if region not in self.regions:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"region {region!r} is not one of this run's regions")
+        if not instance:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed: a join names its agent's instance")
+        now = time.monotonic()
+        with self._lock:
+            held = self._sessions.get(region)
+            live = held is not None and now - held.seen <= self.session_timeout_s
+            if live and held.instance != instance:
+                raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"region {region!r} is already connected")
+            session = Session(region, instance, secrets.token_hex(16), now)
+            self._sessions[region] = session
+        self.log(f"channel: region {region!r} joined{' again' if held is not None else ''}")
+        return frames.encode({"session": session.token, "info": self.join_info(region)})
+
+    def _session(self, frame: frames.Frame, region: str) -> Session:
+        with self._lock:
+            session = self._sessions.get(region)
+            if session is None or session.token != frame.header.get("session"):
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"region {region!r}: no such session (join again)")
+            session.seen = time.monotonic()
+            return session
+
+    def _wait(self, frame: frames.Frame, region: str) -> bytes:
+        self._session(frame, region)
+        after = int(frame.header.get("after", 0))
+        deadline = time.monotonic() + min(float(frame.header.get("wait_s", MAX_WAIT_S)), MAX_WAIT_S)
+        with self._lock:
+            while True:
+                queue = self._pending(region)
+                queue[:] = [(seq, n) for seq, n in queue if seq > after]  # what the region confirmed it has
+                if queue or self._server is None:
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
+            seq, notice = queue[0] if queue else (after, None)
+        return frames.encode({"seq": seq, "notice": notice})
+
+    def _put(self, frame: frames.Frame, region: str) -> bytes:
+        self._session(frame, region)
+        h = frame.header
+        key, offset, total, digest = str(h.get("key", "")), int(h.get("offset", -1)), h.get("total"), h.get("digest")
+        if not key or not isinstance(total, int) or not isinstance(digest, str):
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed: an upload names its key, total and digest")
+        with self._lock:
+            upload = self._uploads.get(key)
+            if upload is None or (upload.total, upload.digest) != (total, digest):
+                upload = self._uploads[key] = Upload(total, digest)
+            if offset == len(upload.data) and len(upload.data) + len(frame.payload) <= total:
+                upload.data += frame.payload
+            have = len(upload.data)
+            if have == total:
+                del self._uploads[key]
+                if frames.digest_of(bytes(upload.data)) != digest:
+                    raise Refused(grpc.StatusCode.DATA_LOSS, f"corrupt: upload {key!r} does not match its digest")
+                self._received[key] = bytes(upload.data)
+                self._lock.notify_all()
+        return frames.encode({"key": key, "have": have})
+
+    def _get(self, frame: frames.Frame, region: str):
+        self._session(frame, region)
+        key, offset = str(frame.header.get("key", "")), int(frame.header.get("offset", 0))
+        with self._lock:
+            payload = self._published.get(key)
+        if payload is None:
+            raise Refused(grpc.StatusCode.NOT_FOUND, f"no message {key!r} is published")
+        digest, total = frames.digest_of(payload), len(payload)
+        for start in range(max(0, offset), max(total, 1), CHUNK_BYTES):
+            chunk = payload[start : start + CHUNK_BYTES]
+            yield frames.encode({"key": key, "offset": start, "total": total, "digest": digest}, chunk)
+
+    # ---- checks every call passes -------------------------------------------------------
+    def _admit(self, request: bytes, context) -> tuple[frames.Frame, str]:
+        meta = dict(context.invocation_metadata())
+        region = str(meta.get(REGION_KEY, "?"))
+        auth = meta.get("authorization", "")
+        if not self.token.matches(auth[len("Bearer ") :] if auth.startswith("Bearer ") else None):
+            raise Refused(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
+        try:
+            frame = frames.decode(request, self.max_frame_bytes)
+        except frames.BadFrame as bad:
+            oversized = bad.why.startswith("oversized")
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if oversized else grpc.StatusCode.INVALID_ARGUMENT
+            raise Refused(code, bad.why) from None
+        if frame.header.get("region", region) != region:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed: the frame names another region")
+        return frame, region
+
+    def _refuse(self, context, region: str, refused: Refused) -> None:
+        line = f"region {region!r} refused: {refused.why}"
+        self.log(f"channel: {line} (from {context.peer()})")
+        context.abort(refused.code, line)
+
+    def _guarded(self, call):
+        def handler(request: bytes, context) -> bytes:
+            region = str(dict(context.invocation_metadata()).get(REGION_KEY, "?"))
+            try:
+                frame, region = self._admit(request, context)
+                return call(frame, region)
+            except Refused as refused:
+                self._refuse(context, region, refused)
+
+        return handler
+
+    def _guarded_stream(self, call):
+        def handler(request: bytes, context):
+            region = str(dict(context.invocation_metadata()).get(REGION_KEY, "?"))
+            try:
+                frame, region = self._admit(request, context)
+                yield from call(frame, region)
+            except Refused as refused:
+                self._refuse(context, region, refused)
+
+        return handler

@@ -1,0 +1,187 @@
+"""The channel over a real TLS socket on this machine: a region joins, waits for notices,
+downloads and uploads (resuming after a break without sending a chunk twice), and every bad
+peer is refused in one line at both ends while the channel goes on serving the others."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import grpc
+import pytest
+from tls_files import make_tls
+
+from diloco_ray.channel import frames
+from diloco_ray.channel.client import ChannelClient, ChannelRefused
+from diloco_ray.channel.credentials import Token, read_token
+from diloco_ray.channel.server import CHUNK_BYTES, REGION_KEY, SERVICE, ChannelServer
+from diloco_ray.errors import UserInputError
+
+TOKEN = Token("s3cret-token", "$TEST")
+
+
+@pytest.fixture
+def home(tmp_path):
+    tls = make_tls(str(tmp_path))
+    lines: list[str] = []
+    server = ChannelServer(
+        regions=["eu", "us"],
+        token=TOKEN,
+        cert=open(tls["home.pem"], "rb").read(),
+        key=open(tls["home.key"], "rb").read(),
+        host="127.0.0.1",
+        max_frame_bytes=2 * CHUNK_BYTES,
+        join_info=lambda region: {"config": {"region": region, "seed": 7}},
+        log=lines.append,
+    )
+    server.start()
+    server.lines, server.ca = lines, open(tls["ca.pem"], "rb").read()
+    yield server
+    server.stop(0)
+
+
+def region(home, name="eu", token=TOKEN, **kwargs) -> ChannelClient:
+    lines: list[str] = []
+    client = ChannelClient(
+        f"127.0.0.1:{home.port}", name, token, home.ca, server_name="localhost", log=lines.append, **kwargs
+    )
+    client.lines = lines
+    return client
+
+
+def test_a_region_joins_gets_its_config_waits_for_a_notice_and_moves_messages_both_ways(home):
+    eu = region(home)
+    assert eu.join() == {"config": {"region": "eu", "seed": 7}} and home.connected() == {"eu"}
+    assert eu.wait(after=0, wait_s=0.2) == (0, None)  # nothing yet: the long poll times out empty
+    seq = home.notify("eu", {"job": "round 0"})
+    assert eu.wait(after=0) == (seq, {"job": "round 0"})
+    weights = os.urandom(2 * CHUNK_BYTES + 12345)  # three chunks
+    home.publish("weights/0", weights)
+    assert eu.download("weights/0") == weights
+    grads = os.urandom(CHUNK_BYTES + 7)
+    eu.upload("eu/grads/0", grads)
+    assert home.take("eu/grads/0", timeout_s=5) == grads
+    assert home.take("eu/grads/0", timeout_s=0.1) is None  # taken once
+
+
+def test_a_notice_sent_while_a_region_was_away_reaches_it_after_it_reconnects(home):
+    eu = region(home)
+    eu.join()
+    home.notify("eu", {"job": 1})
+    eu.session = "stale"  # as after the home restarted its sessions: the next call joins again
+    seq, notice = eu.wait(after=0)
+    assert notice == {"job": 1} and any("joining again" in line for line in eu.lines)
+
+
+def test_an_upload_resumed_after_a_break_sends_no_chunk_twice(home, monkeypatch):
+    eu = region(home, backoff_s=(0.01, 0.01))
+    eu.join()
+    payload = os.urandom(3 * CHUNK_BYTES)
+    sent = []
+    real = eu._call_once
+
+    def flaky(method, header, **kw):
+        reply = real(method, header, **kw)
+        sent.append((header["offset"], len(kw.get("payload", b""))))
+        if len(sent) == 2:  # the second chunk arrived, but its reply was lost on the way back
+            raise FakeBreak()
+        return reply
+
+    monkeypatch.setattr(eu, "_call_once", flaky)
+    eu.upload("eu/grads/1", payload)
+    assert home.take("eu/grads/1", timeout_s=5) == payload
+    # chunk 0, chunk 1 (reply lost), a probe that learns the home has 2 chunks, chunk 2
+    assert sent == [(0, CHUNK_BYTES), (CHUNK_BYTES, CHUNK_BYTES), (-1, 0), (2 * CHUNK_BYTES, CHUNK_BYTES)]
+
+
+class FakeBreak(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self):
+        return "link down"
+
+
+def test_a_wrong_token_is_refused_in_one_line_at_both_ends(home):
+    intruder = region(home, token=Token("guess", "$X"))
+    with pytest.raises(ChannelRefused, match=r"^region 'eu' refused: wrong or missing token$"):
+        intruder.join()
+    assert [line for line in home.lines if "refused" in line] == [
+        next(line for line in home.lines if line.startswith("channel: region 'eu' refused: wrong or missing token"))
+    ]
+    assert all(TOKEN.secret not in line and "guess" not in line for line in home.lines + intruder.lines)
+
+
+def test_a_region_name_already_connected_is_refused_but_its_own_agent_may_reconnect(home):
+    first = region(home)
+    first.join()
+    second = region(home)  # another agent process claiming the same region
+    with pytest.raises(ChannelRefused, match=r"^region 'eu' refused: region 'eu' is already connected$"):
+        second.join()
+    first.session = None
+    first.join()  # the same agent, after a broken link: it takes its session back
+    assert home.connected() == {"eu"}
+
+
+def test_an_unknown_region_is_refused(home):
+    with pytest.raises(ChannelRefused, match="'mars' is not one of this run's regions"):
+        region(home, name="mars").join()
+
+
+@pytest.mark.parametrize(
+    "request_bytes, why",
+    [
+        (b"garbage", "truncated"),
+        (frames.encode({"instance": "x"})[:-2], "truncated"),
+        (b"NOPE" + frames.encode({"instance": "x"})[4:], "malformed: not a diloco-ray channel frame"),
+        (frames.encode({"instance": "x"}, b"z" * (2 * CHUNK_BYTES + 1)), "oversized"),
+    ],
+    ids=["garbage", "truncated", "malformed", "oversized"],
+)
+def test_a_malformed_truncated_or_oversized_message_is_refused_and_the_channel_goes_on(home, request_bytes, why):
+    channel = grpc.secure_channel(
+        f"127.0.0.1:{home.port}",
+        grpc.ssl_channel_credentials(root_certificates=home.ca),
+        [("grpc.ssl_target_name_override", "localhost"), ("grpc.max_send_message_length", 64 << 20)],
+    )
+    meta = (("authorization", f"Bearer {TOKEN.secret}"), (REGION_KEY, "us"))
+    with pytest.raises(grpc.RpcError) as refused:
+        channel.unary_unary(f"/{SERVICE}/Join")(request_bytes, metadata=meta, timeout=10)
+    assert refused.value.details().startswith(f"region 'us' refused: {why}")
+    assert any(line.startswith(f"channel: region 'us' refused: {why}") for line in home.lines)
+    channel.close()
+    eu = region(home)  # everyone else is still served
+    assert eu.join()["config"]["region"] == "eu"
+
+
+def test_many_regions_at_once(home):
+    results = {}
+
+    def run(name):
+        client = region(home, name=name)
+        client.join()
+        payload = name.encode() * 1000
+        client.upload(f"{name}/g", payload)
+        results[name] = home.take(f"{name}/g", timeout_s=5) == payload
+
+    threads = [threading.Thread(target=run, args=(n,)) for n in ("eu", "us")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == {"eu": True, "us": True} and home.connected() == {"eu", "us"}
+
+
+def test_the_token_comes_from_a_file_or_a_variable_and_never_shows(tmp_path, monkeypatch):
+    path = tmp_path / "token"
+    path.write_text("abc123\n")
+    token = read_token(token_file=str(path))
+    assert token.secret == "abc123" and "abc123" not in repr(token) and token.matches("abc123")
+    monkeypatch.setenv("MY_TOKEN", "xyz")
+    assert read_token(token_env="MY_TOKEN").secret == "xyz"
+    monkeypatch.delenv("DILOCO_CHANNEL_TOKEN", raising=False)
+    with pytest.raises(UserInputError, match="set the environment variable DILOCO_CHANNEL_TOKEN"):
+        read_token()
+    (tmp_path / "empty").write_text("")
+    with pytest.raises(UserInputError, match="is empty"):
+        read_token(token_file=str(tmp_path / "empty"))
