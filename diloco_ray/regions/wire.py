@@ -1,0 +1,140 @@
+"""What crosses the channel for one sync, and how a region shares it among its replicas.
+
+The home hands a region one job per sync period, as a *notice* (a small JSON object: the
+round, fragment, launch attempt, the region's data plan, which weights version to load and
+under which keys the channel holds those messages), and the region answers with one *reply*
+(its merged pseudo-gradient, one buffer per home server, and one summary of its replicas'
+stats). Actor handles and object refs never cross: each side turns a notice into its own
+:class:`~diloco_ray.runtime.messages.SyncPeriod` with refs into its own object store.
+
+Inside the region, :func:`split_plan` cuts the region's plan into its replicas' plans in
+slot order, exactly as the home's cursor cuts a round among replicas (returned ranges
+first, each replica its own contiguous share), so a region of ``n`` replicas trains the
+positions ``n`` consecutive flat replicas would. :func:`summarize` folds the replicas'
+stats into the one the home's records and cursor read: the tokens and steps of the
+replicas merged, and every range not trained into an applied pseudo-gradient (a replica
+rejected, late or lost inside the region) handed back as unused, so it goes back to the
+home's cursor and exactly-once data holds across regions.
+
+Pure functions over plain values; no Ray, no sockets.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from diloco_ray.channel import frames
+from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+
+Range = tuple[int, int]
+
+# The SyncPeriod fields a notice carries as they are (JSON-safe values).
+PLAIN_FIELDS = ("round", "fragment", "attempt", "full", "version", "reset", "restart", "reset_inner")
+OPTIONAL_FIELDS = ("schedule_step", "time_budget_s")
+
+
+def notice_of(job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[str], reply_key: str) -> dict:
+    """The notice of ``job`` for a region: where the channel holds the weights messages
+    (``message_keys``, one per home server, and the full weights ``full_keys`` for a load
+    after a gap) and under which key the region uploads its reply."""
+    notice = {name: getattr(job, name) for name in PLAIN_FIELDS + OPTIONAL_FIELDS}
+    notice.update(
+        plan=[[int(s), int(c)] for s, c in job.plan],
+        sent_verdicts=[[int(a), bool(ok)] for a, ok in job.sent_verdicts],
+        messages=list(message_keys),
+        full_keys=list(full_keys),
+        reply=reply_key,
+    )
+    return notice
+
+
+def job_of(notice: Mapping, plan: Sequence[Range], messages: Sequence, servers: Sequence, **extra) -> SyncPeriod:
+    """A replica's :class:`SyncPeriod` inside the region, from the home's ``notice``: its own
+    ``plan`` (:func:`split_plan`), the weights ``messages`` as refs in the region's store,
+    the region's ``servers`` for a full load; ``extra``: the region's own fields (its step
+    board, its link, in-flight snapshots)."""
+    fields = {name: notice[name] for name in PLAIN_FIELDS}
+    fields.update({name: notice.get(name) for name in OPTIONAL_FIELDS})
+    verdicts = tuple((int(a), bool(ok)) for a, ok in notice.get("sent_verdicts", ()))
+    plan = [(int(s), int(c)) for s, c in plan]
+    return SyncPeriod(
+        **fields, plan=plan, messages=list(messages), servers=list(servers), sent_verdicts=verdicts, **extra
+    )
+
+
+def split_plan(plan: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
+    """``plan`` cut into consecutive shares of ``sizes`` positions, in order (replica slot
+    ``i`` of the region gets ``sizes[i]``); the shares partition the plan."""
+    if sum(sizes) != sum(c for _, c in plan):
+        raise ValueError(f"a plan of {sum(c for _, c in plan)} positions cannot be cut into {list(sizes)}")
+    left = [(int(s), int(c)) for s, c in plan]
+    shares = []
+    for size in sizes:
+        need, mine = size, []
+        while need:
+            start, count = left[0]
+            take = min(need, count)
+            mine.append((start, take))
+            need -= take
+            left[0] = (start + take, count - take)
+            if left[0][1] == 0:
+                left.pop(0)
+        shares.append(mine)
+    return shares
+
+
+def summarize(
+    stats: Mapping[int, Sequence[RoundStats]],
+    plans: Mapping[int, Sequence[Range]],
+    merged: Iterable[int],
+    weight: float,
+) -> RoundStats:
+    """The one stats object a region reports for a sync: the merged replicas' (``merged``)
+    steps, tokens and losses summed over their ranks, ``weight`` (the tokens of its message)
+    as its loss tokens, the bytes of every replica, and as unused every range that reached
+    no merged pseudo-gradient: the unused ranges of merged replicas and the whole plans of
+    the others (``plans``: every replica's share, reported or not)."""
+    merged = [rid for rid in merged if rid in stats]
+    ok = [s for rid in merged for s in stats[rid]]
+    every = [s for ranks in stats.values() for s in ranks]
+    unused: list[Range] = []
+    for rid, plan in plans.items():
+        unused += [tuple(r) for r in (stats[rid][0].unused if rid in merged else plan)]
+    return RoundStats(
+        rank=0,
+        inner_steps=sum(s.inner_steps for s in ok),
+        tokens=sum(s.tokens for s in ok),
+        loss_sum=float(sum(s.loss_sum for s in ok)),
+        compute_seconds=max((s.compute_seconds for s in every), default=0.0),
+        load_seconds=max((s.load_seconds for s in every), default=0.0),
+        bytes_up=sum(s.bytes_up for s in every),
+        bytes_down=sum(s.bytes_down for s in every),
+        aborted=not merged,
+        restarted=any(s.restarted for s in every),
+        loss_tokens=int(round(weight)),
+        unused=sorted(unused),
+    )
+
+
+def reply_payload(buffers: Sequence[np.ndarray], summary: RoundStats) -> bytes:
+    """A region's reply as one checked frame: the summary and the buffers' sizes in the
+    header, the buffers one after another as its payload."""
+    header = {"stats": dataclasses.asdict(summary), "sizes": [int(len(b)) for b in buffers]}
+    return frames.encode(header, b"".join(np.asarray(b, dtype=np.uint8).tobytes() for b in buffers))
+
+
+def reply_of(payload: bytes, max_bytes: int) -> tuple[list[np.ndarray], RoundStats]:
+    """The buffers and summary of a reply (:func:`reply_payload`), checked as a frame."""
+    frame = frames.decode(payload, max_bytes)
+    stats = dict(frame.header["stats"])
+    stats["unused"] = [tuple(r) for r in stats.get("unused", [])]
+    buffers, at = [], 0
+    for size in frame.header["sizes"]:
+        buffers.append(np.frombuffer(frame.payload, dtype=np.uint8, count=size, offset=at).copy())
+        at += size
+    if at != len(frame.payload):
+        raise frames.BadFrame(f"malformed: the buffers hold {at} of the payload's {len(frame.payload)} bytes")
+    return buffers, RoundStats(**stats)

@@ -1,0 +1,86 @@
+"""What crosses the channel for a sync, and how a region shares its plan and reports back."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from diloco_ray.channel import frames
+from diloco_ray.data import plan as data
+from diloco_ray.regions import wire
+from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+
+
+@pytest.mark.parametrize("returned", [[], [(3, 5), (40, 2)], [(0, 100)]])
+def test_a_region_of_n_replicas_trains_the_positions_of_n_consecutive_flat_replicas(returned):
+    """The home cuts a round among 3 regions of 2 as among 6 flat replicas, returned ranges
+    included: each region's plan, split among its replicas, is the two flat plans."""
+    cursor = data.DataCursor(frontier=200, returned=returned)
+    flat = data.plan_round(cursor, [12] * 6)
+    regional = data.plan_round(cursor, [24] * 3)
+    for r, plan in enumerate(regional):
+        shares = wire.split_plan(plan, [12, 12])
+        assert [data.plan_positions(s).tolist() for s in shares] == [
+            data.plan_positions(flat[2 * r]).tolist(),
+            data.plan_positions(flat[2 * r + 1]).tolist(),
+        ]
+
+
+def test_a_plan_that_does_not_fit_the_shares_is_refused():
+    with pytest.raises(ValueError, match="cannot be cut"):
+        wire.split_plan([(0, 10)], [4, 4])
+
+
+def stats(rank=0, steps=5, tokens=100, loss=2.5, unused=()):
+    return RoundStats(
+        rank, steps, tokens, loss, 1.0, 0.5, 1000, bytes_down=2000, loss_tokens=tokens, unused=list(unused)
+    )
+
+
+def test_the_summary_counts_the_merged_replicas_and_hands_back_every_range_not_merged():
+    plans = {0: [(0, 10)], 1: [(10, 10)], 2: [(20, 10)]}
+    reported = {0: [stats(unused=[(8, 2)])], 1: [stats(tokens=80), stats(rank=1, tokens=80)]}  # 2 absent
+    summary = wire.summarize(reported, plans, merged=[0, 1], weight=260.0)
+    assert (summary.inner_steps, summary.tokens, summary.loss_tokens) == (15, 260, 260)
+    assert summary.loss_sum == pytest.approx(7.5) and summary.bytes_up == 3000
+    assert summary.unused == [(8, 2), (20, 10)]  # 0's untrained tail, and all of absent 2's plan
+    rejected = wire.summarize(reported, plans, merged=[0], weight=100.0)
+    assert rejected.unused == [(8, 2), (10, 10), (20, 10)] and not rejected.aborted
+    assert wire.summarize(reported, plans, merged=[], weight=0.0).aborted
+
+
+def test_a_reply_round_trips_and_a_damaged_one_is_refused():
+    buffers = [np.arange(10, dtype=np.uint8), np.zeros(0, dtype=np.uint8), np.full(3, 7, dtype=np.uint8)]
+    summary = stats(unused=[(4, 2)])
+    payload = wire.reply_payload(buffers, summary)
+    got, back = wire.reply_of(payload, max_bytes=1 << 20)
+    assert [b.tolist() for b in got] == [b.tolist() for b in buffers] and back == summary
+    with pytest.raises(frames.BadFrame, match="corrupt"):
+        wire.reply_of(payload[:-1] + bytes([payload[-1] ^ 1]), max_bytes=1 << 20)
+
+
+def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
+    job = SyncPeriod(
+        round=3,
+        fragment=1,
+        plan=[(0, 24)],
+        attempt=9,
+        messages=["ref-a", "ref-b"],
+        full=False,
+        version=7,
+        servers=["actor"],
+        reset_inner=True,
+        sent_verdicts=((8, True), (6, False)),
+        schedule_step=90,
+    )
+    notice = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1")
+    notice = json.loads(json.dumps(notice))  # it crosses as JSON
+    assert notice["messages"] == ["w/7/0", "w/7/1"] and notice["reply"] == "eu/a9/f1"
+    share = wire.split_plan(notice["plan"], [12, 12])[1]
+    rebuilt = wire.job_of(notice, share, ["local-a", "local-b"], ["regional"], board="board")
+    assert (rebuilt.round, rebuilt.fragment, rebuilt.attempt, rebuilt.version) == (3, 1, 9, 7)
+    assert rebuilt.plan == [(12, 12)] and rebuilt.messages == ["local-a", "local-b"]
+    assert rebuilt.reset_inner and rebuilt.sent_verdicts == ((8, True), (6, False)) and rebuilt.schedule_step == 90
+    assert rebuilt.servers == ["regional"] and rebuilt.board == "board" and not rebuilt.full
