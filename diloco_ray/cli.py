@@ -132,7 +132,45 @@ def build_parser() -> argparse.ArgumentParser:
     scale = sub.add_parser("scale", help="ask a running job to change its replica count at the next round")
     scale.add_argument("output_dir", help="the running job's output_dir")
     scale.add_argument("replicas", type=_replica_count, help="the new target (clamped to [min_replicas, max_replicas])")
+    _add_region(sub)
     return parser
+
+
+def _add_region(sub) -> None:
+    """``diloco-ray region``: the agent a region runs on its own Ray cluster."""
+    region = sub.add_parser(
+        "region",
+        help="on a region's own Ray cluster: join a run's home over its channel and train this region's replicas",
+    )
+    region.add_argument("--home", required=True, metavar="HOST:PORT", help="the home's channel address")
+    region.add_argument("--name", required=True, help="this region's name, as the home's regions field names it")
+    region.add_argument(
+        "--ca-cert", required=True, metavar="FILE", help="CA certificate (PEM) the home's is checked against"
+    )
+    region.add_argument("--server-name", default=None, help="the name on the home's certificate, when it is not HOST")
+    region.add_argument("--token-file", default=None, help="a file holding the channel's token (default: --token-env)")
+    region.add_argument("--token-env", default="DILOCO_CHANNEL_TOKEN", help="the variable holding the token")
+    region.add_argument("--output-dir", default="outputs/region", help="this region's own folder (its logs)")
+
+
+def _region(args) -> int:
+    from diloco_ray.channel.client import ChannelClient, ChannelDown, ChannelRefused
+    from diloco_ray.channel.credentials import read_pem, read_token
+    from diloco_ray.regions.agent import RegionAgent
+
+    token = read_token(args.token_file, args.token_env)
+    ca = read_pem(args.ca_cert, "--ca-cert")
+    client = ChannelClient(args.home, args.name, token, ca, server_name=args.server_name, log=logs.log.warning)
+    try:
+        synced = RegionAgent(client, args.output_dir).run()
+    except ChannelRefused as refused:
+        print(f"diloco-ray: error: {refused}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except ChannelDown as down:
+        print(f"diloco-ray: error: {down}", file=sys.stderr)
+        return EXIT_FAILURE
+    print(f"region {args.name}: done, {synced} syncs", flush=True)
+    return EXIT_OK
 
 
 def _train(args) -> int:
@@ -290,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         logs.to_stderr()
-        return {"train": _train, "sweep": _sweep, "report": _report, "scale": _scale}[args.command](args)
+        commands = {"train": _train, "sweep": _sweep, "report": _report, "scale": _scale, "region": _region}
+        return commands[args.command](args)
     except KeyboardInterrupt:
         print("diloco-ray: interrupted", file=sys.stderr)
         return EXIT_FAILURE

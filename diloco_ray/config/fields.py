@@ -31,6 +31,7 @@ RUN, MODEL, PEFT, DATA = "run", "model", "peft", "data"
 INNER_OPTIM, OUTER_OPTIM, DECOUPLED, MEMBERSHIP = "inner_optim", "outer_optim", "decoupled", "membership"
 PLACEMENT, SYNC_CODEC, FAULTS = "placement", "sync_codec", "faults"
 CHECKPOINTING, EVALUATION, OBSERVABILITY = "checkpointing", "evaluation", "observability"
+CHANNEL = "channel"
 SECTION_NAMES = (
     RUN,
     MODEL,
@@ -46,7 +47,11 @@ SECTION_NAMES = (
     CHECKPOINTING,
     EVALUATION,
     OBSERVABILITY,
+    CHANNEL,
 )
+# A region joins the home's round as one member, under an id of its own: this plus the
+# region's index in ``regions``, far above any replica's id.
+REGION_ID_BASE = 1_000_000
 
 
 def _f(sections: str | tuple[str, ...], default: Any, help: str, **rules: Any) -> Any:
@@ -96,8 +101,26 @@ class DerivedValues:
         return max(ranks) if isinstance(ranks, list) else int(ranks)
 
     def sequences_for(self, replica_id: int) -> int:
-        """Training sequences replica ``replica_id`` consumes in one outer round (all its ranks)."""
-        return self.max_steps * self.grad_accum * self.batch_size * self.ranks_of(replica_id)
+        """Training sequences replica ``replica_id`` consumes in one outer round (all its
+        ranks; a region's member: all its replicas')."""
+        return (
+            self.max_steps
+            * self.grad_accum
+            * self.batch_size
+            * self.ranks_of(replica_id)
+            * self.replicas_in(replica_id)
+        )
+
+    def replicas_in(self, replica_id: int) -> int:
+        """The replicas behind member ``replica_id``: 1 for a replica of this cluster, a
+        region's ``replicas`` for the member that stands for that region."""
+        region = self.region_of(replica_id)
+        return 1 if region is None else int(region["replicas"])
+
+    def region_of(self, replica_id: int) -> Optional[dict]:
+        """The entry of ``regions`` that member ``replica_id`` stands for (None: a replica)."""
+        index = replica_id - REGION_ID_BASE
+        return self.regions[index] if self.regions and 0 <= index < len(self.regions) else None
 
     @property
     def sequences_per_replica_round(self) -> int:
@@ -210,6 +233,15 @@ class ConfigFields(DerivedValues):
     fragment_alpha: float = _f(SYNC_CODEC, 0.5, "with overlap: a returning fragment becomes alpha*local + (1-alpha)*global", ge=0.0, le=1.0)
     link_mbps: Optional[Union[float, list]] = _f(SYNC_CODEC, None, "simulated replica<->server link bandwidth in Mbit/s: a number, or a list per replica slot (null: not simulated)")
     link_latency_ms: float = _f(SYNC_CODEC, 0.0, "simulated one-way latency of each replica's link in ms", ge=0.0)
+    # --- regions: Ray clusters of their own, joined by one channel --------------------------
+    regions: Optional[list] = _f((CHANNEL, DATA), None, "other regions, each a Ray cluster of its own that joins this run over the channel (diloco-ray region): [{name: eu, replicas: 2}, ...]; each trains its replicas there and sends one merged message per sync (sync mode; see docs/clusters.md, Regions)")
+    channel_host: str = _f(CHANNEL, "0.0.0.0", "with regions: the address the channel listens on")
+    channel_port: int = _f(CHANNEL, 7443, "with regions: the channel's one TLS port, which the regions dial out to (0: any free port, logged)", ge=0, le=65535)
+    channel_tls_cert: Optional[str] = _f(CHANNEL, None, "with regions: the home's TLS certificate (PEM file), which the regions check against their CA certificate")
+    channel_tls_key: Optional[str] = _f(CHANNEL, None, "with regions: the private key of channel_tls_cert (PEM file)")
+    channel_token_file: Optional[str] = _f(CHANNEL, None, "with regions: a file holding the channel's bearer token (null: the environment variable channel_token_env); the token is never written to config.yaml or a log")
+    channel_token_env: str = _f(CHANNEL, "DILOCO_CHANNEL_TOKEN", "with regions: the environment variable holding the token when no channel_token_file is named")
+    channel_max_frame_mb: float = _f(CHANNEL, 8.0, "with regions: the largest message the channel accepts, in MiB (transfers go in 1 MiB chunks)", ge=2.0)
     # --- PEFT ------------------------------------------------------------------------
     use_peft: bool = _f(PEFT, False, "train a PEFT adapter instead of all weights")
     peft_type: Literal["LORA", "IA3"] = _f(PEFT, "LORA", "PEFT method")

@@ -31,6 +31,7 @@ from diloco_ray.config import fields as table
 from diloco_ray.config.fields import ConfigFields, DerivedValues
 
 __all__ = [
+    "ChannelSection",
     "CheckpointSection",
     "DataSection",
     "DecoupledSection",
@@ -116,6 +117,8 @@ class DataSection:
     ranks_of = DerivedValues.ranks_of
     sequences_for = DerivedValues.sequences_for
     sequences_per_replica_round = DerivedValues.sequences_per_replica_round
+    replicas_in = DerivedValues.replicas_in
+    region_of = DerivedValues.region_of
 
 
 @section(table.INNER_OPTIM)
@@ -188,13 +191,21 @@ class ObservabilitySection:
     ``log_with`` is a list (or null)."""
 
 
+@section(table.CHANNEL)
+class ChannelSection:
+    """The other regions of the run and the channel they join it over (its port, TLS files
+    and where its token is read from; never the token itself)."""
+
+    region_of = DerivedValues.region_of
+
+
 @dataclass(frozen=True)
 class Sections:
     """Every section of one config, built at once by :meth:`of`.
 
     Args:
         run, model, peft, data, inner_optim, outer_optim, decoupled, membership, placement,
-        sync_codec, faults, checkpointing, evaluation, observability: one section each
+        sync_codec, faults, checkpointing, evaluation, observability, channel: one section each
         (the classes of this module, in that order; the names the table's fields give).
     """
 
@@ -212,6 +223,7 @@ class Sections:
     checkpointing: CheckpointSection
     evaluation: EvalSection
     observability: ObservabilitySection
+    channel: ChannelSection
 
     @classmethod
     def of(cls, config: ConfigFields) -> Sections:

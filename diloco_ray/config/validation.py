@@ -364,6 +364,41 @@ def _check_decoupled(cfg: ConfigFields, streamed: bool) -> None:
 
 
 # The rules between fields, in order: the first problem is the one reported.
+def _check_regions(cfg: ConfigFields) -> None:
+    """``regions``: a list of ``{name, replicas}``, names unique; what runs across regions
+    today (sync mode, no error feedback on the channel yet) and the channel's TLS files."""
+    if cfg.regions is None:
+        return
+    names = []
+    for i, region in enumerate(cfg.regions):
+        ok = isinstance(region, dict) and set(region) == {"name", "replicas"}
+        name, replicas = (region.get("name"), region.get("replicas")) if ok else (None, None)
+        if not (
+            isinstance(name, str) and name.strip() and isinstance(replicas, int) and not isinstance(replicas, bool)
+        ):
+            ok = False
+        if not ok or replicas < 1 or name in names:
+            raise ConfigError(
+                f"regions[{i}]: {region!r} is not allowed; expected {{name: a region name not used before, "
+                "replicas: a whole number >= 1}"
+            )
+        names.append(name)
+    if not names:
+        raise ConfigError("regions: [] names no region; leave regions null for one cluster")
+    if cfg.sync_mode != "sync":
+        raise ConfigError("regions: decoupled mode across regions is not built yet; use sync_mode: sync")
+    if cfg.error_feedback or cfg.pseudo_grad_compression == "topk":
+        raise ConfigError(
+            "regions: error feedback on the channel is not built yet (topk needs it); use error_feedback: false "
+            "and a codec other than topk"
+        )
+    if isinstance(cfg.ranks_per_replica, list):
+        raise ConfigError("regions: ranks_per_replica must be one number (a region's replicas have the same ranks)")
+    missing = [f for f in ("channel_tls_cert", "channel_tls_key") if not getattr(cfg, f)]
+    if missing:
+        raise ConfigError(f"regions: the channel needs {' and '.join(missing)} (PEM files of the home's certificate)")
+
+
 RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _choose_sources,
     _check_replica_count,
@@ -379,4 +414,5 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_sync_mode,
     _check_placement,
     _check_links,
+    _check_regions,
 )

@@ -105,7 +105,8 @@ def capacity_shortfall(placement: PlacementSection, num_replicas: int, device: s
 
 class Membership:
     """The active replicas (in slot order), the ready spares (``spare_replicas``) and the
-    ones still starting.
+    ones still starting; with regions, the regions that take part in the round after this
+    cluster's own replicas (:class:`~diloco_ray.driver.regions.RegionMembers`).
 
     Args:
         membership: how many replicas, spares, and the deadlines for placing and asking them.
@@ -117,6 +118,7 @@ class Membership:
         round_of: the index of the round the run is at, for the events.
         on_admit: called with (replica, slot) just before a replica becomes active, e.g.
             to restore its inner state from a checkpoint.
+        regions: the regions taking part (None: one cluster).
     """
 
     def __init__(
@@ -128,19 +130,27 @@ class Membership:
         on_event: Callable[[MembershipEvent], None],
         round_of: Callable[[], int],
         on_admit: Optional[Callable[[Replica, int], None]] = None,
+        regions=None,
     ):
         self.membership, self.placement, self.device = membership, placement, device
         self.start_replica = start_replica
         self.on_event, self.round_of, self.on_admit = on_event, round_of, on_admit
-        self.active: list[Replica] = []
+        self.home: list[Replica] = []  # this cluster's active replicas, in slot order
+        self.regions = regions
         self.spares: list[Replica] = []  # placed and set up, not training: a lost replica's place at once
         self.starting: list[Replica] = []
         self.target = membership.num_replicas
         self._next_id = 0
 
     @property
+    def active(self) -> list:
+        """Every member of the round, in slot order: this cluster's replicas, then the
+        regions taking part."""
+        return self.home + (self.regions.active if self.regions is not None else [])
+
+    @property
     def ids(self) -> list[int]:
-        return [r.id for r in self.active]
+        return [r.id for r in self.home]
 
     def place_initial(self, warn: Callable[[str], None]) -> None:
         """Place the run's first ``num_replicas`` replicas, waiting up to
@@ -155,15 +165,15 @@ class Membership:
                 f"then going on with the replicas that fit (at least min_replicas={membership.min_replicas})."
             )
         self.reconcile(membership.num_replicas, wait_s=membership.placement_timeout_s)
-        if membership.min_replicas <= len(self.active) < membership.num_replicas:
+        if membership.min_replicas <= len(self.home) < membership.num_replicas:
             warn(
-                f"starting with {len(self.active)} of num_replicas={membership.num_replicas} replicas; "
+                f"starting with {len(self.home)} of num_replicas={membership.num_replicas} replicas; "
                 "the others join at a round boundary when they are placed"
             )
-        if len(self.active) < membership.min_replicas:
+        if len(self.home) < membership.min_replicas:
             totals = {k: v for k, v in ray.cluster_resources().items() if "_group_" not in k}
             raise RuntimeError(
-                f"only {len(self.active)} of min_replicas={membership.min_replicas} replicas were placed "
+                f"only {len(self.home)} of min_replicas={membership.min_replicas} replicas were placed "
                 f"and set up within placement_timeout_s={membership.placement_timeout_s:g}s "
                 f"(cluster resources: {totals})"
             )
@@ -171,14 +181,17 @@ class Membership:
     def at_boundary(self, target: int) -> None:
         """Move towards ``target`` at a round boundary (waiting up to ``join_timeout_s`` for
         joiners); with fewer than ``min_replicas`` left, wait up to ``placement_timeout_s`` for
-        starting ones, and fail when still too few."""
+        starting ones, and fail when still too few. Regions connected since take part from
+        the next round."""
         membership = self.membership
+        if self.regions is not None:
+            self.regions.at_boundary()
         self.reconcile(target, wait_s=membership.join_timeout_s)
-        if len(self.active) < membership.min_replicas:
+        if len(self.home) < membership.min_replicas:
             self.admit_ready(membership.placement_timeout_s)
-            if len(self.active) < membership.min_replicas:
+            if len(self.home) < membership.min_replicas:
                 raise RuntimeError(
-                    f"{len(self.active)} replicas are running and no more could be placed within "
+                    f"{len(self.home)} replicas are running and no more could be placed within "
                     f"placement_timeout_s={membership.placement_timeout_s:g}s; min_replicas={membership.min_replicas}"
                 )
 
@@ -187,7 +200,7 @@ class Membership:
         within ``call_timeout_s`` (dead or frozen ones met on the way are removed), or
         None when none is left. Replicas whose ids are in ``among`` are asked first."""
         first = set(among or ())
-        for rep in sorted(self.active, key=lambda r: r.id not in first):
+        for rep in sorted(self.home, key=lambda r: r.id not in first):
             try:
                 return ray.get(call(rep), timeout=self.membership.call_timeout_s)
             except ray.exceptions.RayActorError:
@@ -203,7 +216,7 @@ class Membership:
         rest, and any that fail to answer, load them as before)."""
         wait, adopted = self.membership.call_timeout_s, []
         expected = [digests for digests, _ in ray.get(seed.adopt_initial(None), timeout=wait)]
-        for rep in self.active:
+        for rep in self.home:
             if rep.world_size != seed.world_size:
                 continue
             try:
@@ -228,7 +241,7 @@ class Membership:
                 spares[rid].stop()
                 self.on_event(MembershipEvent("leave", self.round_of(), replica_id=rid, reason="spare not needed"))
             else:
-                self.remove(next(r for r in self.active if r.id == rid), "scaled down")
+                self.remove(next(r for r in self.home if r.id == rid), "scaled down")
         for rid in d.cancel:
             rep = next(r for r in self.starting if r.id == rid)
             self.starting.remove(rep)
@@ -249,7 +262,7 @@ class Membership:
                 self._advance(rep)
             waiting = [ref for rep in self.starting for ref in rep.pending_refs()]
             remaining = deadline - time.monotonic()
-            if not waiting or remaining <= 0 or len(self.active) >= self.target:
+            if not waiting or remaining <= 0 or len(self.home) >= self.target:
                 return
             ray.wait(waiting, num_returns=1, timeout=remaining)
 
@@ -266,9 +279,9 @@ class Membership:
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             self._failed_start(rep, e)
             return
-        if len(self.active) >= self.target:
+        if len(self.home) >= self.target:
             self.spares.append(rep)
-            self.on_event(MembershipEvent("spare", self.round_of(), replica_id=rep.id, replicas=len(self.active)))
+            self.on_event(MembershipEvent("spare", self.round_of(), replica_id=rep.id, replicas=len(self.home)))
             return
         self._activate(rep)
 
@@ -276,16 +289,16 @@ class Membership:
         """``rep`` (set up) takes the next slot: ``on_admit`` first, then it is active."""
         try:
             if self.on_admit is not None:
-                self.on_admit(rep, len(self.active))
+                self.on_admit(rep, len(self.home))
         except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
             self._failed_start(rep, e)
             return
-        self.active.append(rep)
+        self.home.append(rep)
         joined = MembershipEvent(
             "join",
             self.round_of(),
             replica_id=rep.id,
-            replicas=len(self.active),
+            replicas=len(self.home),
             start_seconds=time.time() - rep.requested_at,
             **({"reason": reason} if reason else {}),
         )
@@ -300,15 +313,19 @@ class Membership:
         self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id, reason=reason))
 
     def remove(self, rep: Replica, reason: str) -> None:
-        """Stop ``rep`` and forget it (its placement group is released)."""
+        """Stop ``rep`` and forget it (its placement group is released); a region leaves
+        the round until it is connected again at a later boundary."""
+        if self.regions is not None and self.regions.owns(rep):
+            self.regions.drop(rep, reason)
+            return
         rep.stop()
-        if rep in self.active:
-            self.active.remove(rep)
+        if rep in self.home:
+            self.home.remove(rep)
         self.on_event(
-            MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason, replicas=len(self.active))
+            MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason, replicas=len(self.home))
         )
 
     def stop_all(self) -> None:
-        for rep in self.active + self.spares + self.starting:
+        for rep in self.home + self.spares + self.starting:
             rep.stop()
-        self.active, self.spares, self.starting = [], [], []
+        self.home, self.spares, self.starting = [], [], []

@@ -17,6 +17,7 @@ from typing import Optional
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import (
+    ChannelSection,
     CheckpointSection,
     DataSection,
     InnerOptimSection,
@@ -201,6 +202,17 @@ def loosened_settings(checkpointing: CheckpointSection, data: DataSection) -> li
     return lines
 
 
+def check_channel(channel: ChannelSection) -> None:
+    """With regions: the channel's token and TLS files can be read (the token is only read)."""
+    if not channel.regions:
+        return
+    from diloco_ray.channel.credentials import read_pem, read_token
+
+    read_token(channel.channel_token_file, channel.channel_token_env)
+    read_pem(channel.channel_tls_cert, "channel_tls_cert")
+    read_pem(channel.channel_tls_key, "channel_tls_key")
+
+
 def check(config: TrainerConfig, resuming: bool) -> None:
     """Every check that can run before Ray starts (see the module docstring), and a
     warning for each of :func:`loosened_settings`."""
@@ -217,6 +229,7 @@ def check(config: TrainerConfig, resuming: bool) -> None:
         log.warning("%s (a config is code: run only configs whose author you trust)", line)
     check_optimizers(sections.inner_optim, sections.outer_optim)
     check_paths(sections.data, sections.model)
+    check_channel(sections.channel)
     mirror = storage.for_output_dir(checkpointing.output_dir)
     if mirror is not None:
         if checkpointing.checkpoint_steps is not None and checkpointing.checkpoint_steps < checkpointing.max_steps:

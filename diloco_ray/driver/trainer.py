@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Optional
 
 import ray
@@ -26,6 +25,8 @@ from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
+from diloco_ray.driver.regions import open_channel
+from diloco_ray.driver.result import TrainResult
 from diloco_ray.driver.run_events import RunEvents
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.logs import log
@@ -44,25 +45,6 @@ from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.replica import Replica, start_token_data
 from diloco_ray.runtime.server import ParameterServer
 from diloco_ray.runtime.server_group import ServerGroup, assemble_weights
-
-
-@dataclass
-class TrainResult:
-    """What :meth:`DilocoFSDPTrainer.train` returns.
-
-    Args:
-        rounds: the round records of this run (as in metrics.jsonl), in order.
-        output_dir: the run's folder.
-        final_path: the Hugging Face model folder (``output_dir/final``).
-    """
-
-    rounds: list[dict] = field(default_factory=list)
-    output_dir: str = ""
-    final_path: str = ""
-
-    @property
-    def final_eval_loss(self) -> Optional[float]:
-        return self.rounds[-1]["eval_loss"] if self.rounds else None
 
 
 class DilocoFSDPTrainer:
@@ -111,6 +93,7 @@ class DilocoFSDPTrainer:
         self.records: list[dict] = []
         self.server: Optional[ServerGroup] = None
         self.members: Optional[Membership] = None
+        self.regions = None  # the regions taking part (RegionMembers), when the config names any
         # output_dir: a folder, or a bucket and its staging copy
         self.run_dir = RunFolder(sections.checkpointing, sections.observability.log_dir)
         self.inflight_root = self.run_dir.inflight
@@ -156,7 +139,7 @@ class DilocoFSDPTrainer:
     @property
     def replicas(self) -> list[Replica]:
         """The active replicas, in slot order."""
-        return self.members.active if self.members else []
+        return self.members.home if self.members else []
 
     def global_weights(self) -> dict:
         """A copy of the current global weights on the driver (name -> numpy array).
@@ -211,19 +194,7 @@ class DilocoFSDPTrainer:
         self.loop.steps = self.events.steps
         token_data = start_token_data(s.data, s.model)  # first: it runs while the actors start
         self.server = ServerGroup(cfg, self.server_cls)
-        # Replicas placed now resume their inner state from the checkpoint; later ones start fresh.
-        self._inner_state_from = resume[0] if resume else None
-        self.members = Membership(
-            s.membership,
-            s.placement,
-            self.device,
-            lambda rid: Replica(rid, cfg, self.device, self.worker_cls, token_data),
-            self.events.log,
-            lambda: self.round_index,
-            on_admit=self._restore_inner,
-        )
-        self.members.place_initial(self.events.warn)
-        self._inner_state_from = None
+        self._place(token_data, resume)
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
             self.loop.resume_in_flight(self.replicas)
@@ -235,6 +206,30 @@ class DilocoFSDPTrainer:
             self._after_restore(reset=False)
             if s.checkpointing.checkpoint_steps is not None:
                 self.save_checkpoint()  # so a lost server can always be recreated
+
+    def _place(self, token_data: list, resume: Optional[tuple]) -> None:
+        """Open the channel when other regions take part (they dial in to its actor, here),
+        and place this cluster's first replicas: those placed now resume their inner state
+        from the checkpoint being resumed; later ones start fresh. The first round waits for
+        every region to join, up to ``placement_timeout_s``."""
+        s = self.sections
+        if s.channel.regions:
+            self.regions = open_channel(self.config.to_dict(), s, self.events.log, lambda: self.round_index)
+        self._inner_state_from = resume[0] if resume else None
+        self.members = Membership(
+            s.membership,
+            s.placement,
+            self.device,
+            lambda rid: Replica(rid, self.config, self.device, self.worker_cls, token_data),
+            self.events.log,
+            lambda: self.round_index,
+            on_admit=self._restore_inner,
+            regions=self.regions,
+        )
+        self.members.place_initial(self.events.warn)
+        if self.regions is not None:
+            self.regions.at_boundary(wait_s=s.membership.placement_timeout_s)
+        self._inner_state_from = None
 
     def _after_restore(self, reset: bool) -> None:
         """Point the loop at the servers' state: their index, what replicas load (see
@@ -422,6 +417,8 @@ class DilocoFSDPTrainer:
 
     def shutdown(self) -> None:
         """Stop replicas and server; stop Ray if this trainer started it."""
+        if self.regions is not None:
+            self.regions.close()
         if self.members is not None:
             self.members.stop_all()
         if self.server is not None:

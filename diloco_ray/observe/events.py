@@ -74,6 +74,7 @@ class MembershipEvent(Event):
     reason: Any = OMIT
     replicas: Any = OMIT
     start_seconds: Any = OMIT
+    region: Any = OMIT
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,9 @@ WHOLE_CONFIG_HOLDERS: dict[str, dict[str, str]] = {
     },
     # Records, metrics and the report each take the sections (or values) they read.
     "observe": {},
+    "regions": {
+        "diloco_ray.regions.agent": "builds the region's own view of the home's job, as the trainer builds its parts",
+    },
 }
 
 

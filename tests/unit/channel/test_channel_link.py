@@ -185,3 +185,19 @@ def test_the_token_comes_from_a_file_or_a_variable_and_never_shows(tmp_path, mon
     (tmp_path / "empty").write_text("")
     with pytest.raises(UserInputError, match="is empty"):
         read_token(token_file=str(tmp_path / "empty"))
+
+
+def test_the_home_checks_its_channel_files_and_token_before_ray_starts(tmp_path, monkeypatch):
+    from conftest import tiny_config
+
+    from diloco_ray.driver import preflight
+
+    tls = make_tls(str(tmp_path))
+    fields = dict(regions=[{"name": "eu", "replicas": 2}], channel_tls_cert=tls["home.pem"], channel_tls_key="nope.key")
+    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", "t")
+    with pytest.raises(UserInputError, match="^channel_tls_key nope.key: No such file or directory$"):
+        preflight.check_channel(tiny_config(tmp_path / "run", **fields).sections().channel)
+    fields["channel_tls_key"] = tls["home.key"]
+    monkeypatch.delenv("DILOCO_CHANNEL_TOKEN")
+    with pytest.raises(UserInputError, match="set the environment variable DILOCO_CHANNEL_TOKEN"):
+        preflight.check_channel(tiny_config(tmp_path / "run", **fields).sections().channel)

@@ -59,6 +59,7 @@ def test_a_field_is_shared_only_where_two_parts_read_it():
         "output_dir": ["checkpointing", "observability"],
         "overlap_communication": ["checkpointing", "sync_codec"],
         "ranks_per_replica": ["checkpointing", "data", "placement"],  # each rank's share of the plan
+        "regions": ["channel", "data"],  # a region's plan is its replicas' worth
         "seed": ["checkpointing", "data", "model"],
         "seq_len": ["data", "model"],  # a built model's positions
         "sync_fragments": ["checkpointing", "sync_codec"],
@@ -147,6 +148,8 @@ def test_a_section_offers_the_derived_values_of_the_config_from_their_one_defini
         "max_ranks": ["placement"],
         "sequences_for": ["data"],
         "sequences_per_replica_round": ["data"],
+        "replicas_in": ["data"],
+        "region_of": ["data", "channel"],
     }
 
 

@@ -1,0 +1,236 @@
+"""The home's side of a run across regions: the channel's actor, and one member per region in the round.
+
+:class:`RegionGateway` is a plain class that the trainer makes a Ray actor in the home
+cluster: it owns the :class:`~diloco_ray.channel.server.ChannelServer` and carries one sync
+period of a region at a time. Its :meth:`~RegionGateway.run_period` publishes the weights
+messages the period starts from (and the full weights, for a region that must load
+everything), sends the region its job as a notice (:mod:`~diloco_ray.runtime.region_wire`), waits
+for the region's one reply and returns it as a replica's period returns (one buffer per
+server, then the stats), so its results are object refs the loops wait on like any other.
+
+:class:`RegionMember` stands for a region among the round's members: its id is
+``REGION_ID_BASE`` plus the region's index, its data plan is its replicas' worth
+(``DataSection.sequences_for``), and its period is the gateway's. :class:`RegionMembers`
+knows which regions take part: a region joins the round once it is connected, leaves it
+when the loop drops it (late, failed: a link outage is a late region), and joins again at
+a later boundary once it has reconnected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from diloco_ray.channel.credentials import Token, read_pem, read_token
+from diloco_ray.channel.server import ChannelServer
+from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.config.sections import ChannelSection
+from diloco_ray.logs import log
+from diloco_ray.observe.events import MembershipEvent
+from diloco_ray.runtime import region_wire as wire
+from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+
+POLL_S = 0.5  # how often a waiting period checks whether it was told to stop
+
+
+class RegionGateway:
+    """The channel's end at the home, as a Ray actor (threaded: one period per region at a time).
+
+    Args:
+        regions: the section naming the regions and the channel's address and limits.
+        token: the channel's bearer token (its secret crosses to the actor once, in memory).
+        cert, key: the home's TLS certificate and key (PEM bytes).
+        join_info: region name -> what it is handed when it joins (the job's config).
+        servers: ``num_param_servers``: a period returns one buffer per server.
+    """
+
+    def __init__(self, regions: ChannelSection, token: Token, cert: bytes, key: bytes, join_info: dict, servers: int):
+        self.servers, self.max_bytes = servers, int(regions.channel_max_frame_mb * (1 << 20))
+        self.lines: list[str] = []
+        self.channel = ChannelServer(
+            regions=[r["name"] for r in regions.regions],
+            token=token,
+            cert=cert,
+            key=key,
+            host=regions.channel_host,
+            port=regions.channel_port,
+            max_frame_bytes=self.max_bytes,
+            join_info=lambda name: join_info[name],
+            log=self._note,
+        )
+        self.port = self.channel.start()
+        self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
+        self.published: set[str] = set()
+
+    def _note(self, line: str) -> None:
+        """A channel note: to this actor's log (Ray's log at the home) and to :meth:`notes`."""
+        log.warning(line)
+        self.lines.append(line)
+
+    def address(self) -> int:
+        """The port the channel listens on."""
+        return self.port
+
+    def connected(self) -> list[str]:
+        """The regions connected now."""
+        return sorted(self.channel.connected())
+
+    def notes(self) -> list[str]:
+        """The channel's one-line notes since the last call (joins, refusals), for the log."""
+        lines, self.lines[:] = list(self.lines), []
+        return lines
+
+    def run_period(self, region: str, job: SyncPeriod) -> tuple:
+        """Hand ``region`` one sync period of ``job`` and wait for its reply: one buffer per
+        server and its stats (an empty buffer per server and aborted stats when it was told
+        to stop, or merged no replica)."""
+        import ray
+
+        messages = self._publish(f"w/{job.version}", lambda: ray.get(list(job.messages)))
+        full = self._publish(f"f/{job.version}", lambda: ray.get([s.full_weights.remote() for s in job.servers]))
+        reply = f"r/{region}/{job.attempt}/{job.fragment}"
+        self.channel.notify(region, {"job": wire.notice_of(job, messages, full, reply)})
+        while True:
+            payload = self.channel.take(reply, timeout_s=POLL_S)
+            if payload is not None:
+                buffers, stats = wire.reply_of(payload, self.max_bytes)
+                if len(buffers) == self.servers:
+                    return (*buffers, stats)
+                return (*[b"" for _ in range(self.servers)], stats)
+            if self.aborted.get(region, -1) >= job.attempt:
+                return (*[b"" for _ in range(self.servers)], RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True))
+
+    def abort(self, region: str, attempt: int) -> None:
+        """Stop waiting for ``region``'s period of launch ``attempt`` (the round goes on
+        without it); the region is told, and its reply, if it comes, is dropped."""
+        self.aborted[region] = max(attempt, self.aborted.get(region, -1))
+        self.channel.notify(region, {"abort": attempt})
+
+    def stop(self) -> None:
+        """Tell every region the run is over, give them a moment to hear it, and close."""
+        for region in self.channel.regions:
+            self.channel.notify(region, {"stop": True})
+        deadline = time.monotonic() + 5.0
+        while self.channel.connected() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.channel.stop(grace_s=1.0)
+
+    def _publish(self, prefix: str, fetch: Callable[[], list]) -> list[str]:
+        """The channel keys of one message per server under ``prefix`` (fetched and
+        published the first time; one version's messages stay until a newer one's come)."""
+        keys = [f"{prefix}/{s}" for s in range(self.servers)]
+        if keys[0] not in self.published:
+            for key, buffer in zip(keys, fetch()):
+                self.channel.publish(key, bytes(memoryview(buffer)))
+            stale = {k for k in self.published if k.startswith(prefix[:2]) and not k.startswith(f"{prefix}/")}
+            for key in stale:
+                self.channel.unpublish(key)
+            self.published = (self.published - stale) | set(keys)
+        return keys
+
+
+class RegionMember:
+    """A region among the round's members: what the loops ask of a replica, carried by the gateway.
+
+    Args:
+        index: the region's place in ``regions``.
+        name: the region's name.
+        gateway: the :class:`RegionGateway` actor.
+        servers: ``num_param_servers``.
+    """
+
+    def __init__(self, index: int, name: str, gateway, servers: int):
+        self.id, self.name, self.gateway, self.servers = REGION_ID_BASE + index, name, gateway, servers
+        self.world_size = 1  # one message per sync, whatever runs behind it
+        self.shapes: dict = {}
+
+    def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:
+        """Start the region's sync period: (per server, its buffer's ref; its stats' ref)."""
+        outs = self.gateway.run_period.options(num_returns=self.servers + 1).remote(self.name, job)
+        return [[outs[s]] for s in range(self.servers)], [outs[-1]]
+
+    def abort(self, attempt: int) -> None:
+        self.gateway.abort.remote(self.name, attempt)
+
+    def stop(self) -> None:
+        """Nothing to stop here: the region's own cluster runs its replicas."""
+
+
+class RegionMembers:
+    """Which regions take part in the round.
+
+    Args:
+        regions: the regions section.
+        gateway: the :class:`RegionGateway` actor.
+        servers: ``num_param_servers``.
+        on_event: where membership events go.
+        round_of: the current round's index (for the events).
+    """
+
+    def __init__(self, regions: ChannelSection, gateway, servers: int, on_event: Callable, round_of: Callable):
+        self.gateway, self.on_event, self.round_of = gateway, on_event, round_of
+        self.members = [RegionMember(i, r["name"], gateway, servers) for i, r in enumerate(regions.regions)]
+        self.taking_part: list[RegionMember] = []
+
+    @property
+    def active(self) -> list[RegionMember]:
+        return list(self.taking_part)
+
+    def at_boundary(self, wait_s: float = 0.0) -> None:
+        """Let every connected region take part (waiting up to ``wait_s`` for all of them)."""
+        import ray
+
+        deadline = time.monotonic() + wait_s
+        while True:
+            connected = set(ray.get(self.gateway.connected.remote()))
+            for member in self.members:
+                if member.name in connected and member not in self.taking_part:
+                    self.taking_part.append(member)
+                    self.on_event(MembershipEvent("join", self.round_of(), replica_id=member.id, region=member.name))
+            if len(self.taking_part) == len(self.members) or time.monotonic() >= deadline:
+                return
+            time.sleep(0.2)
+
+    def drop(self, member: RegionMember, reason: str) -> None:
+        """``member`` leaves the round (late, failed); it joins again once it is connected."""
+        if member in self.taking_part:
+            self.taking_part.remove(member)
+            event = MembershipEvent("leave", self.round_of(), replica_id=member.id, reason=reason, region=member.name)
+            self.on_event(event)
+
+    def owns(self, rep) -> bool:
+        return isinstance(rep, RegionMember)
+
+    def close(self) -> None:
+        """Tell the regions the run is over and close the channel."""
+        import ray
+
+        try:
+            ray.get(self.gateway.stop.remote(), timeout=30)
+        except Exception as e:  # the run is over either way: the regions' agents then give up on it
+            log.warning("channel: could not tell the regions the run is over (%s)", type(e).__name__)
+
+
+def open_channel(job: dict, sections, on_event: Callable, round_of: Callable) -> RegionMembers:
+    """Start the channel's actor at the home (``job``: the config as the regions get it) and
+    the members that stand for the regions; a region takes part once it has joined."""
+    import ray
+
+    r = sections.channel
+    token = read_token(r.channel_token_file, r.channel_token_env)
+    cert, key = read_pem(r.channel_tls_cert, "channel_tls_cert"), read_pem(r.channel_tls_key, "channel_tls_key")
+    info = {region["name"]: {"config": job, "region": region, "index": i} for i, region in enumerate(r.regions)}
+    servers = sections.placement.num_param_servers
+    gateway = (
+        ray.remote(RegionGateway)
+        .options(num_cpus=0, max_concurrency=8 + 4 * len(r.regions))
+        .remote(r, token, cert, key, info, servers)
+    )
+    port = ray.get(gateway.address.remote(), timeout=sections.membership.call_timeout_s)
+    log.info("channel: listening on %s:%d for regions %s", r.channel_host, port, ", ".join(info))
+    return RegionMembers(r, gateway, servers, on_event, round_of)
+
+    def notes(self) -> list[str]:
+        import ray
+
+        return ray.get(self.gateway.notes.remote())

@@ -1,0 +1,218 @@
+"""A region's agent: ``diloco-ray region`` joins the home over the channel and runs the
+region's replicas on the region's own Ray cluster, one sync at a time.
+
+:class:`RegionAgent` dials out to the home (:class:`~diloco_ray.channel.client.ChannelClient`)
+and takes the job's config from it, so a region cannot drift from the home's. It then
+starts the region's replicas as the trainer starts its own
+(:class:`~diloco_ray.runtime.replica.Replica`, on this cluster), and for every job notice:
+
+1. downloads the weights messages the period starts from (and the full weights when its
+   replicas must load everything: their first period, a gap, a restore, a NaN reset) and
+   puts them in the region's object store;
+2. cuts the region's data plan into its replicas' shares (:func:`~diloco_ray.runtime.region_wire.split_plan`)
+   and runs one sync period on every replica;
+3. merges what they sent into one message per home server
+   (:class:`~diloco_ray.runtime.regional_merge.RegionalMerge`) and uploads it with one
+   stats summary, which hands back every range no merged replica trained.
+
+Inside the region the replicas' own leg is uncompressed; the run's codec applies to what
+crosses the channel. A link that breaks is retried with backoff by the client: the region
+keeps its replicas and their state, and takes up the next job when the home is back.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import numpy as np
+
+from diloco_ray.channel.client import ChannelClient, ChannelRefused
+from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.logs import log
+from diloco_ray.runtime import region_wire as wire
+from diloco_ray.runtime.messages import Contribution
+from diloco_ray.runtime.regional_merge import RegionalMerge
+
+
+class HeldWeights:
+    """A small actor holding the full weights a region's replicas load after a gap, one
+    buffer per home server (what a replica asks a server's ``full_weights`` for)."""
+
+    def __init__(self):
+        self.buffers: list = []
+
+    def put(self, buffers: list) -> None:
+        self.buffers = buffers
+
+    def full_weights_of(self, index: int):
+        return self.buffers[index]
+
+
+class FullWeightsOf:
+    """Stands for home server ``index`` in a region's jobs: ``full_weights.remote()`` asks
+    the region's :class:`HeldWeights` (the home's servers are never reached from here)."""
+
+    def __init__(self, holder, index: int):
+        self.holder, self.index = holder, index
+
+    @property
+    def full_weights(self):
+        return _RemoteCall(self.holder, self.index)
+
+
+class _RemoteCall:
+    def __init__(self, holder, index: int):
+        self.holder, self.index = holder, index
+
+    def remote(self):
+        return self.holder.full_weights_of.remote(self.index)
+
+
+def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig:
+    """The region's own view of the home's job: its replica count, no regions of its own,
+    an uncompressed leg inside the region, no faults or checkpoints of the home's, and its
+    own ``output_dir``."""
+    overrides = dict(
+        num_replicas=int(region["replicas"]),
+        min_replicas=1,
+        max_replicas=None,
+        spare_replicas=0,
+        regions=None,
+        channel_tls_cert=None,
+        channel_tls_key=None,
+        pseudo_grad_compression="none",
+        error_feedback=False,
+        fault_plan=None,
+        checkpoint_steps=None,
+        resume_from=None,
+        link_mbps=None,
+        log_with=None,
+        output_dir=output_dir,
+        overwrite_output_dir=True,
+    )
+    return TrainerConfig.from_dict({**home, **overrides})
+
+
+class RegionAgent:
+    """One region's side of a run.
+
+    Args:
+        client: the region's channel client (not yet joined).
+        output_dir: the region's own folder (its logs; the run's outputs are the home's).
+        log_line: where the agent's one-line notes go.
+    """
+
+    def __init__(self, client: ChannelClient, output_dir: str, log_line: Callable[[str], None] = log.info):
+        self.client, self.output_dir, self.log = client, output_dir, log_line
+        self.replicas: list = []
+        self.holder = None
+        self.held: Optional[int] = None  # the weights version the replicas hold
+        self.started_ray = False
+
+    def run(self) -> int:
+        """Join, start the replicas, and run every job the home hands out until it says the
+        run is over. Returns the syncs this region took part in."""
+        info = self.client.join()
+        home, region = info["config"], info["region"]
+        os.makedirs(self.output_dir, exist_ok=True)
+        self.config = in_region_config(home, region, self.output_dir)
+        self.log(f"region {region['name']!r}: joined; {region['replicas']} replicas")
+        self._start(TrainerConfig.from_dict(home))
+        synced, seq = 0, 0
+        try:
+            while True:
+                seq, notice = self.client.wait(seq)
+                if notice is None or "abort" in notice:
+                    continue  # (a period told to stop has already ended here: they run one at a time)
+                if notice.get("stop"):
+                    self.log(f"region {region['name']!r}: the home says the run is over")
+                    return synced
+                try:
+                    self._sync(notice["job"])
+                except ChannelRefused as stale:
+                    if "is published" not in str(stale):
+                        raise
+                    # The home moved on while this region was behind: the next job brings it up.
+                    self.log(f"region {region['name']!r}: skipped a job the home has moved past ({stale})")
+                    continue
+                synced += 1
+        finally:
+            self.close()
+
+    def _start(self, home: TrainerConfig) -> None:
+        import ray
+
+        from diloco_ray.driver import ray_connection
+        from diloco_ray.runtime.rank import RankWorker
+        from diloco_ray.runtime.replica import Replica, start_token_data
+
+        s = self.config.sections()
+        if not ray.is_initialized():
+            self.started_ray = ray_connection.connect(s.membership, s.placement)
+        device = ray_connection.resolve_device(s.placement.device)
+        token_data = start_token_data(s.data, s.model)
+        self.replicas = [
+            Replica(i, self.config, device, RankWorker, token_data) for i in range(s.membership.num_replicas)
+        ]
+        ray.get([rep.placed_ref for rep in self.replicas])
+        shapes = [ray.get(rep.setup())[0] for rep in self.replicas][0]
+        servers = s.placement.num_param_servers
+        self.holder = ray.remote(HeldWeights).options(num_cpus=0).remote()
+        self.servers = [FullWeightsOf(self.holder, i) for i in range(servers)]
+        self.merge = RegionalMerge(shapes, home.sections().sync_codec, servers)
+        self.sizes = [s.data.sequences_for(i) for i in range(len(self.replicas))]
+
+    def _sync(self, notice: dict) -> None:
+        """One sync period of every replica, merged into the region's one reply."""
+        import ray
+
+        messages = [ray.put(self._download(key)) for key in notice["messages"]]
+        if self._needs_full(notice):
+            ray.get(self.holder.put.remote([self._download(key) for key in notice["full_keys"]]))
+        if notice["reset"] or notice["restart"]:
+            self.merge.forget_residual()
+        plans = dict(enumerate(wire.split_plan(notice["plan"], self.sizes)))
+        launched = {
+            i: rep.run_period(wire.job_of(notice, plans[i], messages, self.servers))
+            for i, rep in enumerate(self.replicas)
+        }
+        stats, buffers = {}, {}
+        for i, (per_server, stats_refs) in launched.items():
+            try:
+                stats[i] = ray.get(stats_refs)
+                buffers[i] = per_server
+            except ray.exceptions.RayError as e:  # its share goes back to the home's cursor
+                self.log(f"region: replica {i} failed its period ({type(e).__name__}); its data is handed back")
+        ok = [i for i in stats if not any(s.aborted for s in stats[i])]
+        servers = len(self.servers)
+        weights = {i: float(sum(s.loss_tokens for s in stats[i])) for i in ok}
+        contributions = [[Contribution(i, buffers[i][s], weights[i]) for i in ok] for s in range(servers)]
+        message = self.merge.merge(notice["fragment"], contributions)
+        summary = wire.summarize(stats, plans, message.accepted, message.weight)
+        out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
+        self.client.upload(notice["reply"], wire.reply_payload(out, summary))
+        self.held = notice["version"]
+
+    def _needs_full(self, notice: dict) -> bool:
+        """Whether the replicas may ask for the full weights this period: not when the
+        messages are full weights, or the next version after the one they hold."""
+        if notice["full"]:
+            return False
+        gap = self.held is None or notice["version"] > self.held + 1
+        return gap or notice["reset"] or notice["reset_inner"]
+
+    def _download(self, key: str) -> np.ndarray:
+        return np.frombuffer(self.client.download(key), dtype=np.uint8)
+
+    def close(self) -> None:
+        """Stop the replicas (and this cluster's Ray, when the agent started it)."""
+        import ray
+
+        for rep in self.replicas:
+            rep.stop()
+        self.replicas = []
+        if self.started_ray:
+            ray.shutdown()
+            self.started_ray = False
+        self.client.close()

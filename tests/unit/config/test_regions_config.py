@@ -1,0 +1,37 @@
+"""The regions fields: what a run across regions may say, one line for what it may not,
+and a region's member counting its replicas' data."""
+
+import pytest
+from conftest import tiny_config
+
+from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.errors import ConfigError
+
+CHANNEL = dict(channel_tls_cert="home.pem", channel_tls_key="home.key")
+
+
+def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
+    cfg = tiny_config(tmp_path, regions=[{"name": "eu", "replicas": 2}, {"name": "us", "replicas": 3}], **CHANNEL)
+    one = cfg.sequences_for(0)
+    assert [cfg.sequences_for(REGION_ID_BASE + i) for i in range(2)] == [2 * one, 3 * one]
+    assert cfg.sections().data.sequences_for(REGION_ID_BASE + 1) == 3 * one
+    assert cfg.sections().channel.region_of(REGION_ID_BASE) == {"name": "eu", "replicas": 2}
+    assert cfg.region_of(0) is None and cfg.region_of(REGION_ID_BASE + 2) is None
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        (dict(regions=[{"name": "eu"}], **CHANNEL), r"regions\[0\]: .* is not allowed; expected \{name: "),
+        (dict(regions=[{"name": "eu", "replicas": 0}], **CHANNEL), r"regions\[0\]: "),
+        (dict(regions=[{"name": "eu", "replicas": 1}, {"name": "eu", "replicas": 2}], **CHANNEL), r"regions\[1\]: "),
+        (dict(regions=[], **CHANNEL), "regions: \\[\\] names no region"),
+        (dict(regions=[{"name": "eu", "replicas": 1}]), "the channel needs channel_tls_cert and channel_tls_key"),
+        (dict(regions=[{"name": "eu", "replicas": 1}], sync_mode="decoupled", **CHANNEL), "decoupled mode across"),
+        (dict(regions=[{"name": "eu", "replicas": 1}], pseudo_grad_compression="topk", **CHANNEL), "error feedback"),
+        (dict(regions=[{"name": "eu", "replicas": 1}], error_feedback=True, **CHANNEL), "error feedback"),
+    ],
+)
+def test_what_a_run_across_regions_may_not_say_is_one_line(tmp_path, fields, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny_config(tmp_path, **fields)
