@@ -79,20 +79,27 @@ def plan_round(cursor: DataCursor, sizes: list[int]) -> list[list[Range]]:
     frontier = cursor.frontier
     plans = []
     for size in sizes:
-        need, mine = size, []
-        while need and returned:
-            start, count = returned[0]
-            take = min(need, count)
-            mine.append((start, take))
-            need -= take
-            returned[0] = (start + take, count - take)
-            if returned[0][1] == 0:
-                returned.pop(0)
+        mine, need = take_from(returned, size)
         if need:
             mine.append((frontier, need))
             frontier += need
         plans.append(_normalise(mine))
     return plans
+
+
+def take_from(ranges: list[Range], need: int) -> tuple[list[Range], int]:
+    """Up to ``need`` positions from the front of ``ranges``, which are consumed in place:
+    the ranges taken, in order, and how many positions are still needed."""
+    mine = []
+    while need and ranges:
+        start, count = ranges[0]
+        take = min(need, count)
+        mine.append((start, take))
+        need -= take
+        ranges[0] = (start + take, count - take)
+        if ranges[0][1] == 0:
+            ranges.pop(0)
+    return mine, need
 
 
 def commit_round(

@@ -27,6 +27,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from diloco_ray.channel import frames
+from diloco_ray.data.plan import take_from
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 
 Range = tuple[int, int]
@@ -71,19 +72,7 @@ def split_plan(plan: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]
     if sum(sizes) != sum(c for _, c in plan):
         raise ValueError(f"a plan of {sum(c for _, c in plan)} positions cannot be cut into {list(sizes)}")
     left = [(int(s), int(c)) for s, c in plan]
-    shares = []
-    for size in sizes:
-        need, mine = size, []
-        while need:
-            start, count = left[0]
-            take = min(need, count)
-            mine.append((start, take))
-            need -= take
-            left[0] = (start + take, count - take)
-            if left[0][1] == 0:
-                left.pop(0)
-        shares.append(mine)
-    return shares
+    return [take_from(left, size)[0] for size in sizes]
 
 
 def summarize(
