@@ -23,16 +23,21 @@ keeps its replicas and their state, and takes up the next job when the home is b
 from __future__ import annotations
 
 import os
+import time
 from typing import Callable, Optional
 
 import numpy as np
 
 from diloco_ray.channel.client import ChannelClient, ChannelRefused
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.errors import first_line
 from diloco_ray.logs import log
 from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.regional_merge import RegionalMerge
+
+LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
+START_TRIES = 3  # starts of a private Ray before the agent gives up
 
 
 class HeldWeights:
@@ -111,8 +116,11 @@ class RegionAgent:
         self.started_ray = False
 
     def run(self) -> int:
-        """Join, start the replicas, and run every job the home hands out until it says the
-        run is over. Returns the syncs this region took part in."""
+        """Connect to this region's Ray, join, start the replicas, and run every job the
+        home hands out until it says the run is over. Returns the syncs this region took
+        part in. Ray comes first: a region that cannot start it never joins the round."""
+        self._connect_ray()
+        self.log(f"region {self.client.region!r}: Ray is up; joining the home at {self.client.address}")
         info = self.client.join()
         home, region = info["config"], info["region"]
         os.makedirs(self.output_dir, exist_ok=True)
@@ -148,8 +156,6 @@ class RegionAgent:
         from diloco_ray.runtime.replica import Replica, start_token_data
 
         s = self.config.sections()
-        if not ray.is_initialized():
-            self.started_ray = ray_connection.connect(s.membership, s.placement)
         device = ray_connection.resolve_device(s.placement.device)
         token_data = start_token_data(s.data, s.model)
         self.replicas = [
@@ -162,6 +168,29 @@ class RegionAgent:
         self.servers = [FullWeightsOf(self.holder, i) for i in range(servers)]
         self.merge = RegionalMerge(shapes, home.sections().sync_codec, servers)
         self.sizes = [s.data.sequences_for(i) for i in range(len(self.replicas))]
+
+    def _connect_ray(self) -> None:
+        """This region's Ray: the cluster ``RAY_ADDRESS`` names, else a private one with room
+        for several replicas (logical CPUs, as the trainer's private Ray has)."""
+        import ray
+
+        if ray.is_initialized():
+            return
+        address = os.environ.get("RAY_ADDRESS")
+        if address and address != "local":
+            ray.init(address=address)
+            return
+        for attempt in range(1, START_TRIES + 1):
+            try:
+                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, LOCAL_CPUS), include_dashboard=False)
+                break
+            except Exception as e:  # a busy machine's head may miss Ray's own start-up deadline
+                ray.shutdown()
+                if attempt == START_TRIES:
+                    raise
+                self.log(f"region: Ray did not start ({first_line(e)}); trying again ({attempt} of {START_TRIES})")
+                time.sleep(2.0 * attempt)
+        self.started_ray = True
 
     def _sync(self, notice: dict) -> None:
         """One sync period of every replica, merged into the region's one reply."""

@@ -12,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 from conftest import ROOT, max_abs_diff, tiny_config
 
@@ -25,6 +26,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_for_line(path, text: str, process, timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if text in path.read_text():
+            return
+        assert process.poll() is None, path.read_text()[-3000:]
+        time.sleep(0.5)
+    raise AssertionError(f"no {text!r} in {path} within {timeout_s:g}s")
 
 
 def applied_positions(rounds: list) -> list:
@@ -48,6 +59,7 @@ def test_a_region_of_two_and_a_home_of_one_end_with_the_weights_of_three_flat_re
         channel_port=port,
         channel_tls_cert=tls["home.pem"],
         channel_tls_key=tls["home.key"],
+        round_timeout_s=180,  # a region that failed is dropped, and the test fails fast
         **shape,
     )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "RAY_ADDRESS": "local"}
@@ -61,6 +73,7 @@ def test_a_region_of_two_and_a_home_of_one_end_with_the_weights_of_three_flat_re
         text=True,
     )
     try:
+        wait_for_line(tmp_path / "eu.log", "Ray is up", region)  # its Ray starts while this machine is idle
         regions = DilocoFSDPTrainer(home_cfg).train()
         region.wait(timeout=120)
     finally:
