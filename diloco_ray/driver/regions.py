@@ -60,6 +60,7 @@ class RegionGateway:
         )
         self.port = self.channel.start()
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
+        self.held: dict[str, int] = {}  # region -> the version of the last period it completed
         self.published: set[str] = set()
 
     def _note(self, line: str) -> None:
@@ -87,13 +88,17 @@ class RegionGateway:
         import ray
 
         messages = self._publish(f"w/{job.version}", lambda: ray.get(list(job.messages)))
-        full = self._publish(f"f/{job.version}", lambda: ray.get([s.full_weights.remote() for s in job.servers]))
+        full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
+        if wire.needs_full(job, self.held.get(region)):
+            full = self._publish(f"f/{job.version}", lambda: ray.get([s.full_weights.remote() for s in job.servers]))
         reply = f"r/{region}/{job.attempt}/{job.fragment}"
         self.channel.notify(region, {"job": wire.notice_of(job, messages, full, reply)})
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
                 buffers, stats = wire.reply_of(payload, self.max_bytes)
+                if not stats.aborted:  # its replicas completed the period: they hold job.version
+                    self.held[region] = job.version
                 if len(buffers) == self.servers:
                     return (*buffers, stats)
                 return (*[b"" for _ in range(self.servers)], stats)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable
 
 import numpy as np
 
@@ -112,7 +112,6 @@ class RegionAgent:
         self.client, self.output_dir, self.log = client, output_dir, log_line
         self.replicas: list = []
         self.holder = None
-        self.held: Optional[int] = None  # the weights version the replicas hold
         self.started_ray = False
 
     def run(self) -> int:
@@ -197,7 +196,7 @@ class RegionAgent:
         import ray
 
         messages = [ray.put(self._download(key)) for key in notice["messages"]]
-        if self._needs_full(notice):
+        if notice["full_keys"]:  # the home sends them when the replicas may need to load everything
             ray.get(self.holder.put.remote([self._download(key) for key in notice["full_keys"]]))
         if notice["reset"] or notice["restart"]:
             self.merge.forget_residual()
@@ -221,15 +220,6 @@ class RegionAgent:
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
         self.client.upload(notice["reply"], wire.reply_payload(out, summary))
-        self.held = notice["version"]
-
-    def _needs_full(self, notice: dict) -> bool:
-        """Whether the replicas may ask for the full weights this period: not when the
-        messages are full weights, or the next version after the one they hold."""
-        if notice["full"]:
-            return False
-        gap = self.held is None or notice["version"] > self.held + 1
-        return gap or notice["reset"] or notice["reset_inner"]
 
     def _download(self, key: str) -> np.ndarray:
         return np.frombuffer(self.client.download(key), dtype=np.uint8)

@@ -22,7 +22,7 @@ Pure functions over plain values; no Ray, no sockets.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -50,6 +50,16 @@ def notice_of(job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[
         reply=reply_key,
     )
     return notice
+
+
+def needs_full(job: SyncPeriod, held: Optional[int]) -> bool:
+    """Whether a region's replicas may ask for the full weights in ``job``'s period, having
+    last completed a period at version ``held`` (None: none yet, or not known to have): not
+    when the messages are the full weights, nor when they bring the version after ``held``
+    and nothing asks for a reload (a restore, a NaN reset)."""
+    if job.full:
+        return False
+    return held is None or job.version > held + 1 or job.reset or job.reset_inner
 
 
 def job_of(notice: Mapping, plan: Sequence[Range], messages: Sequence, servers: Sequence, **extra) -> SyncPeriod:

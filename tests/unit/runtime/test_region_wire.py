@@ -84,3 +84,14 @@ def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
     assert rebuilt.plan == [(12, 12)] and rebuilt.messages == ["local-a", "local-b"]
     assert rebuilt.reset_inner and rebuilt.sent_verdicts == ((8, True), (6, False)) and rebuilt.schedule_step == 90
     assert rebuilt.servers == ["regional"] and rebuilt.board == "board" and not rebuilt.full
+
+
+def test_the_full_weights_go_to_a_region_only_when_its_replicas_may_need_them():
+    def job(version, full=False, **flags):
+        return SyncPeriod(round=0, fragment=0, plan=[], attempt=1, messages=[], full=full, version=version, **flags)
+
+    assert wire.needs_full(job(0), held=None)  # no period completed yet
+    assert not wire.needs_full(job(5, full=True), held=None)  # the messages are the full weights
+    assert not wire.needs_full(job(5), held=4) and not wire.needs_full(job(5), held=5)  # the next version, or a re-run
+    assert wire.needs_full(job(7), held=4)  # a gap: it missed syncs
+    assert wire.needs_full(job(5, reset=True), held=4) and wire.needs_full(job(5, reset_inner=True), held=4)
