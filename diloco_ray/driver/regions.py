@@ -46,7 +46,6 @@ class RegionGateway:
 
     def __init__(self, regions: ChannelSection, token: Token, cert: bytes, key: bytes, join_info: dict, servers: int):
         self.servers, self.max_bytes = servers, int(regions.channel_max_frame_mb * (1 << 20))
-        self.lines: list[str] = []
         self.channel = ChannelServer(
             regions=[r["name"] for r in regions.regions],
             token=token,
@@ -56,17 +55,12 @@ class RegionGateway:
             port=regions.channel_port,
             max_frame_bytes=self.max_bytes,
             join_info=lambda name: join_info[name],
-            log=self._note,
+            log=log.warning,  # joins and refusals, one line each, to Ray's log at the home
         )
         self.port = self.channel.start()
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
         self.held: dict[str, int] = {}  # region -> the version of the last period it completed
         self.published: set[str] = set()
-
-    def _note(self, line: str) -> None:
-        """A channel note: to this actor's log (Ray's log at the home) and to :meth:`notes`."""
-        log.warning(line)
-        self.lines.append(line)
 
     def address(self) -> int:
         """The port the channel listens on."""
@@ -75,11 +69,6 @@ class RegionGateway:
     def connected(self) -> list[str]:
         """The regions connected now."""
         return sorted(self.channel.connected())
-
-    def notes(self) -> list[str]:
-        """The channel's one-line notes since the last call (joins, refusals), for the log."""
-        lines, self.lines[:] = list(self.lines), []
-        return lines
 
     def run_period(self, region: str, job: SyncPeriod) -> tuple:
         """Hand ``region`` one sync period of ``job`` and wait for its reply: one buffer per
@@ -234,8 +223,3 @@ def open_channel(job: dict, sections, on_event: Callable, round_of: Callable) ->
     port = ray.get(gateway.address.remote(), timeout=sections.membership.call_timeout_s)
     log.info("channel: listening on %s:%d for regions %s", r.channel_host, port, ", ".join(info))
     return RegionMembers(r, gateway, servers, on_event, round_of)
-
-    def notes(self) -> list[str]:
-        import ray
-
-        return ray.get(self.gateway.notes.remote())

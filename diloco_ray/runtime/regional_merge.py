@@ -27,7 +27,6 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import compression
-from diloco_ray.algo.aggregate import Rejected
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.config.sections import SyncCodecSection
 from diloco_ray.runtime.messages import Contribution
@@ -113,8 +112,3 @@ class RegionalMerge:
         zeros), decayed before it is fed back."""
         held = self.residual[server]
         return {n: held[n] * self.decay for n in mean if n in held and held[n].shape == mean[n].shape}
-
-
-def rejected_lines(rejected: Mapping[int, Rejected]) -> list[str]:
-    """One line per replica a region left out of its message, for its log."""
-    return [f"replica {rid}: {why}" for rid, why in sorted(rejected.items())]
