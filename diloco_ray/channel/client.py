@@ -12,6 +12,7 @@ home (wrong token, a region name already connected, a bad frame) is not retried:
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from typing import Callable, Optional
@@ -20,7 +21,7 @@ import grpc
 
 from diloco_ray.channel import frames
 from diloco_ray.channel.credentials import Token
-from diloco_ray.channel.server import CHUNK_BYTES, GRPC_LIMIT_FACTOR, MAX_WAIT_S, REGION_KEY, SERVICE
+from diloco_ray.channel.server import CHUNK_BYTES, GRPC_LIMIT_FACTOR, KEEPALIVE_MS, MAX_WAIT_S, REGION_KEY, SERVICE
 
 # A broken link or a home that is restarting: worth trying again after a pause.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -58,16 +59,28 @@ class ChannelClient:
         *,
         server_name: Optional[str] = None,
         max_frame_bytes: int = 8 << 20,
-        backoff_s: tuple[float, float] = (0.5, 15.0),
+        backoff_s: tuple[float, float] = (0.5, 4.0),
         log: Callable[[str], None] = print,
     ):
         self.address, self.region, self.token = address, region, token
         self.max_frame_bytes, self.backoff_s, self.log = max_frame_bytes, backoff_s, log
         self.instance = uuid.uuid4().hex  # this agent process: a reconnect is told apart from a second agent
         self.session: Optional[str] = None
+        self._joining = threading.Lock()
         self.info: dict = {}
         limit = max_frame_bytes * GRPC_LIMIT_FACTOR
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            # A link back from an outage is dialled again within the backoff's longest pause.
+            ("grpc.initial_reconnect_backoff_ms", int(backoff_s[0] * 1000)),
+            ("grpc.min_reconnect_backoff_ms", int(backoff_s[0] * 1000)),
+            ("grpc.max_reconnect_backoff_ms", int(backoff_s[1] * 1000)),
+        ]
         if server_name:
             options.append(("grpc.ssl_target_name_override", server_name))
         self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca_cert), options)
@@ -90,6 +103,19 @@ class ChannelClient:
         within ``wait_s``."""
         reply = self._call("Wait", {"after": after, "wait_s": wait_s}, give_up_after_s, timeout_s=wait_s + 30)
         return int(reply.header["seq"]), reply.header.get("notice")
+
+    def beat(self, timeout_s: float) -> bool:
+        """Tell the home this region is alive; False when the home could not be reached
+        within ``timeout_s`` (one try: the next beat is the retry)."""
+        if self.session is None:
+            return False  # the call that finds the session gone joins again
+        try:
+            self._call_once("Beat", {}, timeout_s=timeout_s, joined=False)
+            return True
+        except grpc.RpcError as error:
+            if error.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                self.session = None  # the home forgot this session: the next call joins again
+            return False
 
     def upload(self, key: str, payload: bytes, give_up_after_s: Optional[float] = None) -> None:
         """Send ``payload`` to the home as ``key``, chunk by chunk; after a break, from
@@ -154,7 +180,9 @@ class ChannelClient:
     ) -> frames.Frame:
         """One try of a call (joining first when there is no session); raises what gRPC raised."""
         if joined and self.session is None:
-            self.join()
+            with self._joining:  # one join at a time (the agent beats from a thread of its own)
+                if self.session is None:
+                    self.join()
         request = frames.encode({**header, "region": self.region, "session": self.session}, payload)
         self.bytes_sent += len(request)
         reply = self._channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=self._meta, timeout=timeout_s)

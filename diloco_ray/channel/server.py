@@ -11,6 +11,8 @@ calls, each request and reply one checked frame (:mod:`diloco_ray.channel.frames
   that breaks is resumed where the home's copy ends, so no chunk crosses twice, and the
   whole is checked against its SHA-256 once it is complete.
 * ``Get``: a download (a message the home published), streamed in chunks from an offset.
+* ``Beat``: the region is alive (its agent beats while its replicas train, so a region
+  whose link went down is told apart from one that is busy).
 
 Every call carries the bearer token; a wrong one, an unknown region, a name already held, a
 malformed, truncated, corrupt or oversized frame is refused with one line at both ends
@@ -37,6 +39,9 @@ SERVICE = "diloco.Channel"
 REGION_KEY = "x-diloco-region"  # metadata: who is calling, so that even a bad frame is attributed
 CHUNK_BYTES = 1 << 20  # a transfer's chunk: what one Put or one streamed Get reply carries
 MAX_WAIT_S = 30.0  # the longest a Wait is held open (the region calls again)
+# HTTP/2 pings on an idle connection: a link that went down breaks the calls on it within
+# about two of them, instead of after TCP's retransmissions give up (minutes).
+KEEPALIVE_MS = 4000
 # gRPC refuses on its own what is far past the frame limit; below that the handler refuses,
 # naming the region.
 GRPC_LIMIT_FACTOR = 4
@@ -106,6 +111,8 @@ class ChannelServer:
         self._published: dict[str, bytes] = {}
         self._uploads: dict[str, Upload] = {}
         self._received: dict[str, bytes] = {}
+        self._unwanted: set[str] = set()  # uploads the home stopped waiting for: dropped on arrival
+        self._traffic: dict[str, list[int]] = {}  # region -> [frame bytes it sent, frame bytes it was sent]
         self._notices: dict[str, list] = {}
         self._seq = 0
         self._server: Optional[grpc.Server] = None
@@ -115,13 +122,22 @@ class ChannelServer:
     def start(self) -> int:
         """Listen; the bound port."""
         limit = self.max_frame_bytes * GRPC_LIMIT_FACTOR
-        options = [("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", limit)]
+        options = [
+            ("grpc.max_receive_message_length", limit),
+            ("grpc.max_send_message_length", limit),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 4),
+            ("grpc.http2.max_ping_strikes", 0),
+        ]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
         calls = {
             "Join": grpc.unary_unary_rpc_method_handler(self._guarded(self._join)),
             "Wait": grpc.unary_unary_rpc_method_handler(self._guarded(self._wait)),
             "Put": grpc.unary_unary_rpc_method_handler(self._guarded(self._put)),
             "Get": grpc.unary_stream_rpc_method_handler(self._guarded_stream(self._get)),
+            "Beat": grpc.unary_unary_rpc_method_handler(self._guarded(self._beat)),
         }
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, calls)])
         credentials = grpc.ssl_server_credentials([(self._key, self._cert)])
@@ -174,6 +190,32 @@ class ChannelServer:
                 self._lock.wait(left)
             return self._received.pop(key)
 
+    def discard(self, key: str) -> None:
+        """The home no longer waits for upload ``key``: drop it, now or when it arrives."""
+        with self._lock:
+            if self._received.pop(key, None) is None:
+                self._unwanted.add(key)
+
+    def instance_of(self, region: str) -> Optional[str]:
+        """The agent instance that holds ``region``'s session (None: it never joined)."""
+        with self._lock:
+            session = self._sessions.get(region)
+            return session.instance if session is not None else None
+
+    def traffic(self, region: str) -> tuple[int, int]:
+        """The frame bytes ``region`` has sent the home and been sent by it so far (every
+        call: requests and replies, retries included)."""
+        with self._lock:
+            up, down = self._traffic.get(region, (0, 0))
+            return up, down
+
+    def _count(self, region: str, up: int = 0, down: int = 0) -> None:
+        with self._lock:
+            if region in self.regions:
+                counts = self._traffic.setdefault(region, [0, 0])
+                counts[0] += up
+                counts[1] += down
+
     def _pending(self, region: str) -> list:
         """``region``'s queued notices, (seq, notice) in order. They outlive its sessions: a
         region that reconnects gets what was sent while it was away."""
@@ -194,6 +236,8 @@ class ChannelServer:
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"region {region!r} is already connected")
             session = Session(region, instance, secrets.token_hex(16), now)
             self._sessions[region] = session
+            if held is not None and held.instance != instance:
+                self._notices[region] = []  # a new agent: what was queued for the old one is void
         self.log(f"channel: region {region!r} joined{' again' if held is not None else ''}")
         return frames.encode({"session": session.token, "info": self.join_info(region)})
 
@@ -222,6 +266,10 @@ class ChannelServer:
             seq, notice = queue[0] if queue else (after, None)
         return frames.encode({"seq": seq, "notice": notice})
 
+    def _beat(self, frame: frames.Frame, region: str) -> bytes:
+        self._session(frame, region)
+        return frames.encode({})
+
     def _put(self, frame: frames.Frame, region: str) -> bytes:
         self._session(frame, region)
         h = frame.header
@@ -239,8 +287,11 @@ class ChannelServer:
                 del self._uploads[key]
                 if frames.digest_of(bytes(upload.data)) != digest:
                     raise Refused(grpc.StatusCode.DATA_LOSS, f"corrupt: upload {key!r} does not match its digest")
-                self._received[key] = bytes(upload.data)
-                self._lock.notify_all()
+                if key in self._unwanted:
+                    self._unwanted.discard(key)
+                else:
+                    self._received[key] = bytes(upload.data)
+                    self._lock.notify_all()
         return frames.encode({"key": key, "have": have})
 
     def _get(self, frame: frames.Frame, region: str):
@@ -282,7 +333,10 @@ class ChannelServer:
             region = str(dict(context.invocation_metadata()).get(REGION_KEY, "?"))
             try:
                 frame, region = self._admit(request, context)
-                return call(frame, region)
+                self._count(region, up=len(request))  # an admitted call's: the token was right
+                reply = call(frame, region)
+                self._count(region, down=len(reply))
+                return reply
             except Refused as refused:
                 self._refuse(context, region, refused)
 
@@ -293,7 +347,10 @@ class ChannelServer:
             region = str(dict(context.invocation_metadata()).get(REGION_KEY, "?"))
             try:
                 frame, region = self._admit(request, context)
-                yield from call(frame, region)
+                self._count(region, up=len(request))  # an admitted call's: the token was right
+                for reply in call(frame, region):
+                    self._count(region, down=len(reply))
+                    yield reply
             except Refused as refused:
                 self._refuse(context, region, refused)
 

@@ -234,13 +234,16 @@ class ConfigFields(DerivedValues):
     link_mbps: Optional[Union[float, list]] = _f(SYNC_CODEC, None, "simulated replica<->server link bandwidth in Mbit/s: a number, or a list per replica slot (null: not simulated)")
     link_latency_ms: float = _f(SYNC_CODEC, 0.0, "simulated one-way latency of each replica's link in ms", ge=0.0)
     # --- regions: Ray clusters of their own, joined by one channel --------------------------
-    regions: Optional[list] = _f((CHANNEL, DATA), None, "other regions, each a Ray cluster of its own that joins this run over the channel (diloco-ray region): [{name: eu, replicas: 2}, ...]; each trains its replicas there and sends one merged message per sync (sync mode; see docs/clusters.md, Regions)")
+    regions: Optional[list] = _f((CHANNEL, DATA, MEMBERSHIP), None, "other regions, each a Ray cluster of its own that joins this run over the channel (diloco-ray region): [{name: eu, replicas: 2}, ...]; each trains its replicas there and sends one merged message per sync (sync mode; see docs/clusters.md, Regions)")
     channel_host: str = _f(CHANNEL, "0.0.0.0", "with regions: the address the channel listens on")
     channel_port: int = _f(CHANNEL, 7443, "with regions: the channel's one TLS port, which the regions dial out to (0: any free port, logged)", ge=0, le=65535)
     channel_tls_cert: Optional[str] = _f(CHANNEL, None, "with regions: the home's TLS certificate (PEM file), which the regions check against their CA certificate")
     channel_tls_key: Optional[str] = _f(CHANNEL, None, "with regions: the private key of channel_tls_cert (PEM file)")
     channel_token_file: Optional[str] = _f(CHANNEL, None, "with regions: a file holding the channel's bearer token (null: the environment variable channel_token_env); the token is never written to config.yaml or a log")
     channel_token_env: str = _f(CHANNEL, "DILOCO_CHANNEL_TOKEN", "with regions: the environment variable holding the token when no channel_token_file is named")
+    channel_timeout_s: float = _f(CHANNEL, 20.0, "with regions: a region not heard from for this long (its agent beats five times as often) is cut off: the round in flight goes on without it, and it takes part again once it is heard from", ge=2.0)
+    home_region: str = _f(MEMBERSHIP, "home", "with regions: this region's name in the round records' regions")
+    min_regions: int = _f(MEMBERSHIP, 1, "with regions, sync mode: a round is applied only when replicas of at least this many regions (the home counted) reported; else it runs again", ge=1)
     channel_max_frame_mb: float = _f(CHANNEL, 8.0, "with regions: the largest message the channel accepts, in MiB (transfers go in 1 MiB chunks)", ge=2.0)
     # --- PEFT ------------------------------------------------------------------------
     use_peft: bool = _f(PEFT, False, "train a PEFT adapter instead of all weights")

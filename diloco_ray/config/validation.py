@@ -366,7 +366,7 @@ def _check_decoupled(cfg: ConfigFields, streamed: bool) -> None:
 # The rules between fields, in order: the first problem is the one reported.
 def _check_regions(cfg: ConfigFields) -> None:
     """``regions``: a list of ``{name, replicas}``, names unique; what runs across regions
-    today (sync mode, no error feedback on the channel yet) and the channel's TLS files."""
+    today (sync mode), the home's name and ``min_regions``, and the channel's TLS files."""
     if cfg.regions is None:
         return
     names = []
@@ -387,10 +387,17 @@ def _check_regions(cfg: ConfigFields) -> None:
         raise ConfigError("regions: [] names no region; leave regions null for one cluster")
     if cfg.sync_mode != "sync":
         raise ConfigError("regions: decoupled mode across regions is not built yet; use sync_mode: sync")
-    if cfg.error_feedback or cfg.pseudo_grad_compression == "topk":
+    if cfg.home_region in names:
+        raise ConfigError(f"home_region: {cfg.home_region!r} is also in regions; give the home a name of its own")
+    if cfg.min_regions > len(names) + 1:
         raise ConfigError(
-            "regions: error feedback on the channel is not built yet (topk needs it); use error_feedback: false "
-            "and a codec other than topk"
+            f"min_regions: {cfg.min_regions} is more than the run's {len(names) + 1} regions (the home and "
+            f"{', '.join(names)}); allowed: 1 to {len(names) + 1}"
+        )
+    if cfg.min_regions > 1 and cfg.sync_fragments > 1:
+        raise ConfigError(
+            f"min_regions: {cfg.min_regions} needs whole rounds (sync_fragments: 1); with fragments each sync "
+            "commits with whoever reported, as it does for min_replicas"
         )
     if isinstance(cfg.ranks_per_replica, list):
         raise ConfigError("regions: ranks_per_replica must be one number (a region's replicas have the same ranks)")

@@ -58,7 +58,14 @@ from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
 from diloco_ray.driver.policies import Action, RoundOutcome
 from diloco_ray.driver.poll import STEP_POLL_S
-from diloco_ray.driver.round_parts import evaluate_and_record, per_server, token_weights, unused_ranges, wasted
+from diloco_ray.driver.round_parts import (
+    evaluate_and_record,
+    per_server,
+    record_shape,
+    token_weights,
+    unused_ranges,
+    wasted,
+)
 from diloco_ray.observe.records import MergeFacts, RoundRecord, Syncs
 from diloco_ray.runtime.messages import AppliedRound, Launch, SyncPeriod
 
@@ -199,7 +206,7 @@ class DecoupledLoop:
             progress=(self.work_before, self.work),
             finished=self.finished(),
             eval_every=self.evaluation.eval_every,
-            shape=dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments),
+            shape=record_shape(self.run, self.sync_codec, self.membership),
             among=list(self.arrived),
             facts=facts,
         )

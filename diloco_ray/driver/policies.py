@@ -60,12 +60,15 @@ def give_up_after(outcome: RoundOutcome, attempts: int, round_index: int) -> Rou
     return RoundOutcome(Action.STOP, why=why)
 
 
-def too_few_reported(reported: int, min_replicas: int, streaming: bool) -> Optional[RoundOutcome]:
-    """Plain DiLoCo runs a round again when fewer than ``min_replicas`` replicas reported
-    (a streaming sync goes on with whoever reported: its fragments are committed one by one)."""
-    if streaming or reported >= min_replicas:
+def too_few_reported(reported: int, min_replicas: int, streaming: bool, regions: int = 1, min_regions: int = 1):
+    """Plain DiLoCo runs a round again when fewer than ``min_replicas`` replicas reported,
+    or (across regions) replicas of fewer than ``min_regions`` regions (a streaming sync
+    goes on with whoever reported: its fragments are committed one by one)."""
+    if streaming or (reported >= min_replicas and regions >= min_regions):
         return None
-    return RoundOutcome(Action.RUN_AGAIN, why=f"{reported} < min_replicas={min_replicas} reported")
+    if reported < min_replicas:
+        return RoundOutcome(Action.RUN_AGAIN, why=f"{reported} < min_replicas={min_replicas} reported")
+    return RoundOutcome(Action.RUN_AGAIN, why=f"replicas of {regions} < min_regions={min_regions} regions reported")
 
 
 def attempt_verdict(applied: bool, streaming: bool) -> Optional[RoundOutcome]:

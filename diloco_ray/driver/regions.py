@@ -18,8 +18,9 @@ a later boundary once it has reconnected.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 from diloco_ray.channel.credentials import Token, read_pem, read_token
 from diloco_ray.channel.server import ChannelServer
@@ -30,7 +31,11 @@ from diloco_ray.observe.events import MembershipEvent
 from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 
-POLL_S = 0.5  # how often a waiting period checks whether it was told to stop
+POLL_S = 0.5  # how often a waiting period checks whether it was told to stop, or its region went silent
+
+
+class RegionLost(Exception):
+    """A region went silent in the middle of a period (see :meth:`RegionGateway.run_period`)."""
 
 
 class RegionGateway:
@@ -46,6 +51,7 @@ class RegionGateway:
 
     def __init__(self, regions: ChannelSection, token: Token, cert: bytes, key: bytes, join_info: dict, servers: int):
         self.servers, self.max_bytes = servers, int(regions.channel_max_frame_mb * (1 << 20))
+        self.timeout_s = regions.channel_timeout_s
         self.channel = ChannelServer(
             regions=[r["name"] for r in regions.regions],
             token=token,
@@ -55,11 +61,12 @@ class RegionGateway:
             port=regions.channel_port,
             max_frame_bytes=self.max_bytes,
             join_info=lambda name: join_info[name],
+            session_timeout_s=regions.channel_timeout_s,
             log=log.warning,  # joins and refusals, one line each, to Ray's log at the home
         )
         self.port = self.channel.start()
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
-        self.held: dict[str, int] = {}  # region -> the version of the last period it completed
+        self.held: dict[str, tuple] = {}  # region -> (its agent's instance, the version of its last period)
         self.published: set[str] = set()
 
     def address(self) -> int:
@@ -72,32 +79,44 @@ class RegionGateway:
 
     def run_period(self, region: str, job: SyncPeriod) -> tuple:
         """Hand ``region`` one sync period of ``job`` and wait for its reply: one buffer per
-        server and its stats (an empty buffer per server and aborted stats when it was told
-        to stop, or merged no replica)."""
+        server and its stats, with the channel bytes of the period (an empty buffer per
+        server and aborted stats when it was told to stop, or merged no replica).
+
+        Raises:
+            RegionLost: the region was not heard from for ``channel_timeout_s`` (its link
+                is down, or its agent died): the round goes on without it.
+        """
         import ray
 
         messages = self._publish(f"w/{job.version}", lambda: ray.get(list(job.messages)))
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
-        if wire.needs_full(job, self.held.get(region)):
+        if wire.needs_full(job, self._held(region)):
             full = self._publish(f"f/{job.version}", lambda: ray.get([s.full_weights.remote() for s in job.servers]))
         reply = f"r/{region}/{job.attempt}/{job.fragment}"
+        before = self.channel.traffic(region)
         self.channel.notify(region, {"job": wire.notice_of(job, messages, full, reply)})
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
                 buffers, stats = wire.reply_of(payload, self.max_bytes)
                 if not stats.aborted:  # its replicas completed the period: they hold job.version
-                    self.held[region] = job.version
+                    self.held[region] = (self.channel.instance_of(region), job.version)
+                stats = self._with_traffic(region, stats, before)
                 if len(buffers) == self.servers:
                     return (*buffers, stats)
                 return (*[b"" for _ in range(self.servers)], stats)
             if self.aborted.get(region, -1) >= job.attempt:
-                return (*[b"" for _ in range(self.servers)], RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True))
+                self.channel.discard(reply)
+                aborted = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True)
+                return (*[b"" for _ in range(self.servers)], self._with_traffic(region, aborted, before))
+            if region not in self.channel.connected():
+                self.channel.discard(reply)
+                raise RegionLost(f"region {region!r} not heard from for {self.timeout_s:g}s (channel_timeout_s)")
 
     def abort(self, region: str, attempt: int) -> None:
         """Stop waiting for ``region``'s period of launch ``attempt`` (the round goes on
         without it); the region is told, and its reply, if it comes, is dropped."""
-        self.aborted[region] = max(attempt, self.aborted.get(region, -1))
+        self.aborted[region] = max(attempt, self.aborted.get(region, -1))  # its run_period returns, and drops the reply
         self.channel.notify(region, {"abort": attempt})
 
     def stop(self) -> None:
@@ -108,6 +127,18 @@ class RegionGateway:
         while self.channel.connected() and time.monotonic() < deadline:
             time.sleep(0.2)
         self.channel.stop(grace_s=1.0)
+
+    def _held(self, region: str) -> Optional[int]:
+        """The weights version ``region``'s replicas hold, as far as the home knows (None:
+        none yet, or its agent is not the one that completed a period)."""
+        instance, version = self.held.get(region, (None, None))
+        return version if instance is not None and instance == self.channel.instance_of(region) else None
+
+    def _with_traffic(self, region: str, stats: RoundStats, before: tuple[int, int]) -> RoundStats:
+        """``stats`` with the channel bytes since ``before`` as the region's bytes both ways."""
+        up, down = (now - then for now, then in zip(self.channel.traffic(region), before))
+        facts = {**(stats.region or {}), "name": region, "bytes_up": up, "bytes_down": down}
+        return dataclasses.replace(stats, bytes_up=up, bytes_down=down, region=facts)
 
     def _publish(self, prefix: str, fetch: Callable[[], list]) -> list[str]:
         """The channel keys of one message per server under ``prefix`` (fetched and

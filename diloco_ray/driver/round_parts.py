@@ -47,9 +47,25 @@ def unused_ranges(reported: Mapping[int, list]) -> dict[int, list]:
     return {rid: stats[0].unused for rid, stats in reported.items() if stats[0].unused}
 
 
+def reported_counts(reported: Mapping[int, list]) -> tuple[int, int]:
+    """(replicas, regions) behind the periods that reported: a region's member counts the
+    replicas its message merged, and the home's replicas count as one region."""
+    facts = [stats[0].region for stats in reported.values()]
+    replicas = sum(len(f.get("replica_ids", ())) if f else 1 for f in facts)
+    regions = sum(1 for f in facts if f) + any(f is None for f in facts)
+    return replicas, regions
+
+
 def wasted(reported: Mapping[int, list], replica_ids: Iterable[int]) -> int:
     """The inner steps of those replicas' periods (work that reached no applied update)."""
     return sum(reported[rid][0].inner_steps for rid in replica_ids)
+
+
+def record_shape(run, sync_codec, membership) -> dict:
+    """What a round's record takes from the config: the round's steps and syncs, and the
+    home's name when other regions take part (their facts go under ``regions``)."""
+    home = membership.home_region if membership.regions else None
+    return dict(max_steps=run.max_steps, sync_fragments=sync_codec.sync_fragments, home_region=home)
 
 
 def evaluate_and_record(

@@ -42,7 +42,15 @@ from diloco_ray.driver.policies import (
     too_few_reported,
 )
 from diloco_ray.driver.poll import PeriodPoll
-from diloco_ray.driver.round_parts import evaluate_and_record, per_server, token_weights, unused_ranges, wasted
+from diloco_ray.driver.round_parts import (
+    evaluate_and_record,
+    per_server,
+    record_shape,
+    reported_counts,
+    token_weights,
+    unused_ranges,
+    wasted,
+)
 from diloco_ray.observe.records import Syncs
 from diloco_ray.persist import snapshot
 from diloco_ray.runtime.messages import Launch, RoundPoll, SnapshotPlan
@@ -196,7 +204,7 @@ class SyncLoop:
             progress=(self.round_index - 1, self.round_index),
             finished=self.finished(),
             eval_every=self.evaluation.eval_every,
-            shape=dict(max_steps=self.run.max_steps, sync_fragments=self.sync_codec.sync_fragments),
+            shape=record_shape(self.run, self.sync_codec, self.membership),
         )
         return RoundOutcome(Action.PROCEED, record=record)
 
@@ -214,7 +222,9 @@ class SyncLoop:
             run.late |= set(poll.late)
             self.jobs.note_dropped(self.jobs.attempt, poll.late)
             run.failed |= {rep.id for rep, _ in poll.failed}
-            run.verdict = too_few_reported(len(poll.reported), self.membership.min_replicas, self.streaming)
+            replicas, regions = reported_counts(poll.reported)
+            m = self.membership
+            run.verdict = too_few_reported(replicas, m.min_replicas, self.streaming, regions, m.min_regions)
             if run.verdict is not None:
                 self.wasted_steps += wasted(poll.reported, poll.reported)
                 return run

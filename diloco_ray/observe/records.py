@@ -153,6 +153,9 @@ class RoundRecord:
         timing: the round's wall times.
         merge: decoupled mode's facts (None: a synchronous round).
         abandoned_steps: decoupled mode, at the run's end: steps of the periods never merged.
+        regions: across regions, region name -> the replicas it merged (its own ids), whether
+            its message was applied, and its bytes both ways (the home's: its replicas' to
+            and from the servers; another region's: the channel's); None: one cluster.
     """
 
     round: int
@@ -175,6 +178,7 @@ class RoundRecord:
     timing: Timing
     merge: Optional[MergeFacts] = None
     abandoned_steps: Optional[int] = None
+    regions: Optional[dict[str, dict]] = None
 
     @classmethod
     def build(
@@ -188,9 +192,11 @@ class RoundRecord:
         sync_fragments: int,
         merge: Optional[MergeFacts] = None,
         abandoned_steps: Optional[int] = None,
+        home_region: Optional[str] = None,
     ) -> RoundRecord:
         """The record of a round whose syncs reported ``syncs``: a round of ``max_steps``
-        inner steps cut into ``sync_fragments`` sync periods (the config's values)."""
+        inner steps cut into ``sync_fragments`` sync periods (the config's values);
+        ``home_region``: the home's name, when other regions take part."""
         last, first = syncs.applied[-1], syncs.reported[0]
         rejected = {str(k): str(v) for info in syncs.applied for k, v in info.rejected.items()}
         accepted = [rid for rid in last.accepted if rid in last.data_ranges]
@@ -224,6 +230,7 @@ class RoundRecord:
             timing=timing,
             merge=merge,
             abandoned_steps=abandoned_steps,
+            regions=None if home_region is None else _regions(syncs.reported, accepted, home_region),
         )
 
     @property
@@ -266,7 +273,8 @@ class RoundRecord:
         }
         merge = self.merge.to_record() if self.merge is not None else {}
         abandoned = {"abandoned_steps": self.abandoned_steps} if self.abandoned_steps is not None else {}
-        return {**record, **merge, **abandoned}
+        regions = {"regions": self.regions} if self.regions is not None else {}
+        return {**record, **merge, **abandoned, **regions}
 
 
 def _by_replica(reported: list[dict]) -> dict[int, list[list]]:
@@ -276,6 +284,24 @@ def _by_replica(reported: list[dict]) -> dict[int, list[list]]:
         for rid, ranks in period.items():
             per_replica.setdefault(rid, []).append(ranks)
     return per_replica
+
+
+def _regions(reported: list[dict], accepted: list[int], home_region: str) -> dict[str, dict]:
+    """Region name -> what it did this round: the home's replicas (the members without a
+    region's stats) and every region that reported in one of the round's syncs."""
+    out: dict[str, dict] = {}
+    for period in reported:
+        for rid, ranks in period.items():
+            facts = ranks[0].region
+            name = facts["name"] if facts else home_region
+            entry = out.setdefault(name, {"replica_ids": [], "applied": False, "bytes_up": 0, "bytes_down": 0})
+            entry["bytes_up"] += sum(s.bytes_up for s in ranks)
+            entry["bytes_down"] += max(s.bytes_down for s in ranks)
+            if rid in accepted:
+                entry["applied"] = True
+                ids = facts.get("replica_ids", []) if facts else [rid]
+                entry["replica_ids"] = sorted(set(entry["replica_ids"]) | set(ids))
+    return out
 
 
 def _compute_seconds(per_replica: dict[int, list[list]], accepted: list[int]) -> float:

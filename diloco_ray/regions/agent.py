@@ -23,6 +23,7 @@ keeps its replicas and their state, and takes up the next job when the home is b
 from __future__ import annotations
 
 import os
+import threading
 import time
 from typing import Callable
 
@@ -113,6 +114,7 @@ class RegionAgent:
         self.replicas: list = []
         self.holder = None
         self.started_ray = False
+        self.stopping = threading.Event()
 
     def run(self) -> int:
         """Connect to this region's Ray, join, start the replicas, and run every job the
@@ -125,6 +127,7 @@ class RegionAgent:
         os.makedirs(self.output_dir, exist_ok=True)
         self.config = in_region_config(home, region, self.output_dir)
         self.log(f"region {region['name']!r}: joined; {region['replicas']} replicas")
+        self._start_beating(float(home.get("channel_timeout_s") or 20.0))
         self._start(TrainerConfig.from_dict(home))
         synced, seq = 0, 0
         try:
@@ -146,6 +149,17 @@ class RegionAgent:
                 synced += 1
         finally:
             self.close()
+
+    def _start_beating(self, timeout_s: float) -> None:
+        """Beat five times per ``channel_timeout_s`` from a thread of its own, so the home
+        can tell a region busy training from one whose link is down."""
+        every = timeout_s / 5
+
+        def beat() -> None:
+            while not self.stopping.wait(every):
+                self.client.beat(timeout_s=every)
+
+        threading.Thread(target=beat, name="region-beat", daemon=True).start()
 
     def _start(self, home: TrainerConfig) -> None:
         import ray
@@ -200,6 +214,8 @@ class RegionAgent:
             ray.get(self.holder.put.remote([self._download(key) for key in notice["full_keys"]]))
         if notice["reset"] or notice["restart"]:
             self.merge.forget_residual()
+        else:
+            self.merge.settle(dict((int(a), bool(ok)) for a, ok in notice["sent_verdicts"]))
         plans = dict(enumerate(wire.split_plan(notice["plan"], self.sizes)))
         launched = {
             i: rep.run_period(wire.job_of(notice, plans[i], messages, self.servers))
@@ -216,7 +232,7 @@ class RegionAgent:
         servers = len(self.servers)
         weights = {i: float(sum(s.loss_tokens for s in stats[i])) for i in ok}
         contributions = [[Contribution(i, buffers[i][s], weights[i]) for i in ok] for s in range(servers)]
-        message = self.merge.merge(notice["fragment"], contributions)
+        message = self.merge.merge(notice["fragment"], contributions, attempt=notice["attempt"])
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
         self.client.upload(notice["reply"], wire.reply_payload(out, summary))
@@ -228,6 +244,7 @@ class RegionAgent:
         """Stop the replicas (and this cluster's Ray, when the agent started it)."""
         import ray
 
+        self.stopping.set()
         for rep in self.replicas:
             rep.stop()
         self.replicas = []

@@ -195,3 +195,6 @@ class RoundStats:
     loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
     resumed_step: int = 0  # inner steps restored from an in-flight snapshot
     unused: list = field(default_factory=list)  # plan ranges left untrained (inner_time_s ran out)
+    # A region's one stats object (it stands for the region's replicas): its name, the ids of
+    # the replicas its message merged, and the channel bytes of its sync both ways.
+    region: Optional[dict] = None

@@ -115,6 +115,7 @@ def summarize(
         restarted=any(s.restarted for s in every),
         loss_tokens=int(round(weight)),
         unused=sorted(unused),
+        region={"replica_ids": sorted(merged)},
     )
 
 

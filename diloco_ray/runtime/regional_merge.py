@@ -13,7 +13,8 @@ mean over every replica: a sum of sums, to fp32 round-off.
 
 The codec of the WAN leg is the run's ``pseudo_grad_compression``. With ``error_feedback``
 the region keeps the residual (what its messages did not carry yet, decayed by
-``error_feedback_decay``), as a rank does for its own sends; the leg inside the region
+``error_feedback_decay``), as a rank does for its own sends, and settles each message by
+the home's verdict on it (:meth:`RegionalMerge.settle`); the leg inside the region
 stays uncompressed or not, as the replicas' own codec says. Plain tensors and buffers, no
 Ray: the regional server actor is a thin adapter over it.
 """
@@ -21,7 +22,7 @@ Ray: the regional server actor is a thin adapter over it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
 import numpy as np
 import torch
@@ -70,11 +71,16 @@ class RegionalMerge:
         self.codecs = [SliceCodec(layout, self.block, self.fraction) for layout in self.layouts]
         self.aggregators = [Aggregator(layout, codec) for layout, codec in zip(self.layouts, self.codecs)]
         self.residual: list[dict[str, torch.Tensor]] = [{} for _ in self.layouts]  # per slice, by name
+        self.piece_shapes: list[dict[str, torch.Size]] = [{} for _ in self.layouts]
+        self.unsettled: dict[int, list] = {}  # launch attempt -> the message sent then, awaiting its verdict
 
-    def merge(self, fragment: int, contributions: Sequence[Sequence[Contribution]]) -> RegionalMessage:
+    def merge(
+        self, fragment: int, contributions: Sequence[Sequence[Contribution]], attempt: Optional[int] = None
+    ) -> RegionalMessage:
         """The region's message for ``fragment``'s sync from its replicas' contributions
         (``contributions[s]``: every replica's pieces for home server ``s``, as the home's
-        servers are handed them)."""
+        servers are handed them). With error feedback the message is kept under
+        ``attempt`` (the home's launch counter) until :meth:`settle` hears its verdict."""
         prepared = [agg.prepare(fragment, list(cs)) for agg, cs in zip(self.aggregators, contributions)]
         reduced = [agg.reduce(*prepared) for agg in self.aggregators]
         accepted, reasons = reduced[0].accepted, dict(reduced[0].reasons)
@@ -83,15 +89,44 @@ class RegionalMerge:
             return RegionalMessage(rejected=reasons)
         weights = prepared[0].weights
         buffers = [self._pack(s, fragment, mean) for s, mean in enumerate(means)]
+        if self.error_feedback and attempt is not None:
+            self.unsettled[attempt] = buffers
         return RegionalMessage(buffers, float(sum(weights[r] for r in accepted)), list(accepted), reasons)
 
+    def settle(self, verdicts: Mapping[int, bool]) -> None:
+        """Close the messages the home has a verdict on (launch attempt -> applied), as a
+        rank settles its own sends: what a message carried was taken out of the residual
+        when it was packed, so a message the home did not apply (the region was late, cut
+        off, rejected) puts it back, to be sent again. A kept message older than the newest
+        verdict and without one of its own was lost to the home, and is dropped."""
+        if not verdicts:
+            return
+        for attempt, applied in sorted(verdicts.items()):
+            buffers = self.unsettled.pop(attempt, None)
+            if buffers is not None and not applied:
+                for server, buf in enumerate(buffers):
+                    self._add_to_residual(server, buf)
+        newest = max(verdicts)
+        self.unsettled = {a: b for a, b in self.unsettled.items() if a > newest}
+
     def forget_residual(self) -> None:
-        """Drop what the region's messages have not carried yet (the home restored its
-        servers from a checkpoint: that work is undone another way)."""
+        """Drop what the region's messages have not carried yet, and the messages awaiting
+        a verdict (the home restored its servers from a checkpoint: that work is undone
+        another way)."""
         self.residual = [{} for _ in self.layouts]
+        self.unsettled = {}
+
+    def _add_to_residual(self, server: int, buf: np.ndarray) -> None:
+        pieces, _ = compression.unpack_pieces(buf, self.layouts[server].names)
+        held = self.residual[server]
+        for name, (_, values) in pieces.items():
+            shape = self.piece_shapes[server][name]
+            values = values.reshape(shape)
+            held[name] = held[name] + values if name in held and held[name].shape == shape else values.clone()
 
     def _pack(self, server: int, fragment: int, mean: dict[str, torch.Tensor]) -> np.ndarray:
         target = self.layouts[server].target(fragment)
+        self.piece_shapes[server].update({n: piece.shape for n, piece in mean.items()})
         residual = self._residual_of(server, mean) if self.error_feedback else None
         buf, left = compression.pack_pieces(
             mean,

@@ -1,10 +1,12 @@
-"""A run across two Ray clusters joined only by the channel: the home (this process's Ray,
-one replica) and a region (a Ray cluster of its own in a `diloco-ray region` process, two
-replicas), against the flat run of three replicas on one cluster with the same seed.
+"""A run across three Ray clusters joined only by the channel: the home (this process's Ray,
+two replicas) and two regions (each a Ray cluster of its own in a `diloco-ray region`
+process, two replicas), against the flat run of six replicas on one cluster with the same
+seed.
 
-fp32, sync mode: the region merges its two replicas and sends one message per sync, the
-home averages it with its own replica by tokens, and the run ends with the flat run's
-weights to float round-off; every stream position is applied once."""
+fp32, sync mode: each region merges its two replicas and sends one message per sync, the
+home averages them with its own replicas by tokens, and the run ends with the flat run's
+weights to float round-off; every stream position is applied once, and the records name
+each region's replicas and its channel bytes."""
 
 from __future__ import annotations
 
@@ -42,49 +44,64 @@ def applied_positions(rounds: list) -> list:
     return sorted(p for r in rounds for ranges in r["data_ranges"].values() for s, c in ranges for p in range(s, s + c))
 
 
-def test_a_region_of_two_and_a_home_of_one_end_with_the_weights_of_three_flat_replicas(
-    ray_local, tmp_path, monkeypatch
-):
+def start_region(name: str, port: int, tls: dict, tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "RAY_ADDRESS": "local"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "diloco_ray", "region", "--home", f"127.0.0.1:{port}", "--name", name]
+        + ["--ca-cert", tls["ca.pem"], "--server-name", "localhost", "--output-dir", str(tmp_path / name)],
+        env=env,
+        cwd=ROOT,
+        stdout=open(tmp_path / f"{name}.log", "w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_local, tmp_path, monkeypatch):
     tls = make_tls(str(tmp_path))
     port = free_port()
     shape = dict(diloco_loops=3, max_steps=3, seed=3)
-    flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=3, **shape)).train()
+    flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=6, **shape)).train()
 
     monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
     home_cfg = tiny_config(
         tmp_path / "home",
-        num_replicas=1,
-        regions=[{"name": "eu", "replicas": 2}],
+        num_replicas=2,
+        regions=[{"name": "eu", "replicas": 2}, {"name": "us", "replicas": 2}],
         channel_host="127.0.0.1",
         channel_port=port,
         channel_tls_cert=tls["home.pem"],
         channel_tls_key=tls["home.key"],
+        min_regions=3,  # a round without a region would not be the flat run's
         round_timeout_s=180,  # a region that failed is dropped, and the test fails fast
         **shape,
     )
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "RAY_ADDRESS": "local"}
-    region = subprocess.Popen(
-        [sys.executable, "-m", "diloco_ray", "region", "--home", f"127.0.0.1:{port}", "--name", "eu"]
-        + ["--ca-cert", tls["ca.pem"], "--server-name", "localhost", "--output-dir", str(tmp_path / "eu")],
-        env=env,
-        cwd=ROOT,
-        stdout=open(tmp_path / "eu.log", "w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    agents = {name: start_region(name, port, tls, tmp_path) for name in ("eu", "us")}
     try:
-        wait_for_line(tmp_path / "eu.log", "Ray is up", region)  # its Ray starts while this machine is idle
+        for name, agent in agents.items():  # their Rays start while this machine is idle
+            wait_for_line(tmp_path / f"{name}.log", "Ray is up", agent)
         regions = DilocoFSDPTrainer(home_cfg).train()
-        region.wait(timeout=120)
+        for agent in agents.values():
+            agent.wait(timeout=120)
     finally:
-        region.kill()
-    out = open(tmp_path / "eu.log").read()
-    assert region.returncode == 0, out[-3000:]
-    assert "region eu: done, 3 syncs" in out
+        for agent in agents.values():
+            agent.kill()
+    logs = {name: open(tmp_path / f"{name}.log").read() for name in agents}
+    for name, agent in agents.items():
+        assert agent.returncode == 0, logs[name][-3000:]
+        assert f"region {name}: done, 3 syncs" in logs[name]
 
     assert max_abs_diff(str(tmp_path / "home"), str(tmp_path / "flat")) <= 1e-5
-    assert [r["replica_ids"] for r in regions.rounds] == [[0, 1_000_000]] * 3  # the region: one member
+    assert [sorted(r["replica_ids"]) for r in regions.rounds] == [[0, 1, 1_000_000, 1_000_001]] * 3  # a region: one member
     assert applied_positions(regions.rounds) == applied_positions(flat.rounds)  # the same data, once each
     assert [r["tokens"] for r in regions.rounds] == [r["tokens"] for r in flat.rounds]
+    for r in regions.rounds:
+        assert sorted(r["regions"]) == ["eu", "home", "us"]
+        assert all(r["regions"][n]["replica_ids"] == [0, 1] and r["regions"][n]["applied"] for n in r["regions"])
+        eu, us = r["regions"]["eu"], r["regions"]["us"]
+        assert eu["bytes_up"] > 0 and eu["bytes_down"] > 0 and us["bytes_up"] > 0
+        # one message a region: about one replica's pseudo-gradient, not two
+        one_replica = r["regions"]["home"]["bytes_up"] / 2
+        assert eu["bytes_up"] < 1.5 * one_replica, (eu, r["regions"]["home"])
     written = open(tmp_path / "home" / "config.yaml").read() + open(tmp_path / "home" / "metrics.jsonl").read()
-    assert TOKEN not in written and TOKEN not in out
+    assert TOKEN not in written and all(TOKEN not in log for log in logs.values())

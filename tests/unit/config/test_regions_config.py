@@ -28,8 +28,12 @@ def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
         (dict(regions=[], **CHANNEL), "regions: \\[\\] names no region"),
         (dict(regions=[{"name": "eu", "replicas": 1}]), "the channel needs channel_tls_cert and channel_tls_key"),
         (dict(regions=[{"name": "eu", "replicas": 1}], sync_mode="decoupled", **CHANNEL), "decoupled mode across"),
-        (dict(regions=[{"name": "eu", "replicas": 1}], pseudo_grad_compression="topk", **CHANNEL), "error feedback"),
-        (dict(regions=[{"name": "eu", "replicas": 1}], error_feedback=True, **CHANNEL), "error feedback"),
+        (dict(regions=[{"name": "eu", "replicas": 1}], home_region="eu", **CHANNEL), "home_region: 'eu' is also"),
+        (dict(regions=[{"name": "eu", "replicas": 1}], min_regions=3, **CHANNEL), "min_regions: 3 is more than"),
+        (
+            dict(regions=[{"name": "eu", "replicas": 1}], min_regions=2, sync_fragments=2, **CHANNEL),
+            "min_regions: 2 needs whole rounds",
+        ),
     ],
 )
 def test_what_a_run_across_regions_may_not_say_is_one_line(tmp_path, fields, message):

@@ -59,7 +59,7 @@ def test_a_field_is_shared_only_where_two_parts_read_it():
         "output_dir": ["checkpointing", "observability"],
         "overlap_communication": ["checkpointing", "sync_codec"],
         "ranks_per_replica": ["checkpointing", "data", "placement"],  # each rank's share of the plan
-        "regions": ["channel", "data"],  # a region's plan is its replicas' worth
+        "regions": ["channel", "data", "membership"],  # a region's plan is its replicas' worth; it is a member
         "seed": ["checkpointing", "data", "model"],
         "seq_len": ["data", "model"],  # a built model's positions
         "sync_fragments": ["checkpointing", "sync_codec"],

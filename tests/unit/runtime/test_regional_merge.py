@@ -149,3 +149,39 @@ def test_with_a_lossy_wan_codec_the_residual_keeps_what_the_messages_did_not_car
         held = merge.residual[0].get(n, torch.zeros(SHAPES[n]))
         assert torch.allclose(carried[n] + held, meant[n], atol=1e-5), n
     assert any(float(t.abs().max()) > 0 for t in merge.residual[0].values())  # something was held back
+
+
+@pytest.mark.parametrize("applied", [True, False])
+def test_a_message_the_home_did_not_apply_goes_back_into_the_residual(applied):
+    cfg = make_config(num_param_servers=1, pseudo_grad_compression="topk")  # topk: error feedback always on
+    merge = RegionalMerge(SHAPES, cfg.sections().sync_codec, 1)
+    plain = make_config(num_param_servers=1)
+    ranks = {rid: Rank(plain, SHAPES, 1, 0, initial_weights()) for rid in (0, 1)}
+    servers = home(plain)
+    receive(servers, ranks, [s.full_weights() for s in servers], full=True)
+    sends = replica_sends(plain, ranks, 0)
+    meant = {n: torch.zeros(s) for n, s in SHAPES.items()}
+    for rid in ranks:
+        for n, (_, t) in compression.unpack_pieces(sends[rid][0], list(SHAPES))[0].items():
+            meant[n] += t.float().view(SHAPES[n]) * WEIGHTS[rid] / (WEIGHTS[0] + WEIGHTS[1])
+    message = merge.merge(0, [[Contribution(rid, [sends[rid][0]], WEIGHTS[rid]) for rid in ranks]], attempt=7)
+    carried = {
+        n: t.float().view(SHAPES[n])
+        for n, (_, t) in compression.unpack_pieces(message.buffers[0], list(SHAPES))[0].items()
+    }
+    merge.settle({7: applied})
+    for n in SHAPES:
+        held = merge.residual[0].get(n, torch.zeros(SHAPES[n])).view(SHAPES[n])
+        # applied: the residual is what the message left out; not applied: everything meant
+        want = meant[n] - carried.get(n, 0) if applied else meant[n]
+        assert torch.allclose(held, want, atol=1e-5), n
+    assert merge.unsettled == {}
+    merge.settle({7: False})  # a verdict heard twice settles nothing more
+    assert all(
+        torch.allclose(
+            merge.residual[0].get(n, torch.zeros(SHAPES[n])).view(SHAPES[n]),
+            meant[n] - (carried.get(n, 0) if applied else 0),
+            atol=1e-5,
+        )
+        for n in SHAPES
+    )
