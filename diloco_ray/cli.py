@@ -151,6 +151,14 @@ def _add_region(sub) -> None:
     region.add_argument("--token-file", default=None, help="a file holding the channel's token (default: --token-env)")
     region.add_argument("--token-env", default="DILOCO_CHANNEL_TOKEN", help="the variable holding the token")
     region.add_argument("--output-dir", default="outputs/region", help="this region's own folder (its logs)")
+    region.add_argument(
+        "--give-up-after-s",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="leave when the home cannot be reached for this long (a home restarting from its checkpoint "
+        "is waited for; default 900)",
+    )
 
 
 def _region(args) -> int:
@@ -158,11 +166,13 @@ def _region(args) -> int:
     from diloco_ray.channel.credentials import read_pem, read_token
     from diloco_ray.regions.agent import RegionAgent
 
+    if args.give_up_after_s <= 0:
+        raise UserInputError(f"--give-up-after-s: {args.give_up_after_s:g} is not allowed; give seconds above 0")
     token = read_token(args.token_file, args.token_env)
     ca = read_pem(args.ca_cert, "--ca-cert")
     client = ChannelClient(args.home, args.name, token, ca, server_name=args.server_name, log=logs.log.warning)
     try:
-        synced = RegionAgent(client, args.output_dir).run()
+        synced = RegionAgent(client, args.output_dir, give_up_after_s=args.give_up_after_s).run()
     except ChannelRefused as refused:
         print(f"diloco-ray: error: {refused}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -67,6 +67,7 @@ class ChannelClient:
         self.instance = uuid.uuid4().hex  # this agent process: a reconnect is told apart from a second agent
         self.session: Optional[str] = None
         self._joining = threading.Lock()
+        self.ready = False  # this region's replicas are up: the home may hand it jobs (sent with every call)
         self.info: dict = {}
         limit = max_frame_bytes * GRPC_LIMIT_FACTOR
         options = [
@@ -183,7 +184,9 @@ class ChannelClient:
             with self._joining:  # one join at a time (the agent beats from a thread of its own)
                 if self.session is None:
                     self.join()
-        request = frames.encode({**header, "region": self.region, "session": self.session}, payload)
+        request = frames.encode(
+            {**header, "region": self.region, "session": self.session, "ready": self.ready}, payload
+        )
         self.bytes_sent += len(request)
         reply = self._channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=self._meta, timeout=timeout_s)
         self.bytes_received += len(reply)

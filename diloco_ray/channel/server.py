@@ -57,12 +57,14 @@ class Refused(Exception):
 
 @dataclass
 class Session:
-    """A connected region: its agent's instance, and when it was last heard from."""
+    """A connected region: its agent's instance, when it was last heard from, and whether
+    its agent said it is ready (its replicas are up)."""
 
     region: str
     instance: str
     token: str
     seen: float
+    ready: bool = False
 
 
 @dataclass
@@ -130,6 +132,7 @@ class ChannelServer:
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 4),
             ("grpc.http2.max_ping_strikes", 0),
+            ("grpc.so_reuseport", 0),  # a second channel on the same port fails, rather than sharing its calls
         ]
         server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
         calls = {
@@ -155,11 +158,13 @@ class ChannelServer:
             self._lock.notify_all()
 
     # ---- the home's side --------------------------------------------------------------
-    def connected(self) -> set[str]:
-        """The regions heard from within ``session_timeout_s``."""
+    def connected(self, ready: bool = False) -> set[str]:
+        """The regions heard from within ``session_timeout_s`` (``ready``: those whose agent
+        also said its replicas are up)."""
         now = time.monotonic()
         with self._lock:
-            return {r for r, s in self._sessions.items() if now - s.seen <= self.session_timeout_s}
+            live = {r: s for r, s in self._sessions.items() if now - s.seen <= self.session_timeout_s}
+            return {r for r, s in live.items() if s.ready or not ready}
 
     def publish(self, key: str, payload: bytes) -> None:
         """Make ``payload`` downloadable by any region as ``key``."""
@@ -234,7 +239,7 @@ class ChannelServer:
             live = held is not None and now - held.seen <= self.session_timeout_s
             if live and held.instance != instance:
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"region {region!r} is already connected")
-            session = Session(region, instance, secrets.token_hex(16), now)
+            session = Session(region, instance, secrets.token_hex(16), now, ready=bool(frame.header.get("ready")))
             self._sessions[region] = session
             if held is not None and held.instance != instance:
                 self._notices[region] = []  # a new agent: what was queued for the old one is void
@@ -247,6 +252,7 @@ class ChannelServer:
             if session is None or session.token != frame.header.get("session"):
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"region {region!r}: no such session (join again)")
             session.seen = time.monotonic()
+            session.ready = bool(frame.header.get("ready", session.ready))
             return session
 
     def _wait(self, frame: frames.Frame, region: str) -> bytes:

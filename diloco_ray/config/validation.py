@@ -343,10 +343,11 @@ def _check_decoupled(cfg: ConfigFields, streamed: bool) -> None:
             "sync_mode: decoupled does not take (a resumed run trains in-flight data again); use a "
             "multiple of max_steps"
         )
-    if cfg.min_quorum > cfg.replica_bounds[1]:
+    members = cfg.replica_bounds[1] + len(cfg.regions or ())  # each other region merges as one learner
+    if cfg.min_quorum > members:
         raise ConfigError(
-            f"min_quorum: {cfg.min_quorum} is more than the {cfg.replica_bounds[1]} replicas that may run; "
-            "it must be at most num_replicas (or max_replicas)"
+            f"min_quorum: {cfg.min_quorum} is more than the {members} replicas{' and regions' if cfg.regions else ''} "
+            "that may run; it must be at most num_replicas (or max_replicas), plus one per region"
         )
     if cfg.stale_correction == "momentum" and (cfg.outer_opt != "SGD" or cfg.outer_momentum == 0):
         raise ConfigError(
@@ -366,7 +367,7 @@ def _check_decoupled(cfg: ConfigFields, streamed: bool) -> None:
 # The rules between fields, in order: the first problem is the one reported.
 def _check_regions(cfg: ConfigFields) -> None:
     """``regions``: a list of ``{name, replicas}``, names unique; what runs across regions
-    today (sync mode), the home's name and ``min_regions``, and the channel's TLS files."""
+    today, the home's name and ``min_regions``, and the channel's TLS files."""
     if cfg.regions is None:
         return
     names = []
@@ -385,8 +386,6 @@ def _check_regions(cfg: ConfigFields) -> None:
         names.append(name)
     if not names:
         raise ConfigError("regions: [] names no region; leave regions null for one cluster")
-    if cfg.sync_mode != "sync":
-        raise ConfigError("regions: decoupled mode across regions is not built yet; use sync_mode: sync")
     if cfg.home_region in names:
         raise ConfigError(f"home_region: {cfg.home_region!r} is also in regions; give the home a name of its own")
     if cfg.min_regions > len(names) + 1:

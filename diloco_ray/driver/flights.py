@@ -136,6 +136,8 @@ class FlightPoll:
             return []
         out = []
         for rid, f in flights.items():
+            if not getattr(f.launch.replica, "judged_by_steps", True):
+                continue  # a region: its channel says whether it is alive
             last = max(
                 [at for (r, _), (attempt, _, at) in beats.items() if r == rid and attempt == f.attempt]
                 + [f.launched_at]

@@ -102,6 +102,8 @@ class PeriodPoll:
         now, stalled = time.time(), set()
         for ref in self.pending:
             rid, rank = self.owner[ref]
+            if not getattr(self.launched[rid].replica, "judged_by_steps", True):
+                continue  # a region: its channel says whether it is alive
             attempt, _, at = beats.get((rid, rank), (None, 0, 0.0))
             last = at if attempt == self.attempt else launched_at
             if now - max(last, launched_at) > self.stall_timeout_s:

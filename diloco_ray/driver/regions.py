@@ -11,7 +11,8 @@ server, then the stats), so its results are object refs the loops wait on like a
 :class:`RegionMember` stands for a region among the round's members: its id is
 ``REGION_ID_BASE`` plus the region's index, its data plan is its replicas' worth
 (``DataSection.sequences_for``), and its period is the gateway's. :class:`RegionMembers`
-knows which regions take part: a region joins the round once it is connected, leaves it
+knows which regions take part: a region joins the round once it is connected and its
+replicas are up, leaves it
 when the loop drops it (late, failed: a link outage is a late region), and joins again at
 a later boundary once it has reconnected.
 """
@@ -74,8 +75,8 @@ class RegionGateway:
         return self.port
 
     def connected(self) -> list[str]:
-        """The regions connected now."""
-        return sorted(self.channel.connected())
+        """The regions connected now whose replicas are up."""
+        return sorted(self.channel.connected(ready=True))
 
     def run_period(self, region: str, job: SyncPeriod) -> tuple:
         """Hand ``region`` one sync period of ``job`` and wait for its reply: one buffer per
@@ -157,6 +158,9 @@ class RegionGateway:
 class RegionMember:
     """A region among the round's members: what the loops ask of a replica, carried by the gateway.
 
+    Its replicas beat on their own cluster's step board, not the home's: the home judges a
+    region by its channel (its agent's beats), so the loops' stall checks pass it by.
+
     Args:
         index: the region's place in ``regions``.
         name: the region's name.
@@ -167,6 +171,7 @@ class RegionMember:
     def __init__(self, index: int, name: str, gateway, servers: int):
         self.id, self.name, self.gateway, self.servers = REGION_ID_BASE + index, name, gateway, servers
         self.world_size = 1  # one message per sync, whatever runs behind it
+        self.judged_by_steps = False
         self.shapes: dict = {}
 
     def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -89,6 +89,8 @@ def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig
         channel_tls_key=None,
         pseudo_grad_compression="none",
         error_feedback=False,
+        error_feedback_decay=None,
+        topk_fraction=None,
         fault_plan=None,
         checkpoint_steps=None,
         resume_from=None,
@@ -107,10 +109,19 @@ class RegionAgent:
         client: the region's channel client (not yet joined).
         output_dir: the region's own folder (its logs; the run's outputs are the home's).
         log_line: where the agent's one-line notes go.
+        give_up_after_s: how long the home may be unreachable before the agent leaves
+            (:class:`~diloco_ray.channel.client.ChannelDown`); None: never.
     """
 
-    def __init__(self, client: ChannelClient, output_dir: str, log_line: Callable[[str], None] = log.info):
+    def __init__(
+        self,
+        client: ChannelClient,
+        output_dir: str,
+        log_line: Callable[[str], None] = log.info,
+        give_up_after_s: Optional[float] = None,
+    ):
         self.client, self.output_dir, self.log = client, output_dir, log_line
+        self.give_up_after_s = give_up_after_s
         self.replicas: list = []
         self.holder = None
         self.started_ray = False
@@ -129,10 +140,12 @@ class RegionAgent:
         self.log(f"region {region['name']!r}: joined; {region['replicas']} replicas")
         self._start_beating(float(home.get("channel_timeout_s") or 20.0))
         self._start(TrainerConfig.from_dict(home))
+        self.client.ready = True  # the next beat tells the home: jobs may come from now on
+        self.client.beat(timeout_s=10.0)
         synced, seq = 0, 0
         try:
             while True:
-                seq, notice = self.client.wait(seq)
+                seq, notice = self.client.wait(seq, give_up_after_s=self.give_up_after_s)
                 if notice is None or "abort" in notice:
                     continue  # (a period told to stop has already ended here: they run one at a time)
                 if notice.get("stop"):
@@ -235,10 +248,10 @@ class RegionAgent:
         message = self.merge.merge(notice["fragment"], contributions, attempt=notice["attempt"])
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
-        self.client.upload(notice["reply"], wire.reply_payload(out, summary))
+        self.client.upload(notice["reply"], wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)
 
     def _download(self, key: str) -> np.ndarray:
-        return np.frombuffer(self.client.download(key), dtype=np.uint8)
+        return np.frombuffer(self.client.download(key, give_up_after_s=self.give_up_after_s), dtype=np.uint8)
 
     def close(self) -> None:
         """Stop the replicas (and this cluster's Ray, when the agent started it)."""

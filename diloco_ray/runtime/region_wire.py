@@ -11,10 +11,11 @@ Inside the region, :func:`split_plan` cuts the region's plan into its replicas' 
 slot order, exactly as the home's cursor cuts a round among replicas (returned ranges
 first, each replica its own contiguous share), so a region of ``n`` replicas trains the
 positions ``n`` consecutive flat replicas would. :func:`summarize` folds the replicas'
-stats into the one the home's records and cursor read: the tokens and steps of the
-replicas merged, and every range not trained into an applied pseudo-gradient (a replica
-rejected, late or lost inside the region) handed back as unused, so it goes back to the
-home's cursor and exactly-once data holds across regions.
+stats into the one the home's records and cursor read: the tokens of the replicas
+merged and their period's steps (as one replica's: they ran side by side), and every
+range not trained into an applied pseudo-gradient (a replica rejected, late or lost
+inside the region) handed back as unused, so it goes back to the home's cursor and
+exactly-once data holds across regions.
 
 Pure functions over plain values; no Ray, no sockets.
 """
@@ -92,10 +93,11 @@ def summarize(
     weight: float,
 ) -> RoundStats:
     """The one stats object a region reports for a sync: the merged replicas' (``merged``)
-    steps, tokens and losses summed over their ranks, ``weight`` (the tokens of its message)
-    as its loss tokens, the bytes of every replica, and as unused every range that reached
-    no merged pseudo-gradient: the unused ranges of merged replicas and the whole plans of
-    the others (``plans``: every replica's share, reported or not)."""
+    tokens and losses summed over their ranks, their period's steps (the most any ran),
+    ``weight`` (the tokens of its message) as its loss tokens, the bytes of every replica,
+    and as unused every range that reached no merged pseudo-gradient: the unused ranges of
+    merged replicas and the whole plans of the others (``plans``: every replica's share,
+    reported or not)."""
     merged = [rid for rid in merged if rid in stats]
     ok = [s for rid in merged for s in stats[rid]]
     every = [s for ranks in stats.values() for s in ranks]
@@ -104,7 +106,7 @@ def summarize(
         unused += [tuple(r) for r in (stats[rid][0].unused if rid in merged else plan)]
     return RoundStats(
         rank=0,
-        inner_steps=sum(s.inner_steps for s in ok),
+        inner_steps=max((s.inner_steps for s in ok), default=0),  # its replicas run side by side
         tokens=sum(s.tokens for s in ok),
         loss_sum=float(sum(s.loss_sum for s in ok)),
         compute_seconds=max((s.compute_seconds for s in every), default=0.0),

@@ -67,6 +67,9 @@ class Replica:
             (None: each rank tokenises).
     """
 
+    # A replica's ranks beat on the step board: one silent for stall_timeout_s is frozen.
+    judged_by_steps = True
+
     def __init__(
         self,
         replica_id: int,

@@ -92,7 +92,8 @@ def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_loca
         assert f"region {name}: done, 3 syncs" in logs[name]
 
     assert max_abs_diff(str(tmp_path / "home"), str(tmp_path / "flat")) <= 1e-5
-    assert [sorted(r["replica_ids"]) for r in regions.rounds] == [[0, 1, 1_000_000, 1_000_001]] * 3  # a region: one member
+    members = [0, 1, 1_000_000, 1_000_001]  # a region is one member
+    assert [sorted(r["replica_ids"]) for r in regions.rounds] == [members] * 3
     assert applied_positions(regions.rounds) == applied_positions(flat.rounds)  # the same data, once each
     assert [r["tokens"] for r in regions.rounds] == [r["tokens"] for r in flat.rounds]
     for r in regions.rounds:

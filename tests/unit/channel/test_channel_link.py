@@ -201,3 +201,38 @@ def test_the_home_checks_its_channel_files_and_token_before_ray_starts(tmp_path,
     monkeypatch.delenv("DILOCO_CHANNEL_TOKEN")
     with pytest.raises(UserInputError, match="set the environment variable DILOCO_CHANNEL_TOKEN"):
         preflight.check_channel(tiny_config(tmp_path / "run", **fields).sections().channel)
+
+
+def test_a_region_is_ready_once_it_says_so_and_counts_its_bytes_both_ways(home):
+    eu = region(home)
+    eu.join()
+    assert home.connected() == {"eu"} and home.connected(ready=True) == set()  # its replicas are starting
+    eu.ready = True
+    assert eu.beat(timeout_s=5)
+    assert home.connected(ready=True) == {"eu"}
+    home.publish("w/0", b"x" * 1000)
+    before = home.traffic("eu")
+    eu.download("w/0")
+    eu.upload("r/0", b"y" * 500)
+    up, down = (now - then for now, then in zip(home.traffic("eu"), before))
+    assert 500 < up < 1000 and 1000 < down < 1500  # the frames: payload and a small header each
+    assert home.traffic("us") == (0, 0)
+
+
+def test_a_new_agent_for_a_region_does_not_get_the_old_one_s_notices(home):
+    old = region(home)
+    old.join()
+    home.notify("eu", {"job": "for the old agent"})
+    home.session_timeout_s = 0.0  # the old agent went silent
+    new = region(home)
+    new.join()
+    _, notice = new.wait(after=0, wait_s=0.2)
+    assert notice is None
+
+
+def test_an_upload_the_home_gave_up_on_is_dropped_when_it_arrives(home):
+    eu = region(home)
+    eu.join()
+    home.discard("r/late")
+    eu.upload("r/late", b"z" * 10)
+    assert home.take("r/late", timeout_s=0.2) is None

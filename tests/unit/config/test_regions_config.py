@@ -27,7 +27,6 @@ def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
         (dict(regions=[{"name": "eu", "replicas": 1}, {"name": "eu", "replicas": 2}], **CHANNEL), r"regions\[1\]: "),
         (dict(regions=[], **CHANNEL), "regions: \\[\\] names no region"),
         (dict(regions=[{"name": "eu", "replicas": 1}]), "the channel needs channel_tls_cert and channel_tls_key"),
-        (dict(regions=[{"name": "eu", "replicas": 1}], sync_mode="decoupled", **CHANNEL), "decoupled mode across"),
         (dict(regions=[{"name": "eu", "replicas": 1}], home_region="eu", **CHANNEL), "home_region: 'eu' is also"),
         (dict(regions=[{"name": "eu", "replicas": 1}], min_regions=3, **CHANNEL), "min_regions: 3 is more than"),
         (

@@ -43,7 +43,11 @@ def test_the_summary_counts_the_merged_replicas_and_hands_back_every_range_not_m
     plans = {0: [(0, 10)], 1: [(10, 10)], 2: [(20, 10)]}
     reported = {0: [stats(unused=[(8, 2)])], 1: [stats(tokens=80), stats(rank=1, tokens=80)]}  # 2 absent
     summary = wire.summarize(reported, plans, merged=[0, 1], weight=260.0)
-    assert (summary.inner_steps, summary.tokens, summary.loss_tokens) == (15, 260, 260)
+    assert (summary.inner_steps, summary.tokens, summary.loss_tokens) == (
+        5,
+        260,
+        260,
+    )  # steps: one period, run side by side
     assert summary.loss_sum == pytest.approx(7.5) and summary.bytes_up == 3000
     assert summary.unused == [(8, 2), (20, 10)]  # 0's untrained tail, and all of absent 2's plan
     rejected = wire.summarize(reported, plans, merged=[0], weight=100.0)

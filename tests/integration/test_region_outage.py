@@ -1,0 +1,117 @@
+"""A region's link goes down in the middle of a run, and comes back: the home goes on
+without the region, the region's agent and replicas never restart, and once the link is
+back the region reconnects, loads the current global weights and is applied again within
+two syncs. No stream position is applied twice, and none below the furthest applied is
+lost. Both modes.
+
+The link is a relay on the channel's one port (``bench/wan_relay.py``) that the test cuts:
+in sync mode every connection through it is reset and new ones are refused until it is
+restored; in decoupled mode it goes silent (nothing crosses, nothing is reset).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+from conftest import ROOT, tiny_config
+
+from diloco_ray import DilocoFSDPTrainer
+from tests.integration.test_regions import TOKEN, free_port, start_region, wait_for_line
+from tests.unit.channel.tls_files import make_tls
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+from wan_relay import Relay  # noqa: E402
+
+REGION = 1_000_000  # the region's member id (REGION_ID_BASE + its index)
+ROUNDS_BEFORE_CUT = 2
+ROUNDS_CUT = 3  # rounds the home applies without the region while the link is down
+CUT_S = 8.0  # and for at least this long: past channel_timeout_s, and a few of the client's backoffs
+
+
+def rounds_so_far(path) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    return [r for r in map(json.loads, open(path).read().splitlines()) if r.get("event") == "round"]
+
+
+def cut_then_restore(relay: Relay, metrics: str, done: threading.Event, times: dict, blackhole: bool) -> None:
+    """Cut the link after ROUNDS_BEFORE_CUT rounds; restore it after ROUNDS_CUT more."""
+    while len(rounds_so_far(metrics)) < ROUNDS_BEFORE_CUT and not done.is_set():
+        time.sleep(0.1)
+    relay.cut(blackhole=blackhole)
+    times["cut"] = time.time()
+    while not done.is_set() and (
+        len(rounds_so_far(metrics)) < ROUNDS_BEFORE_CUT + ROUNDS_CUT or time.time() < times["cut"] + CUT_S
+    ):
+        time.sleep(0.1)
+    relay.restore()
+    times["restored"] = time.time()
+
+
+def applied_positions(rounds: list) -> list:
+    return sorted(p for r in rounds for ranges in r["data_ranges"].values() for s, c in ranges for p in range(s, s + c))
+
+
+@pytest.mark.parametrize("mode", ["sync", "decoupled"])
+def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, monkeypatch, mode):
+    tls = make_tls(str(tmp_path))
+    port = free_port()
+    relay = Relay(listen=("127.0.0.1", 0), to=("127.0.0.1", port))
+    relay_port = relay.start()
+    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
+    cfg = tiny_config(
+        tmp_path / "home",
+        num_replicas=1,
+        regions=[{"name": "eu", "replicas": 1}],
+        channel_host="127.0.0.1",
+        channel_port=port,
+        channel_tls_cert=tls["home.pem"],
+        channel_tls_key=tls["home.key"],
+        channel_timeout_s=3,
+        **({"round_timeout_s": 120} if mode == "sync" else {}),
+        diloco_loops=ROUNDS_BEFORE_CUT + ROUNDS_CUT + 4,
+        max_steps=500,  # rounds of a second or more: the link's return is seen within a round or two
+        sync_mode=mode,
+        **({"min_quorum": 2} if mode == "decoupled" else {}),  # both, while both are active
+    )
+    agent = start_region("eu", relay_port, tls, tmp_path)
+    done, times = threading.Event(), {}
+    metrics = str(tmp_path / "home" / "metrics.jsonl")
+    # Sync: the link is reset and refused. Decoupled: it goes silent (the peers' keepalives find out).
+    blackhole = mode == "decoupled"
+    cutter = threading.Thread(target=cut_then_restore, args=(relay, metrics, done, times, blackhole), daemon=True)
+    try:
+        wait_for_line(tmp_path / "eu.log", "Ray is up", agent)
+        cutter.start()
+        result = DilocoFSDPTrainer(cfg).train()
+        done.set()
+        agent.wait(timeout=120)
+    finally:
+        done.set()
+        agent.kill()
+        relay.close()
+    log = open(tmp_path / "eu.log").read()
+    assert agent.returncode == 0, log[-3000:]
+    assert log.count("Ray is up") == 1 and log.count("joined;") == 1  # never restarted
+
+    rounds = rounds_so_far(metrics)  # with the time each was written
+    assert len(rounds) == len(result.rounds)
+    with_region = [REGION in r["replica_ids"] for r in rounds]
+    cut_at = next(i for i, r in enumerate(rounds) if r["time"] >= times["cut"])
+    back_at = next(i for i, r in enumerate(rounds) if r["time"] >= times["restored"])
+    assert not all(with_region[cut_at:back_at]), with_region  # the home went on without it
+    assert ROUNDS_CUT <= back_at - cut_at + 1, (cut_at, back_at)
+    reapplied = next(i for i in range(back_at, len(rounds)) if with_region[i])
+    assert reapplied - back_at <= 2, (with_region, back_at)  # applied again within two syncs
+
+    positions = applied_positions(rounds)
+    assert len(positions) == len(set(positions))  # none applied twice
+    assert set(positions) == set(range(max(positions) + 1))  # none below the furthest lost
+    events = [json.loads(x) for x in open(metrics).read().splitlines()]
+    left = [e for e in events if e.get("event") == "membership" and e.get("region") == "eu" and e["action"] == "leave"]
+    assert left, "the region's leave is recorded"
