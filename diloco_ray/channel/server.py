@@ -116,7 +116,9 @@ class ChannelServer:
         self._unwanted: set[str] = set()  # uploads the home stopped waiting for: dropped on arrival
         self._traffic: dict[str, list[int]] = {}  # region -> [frame bytes it sent, frame bytes it was sent]
         self._notices: dict[str, list] = {}
-        self._seq = 0
+        # Notices are numbered from the clock: a home that restarts (from its checkpoint) numbers
+        # on past what a region confirmed before, so the region still takes the new ones.
+        self._seq = time.time_ns() // 1000
         self._server: Optional[grpc.Server] = None
         self.port: Optional[int] = None
 

@@ -234,7 +234,7 @@ class ConfigFields(DerivedValues):
     link_mbps: Optional[Union[float, list]] = _f(SYNC_CODEC, None, "simulated replica<->server link bandwidth in Mbit/s: a number, or a list per replica slot (null: not simulated)")
     link_latency_ms: float = _f(SYNC_CODEC, 0.0, "simulated one-way latency of each replica's link in ms", ge=0.0)
     # --- regions: Ray clusters of their own, joined by one channel --------------------------
-    regions: Optional[list] = _f((CHANNEL, DATA, MEMBERSHIP), None, "other regions, each a Ray cluster of its own that joins this run over the channel (diloco-ray region): [{name: eu, replicas: 2}, ...]; each trains its replicas there and sends one merged message per sync (sync mode; see docs/clusters.md, Regions)")
+    regions: Optional[list] = _f((CHANNEL, DATA, MEMBERSHIP), None, "other regions, each a Ray cluster of its own that joins this run over the channel (diloco-ray region): [{name: eu, replicas: 2}, ...]; each trains its replicas there and sends one merged message per sync (see README, Regions)")
     channel_host: str = _f(CHANNEL, "0.0.0.0", "with regions: the address the channel listens on")
     channel_port: int = _f(CHANNEL, 7443, "with regions: the channel's one TLS port, which the regions dial out to (0: any free port, logged)", ge=0, le=65535)
     channel_tls_cert: Optional[str] = _f(CHANNEL, None, "with regions: the home's TLS certificate (PEM file), which the regions check against their CA certificate")

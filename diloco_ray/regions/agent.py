@@ -13,7 +13,9 @@ starts the region's replicas as the trainer starts its own
    and runs one sync period on every replica;
 3. merges what they sent into one message per home server
    (:class:`~diloco_ray.runtime.regional_merge.RegionalMerge`) and uploads it with one
-   stats summary, which hands back every range no merged replica trained.
+   stats summary, which hands back every range no merged replica trained. With error
+   feedback the merge's residual is saved in the region's ``output_dir``
+   (``region_state.pt``) first, so an agent restarted into the same run takes it up.
 
 Inside the region the replicas' own leg is uncompressed; the run's codec applies to what
 crosses the channel. A link that breaks is retried with backoff by the client: the region
@@ -28,6 +30,7 @@ import time
 from typing import Callable, Optional
 
 import numpy as np
+import torch
 
 from diloco_ray.channel.client import ChannelClient, ChannelRefused
 from diloco_ray.config.schema import TrainerConfig
@@ -39,6 +42,7 @@ from diloco_ray.runtime.regional_merge import RegionalMerge
 
 LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
 START_TRIES = 3  # starts of a private Ray before the agent gives up
+STATE_FILE = "region_state.pt"  # in the region's output_dir: the regional merge's residual
 
 
 class HeldWeights:
@@ -82,6 +86,7 @@ def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig
     overrides = dict(
         num_replicas=int(region["replicas"]),
         min_replicas=1,
+        min_quorum=1,  # the home's quorum counts regions; inside, the agent runs every replica each period
         max_replicas=None,
         spare_replicas=0,
         regions=None,
@@ -137,6 +142,7 @@ class RegionAgent:
         home, region = info["config"], info["region"]
         os.makedirs(self.output_dir, exist_ok=True)
         self.config = in_region_config(home, region, self.output_dir)
+        self.run_id = f"{home.get('output_dir')}|{home.get('seed')}|{region['name']}"  # what a saved state must match
         self.log(f"region {region['name']!r}: joined; {region['replicas']} replicas")
         self._start_beating(float(home.get("channel_timeout_s") or 20.0))
         self._start(TrainerConfig.from_dict(home))
@@ -193,6 +199,7 @@ class RegionAgent:
         self.holder = ray.remote(HeldWeights).options(num_cpus=0).remote()
         self.servers = [FullWeightsOf(self.holder, i) for i in range(servers)]
         self.merge = RegionalMerge(shapes, home.sections().sync_codec, servers)
+        self._load_state()
         self.sizes = [s.data.sequences_for(i) for i in range(len(self.replicas))]
 
     def _connect_ray(self) -> None:
@@ -248,7 +255,31 @@ class RegionAgent:
         message = self.merge.merge(notice["fragment"], contributions, attempt=notice["attempt"])
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
+        self._save_state()  # before the upload: what it carried is in the residual's books
         self.client.upload(notice["reply"], wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)
+
+    def _state_file(self) -> str:
+        return os.path.join(self.output_dir, STATE_FILE)
+
+    def _save_state(self) -> None:
+        """Save the regional merge's state (error feedback's residual) with the region's,
+        so an agent restarted into the same run takes it up; replaced whole, never torn."""
+        if not self.merge.error_feedback:
+            return
+        held = {"run": self.run_id, "merge": self.merge.state()}
+        torch.save(held, self._state_file() + ".tmp")
+        os.replace(self._state_file() + ".tmp", self._state_file())
+
+    def _load_state(self) -> None:
+        path = self._state_file()
+        if not (self.merge.error_feedback and os.path.exists(path)):
+            return
+        held = torch.load(path, weights_only=False)
+        if held.get("run") != self.run_id:
+            self.log(f"region: {path} is another run's state; starting with an empty residual")
+            return
+        self.merge.load_state(held["merge"])
+        self.log(f"region: took up the residual saved in {path}")
 
     def _download(self, key: str) -> np.ndarray:
         return np.frombuffer(self.client.download(key, give_up_after_s=self.give_up_after_s), dtype=np.uint8)

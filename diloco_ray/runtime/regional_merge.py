@@ -116,6 +116,18 @@ class RegionalMerge:
         self.residual = [{} for _ in self.layouts]
         self.unsettled = {}
 
+    def state(self) -> dict:
+        """What the region keeps between syncs (the residual, and the messages awaiting a
+        verdict), to save with the region's state."""
+        return {"residual": self.residual, "piece_shapes": self.piece_shapes, "unsettled": self.unsettled}
+
+    def load_state(self, state: Mapping) -> None:
+        """Take up a :meth:`state` saved by this region's agent before it restarted."""
+        if len(state["residual"]) != len(self.layouts):
+            raise ValueError(f"a saved residual of {len(state['residual'])} slices for {len(self.layouts)} servers")
+        self.residual, self.piece_shapes = list(state["residual"]), list(state["piece_shapes"])
+        self.unsettled = dict(state["unsettled"])
+
     def _add_to_residual(self, server: int, buf: np.ndarray) -> None:
         pieces, _ = compression.unpack_pieces(buf, self.layouts[server].names)
         held = self.residual[server]

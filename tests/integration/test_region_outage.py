@@ -2,7 +2,8 @@
 without the region, the region's agent and replicas never restart, and once the link is
 back the region reconnects, loads the current global weights and is applied again within
 two syncs. No stream position is applied twice, and none below the furthest applied is
-lost. Both modes.
+lost. Both modes; in sync mode a server is also killed later, and the region goes on
+through its restore.
 
 The link is a relay on the channel's one port (``bench/wan_relay.py``) that the test cuts:
 in sync mode every connection through it is reset and new ones are refused until it is
@@ -31,6 +32,16 @@ REGION = 1_000_000  # the region's member id (REGION_ID_BASE + its index)
 ROUNDS_BEFORE_CUT = 2
 ROUNDS_CUT = 3  # rounds the home applies without the region while the link is down
 CUT_S = 8.0  # and for at least this long: past channel_timeout_s, and a few of the client's backoffs
+
+
+# Sync mode also loses a server after the link is back: the home restores it from the
+# round's checkpoint, and the region, which never noticed, reloads the restored weights.
+SERVER_KILLED_AT = ROUNDS_BEFORE_CUT + ROUNDS_CUT + 3
+SYNC_EXTRA = dict(
+    round_timeout_s=120,
+    checkpoint_steps=500,  # every round: max_steps
+    fault_plan=[{"kind": "kill", "target": "server", "round": SERVER_KILLED_AT}],
+)
 
 
 def rounds_so_far(path) -> list[dict]:
@@ -73,8 +84,8 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
         channel_tls_cert=tls["home.pem"],
         channel_tls_key=tls["home.key"],
         channel_timeout_s=3,
-        **({"round_timeout_s": 120} if mode == "sync" else {}),
-        diloco_loops=ROUNDS_BEFORE_CUT + ROUNDS_CUT + 4,
+        **(SYNC_EXTRA if mode == "sync" else {}),
+        diloco_loops=ROUNDS_BEFORE_CUT + ROUNDS_CUT + 5,
         max_steps=500,  # rounds of a second or more: the link's return is seen within a round or two
         sync_mode=mode,
         **({"min_quorum": 2} if mode == "decoupled" else {}),  # both, while both are active
@@ -115,3 +126,6 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
     events = [json.loads(x) for x in open(metrics).read().splitlines()]
     left = [e for e in events if e.get("event") == "membership" and e.get("region") == "eu" and e["action"] == "leave"]
     assert left, "the region's leave is recorded"
+    if mode == "sync":
+        assert [e["round"] for e in events if e.get("event") == "server"], "the killed server was restored"
+        assert with_region[-1] and rounds[-1]["round"] > SERVER_KILLED_AT  # applied after the restore

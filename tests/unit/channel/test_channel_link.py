@@ -236,3 +236,21 @@ def test_an_upload_the_home_gave_up_on_is_dropped_when_it_arrives(home):
     home.discard("r/late")
     eu.upload("r/late", b"z" * 10)
     assert home.take("r/late", timeout_s=0.2) is None
+
+
+def test_a_home_restarted_on_its_port_is_rejoined_and_its_notices_are_taken(home):
+    eu = region(home, backoff_s=(0.05, 0.2))
+    eu.join()
+    seq = home.notify("eu", {"job": "before"})
+    assert eu.wait(after=0) == (seq, {"job": "before"})
+    home.stop(0)
+    again = ChannelServer(
+        regions=["eu"], token=TOKEN, cert=home._cert, key=home._key, host="127.0.0.1", port=home.port, log=print
+    )
+    again.start()
+    try:
+        later = again.notify("eu", {"job": "after"})
+        assert eu.wait(after=seq) == (later, {"job": "after"})  # rejoined, and numbered past what it had
+        assert any("joining again" in line for line in eu.lines)
+    finally:
+        again.stop(0)

@@ -38,3 +38,23 @@ def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
 def test_what_a_run_across_regions_may_not_say_is_one_line(tmp_path, fields, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(tmp_path, **fields)
+
+
+@pytest.mark.parametrize("mode", ["sync", "decoupled"])
+def test_a_region_s_own_view_of_the_home_s_job_is_a_valid_one_cluster_config(tmp_path, mode):
+    from diloco_ray.regions.agent import in_region_config
+
+    home = tiny_config(
+        tmp_path / "home",
+        num_replicas=2,
+        regions=[{"name": "eu", "replicas": 3}, {"name": "us", "replicas": 1}],
+        pseudo_grad_compression="topk",
+        sync_mode=mode,
+        **({"min_quorum": 4} if mode == "decoupled" else {"min_regions": 3, "round_timeout_s": 60}),
+        **CHANNEL,
+    )
+    for region in home.regions:
+        own = in_region_config(home.to_dict(), region, str(tmp_path / region["name"]))
+        assert own.num_replicas == region["replicas"] and own.regions is None
+        assert own.pseudo_grad_compression == "none" and not own.error_feedback  # the leg inside is plain
+        assert own.sync_mode == mode and own.seed == home.seed and own.output_dir == str(tmp_path / region["name"])

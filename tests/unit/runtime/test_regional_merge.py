@@ -185,3 +185,21 @@ def test_a_message_the_home_did_not_apply_goes_back_into_the_residual(applied):
         )
         for n in SHAPES
     )
+
+
+def test_a_saved_state_taken_up_by_a_new_merge_sends_what_the_old_one_would(tmp_path):
+    cfg = make_config(num_param_servers=1, pseudo_grad_compression="topk")
+    plain = make_config(num_param_servers=1)
+    ranks = {rid: Rank(plain, SHAPES, 1, 0, initial_weights()) for rid in (0, 1)}
+    servers = home(plain)
+    receive(servers, ranks, [s.full_weights() for s in servers], full=True)
+    first, second = replica_sends(plain, ranks, 0), replica_sends(plain, ranks, 1)
+    old = RegionalMerge(SHAPES, cfg.sections().sync_codec, 1)
+    old.merge(0, [[Contribution(rid, [first[rid][0]], WEIGHTS[rid]) for rid in ranks]], attempt=1)
+    torch.save(old.state(), tmp_path / "state.pt")
+    new = RegionalMerge(SHAPES, cfg.sections().sync_codec, 1)
+    new.load_state(torch.load(tmp_path / "state.pt", weights_only=False))
+    for merge in (old, new):
+        merge.settle({1: False})
+    a, b = (m.merge(0, [[Contribution(rid, [second[rid][0]], WEIGHTS[rid]) for rid in ranks]]) for m in (old, new))
+    assert bytes(a.buffers[0]) == bytes(b.buffers[0])
