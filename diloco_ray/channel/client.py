@@ -137,15 +137,15 @@ class ChannelClient:
             if have >= total:
                 return
 
-    def download(self, key: str, give_up_after_s: Optional[float] = None) -> bytes:
-        """The message ``key`` the home published, checked against its digest; after a
-        break, the rest from where this copy ends."""
+    def download(self, key: str, give_up_after_s: Optional[float] = None, wait_s: float = 0.0) -> bytes:
+        """The message ``key`` the home published (waiting up to ``wait_s`` for it to be),
+        checked against its digest; after a break, the rest from where this copy ends."""
         data, total, digest = bytearray(), None, None
         started = time.monotonic()
         pause = self.backoff_s[0]
         while total is None or len(data) < total:
             try:
-                for reply in self._stream("Get", {"key": key, "offset": len(data)}):
+                for reply in self._stream("Get", {"key": key, "offset": len(data), "wait_s": wait_s}):
                     h = reply.header
                     total, digest = int(h["total"]), str(h["digest"])
                     if int(h["offset"]) == len(data):

@@ -10,7 +10,8 @@ calls, each request and reply one checked frame (:mod:`diloco_ray.channel.frames
 * ``Put``: one chunk of an upload (a region's message to the home), at an offset. A transfer
   that breaks is resumed where the home's copy ends, so no chunk crosses twice, and the
   whole is checked against its SHA-256 once it is complete.
-* ``Get``: a download (a message the home published), streamed in chunks from an offset.
+* ``Get``: a download (a message the home published, or is about to: the call may wait
+  for it), streamed in chunks from an offset.
 * ``Beat``: the region is alive (its agent beats while its replicas train, so a region
   whose link went down is told apart from one that is busy).
 
@@ -172,6 +173,7 @@ class ChannelServer:
         """Make ``payload`` downloadable by any region as ``key``."""
         with self._lock:
             self._published[key] = bytes(payload)
+            self._lock.notify_all()
 
     def unpublish(self, key: str) -> None:
         with self._lock:
@@ -305,7 +307,15 @@ class ChannelServer:
     def _get(self, frame: frames.Frame, region: str):
         self._session(frame, region)
         key, offset = str(frame.header.get("key", "")), int(frame.header.get("offset", 0))
+        # A message may be asked for before it is published (a region starts its period while
+        # the home still makes the weights it merges at the end): wait for it a while.
+        deadline = time.monotonic() + min(float(frame.header.get("wait_s", 0.0)), MAX_WAIT_S)
         with self._lock:
+            while key not in self._published and self._server is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._lock.wait(left)
             payload = self._published.get(key)
         if payload is None:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"no message {key!r} is published")

@@ -20,6 +20,7 @@ a later boundary once it has reconnected.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from typing import Callable, Optional
 
@@ -68,7 +69,9 @@ class RegionGateway:
         self.port = self.channel.start()
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
         self.held: dict[str, tuple] = {}  # region -> (its agent's instance, the version of its last period)
-        self.published: set[str] = set()
+        self.published: dict[str, object] = {}  # prefix (kind/version) published or being published -> its token
+        self.lock = threading.Lock()
+        self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
 
     def address(self) -> int:
         """The port the channel listens on."""
@@ -89,6 +92,9 @@ class RegionGateway:
         """
         import ray
 
+        if job.reset and job.attempt not in self.reset_attempts:  # the servers were restored: versions start over
+            self.reset_attempts.add(job.attempt)
+            self._unpublish_all()
         messages = self._publish(f"w/{job.version}", lambda: ray.get(list(job.messages)))
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
         if wire.needs_full(job, self._held(region)):
@@ -142,17 +148,50 @@ class RegionGateway:
         return dataclasses.replace(stats, bytes_up=up, bytes_down=down, region=facts)
 
     def _publish(self, prefix: str, fetch: Callable[[], list]) -> list[str]:
-        """The channel keys of one message per server under ``prefix`` (fetched and
-        published the first time; one version's messages stay until a newer one's come)."""
+        """The channel keys of one message per server under ``prefix`` (``kind/version``),
+        at once: the messages are fetched and published by a thread of their own the first
+        time, so a notice goes out while the servers still make its weights (with overlap a
+        region's replicas start their steps and merge those weights at the period's end; the
+        region's download waits for them). A version's messages stay until one two newer is
+        published."""
         keys = [f"{prefix}/{s}" for s in range(self.servers)]
-        if keys[0] not in self.published:
-            for key, buffer in zip(keys, fetch()):
-                self.channel.publish(key, bytes(memoryview(buffer)))
-            stale = {k for k in self.published if k.startswith(prefix[:2]) and not k.startswith(f"{prefix}/")}
-            for key in stale:
-                self.channel.unpublish(key)
-            self.published = (self.published - stale) | set(keys)
+        with self.lock:
+            if prefix in self.published:
+                return keys
+            self.published[prefix] = token = object()  # this publication (a restore starts new ones)
+
+        def publish() -> None:
+            try:
+                buffers = fetch()
+            except Exception as e:  # a server lost: the loop recovers it; the region's download times out
+                log.warning("channel: could not fetch %s (%s)", prefix, type(e).__name__)
+                with self.lock:
+                    if self.published.get(prefix) is token:
+                        del self.published[prefix]
+                return
+            kind, version = prefix.split("/")
+            with self.lock:
+                if self.published.get(prefix) is not token:
+                    return  # the servers were restored meanwhile: these weights are void
+                for key, buffer in zip(keys, buffers):
+                    self.channel.publish(key, bytes(memoryview(buffer)))
+                older = [p for p in self.published if p.split("/")[0] == kind]
+                stale = {p for p in older if int(p.split("/")[1]) < int(version) - 1}
+                for p in stale:
+                    del self.published[p]
+            for old in stale:
+                for s in range(self.servers):
+                    self.channel.unpublish(f"{old}/{s}")
+
+        threading.Thread(target=publish, name=f"publish-{prefix}", daemon=True).start()
         return keys
+
+    def _unpublish_all(self) -> None:
+        with self.lock:
+            gone, self.published = self.published, {}
+        for prefix in gone:
+            for s in range(self.servers):
+                self.channel.unpublish(f"{prefix}/{s}")
 
 
 class RegionMember:

@@ -6,12 +6,14 @@ and takes the job's config from it, so a region cannot drift from the home's. It
 starts the region's replicas as the trainer starts its own
 (:class:`~diloco_ray.runtime.replica.Replica`, on this cluster), and for every job notice:
 
-1. downloads the weights messages the period starts from (and the full weights when its
-   replicas must load everything: their first period, a gap, a restore, a NaN reset) and
-   puts them in the region's object store;
-2. cuts the region's data plan into its replicas' shares (:func:`~diloco_ray.runtime.region_wire.split_plan`)
-   and runs one sync period on every replica;
-3. merges what they sent into one message per home server
+1. cuts the region's data plan into its replicas' shares
+   (:func:`~diloco_ray.runtime.region_wire.split_plan`) and runs one sync period on every
+   replica, handing them the weights messages through the region's
+   :class:`~diloco_ray.regions.mailbox.Mailbox` as it downloads them (and the full weights
+   when its replicas must load everything: their first period, a gap, a restore, a NaN
+   reset); with overlap the replicas start before the download, which rides under their
+   steps;
+2. merges what they sent into one message per home server
    (:class:`~diloco_ray.runtime.regional_merge.RegionalMerge`) and uploads it with one
    stats summary, which hands back every range no merged replica trained. With error
    feedback the merge's residual is saved in the region's ``output_dir``
@@ -33,50 +35,19 @@ import numpy as np
 import torch
 
 from diloco_ray.channel.client import ChannelClient, ChannelRefused
+from diloco_ray.channel.server import MAX_WAIT_S
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import first_line
 from diloco_ray.logs import log
+from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
 from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.regional_merge import RegionalMerge
 
 LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
 START_TRIES = 3  # starts of a private Ray before the agent gives up
+MAILBOX_THREADS = 64  # takes waiting at once: every rank's messages of a period, and full weights
 STATE_FILE = "region_state.pt"  # in the region's output_dir: the regional merge's residual
-
-
-class HeldWeights:
-    """A small actor holding the full weights a region's replicas load after a gap, one
-    buffer per home server (what a replica asks a server's ``full_weights`` for)."""
-
-    def __init__(self):
-        self.buffers: list = []
-
-    def put(self, buffers: list) -> None:
-        self.buffers = buffers
-
-    def full_weights_of(self, index: int):
-        return self.buffers[index]
-
-
-class FullWeightsOf:
-    """Stands for home server ``index`` in a region's jobs: ``full_weights.remote()`` asks
-    the region's :class:`HeldWeights` (the home's servers are never reached from here)."""
-
-    def __init__(self, holder, index: int):
-        self.holder, self.index = holder, index
-
-    @property
-    def full_weights(self):
-        return _RemoteCall(self.holder, self.index)
-
-
-class _RemoteCall:
-    def __init__(self, holder, index: int):
-        self.holder, self.index = holder, index
-
-    def remote(self):
-        return self.holder.full_weights_of.remote(self.index)
 
 
 def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig:
@@ -128,7 +99,7 @@ class RegionAgent:
         self.client, self.output_dir, self.log = client, output_dir, log_line
         self.give_up_after_s = give_up_after_s
         self.replicas: list = []
-        self.holder = None
+        self.mailbox = None
         self.started_ray = False
         self.stopping = threading.Event()
 
@@ -196,8 +167,9 @@ class RegionAgent:
         ray.get([rep.placed_ref for rep in self.replicas])
         shapes = [ray.get(rep.setup())[0] for rep in self.replicas][0]
         servers = s.placement.num_param_servers
-        self.holder = ray.remote(HeldWeights).options(num_cpus=0).remote()
-        self.servers = [FullWeightsOf(self.holder, i) for i in range(servers)]
+        self.mailbox = ray.remote(Mailbox).options(num_cpus=0, max_concurrency=MAILBOX_THREADS).remote()
+        self.servers = [FullWeightsOf(self.mailbox, i) for i in range(servers)]
+        self.overlap = s.sync_codec.overlap_communication
         self.merge = RegionalMerge(shapes, home.sections().sync_codec, servers)
         self._load_state()
         self.sizes = [s.data.sequences_for(i) for i in range(len(self.replicas))]
@@ -229,18 +201,46 @@ class RegionAgent:
         """One sync period of every replica, merged into the region's one reply."""
         import ray
 
-        messages = [ray.put(self._download(key)) for key in notice["messages"]]
-        if notice["full_keys"]:  # the home sends them when the replicas may need to load everything
-            ray.get(self.holder.put.remote([self._download(key) for key in notice["full_keys"]]))
+        keys, full = list(notice["messages"]), list(notice["full_keys"])
+        ray.get(self.mailbox.keep.remote(keys))  # the last period's messages and full weights are void
+        messages = [self.mailbox.take.remote(key) for key in keys]
         if notice["reset"] or notice["restart"]:
             self.merge.forget_residual()
         else:
             self.merge.settle(dict((int(a), bool(ok)) for a, ok in notice["sent_verdicts"]))
         plans = dict(enumerate(wire.split_plan(notice["plan"], self.sizes)))
-        launched = {
-            i: rep.run_period(wire.job_of(notice, plans[i], messages, self.servers))
-            for i, rep in enumerate(self.replicas)
-        }
+        # With overlap the replicas merge this period's message at its end: they start now and
+        # the download rides under their steps. Else, and for a full load, it comes first.
+        early = self.overlap and not (notice["full"] or notice["reset"] or full)
+
+        def launch() -> dict:
+            return {
+                i: rep.run_period(wire.job_of(notice, plans[i], messages, self.servers))
+                for i, rep in enumerate(self.replicas)
+            }
+
+        launched = launch() if early else None
+        try:
+            self._deliver(keys, full)
+        except ChannelRefused:  # the home moved past this job: the replicas started on it stop
+            for rep, (_, stats_refs) in zip(self.replicas, (launched or {}).values()):
+                rep.abort(notice["attempt"])
+                ray.wait(stats_refs, num_returns=len(stats_refs))
+            raise
+        self._reply(notice, launched or launch(), plans)
+
+    def _deliver(self, keys: list, full: list) -> None:
+        """Download the period's messages (and the full weights, when sent: the replicas
+        may need to load everything) into the mailbox, where the replicas take them."""
+        for key in keys:
+            self.mailbox.put.remote(key, self._download(key))
+        for index, key in enumerate(full):
+            self.mailbox.put.remote(full_key(index), self._download(key))
+
+    def _reply(self, notice: dict, launched: dict, plans: dict) -> None:
+        """Wait for the replicas' periods, merge them into one message and upload it."""
+        import ray
+
         stats, buffers = {}, {}
         for i, (per_server, stats_refs) in launched.items():
             try:
@@ -282,7 +282,9 @@ class RegionAgent:
         self.log(f"region: took up the residual saved in {path}")
 
     def _download(self, key: str) -> np.ndarray:
-        return np.frombuffer(self.client.download(key, give_up_after_s=self.give_up_after_s), dtype=np.uint8)
+        """A message the home published or is about to (its servers may still be making it)."""
+        data = self.client.download(key, give_up_after_s=self.give_up_after_s, wait_s=MAX_WAIT_S)
+        return np.frombuffer(data, dtype=np.uint8)
 
     def close(self) -> None:
         """Stop the replicas (and this cluster's Ray, when the agent started it)."""

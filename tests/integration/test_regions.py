@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import ROOT, max_abs_diff, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
@@ -57,10 +58,16 @@ def start_region(name: str, port: int, tls: dict, tmp_path):
     )
 
 
-def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_local, tmp_path, monkeypatch):
+# Plain rounds, and streaming syncs with overlap (a region's replicas start each period
+# before its weights have crossed, and merge them at its end, as the home's do).
+SYNCS = {"plain": {}, "overlap": dict(sync_fragments=2, overlap_communication=True, max_steps=4)}
+
+
+@pytest.mark.parametrize("syncs", sorted(SYNCS))
+def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_local, tmp_path, monkeypatch, syncs):
     tls = make_tls(str(tmp_path))
     port = free_port()
-    shape = dict(diloco_loops=3, max_steps=3, seed=3)
+    shape = {**dict(diloco_loops=3, max_steps=3, seed=3), **SYNCS[syncs]}
     flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=6, **shape)).train()
 
     monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
@@ -72,7 +79,7 @@ def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_loca
         channel_port=port,
         channel_tls_cert=tls["home.pem"],
         channel_tls_key=tls["home.key"],
-        min_regions=3,  # a round without a region would not be the flat run's
+        min_regions=1 if syncs == "overlap" else 3,  # (fragments commit with whoever reported)
         round_timeout_s=180,  # a region that failed is dropped, and the test fails fast
         **shape,
     )
@@ -89,7 +96,8 @@ def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_loca
     logs = {name: open(tmp_path / f"{name}.log").read() for name in agents}
     for name, agent in agents.items():
         assert agent.returncode == 0, logs[name][-3000:]
-        assert f"region {name}: done, 3 syncs" in logs[name]
+        syncs_done = 3 * home_cfg.sync_fragments
+        assert f"region {name}: done, {syncs_done} syncs" in logs[name]
 
     assert max_abs_diff(str(tmp_path / "home"), str(tmp_path / "flat")) <= 1e-5
     members = [0, 1, 1_000_000, 1_000_001]  # a region is one member
