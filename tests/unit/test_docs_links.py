@@ -369,6 +369,7 @@ def test_the_interface_page_names_every_round_record_key():
         timing=records.Timing(1.0, 1.0),
         merge=merge,
         abandoned_steps=0,
+        regions={"home": {}},
     ).to_record()
     assert set(record) - {"event"} == interface_rows("The `round` record")
 
