@@ -21,7 +21,7 @@ import grpc
 
 from diloco_ray.channel import frames
 from diloco_ray.channel.credentials import Token
-from diloco_ray.channel.server import CHUNK_BYTES, GRPC_LIMIT_FACTOR, KEEPALIVE_MS, MAX_WAIT_S, REGION_KEY, SERVICE
+from diloco_ray.channel.server import CHUNK_BYTES, MAX_WAIT_S, REGION_KEY, SERVICE, grpc_options
 
 # A broken link or a home that is restarting: worth trying again after a pause.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
@@ -69,13 +69,7 @@ class ChannelClient:
         self._joining = threading.Lock()
         self.ready = False  # this region's replicas are up: the home may hand it jobs (sent with every call)
         self.info: dict = {}
-        limit = max_frame_bytes * GRPC_LIMIT_FACTOR
-        options = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_permit_without_calls", 1),
+        options = grpc_options(max_frame_bytes) + [
             ("grpc.http2.max_pings_without_data", 0),
             # A link back from an outage is dialled again within the backoff's longest pause.
             ("grpc.initial_reconnect_backoff_ms", int(backoff_s[0] * 1000)),

@@ -48,6 +48,18 @@ KEEPALIVE_MS = 4000
 GRPC_LIMIT_FACTOR = 4
 
 
+def grpc_options(max_frame_bytes: int) -> list[tuple[str, int]]:
+    """What both ends of the channel set: the message size limits, and keepalive pings."""
+    limit = max_frame_bytes * GRPC_LIMIT_FACTOR
+    return [
+        ("grpc.max_receive_message_length", limit),
+        ("grpc.max_send_message_length", limit),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
 class Refused(Exception):
     """A call the home refuses: ``code`` is its gRPC status, ``why`` the one line."""
 
@@ -126,13 +138,7 @@ class ChannelServer:
     # ---- lifecycle --------------------------------------------------------------------
     def start(self) -> int:
         """Listen; the bound port."""
-        limit = self.max_frame_bytes * GRPC_LIMIT_FACTOR
-        options = [
-            ("grpc.max_receive_message_length", limit),
-            ("grpc.max_send_message_length", limit),
-            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
-            ("grpc.keepalive_permit_without_calls", 1),
+        options = grpc_options(self.max_frame_bytes) + [
             ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 4),
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.so_reuseport", 0),  # a second channel on the same port fails, rather than sharing its calls
