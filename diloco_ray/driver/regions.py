@@ -12,9 +12,9 @@ server, then the stats), so its results are object refs the loops wait on like a
 ``REGION_ID_BASE`` plus the region's index, its data plan is its replicas' worth
 (``DataSection.sequences_for``), and its period is the gateway's. :class:`RegionMembers`
 knows which regions take part: a region joins the round once it is connected and its
-replicas are up, leaves it
-when the loop drops it (late, failed: a link outage is a late region), and joins again at
-a later boundary once it has reconnected.
+replicas are up, leaves it when the loop drops it (late, or failed: a region silent for
+``channel_timeout_s`` is lost), and joins again at a later boundary once it has
+reconnected.
 """
 
 from __future__ import annotations
