@@ -49,11 +49,19 @@ overlap off (one fragment) and on (3 fragments, ``overlap_communication``); ``--
 runs 20 Mbit/s with ``none`` and with ``topk`` + overlap. Ray's idle traffic is measured
 once per rate for the record (``--idle-seconds``, 0 skips it). Everything is torn down on
 exit, Ctrl-C included. Needs root.
+
+``--regions N`` rehearses regions as separate Ray clusters instead (:mod:`wan_layouts`):
+the home and N-1 regions, each a private Ray in its own namespace running
+``diloco-ray region``, joined only by a delaying relay on the channel's port
+(:mod:`wan_regions`, :mod:`wan_relay`: the delay this layout adds in userspace), beside
+the flat layout of the same replicas on one cluster; rows for both, the fp32 runs' final
+weights compared, and an outage of one region's link (``--no-outage`` skips it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -103,11 +111,13 @@ def idle_rate(cluster: wan_links.Regions, seconds: float) -> float:
     return (up + down) / seconds
 
 
-def overrides(cluster: wan_links.Regions, replicas: int, codec: str, overlap: bool, out: str) -> list[str]:
+def overrides(cluster: wan_links.Regions, replicas: int, codec: str, overlap: bool, out: str, pins=None) -> list[str]:
+    """``pins``: each replica's region (default: one replica in each region but the servers')."""
+    pins = cluster.regions[1 : replicas + 1] if pins is None else pins
     fields = {
         "output_dir": out,
         "server_resources": {cluster.head.resource: 0.001},
-        "replica_resources": [{r.resource: 0.001} for r in cluster.regions[1 : replicas + 1]],
+        "replica_resources": [{r.resource: 0.001} for r in pins],
         "pseudo_grad_compression": codec,
         "weights_compression": DOWN[codec],
         "sync_fragments": 3 if overlap else 1,
@@ -127,15 +137,18 @@ class CounterLog:
     ``period`` seconds in a thread, wall-clock stamped, so the bytes of any time window (the
     training rounds) can be read off afterwards."""
 
-    def __init__(self, cluster: wan_links.Regions, period: float = 0.1):
+    def __init__(self, cluster, period: float = 0.1, ports: dict | None = None):
         self.cluster, self.period = cluster, period
-        self.capture = wan_capture.Capture({r.name: r.host_end for r in cluster.regions[1:]}, wan_links.SERVICES)
+        ports = wan_links.SERVICES if ports is None else ports
+        self.capture = wan_capture.Capture({r.name: r.host_end for r in cluster.regions[1:]}, ports)
         self.samples: list[tuple[float, dict]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
     def __enter__(self) -> "CounterLog":
-        self.capture.start()
+        # The links' ends may live in another namespace (wan_regions' router): capture there.
+        with getattr(self.cluster, "in_router", contextlib.nullcontext)():
+            self.capture.start()
         self.samples.append((time.time(), self._read()))
         self._thread.start()
         return self
@@ -162,10 +175,11 @@ class CounterLog:
         return replica_traffic(first[1], last[1], what)
 
 
-def one_run(cluster, args, rate: float, codec: str, overlap: bool, extra: tuple = ()) -> dict:
-    """One job on ``cluster`` at ``rate``; ``extra``: config FIELD=VALUE for it alone (last wins)."""
-    out = tempfile.mkdtemp(prefix="wan-run-")
-    fields = overrides(cluster, args.replicas, codec, overlap, out)
+def one_run(cluster, args, rate: float, codec: str, overlap: bool, extra: tuple = (), pins=None, keep=None) -> dict:
+    """One job on ``cluster`` at ``rate``; ``extra``: config FIELD=VALUE for it alone (last wins);
+    ``pins``: each replica's region (see :func:`overrides`); ``keep``: the run's folder, kept."""
+    out = keep or tempfile.mkdtemp(prefix="wan-run-")
+    fields = overrides(cluster, len(pins) if pins else args.replicas, codec, overlap, out, pins)
     sets = (f"--set={kv}" for kv in (*args.set, *extra))
     cmd = [sys.executable, "-m", "diloco_ray", "train", args.config, *fields, *sets]
     with CounterLog(cluster) as log:
@@ -173,7 +187,8 @@ def one_run(cluster, args, rate: float, codec: str, overlap: bool, extra: tuple 
     if done.returncode:
         raise RuntimeError(f"run {rate} Mbit/s {codec} overlap={overlap} failed:\n{done.stderr[-3000:]}")
     every = read_rounds(out)
-    shutil.rmtree(out, ignore_errors=True)  # the run's folder: only its records were needed
+    if not keep:
+        shutil.rmtree(out, ignore_errors=True)  # the run's folder: only its records were needed
     # The steady-state window: from the second round's start to the last record. Round 0
     # also loads the initial weights, and just before it one replica seeds the servers
     # with them (fp32, up); start-up and the final save lie outside too. The job's totals
@@ -273,12 +288,33 @@ def main() -> int:
     parser.add_argument("--replicas", type=int, default=2, help="replica regions (the config's num_replicas)")
     parser.add_argument("--set", action="append", default=[], help="config FIELD=VALUE for every run")
     parser.add_argument("--idle-seconds", type=float, default=IDLE_SECONDS, help="how long idle traffic is measured")
+    regions = parser.add_argument_group("--regions N: regions as separate Ray clusters (bench/wan_layouts.py)")
+    regions.add_argument("--regions", type=int, default=0, metavar="N", help="N regions (the home and N-1 others)")
+    regions.add_argument("--replicas-per-region", type=int, default=2, help="every region's replicas, the home's too")
+    regions.add_argument("--codec", action="append", default=[], help="only these codecs' rows (none, int8, topk)")
+    regions.add_argument("--no-outage", dest="outage", action="store_false", help="skip the outage run")
+    regions.add_argument(
+        "--no-equivalence-pair",
+        dest="equivalence_pair",
+        action="store_false",
+        help="read equivalence off the fp32 rows instead of a short pair of runs of their own (rows already short)",
+    )
+    regions.add_argument("--outage-loops", type=int, default=16, help="diloco_loops of topk rows and the outage run")
+    regions.add_argument("--outage-channel-timeout", type=float, default=8.0, help="the outage run's channel_timeout_s")
+    regions.add_argument("--outage-round-timeout", type=float, default=180.0, help="the outage run's round_timeout_s")
+    regions.add_argument("--run-timeout", type=float, default=1200.0, help="seconds a regions run may take")
     args = parser.parse_args()
     check_quick_flags(parser, args)
+    if args.regions == 1 or args.regions < 0:
+        parser.error("--regions N needs N >= 2 (the home and at least one other region)")
     reason = wan_links.why_not_available()
     if reason:
         print(f"bench/wan.py: {reason}", file=sys.stderr)
         return 2
+    if args.regions:
+        import wan_layouts
+
+        return wan_layouts.main(args)
     print("links: tc tbf, rate only (tc netem is not available here: no added delay)", flush=True)
     runs, idle = [], None
     with wan_links.Regions(args.replicas, cpus=1, head_cpus=1) as cluster:

@@ -21,6 +21,7 @@ Needs root (``AF_PACKET``); Linux only.
 
 from __future__ import annotations
 
+import errno
 import select
 import socket
 import struct
@@ -115,6 +116,10 @@ class Capture:
                     try:  # MSG_TRUNC: the frame's real length, though 128 bytes are read
                         size, addr = sock.recvfrom_into(buf, _SNAP, socket.MSG_TRUNC)
                     except BlockingIOError:
+                        break
+                    except OSError as e:  # the link was taken down (an outage): nothing to read until it is up
+                        if e.errno != errno.ENETDOWN:
+                            raise
                         break
                     frame = bytes(buf[: min(size, _SNAP)])
                     payload, ack = classify(frame)

@@ -118,6 +118,7 @@ class RegionGateway:
                 return (*[b"" for _ in range(self.servers)], self._with_traffic(region, aborted, before))
             if region not in self.channel.connected():
                 self.channel.discard(reply)
+                self.channel.notify(region, {"abort": job.attempt})  # what it finds when it is back
                 raise RegionLost(f"region {region!r} not heard from for {self.timeout_s:g}s (channel_timeout_s)")
 
     def abort(self, region: str, attempt: int) -> None:

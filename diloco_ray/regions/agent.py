@@ -41,12 +41,13 @@ from diloco_ray.errors import first_line
 from diloco_ray.logs import log
 from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
 from diloco_ray.runtime import region_wire as wire
-from diloco_ray.runtime.messages import Contribution
+from diloco_ray.runtime.messages import Contribution, RoundStats
 from diloco_ray.runtime.regional_merge import RegionalMerge
 
 LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
 START_TRIES = 3  # starts of a private Ray before the agent gives up
 MAILBOX_THREADS = 64  # takes waiting at once: every rank's messages of a period, and full weights
+ABORT_WAIT_S = 60.0  # how long a period told to stop may take to end before the agent goes on
 STATE_FILE = "region_state.pt"  # in the region's output_dir: the regional merge's residual
 
 
@@ -119,10 +120,10 @@ class RegionAgent:
         self._start(TrainerConfig.from_dict(home))
         self.client.ready = True  # the next beat tells the home: jobs may come from now on
         self.client.beat(timeout_s=10.0)
-        synced, seq = 0, 0
+        synced, self.seq, self.inbox = 0, 0, []
         try:
             while True:
-                seq, notice = self.client.wait(seq, give_up_after_s=self.give_up_after_s)
+                notice = self._next_notice()
                 if notice is None or "abort" in notice:
                     continue  # (a period told to stop has already ended here: they run one at a time)
                 if notice.get("stop"):
@@ -135,10 +136,30 @@ class RegionAgent:
                         raise
                     # The home moved on while this region was behind: the next job brings it up.
                     self.log(f"region {region['name']!r}: skipped a job the home has moved past ({stale})")
+                    self._decline(notice["job"])
                     continue
                 synced += 1
         finally:
             self.close()
+
+    def _next_notice(self) -> Optional[dict]:
+        """The next notice to act on. Everything the home has queued is read first, so a
+        job it has already told this region to drop (a region back from an outage finds
+        its old job and that job's abort waiting) is passed over, not run."""
+        if not self.inbox:
+            self.seq, notice = self.client.wait(self.seq, give_up_after_s=self.give_up_after_s)
+            self.inbox += [notice] if notice is not None else []
+            while notice is not None:
+                self.seq, notice = self.client.wait(self.seq, wait_s=0.0, give_up_after_s=self.give_up_after_s)
+                self.inbox += [notice] if notice is not None else []
+        if not self.inbox:
+            return None
+        notice = self.inbox.pop(0)
+        dropped = {n["abort"] for n in self.inbox if "abort" in n}
+        if "job" in notice and notice["job"]["attempt"] in dropped:
+            self.log(f"region: passed over job {notice['job']['attempt']}, which the home has dropped")
+            return None
+        return notice
 
     def _start_beating(self, timeout_s: float) -> None:
         """Beat five times per ``channel_timeout_s`` from a thread of its own, so the home
@@ -223,11 +244,20 @@ class RegionAgent:
         try:
             self._deliver(keys, full)
         except ChannelRefused:  # the home moved past this job: the replicas started on it stop
+            self.mailbox.keep.remote([])  # a replica waiting for a message of it is let go
             for rep, (_, stats_refs) in zip(self.replicas, (launched or {}).values()):
                 rep.abort(notice["attempt"])
-                ray.wait(stats_refs, num_returns=len(stats_refs))
+                ray.wait(stats_refs, num_returns=len(stats_refs), timeout=ABORT_WAIT_S)
             raise
         self._reply(notice, launched or launch(), plans)
+
+    def _decline(self, notice: dict) -> None:
+        """Answer a job this region did not run, so the home does not wait for it: nothing
+        merged, and its whole plan handed back to the cursor."""
+        plan = [tuple(r) for r in notice["plan"]]
+        declined = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True, unused=plan, region={"replica_ids": []})
+        empty = [np.zeros(0, dtype=np.uint8)] * len(self.servers)
+        self.client.upload(notice["reply"], wire.reply_payload(empty, declined), give_up_after_s=self.give_up_after_s)
 
     def _deliver(self, keys: list, full: list) -> None:
         """Download the period's messages (and the full weights, when sent: the replicas

@@ -23,6 +23,7 @@ class Mailbox:
 
     def __init__(self):
         self.items: dict[str, object] = {}
+        self.generation = 0  # moves on with every keep(): a take from before it is void
         self.changed = threading.Condition()
 
     def put(self, key: str, data) -> None:
@@ -31,15 +32,25 @@ class Mailbox:
             self.changed.notify_all()
 
     def take(self, key: str):
-        """The message ``key``, once it is put."""
+        """The message ``key``, once it is put.
+
+        Raises:
+            LookupError: a new period began first (its message will never come: the period
+                that asked for it was stopped).
+        """
         with self.changed:
-            self.changed.wait_for(lambda: key in self.items)
+            generation = self.generation
+            self.changed.wait_for(lambda: key in self.items or self.generation != generation)
+            if key not in self.items:
+                raise LookupError(f"message {key!r} is void: a new period began before it came")
             return self.items[key]
 
     def keep(self, keys: Iterable[str]) -> None:
         """Drop every message but ``keys`` (a new period: what the last one held is void)."""
         with self.changed:
             self.items = {k: v for k, v in self.items.items() if k in set(keys)}
+            self.generation += 1
+            self.changed.notify_all()
 
 
 def full_key(index: int) -> str:
