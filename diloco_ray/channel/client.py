@@ -80,8 +80,6 @@ class ChannelClient:
             options.append(("grpc.ssl_target_name_override", server_name))
         self._channel = grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=ca_cert), options)
         self._meta = (("authorization", f"Bearer {token.secret}"), (REGION_KEY, region))
-        self.bytes_sent = 0  # frame bytes up, retries included (what the records report)
-        self.bytes_received = 0
 
     def close(self) -> None:
         self._channel.close()
@@ -174,26 +172,23 @@ class ChannelClient:
         self, method: str, header: dict, *, payload: bytes = b"", timeout_s: float = 120.0, joined: bool = True
     ) -> frames.Frame:
         """One try of a call (joining first when there is no session); raises what gRPC raised."""
+        request = self._request(header, payload, joined)
+        reply = self._channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=self._meta, timeout=timeout_s)
+        return self._decode(reply)
+
+    def _stream(self, method: str, header: dict):
+        request = self._request(header, b"", joined=True)
+        for reply in self._channel.unary_stream(f"/{SERVICE}/{method}")(request, metadata=self._meta, timeout=600):
+            yield self._decode(reply)
+
+    def _request(self, header: dict, payload: bytes, joined: bool) -> bytes:
+        """A call's frame: its header with who is calling, and whether this region is ready
+        (joining first when there is no session and the call needs one)."""
         if joined and self.session is None:
             with self._joining:  # one join at a time (the agent beats from a thread of its own)
                 if self.session is None:
                     self.join()
-        request = frames.encode(
-            {**header, "region": self.region, "session": self.session, "ready": self.ready}, payload
-        )
-        self.bytes_sent += len(request)
-        reply = self._channel.unary_unary(f"/{SERVICE}/{method}")(request, metadata=self._meta, timeout=timeout_s)
-        self.bytes_received += len(reply)
-        return self._decode(reply)
-
-    def _stream(self, method: str, header: dict):
-        if self.session is None:
-            self.join()
-        request = frames.encode({**header, "region": self.region, "session": self.session})
-        self.bytes_sent += len(request)
-        for reply in self._channel.unary_stream(f"/{SERVICE}/{method}")(request, metadata=self._meta, timeout=600):
-            self.bytes_received += len(reply)
-            yield self._decode(reply)
+        return frames.encode({**header, "region": self.region, "session": self.session, "ready": self.ready}, payload)
 
     def _decode(self, reply: bytes) -> frames.Frame:
         try:
