@@ -69,7 +69,7 @@ class RegionGateway:
         self.port = self.channel.start()
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
         self.held: dict[str, tuple] = {}  # region -> (its agent's instance, the version of its last period)
-        self.published: dict[str, object] = {}  # prefix (kind/version) published or being published -> its token
+        self.published: dict[tuple, object] = {}  # (full, version) published or being published -> its token
         self.lock = threading.Lock()
         self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
 
@@ -95,11 +95,11 @@ class RegionGateway:
         if job.reset and job.attempt not in self.reset_attempts:  # the servers were restored: versions start over
             self.reset_attempts.add(job.attempt)
             self._unpublish_all()
-        messages = self._publish(f"w/{job.version}", lambda: ray.get(list(job.messages)))
+        messages = self._publish(job.version, False, lambda: ray.get(list(job.messages)))
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
         if wire.needs_full(job, self._held(region)):
-            full = self._publish(f"f/{job.version}", lambda: ray.get([s.full_weights.remote() for s in job.servers]))
-        reply = f"r/{region}/{job.attempt}/{job.fragment}"
+            full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
+        reply = wire.reply_key(region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
         self.channel.notify(region, {"job": wire.notice_of(job, messages, full, reply)})
         while True:
@@ -148,51 +148,51 @@ class RegionGateway:
         facts = {**(stats.region or {}), "name": region, "bytes_up": up, "bytes_down": down}
         return dataclasses.replace(stats, bytes_up=up, bytes_down=down, region=facts)
 
-    def _publish(self, prefix: str, fetch: Callable[[], list]) -> list[str]:
-        """The channel keys of one message per server under ``prefix`` (``kind/version``),
-        at once: the messages are fetched and published by a thread of their own the first
-        time, so a notice goes out while the servers still make its weights (with overlap a
+    def _publish(self, version: int, full: bool, fetch: Callable[[], list]) -> list[str]:
+        """The channel keys of weights ``version``'s messages (``full``: its full weights), one
+        per server (:func:`~diloco_ray.runtime.region_wire.message_keys`), at once: the
+        messages are fetched and published by a thread of their own the first time, so a
+        notice goes out while the servers still make its weights (with overlap a
         region's replicas start their steps and merge those weights at the period's end; the
         region's download waits for them). A version's messages stay until one two newer is
         published."""
-        keys = [f"{prefix}/{s}" for s in range(self.servers)]
+        keys = wire.message_keys(version, self.servers, full)
+        publication = (full, version)
         with self.lock:
-            if prefix in self.published:
+            if publication in self.published:
                 return keys
-            self.published[prefix] = token = object()  # this publication (a restore starts new ones)
+            self.published[publication] = token = object()  # this publication (a restore starts new ones)
 
         def publish() -> None:
             try:
                 buffers = fetch()
             except Exception as e:  # a server lost: the loop recovers it; the region's download times out
-                log.warning("channel: could not fetch %s (%s)", prefix, type(e).__name__)
+                log.warning("channel: could not fetch %s (%s)", keys[0], type(e).__name__)
                 with self.lock:
-                    if self.published.get(prefix) is token:
-                        del self.published[prefix]
+                    if self.published.get(publication) is token:
+                        del self.published[publication]
                 return
-            kind, version = prefix.split("/")
             with self.lock:
-                if self.published.get(prefix) is not token:
+                if self.published.get(publication) is not token:
                     return  # the servers were restored meanwhile: these weights are void
                 for key, buffer in zip(keys, buffers):
                     self.channel.publish(key, bytes(memoryview(buffer)))
-                older = [p for p in self.published if p.split("/")[0] == kind]
-                stale = {p for p in older if int(p.split("/")[1]) < int(version) - 1}
+                stale = {p for p in self.published if p[0] == full and p[1] < version - 1}
                 for p in stale:
                     del self.published[p]
-            for old in stale:
-                for s in range(self.servers):
-                    self.channel.unpublish(f"{old}/{s}")
+            for old_full, old_version in stale:
+                for key in wire.message_keys(old_version, self.servers, old_full):
+                    self.channel.unpublish(key)
 
-        threading.Thread(target=publish, name=f"publish-{prefix}", daemon=True).start()
+        threading.Thread(target=publish, name=f"publish-{keys[0]}", daemon=True).start()
         return keys
 
     def _unpublish_all(self) -> None:
         with self.lock:
             gone, self.published = self.published, {}
-        for prefix in gone:
-            for s in range(self.servers):
-                self.channel.unpublish(f"{prefix}/{s}")
+        for full, version in gone:
+            for key in wire.message_keys(version, self.servers, full):
+                self.channel.unpublish(key)
 
 
 class RegionMember:

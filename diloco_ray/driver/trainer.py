@@ -248,7 +248,8 @@ class DilocoFSDPTrainer:
             log.warning("checkpoint %s is unusable (%s); using an older one", bad, why)
             self.events.log(CheckpointEvent("skipped", path=bad, reason=why))
         self.server.load(path)
-        self.shapes = self.replicas[0].shapes if self.replicas else None
+        if self.replicas:  # (with none left, as when a region alone trains on, the shapes stay as they were)
+            self.shapes = self.replicas[0].shapes
         # The loop takes up the servers' round; a restarted server is behind what the
         # replicas hold: they reload everything.
         self._after_restore(reset=reason == "server_restart")

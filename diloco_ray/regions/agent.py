@@ -19,6 +19,13 @@ starts the region's replicas as the trainer starts its own
    feedback the merge's residual is saved in the region's ``output_dir``
    (``region_state.pt``) first, so an agent restarted into the same run takes it up.
 
+With overlap, a round's next period is known before its notice comes
+(:func:`~diloco_ray.runtime.region_wire.next_in_round`): the replicas start it as soon as
+they end a period, while the agent merges and uploads, so neither the reply's crossing nor
+the notice's holds them up. The notice, when it comes, is the one expected and the period
+goes on; any other (the region dropped, the round run again, the home restarted) stops it
+first, as a period the home stops.
+
 Inside the region the replicas' own leg is uncompressed; the run's codec applies to what
 crosses the channel. A link that breaks is retried with backoff by the client: the region
 keeps its replicas and their state, and takes up the next job when the home is back.
@@ -29,6 +36,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
@@ -49,6 +57,16 @@ START_TRIES = 3  # starts of a private Ray before the agent gives up
 MAILBOX_THREADS = 64  # takes waiting at once: every rank's messages of a period, and full weights
 ABORT_WAIT_S = 60.0  # how long a period told to stop may take to end before the agent goes on
 STATE_FILE = "region_state.pt"  # in the region's output_dir: the regional merge's residual
+
+
+@dataclass
+class Ahead:
+    """A period the replicas started before its notice came: the notice expected, the
+    takes of its messages and the replicas' launches, and their data plans."""
+
+    notice: dict
+    launched: dict
+    plans: dict
 
 
 def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig:
@@ -103,6 +121,7 @@ class RegionAgent:
         self.mailbox = None
         self.started_ray = False
         self.stopping = threading.Event()
+        self.ahead: Optional[Ahead] = None  # with overlap: the next period, started before its notice
 
     def run(self) -> int:
         """Connect to this region's Ray, join, start the replicas, and run every job the
@@ -120,27 +139,35 @@ class RegionAgent:
         self._start(TrainerConfig.from_dict(home))
         self.client.ready = True  # the next beat tells the home: jobs may come from now on
         self.client.beat(timeout_s=10.0)
-        synced, self.seq, self.inbox = 0, 0, []
         try:
-            while True:
-                notice = self._next_notice()
-                if notice is None or "abort" in notice:
-                    continue  # (a period told to stop has already ended here: they run one at a time)
-                if notice.get("stop"):
-                    self.log(f"region {region['name']!r}: the home says the run is over")
-                    return synced
-                try:
-                    self._sync(notice["job"])
-                except ChannelRefused as stale:
-                    if "is published" not in str(stale):
-                        raise
-                    # The home moved on while this region was behind: the next job brings it up.
-                    self.log(f"region {region['name']!r}: skipped a job the home has moved past ({stale})")
-                    self._decline(notice["job"])
-                    continue
-                synced += 1
+            return self._serve(region["name"])
         finally:
             self.close()
+
+    def _serve(self, name: str) -> int:
+        """Run every job the home hands out until it says the run is over; the syncs run."""
+        synced, self.seq, self.inbox = 0, 0, []
+        while True:
+            notice = self._next_notice()
+            if notice is None:
+                continue
+            if self.ahead is not None and notice.get("job") != self.ahead.notice:
+                self._drop_ahead()  # the home went another way
+            if "abort" in notice:
+                continue  # (a period told to stop has already ended here: they run one at a time)
+            if notice.get("stop"):
+                self.log(f"region {name!r}: the home says the run is over")
+                return synced
+            try:
+                self._sync(notice["job"])
+            except ChannelRefused as stale:
+                if "is published" not in str(stale):
+                    raise
+                # The home moved on while this region was behind: the next job brings it up.
+                self.log(f"region {name!r}: skipped a job the home has moved past ({stale})")
+                self._decline(notice["job"])
+                continue
+            synced += 1
 
     def _next_notice(self) -> Optional[dict]:
         """The next notice to act on. Everything the home has queued is read first, so a
@@ -158,6 +185,8 @@ class RegionAgent:
         dropped = {n["abort"] for n in self.inbox if "abort" in n}
         if "job" in notice and notice["job"]["attempt"] in dropped:
             self.log(f"region: passed over job {notice['job']['attempt']}, which the home has dropped")
+            if self.ahead is not None and self.ahead.notice == notice["job"]:
+                self._drop_ahead()
             return None
         return notice
 
@@ -191,6 +220,7 @@ class RegionAgent:
         self.mailbox = ray.remote(Mailbox).options(num_cpus=0, max_concurrency=MAILBOX_THREADS).remote()
         self.servers = [FullWeightsOf(self.mailbox, i) for i in range(servers)]
         self.overlap = s.sync_codec.overlap_communication
+        self.fragments = s.sync_codec.sync_fragments
         self.merge = RegionalMerge(shapes, home.sections().sync_codec, servers)
         self._load_state()
         self.sizes = [s.data.sequences_for(i) for i in range(len(self.replicas))]
@@ -219,20 +249,38 @@ class RegionAgent:
         self.started_ray = True
 
     def _sync(self, notice: dict) -> None:
-        """One sync period of every replica, merged into the region's one reply."""
-        import ray
-
+        """One sync period of every replica, merged into the region's one reply (the
+        period started ahead of this notice, when it is the one expected)."""
         keys, full = list(notice["messages"]), list(notice["full_keys"])
-        ray.get(self.mailbox.keep.remote(keys))  # the last period's messages and full weights are void
-        messages = [self.mailbox.take.remote(key) for key in keys]
         if notice["reset"] or notice["restart"]:
             self.merge.forget_residual()
         else:
             self.merge.settle(dict((int(a), bool(ok)) for a, ok in notice["sent_verdicts"]))
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:  # the run loop dropped it unless this is its notice
+            launched, plans = ahead.launched, ahead.plans
+        else:
+            # With overlap the replicas merge this period's message at its end: they start now
+            # and the download rides under their steps. Else, and for a full load, it comes first.
+            early = self.overlap and not (notice["full"] or notice["reset"] or full)
+            launch, plans = self._launcher(notice)
+            launched = launch() if early else None
+        try:
+            self._deliver(keys, full)
+        except ChannelRefused:  # the home moved past this job: the replicas started on it stop
+            self._stop_period(notice["attempt"], launched or {})
+            raise
+        self._reply(notice, launched or launch(), plans)
+
+    def _launcher(self, notice: dict) -> tuple[Callable[[], dict], dict]:
+        """How to launch ``notice``'s period on every replica (the takes of its messages
+        made, what the last period held void), and the replicas' data plans."""
+        import ray
+
+        keys = list(notice["messages"])
+        ray.get(self.mailbox.keep.remote(keys))  # the last period's messages and full weights are void
+        messages = [self.mailbox.take.remote(key) for key in keys]
         plans = dict(enumerate(wire.split_plan(notice["plan"], self.sizes)))
-        # With overlap the replicas merge this period's message at its end: they start now and
-        # the download rides under their steps. Else, and for a full load, it comes first.
-        early = self.overlap and not (notice["full"] or notice["reset"] or full)
 
         def launch() -> dict:
             return {
@@ -240,16 +288,31 @@ class RegionAgent:
                 for i, rep in enumerate(self.replicas)
             }
 
-        launched = launch() if early else None
-        try:
-            self._deliver(keys, full)
-        except ChannelRefused:  # the home moved past this job: the replicas started on it stop
-            self.mailbox.keep.remote([])  # a replica waiting for a message of it is let go
-            for rep, (_, stats_refs) in zip(self.replicas, (launched or {}).values()):
-                rep.abort(notice["attempt"])
-                ray.wait(stats_refs, num_returns=len(stats_refs), timeout=ABORT_WAIT_S)
-            raise
-        self._reply(notice, launched or launch(), plans)
+        return launch, plans
+
+    def _start_ahead(self, notice: dict) -> None:
+        """With overlap, start the round's next period on the replicas now (they have just
+        ended ``notice``'s): its notice is known before it comes."""
+        expected = wire.next_in_round(notice, self.client.region, self.fragments) if self.overlap else None
+        if expected is None:
+            return
+        launch, plans = self._launcher(expected)
+        self.ahead = Ahead(expected, launch(), plans)
+
+    def _drop_ahead(self) -> None:
+        """Stop the period started ahead: its notice will not come."""
+        ahead, self.ahead = self.ahead, None
+        self.log(f"region: stopped job {ahead.notice['attempt']}, started ahead: the home went another way")
+        self._stop_period(ahead.notice["attempt"], ahead.launched)
+
+    def _stop_period(self, attempt: int, launched: dict) -> None:
+        """Stop the replicas' period of launch ``attempt`` and wait for it to end."""
+        import ray
+
+        self.mailbox.keep.remote([])  # a replica waiting for a message of it is let go
+        for rep, (_, stats_refs) in zip(self.replicas, launched.values()):
+            rep.abort(attempt)
+            ray.wait(stats_refs, num_returns=len(stats_refs), timeout=ABORT_WAIT_S)
 
     def _decline(self, notice: dict) -> None:
         """Answer a job this region did not run, so the home does not wait for it: nothing
@@ -279,6 +342,8 @@ class RegionAgent:
             except ray.exceptions.RayError as e:  # its share goes back to the home's cursor
                 self.log(f"region: replica {i} failed its period ({type(e).__name__}); its data is handed back")
         ok = [i for i in stats if not any(s.aborted for s in stats[i])]
+        if len(ok) == len(self.replicas):  # the replicas go on while their sends are merged and cross
+            self._start_ahead(notice)
         servers = len(self.servers)
         weights = {i: float(sum(s.loss_tokens for s in stats[i])) for i in ok}
         contributions = [[Contribution(i, buffers[i][s], weights[i]) for i in ok] for s in range(servers)]

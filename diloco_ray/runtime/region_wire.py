@@ -7,6 +7,10 @@ under which keys the channel holds those messages), and the region answers with 
 stats). Actor handles and object refs never cross: each side turns a notice into its own
 :class:`~diloco_ray.runtime.messages.SyncPeriod` with refs into its own object store.
 
+The channel keys of a period's messages and reply follow one rule (:func:`message_keys`,
+:func:`reply_key`), so with overlap a region can tell the next period of a round before
+its notice arrives (:func:`next_in_round`) and start its replicas on it at once.
+
 Inside the region, :func:`split_plan` cuts the region's plan into its replicas' plans in
 slot order, exactly as the home's cursor cuts a round among replicas (returned ranges
 first, each replica its own contiguous share), so a region of ``n`` replicas trains the
@@ -51,6 +55,48 @@ def notice_of(job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[
         reply=reply_key,
     )
     return notice
+
+
+def message_keys(version: int, servers: int, full: bool = False) -> list[str]:
+    """The channel keys of weights ``version``'s messages, one per home server (``full``:
+    the full weights of that version, for a region that must load everything)."""
+    return [f"{'f' if full else 'w'}/{version}/{s}" for s in range(servers)]
+
+
+def reply_key(region: str, attempt: int, fragment: int) -> str:
+    """Where ``region`` uploads its reply to the period launched as ``attempt``."""
+    return f"r/{region}/{attempt}/{fragment}"
+
+
+def next_in_round(notice: Mapping, region: str, fragments: int) -> Optional[dict]:
+    """The notice the home sends ``region`` for the next sync period of ``notice``'s round
+    when the round goes on as planned (None: ``notice`` is the round's last period).
+
+    Inside a round the next period is the next launch (``attempt`` + 1) of the next
+    fragment on the same data plan, handed the message of this period's sync (the next
+    ``version``, never a full load), with nothing to reset and no verdicts yet (the
+    servers' commits are read at the round's end). A notice that differs from this one
+    means the home went another way: the region was dropped, the round is run again, or
+    the home restarted.
+    """
+    fragment = int(notice["fragment"]) + 1
+    if fragment >= fragments:
+        return None
+    attempt, version = int(notice["attempt"]) + 1, int(notice["version"]) + 1
+    return {
+        **notice,
+        "fragment": fragment,
+        "attempt": attempt,
+        "version": version,
+        "full": False,
+        "reset": False,
+        "restart": False,
+        "reset_inner": False,
+        "sent_verdicts": [],
+        "messages": message_keys(version, len(notice["messages"])),
+        "full_keys": [],
+        "reply": reply_key(region, attempt, fragment),
+    }
 
 
 def needs_full(job: SyncPeriod, held: Optional[int]) -> bool:

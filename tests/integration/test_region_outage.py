@@ -34,10 +34,14 @@ ROUNDS_CUT = 3  # rounds the home applies without the region while the link is d
 CUT_S = 8.0  # and for at least this long: past channel_timeout_s, and a few of the client's backoffs
 
 
-# Sync mode also loses a server after the link is back: the home restores it from the
-# round's checkpoint, and the region, which never noticed, reloads the restored weights.
+# Sync mode streams its syncs with overlap, the path where a region starts a round's next
+# period before its notice and must stop it when the home drops the region instead. It also
+# loses a server after the link is back: the home restores it from the round's checkpoint,
+# and the region, which never noticed, reloads the restored weights.
 SERVER_KILLED_AT = ROUNDS_BEFORE_CUT + ROUNDS_CUT + 3
 SYNC_EXTRA = dict(
+    sync_fragments=2,
+    overlap_communication=True,
     round_timeout_s=120,
     checkpoint_steps=500,  # every round: max_steps
     fault_plan=[{"kind": "kill", "target": "server", "round": SERVER_KILLED_AT}],

@@ -11,6 +11,7 @@ applied, who is dropped and why, what version replicas are handed, what is run a
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from diloco_ray.config import fault_plan
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.observe.records import Evaluation
+from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
 from diloco_ray.runtime.server_group import SyncRefs
 
@@ -328,3 +330,22 @@ def test_a_lost_board_judges_nobody(tmp_path):
     record = apply_next_update(loop, host).to_record()
     assert record["dropped"] == [1]  # by the deadline, not by silence the lost board cannot vouch for
     assert reps[1].aborted == [1]
+
+
+def test_a_regions_next_notice_in_a_round_is_the_one_the_home_sends(tmp_path):
+    # With overlap a region starts a round's next period before its notice comes; the
+    # notice it expects must be the one the loop's next launch makes, and never the
+    # next round's (a new data plan) or a re-run's.
+    loop, host, reps = make(tmp_path, sync_fragments=2, overlap_communication=True, diloco_loops=2)
+    for _ in range(2):
+        apply_next_update(loop, host)
+
+    def notice(job):
+        keys = wire.message_keys(job.version, 1)
+        return json.loads(json.dumps(wire.notice_of(job, keys, [], wire.reply_key("eu", job.attempt, job.fragment))))
+
+    sent = [notice(job) for job in reps[0].jobs]
+    assert [(n["round"], n["fragment"]) for n in sent] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert wire.next_in_round(sent[0], "eu", 2) == sent[1] and wire.next_in_round(sent[2], "eu", 2) == sent[3]
+    assert wire.next_in_round(sent[1], "eu", 2) is None  # the round's last period: the next plan is not known
+    assert wire.next_in_round(sent[0], "us", 2) != sent[1]  # another region's reply key
