@@ -205,6 +205,7 @@ class ConfigFields(DerivedValues):
     spare_replicas: int = _f(MEMBERSHIP, 0, "hot spares: replicas placed and set up but not training; one takes a lost replica's place at the next round boundary (decoupled mode: as soon as the loss is seen) with no cold start, and a new spare starts in the background", ge=0)
     max_replicas: Optional[int] = _f(MEMBERSHIP, None, "upper bound for scale() (default: num_replicas)", ge=1)
     ranks_per_replica: Union[int, list] = _f((DATA, PLACEMENT, CHECKPOINTING), 1, "FSDP ranks (processes; GPUs on GPU) inside one replica; a list gives one count per replica id (id i takes entry i mod the list's length), and each replica trains on data in proportion to its ranks", ge=1)
+    nodes_per_replica: int = _f(PLACEMENT, 1, "nodes each replica's ranks are spread over, evenly: every ranks_per_replica must be a multiple of it; one placement group with a bundle per node (STRICT_SPREAD) and FSDP over all the ranks, which meet at a TCP store on the replica's first node (1: the replica shares one node)", ge=1)
     device: Literal["auto", "cpu", "cuda"] = _f(PLACEMENT, "auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")
     cpus_per_rank: float = _f(PLACEMENT, 1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(PLACEMENT, 1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)

@@ -261,6 +261,18 @@ def _check_ranks_list(cfg: ConfigFields) -> None:
         )
 
 
+def _check_nodes_per_replica(cfg: ConfigFields) -> None:
+    """A replica's ranks are spread evenly over its nodes, so each rank count must divide."""
+    nodes, ranks = cfg.nodes_per_replica, cfg.ranks_per_replica
+    uneven = sorted({r for r in (ranks if isinstance(ranks, list) else [ranks]) if r % nodes})
+    if uneven:
+        raise ConfigError(
+            f"nodes_per_replica: {nodes} does not divide ranks_per_replica={ranks!r}; a replica's ranks "
+            "are spread evenly over its nodes, so each rank count must be a multiple of nodes_per_replica "
+            f"({', '.join(map(str, uneven))} {'is' if len(uneven) == 1 else 'are'} not)"
+        )
+
+
 def _check_sync_mode(cfg: ConfigFields) -> None:
     """Decoupled mode's limits (:func:`_check_decoupled`); sync mode has no stale contributions."""
     if cfg.sync_mode == "decoupled":
@@ -417,6 +429,7 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_fault_plan,
     _check_what_streaming_rules_out,
     _check_ranks_list,
+    _check_nodes_per_replica,
     _check_sync_mode,
     _check_placement,
     _check_links,

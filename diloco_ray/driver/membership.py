@@ -300,6 +300,7 @@ class Membership:
             replica_id=rep.id,
             replicas=len(self.home),
             start_seconds=time.time() - rep.requested_at,
+            nodes=list(rep.nodes),
             **({"reason": reason} if reason else {}),
         )
         self.on_event(joined)

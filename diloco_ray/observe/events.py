@@ -75,6 +75,7 @@ class MembershipEvent(Event):
     replicas: Any = OMIT
     start_seconds: Any = OMIT
     region: Any = OMIT
+    nodes: Any = OMIT  # join: each rank's Ray node id, in rank order
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,6 @@ import contextlib
 import functools
 import os
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -37,39 +36,17 @@ from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import tokenization
 from diloco_ray.model import loading as modeling
 from diloco_ray.observe.events import StepEvent
-from diloco_ray.runtime import fsdp, transport
+from diloco_ray.runtime import fsdp, placement, transport
 from diloco_ray.runtime.faults import RankFaults
-from diloco_ray.runtime.messages import RoundStats, SnapshotPlan, SyncPeriod
+from diloco_ray.runtime.messages import SnapshotPlan, SyncPeriod
+from diloco_ray.runtime.placement import RankPlacement
 from diloco_ray.runtime.rank_batches import RankBatches, load_tokens
 from diloco_ray.runtime.rank_output import RankOutput
+from diloco_ray.runtime.rank_period import PeriodTally
 from diloco_ray.runtime.rank_state import RankState, local_rows
 from diloco_ray.runtime.rank_weights import receive_weights
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
-
-
-@dataclass
-class PeriodTally:
-    """What one sync period's inner steps have done so far.
-
-    Args:
-        first: the first step this attempt runs (past the steps an in-flight snapshot restored).
-        last: one past the last step it may run (moved up when the time budget runs out).
-        loss_sum: the sum of the steps' losses (on the device: read only when reported).
-        logged: (step, loss_sum) at the last step event.
-        at: the step in progress.
-    """
-
-    first: int
-    last: int
-    loss_sum: torch.Tensor
-    logged: tuple
-    at: int
-    tokens: int = 0  # tokens trained on (attention mask)
-    counted: int = 0  # tokens that carried loss
-    resumed: int = 0  # steps restored from an in-flight snapshot
-    aborted: bool = False  # stopped by abort() (or a dropped link): nothing to send
-    out_of_time: bool = False  # the time budget cut the period short
 
 
 class RankWorker:
@@ -91,7 +68,9 @@ class RankWorker:
         self.config = TrainerConfig.from_dict(config)
         self.sections = self.config.sections()
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
-        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
+        self.device_kind = device
+        self.device = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")  # until setup
+        self._store = None  # the TCP store rank 0 serves when the replica spans nodes
         self.model = None
         self.state: RankState | None = None  # sync, batches, state and output: built by setup()
         self._abort_attempt = -1  # set from another thread by abort()
@@ -100,26 +79,42 @@ class RankWorker:
         self._last_beat = 0.0
 
     # ---- set-up -----------------------------------------------------------------------
-    def rendezvous(self) -> str:
-        """Where the replica's ranks meet (a private store file); asked of rank 0."""
-        return fsdp.rendezvous()
+    def where(self) -> tuple[str, list]:
+        """(Ray node id, Ray's GPU ids) of this rank, asked before anything here touches CUDA."""
+        import ray
 
-    def setup(self, init_method: str | None = None, token_data: list | None = None) -> dict[str, tuple]:
-        """Join the replica's process group, build and shard the model, build the inner
-        optimizer, take in the data. Returns name -> full shape of the trained parameters.
+        return ray.get_runtime_context().get_node_id(), list(ray.get_gpu_ids())
+
+    def rendezvous(self, spans_nodes: bool = False) -> str:
+        """Where the replica's ranks meet, asked of rank 0: a private store file, or, when they
+        span nodes, a TCP store this rank serves on its node's cluster address."""
+        if not spans_nodes:
+            return fsdp.rendezvous()
+        address, self._store = fsdp.serve_store(self.world_size)
+        return address
+
+    def setup(
+        self, init_method: str | None = None, token_data: list | None = None, placed: RankPlacement | None = None
+    ) -> dict[str, tuple]:
+        """Bind this rank's device, join the replica's process group, build and shard the model,
+        build the inner optimizer, take in the data. Returns name -> full shape of the trained
+        parameters.
 
         Args:
             init_method: rank 0's :meth:`rendezvous` (``world_size > 1``).
             token_data: ``[ref]`` to the job's :class:`~diloco_ray.data.samples.TokenData` (the
                 driver's one tokenising task; in a list, so Ray hands over the ref and
                 the model is built while the task runs), or None to tokenise here.
+            placed: where this rank runs and which GPUs it sees (the replica's
+                :func:`~diloco_ray.runtime.placement.place_ranks`; None: as Ray started it).
         """
         sections = self.sections
         torch.set_num_threads(max(1, int(sections.placement.cpus_per_rank)))
+        self.device = placement.bind_device(placed, self.device_kind, os.environ)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if self.world_size > 1:
-            fsdp.join_process_group(init_method, self.rank, self.world_size, self.device)
+            fsdp.join_process_group(init_method, self.rank, self.world_size, self.device, placed, self._store)
         self.tokenizer = tokenization.load_tokenizer(sections.model)
         # Sharded while still empty (meta), so each rank allocates and loads its rows only.
         mixed_precision = sections.model.mixed_precision
@@ -218,31 +213,11 @@ class RankWorker:
         buffers = (
             [] if tally.aborted else self.sync.outgoing(job.fragment, local_rows(self.params), job.link, job.attempt)
         )
-        stats = self._period_stats(tally, buffers, received, restarted, compute=t2 - t1, load=(t1 - t0) + (t3 - t2))
+        unused = self.batches.unused_after(tally.last) if tally.out_of_time else []
+        stats = tally.stats(self.rank, buffers, received, restarted, t2 - t1, (t1 - t0) + (t3 - t2), unused)
         if tally.aborted:  # nothing to send: an empty message per server keeps the return count fixed
             buffers = [np.zeros(0, dtype=np.uint8)] * self.sections.placement.num_param_servers
         return (*buffers, stats)
-
-    def _period_stats(
-        self, tally: PeriodTally, buffers: list, received: int, restarted: bool, compute: float, load: float
-    ) -> RoundStats:
-        """What the driver learns of the period: ``compute`` and ``load``: seconds spent on
-        the inner steps and on taking in weights; ``received``: weight bytes taken in."""
-        return RoundStats(
-            rank=self.rank,
-            inner_steps=(tally.at - tally.first) if tally.aborted else tally.last - tally.first,
-            tokens=tally.tokens,
-            loss_sum=float(tally.loss_sum),
-            compute_seconds=compute,
-            load_seconds=load,
-            bytes_up=sum(b.nbytes for b in buffers),
-            bytes_down=received,
-            aborted=tally.aborted,
-            resumed_step=tally.resumed,
-            restarted=restarted,
-            loss_tokens=tally.counted,
-            unused=self.batches.unused_after(tally.last) if tally.out_of_time else [],
-        )
 
     def _run_steps(self, job: SyncPeriod, started: float) -> PeriodTally:
         """This period's inner steps: from the first not yet run (after a snapshot's) to the

@@ -1,11 +1,13 @@
 """One DiLoCo replica as the driver sees it: a placement group and its rank actors.
 
-A :class:`Replica` reserves ``ranks_per_replica`` bundles in one STRICT_PACK placement
-group (so its FSDP ranks share a node and a fast interconnect), starts one
-:class:`~diloco_ray.runtime.rank.RankWorker` actor per bundle, and turns "run a round" into one
-call per rank. It returns object references, never values: the driver decides what to
-wait for, and the big arrays go from the ranks to the server through the object store.
-The worker class is made remote here, at creation, so tests can pass a fake.
+A :class:`Replica` reserves one placement group for its ``ranks_per_replica`` ranks, on one
+node (STRICT_PACK, so its FSDP ranks share a fast interconnect) or evenly over
+``nodes_per_replica`` nodes (:func:`~diloco_ray.runtime.placement.replica_layout`), starts one
+:class:`~diloco_ray.runtime.rank.RankWorker` actor per rank, hands each the GPUs it sees and
+where the ranks meet, and turns "run a round" into one call per rank. It returns object
+references, never values: the driver decides what to wait for, and the big arrays go from the
+ranks to the server through the object store. The worker class is made remote here, at
+creation, so tests can pass a fake.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DataSection, ModelSection
 from diloco_ray.data import samples, sources
 from diloco_ray.runtime.messages import SyncPeriod
+from diloco_ray.runtime.placement import place_ranks, replica_layout
 from diloco_ray.runtime.rank import RankWorker
 
 
@@ -61,7 +64,8 @@ class Replica:
         config: the job's TrainerConfig, shipped to each rank as its own view
             (:meth:`~diloco_ray.config.schema.TrainerConfig.for_replica`); the replica itself
             reads its placement and membership sections.
-        device: ``"cpu"`` or ``"cuda"`` (one GPU per rank).
+        device: ``"cpu"`` or ``"cuda"`` (one GPU per rank; the ranks on a node see all of the
+            replica's GPUs there and each binds its own).
         worker_cls: the rank class to run (``RankWorker``; tests may pass a fake).
         token_data: :func:`start_token_data`'s ``[ref]``, handed to every rank's set-up
             (None: each rank tokenises).
@@ -87,13 +91,15 @@ class Replica:
         if device == "cuda":
             bundle["GPU"] = 1
         bundle.update(resources_for_replica(self.placement.replica_resources, replica_id))
-        self.bundle = bundle
+        self.bundle = bundle  # one rank's share
         self.shapes: dict[str, tuple] = {}  # trained parameter shapes, known after setup
         self.setup_refs: list | None = None  # set once set-up has been started
+        self.nodes: list[str] = []  # each rank's Ray node id, known once set-up has been started
         self.requested_at = 0.0
+        layout = replica_layout(bundle, self.world_size, self.placement.nodes_per_replica)
         self.pg = placement_group(
-            [dict(bundle)] * self.world_size,
-            strategy="STRICT_PACK",
+            layout.bundles,
+            strategy=layout.strategy,
             # Unique: a group whose removal (asynchronous) lags, or a crashed trainer's, must not
             # refuse the next trainer's in the same job (names are unique per Ray namespace).
             name=f"diloco-replica-{replica_id}-{uuid.uuid4().hex[:8]}",
@@ -105,7 +111,9 @@ class Replica:
             remote_cls.options(
                 num_cpus=self.placement.cpus_per_rank,
                 num_gpus=1 if device == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=layout.bundle_of_rank[r]
+                ),
             ).remote(config.for_replica(replica_id).to_dict(), replica_id, r, self.world_size, device)
             for r in range(self.world_size)
         ]
@@ -116,12 +124,20 @@ class Replica:
         return [self.placed_ref] if self.setup_refs is None else list(self.setup_refs)
 
     def setup(self) -> list:
-        """Start the ranks' set-up (process group, model, FSDP, data); refs to their
-        parameter shapes."""
-        init_method = None
+        """Start the ranks' set-up (devices, process group, model, FSDP, data); refs to their
+        parameter shapes.
+
+        First each rank says where it runs (node, Ray's GPU ids), before anything in it touches
+        CUDA, and rank 0 where the ranks meet; then each is handed its
+        :class:`~diloco_ray.runtime.placement.RankPlacement` with that meeting point."""
+        refs = [r.where.remote() for r in self.ranks]
         if self.world_size > 1:
-            init_method = ray.get(self.ranks[0].rendezvous.remote(), timeout=self.membership.call_timeout_s)
-        return [r.setup.remote(init_method, self.token_data) for r in self.ranks]
+            refs.append(self.ranks[0].rendezvous.remote(self.placement.nodes_per_replica > 1))
+        answers = ray.get(refs, timeout=self.membership.call_timeout_s)
+        init_method = answers[-1] if self.world_size > 1 else None
+        placed = place_ranks(answers[: self.world_size])
+        self.nodes = [p.node_id for p in placed]
+        return [r.setup.remote(init_method, self.token_data, p) for r, p in zip(self.ranks, placed)]
 
     def seed_pieces(self) -> list[list]:
         """Per server, refs to each rank's rows of the freshly built weights."""

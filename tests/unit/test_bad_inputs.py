@@ -84,6 +84,9 @@ CASES = [
     Case("kwargs-not-a-mapping", train("outer_opt_kwargs=[1]"), "outer_opt_kwargs: [1]", ("a mapping",)),
     Case("target-modules-numbers", train("target_modules=[1,2]"), "target_modules: [1, 2]", ("module names",)),
     Case("ranks-per-replica-empty", train("ranks_per_replica=[]"), "ranks_per_replica: []", ("non-empty list",)),
+    Case("nodes-per-replica-zero", train("nodes_per_replica=0"), "nodes_per_replica: 0", (">= 1",)),
+    Case("nodes-per-replica-uneven", train("ranks_per_replica=3", "nodes_per_replica=2"), "nodes_per_replica: 2", ("ranks_per_replica=3", "multiple of nodes_per_replica")),
+    Case("nodes-per-replica-uneven-list", train("ranks_per_replica=[2,3]", "nodes_per_replica=2"), "nodes_per_replica: 2", ("ranks_per_replica=[2, 3]", "(3 is not)")),
     Case("replica-resources-negative", train("replica_resources={a: -1}"), "replica_resources:", ("non-negative",)),
     # --- config values: rules between fields --------------------------------------------------
     Case("num-replicas-above-max", train("num_replicas=5", "max_replicas=2"), "num_replicas: 5", ("max_replicas=2",)),

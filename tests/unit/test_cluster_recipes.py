@@ -124,26 +124,50 @@ def test_launcher_config_passes_rays_validation(name):
     assert config["provider"]["type"] in ("aws", "gcp")
 
 
-@pytest.mark.parametrize("name", LAUNCHERS)
-def test_launcher_runs_one_replica_per_worker_node(name):
-    config, (params, cfg) = _launcher(name), _submit(name)
+def _check_replicas_fill_worker_nodes(config: dict, cfg: TrainerConfig) -> None:
     worker = _worker_type(config)
     head = config["available_node_types"][config["head_node_type"]]
-    # GPUs per node = ranks per replica: a replica's STRICT_PACK bundles (1 GPU each)
-    # fill the node, so no two replicas share one and no GPU idles.
-    assert worker["resources"]["GPU"] == cfg.ranks_per_replica
-    assert worker["resources"]["CPU"] >= cfg.ranks_per_replica * cfg.cpus_per_rank
+    # GPUs per node = a replica's ranks on a node (all of them with nodes_per_replica 1): its
+    # bundles (1 GPU a rank) fill the node, so no two replicas share one and no GPU idles.
+    per_node = cfg.ranks_per_replica // cfg.nodes_per_replica
+    assert worker["resources"]["GPU"] == per_node
+    assert worker["resources"]["CPU"] >= per_node * cfg.cpus_per_rank
     accelerators = worker["node_config"].get("guestAccelerators")
     if accelerators is not None:  # GCP: the VM must really have the GPUs Ray schedules by
         assert sum(a["acceleratorCount"] for a in accelerators) == worker["resources"]["GPU"]
     # The head has no GPU, so no replica lands there.
     assert head["resources"].get("GPU", 0) == 0
-    # num_replicas nodes come up with the cluster; max_replicas can be reached by scaling.
-    assert worker["min_workers"] == cfg.num_replicas
-    assert worker["max_workers"] >= cfg.replica_bounds[1]
+    # Every replica's nodes come up with the cluster; max_replicas can be reached by scaling.
+    assert worker["min_workers"] == cfg.num_replicas * cfg.nodes_per_replica
+    assert worker["max_workers"] >= cfg.replica_bounds[1] * cfg.nodes_per_replica
     assert config["max_workers"] >= worker["max_workers"]
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_runs_one_replica_per_worker_node(name):
+    config, (params, cfg) = _launcher(name), _submit(name)
+    _check_replicas_fill_worker_nodes(config, cfg)
+    assert cfg.nodes_per_replica == 1
     assert params["working_dir"] == "."
     _check_remote_output_dir(cfg)
+
+
+def _two_node_sets(name: str) -> dict:
+    """The ``--set`` values cluster/README.md gives launcher ``name`` for a replica over two
+    nodes (its bullet under "A replica per node, or over two")."""
+    section = _read("README.md").split("## A replica per node, or over two", 1)[1].split("\n## ", 1)[0]
+    bullet = next(b for b in section.split("\n- ") if f"(`{name}`" in b)
+    return parse_set(re.findall(r"--set ([^\s`]+)", bullet))
+
+
+@pytest.mark.parametrize("name", LAUNCHERS)
+def test_launcher_holds_the_documented_replica_over_two_nodes(name):
+    config, (params, _) = _launcher(name), _submit(name)
+    argv = list(params["entrypoint"])
+    two_nodes = _two_node_sets(name)
+    assert two_nodes["nodes_per_replica"] == 2
+    cfg = _train_config(argv + [w for k, v in two_nodes.items() for w in ("--set", f"{k}={v}")])
+    _check_replicas_fill_worker_nodes(config, cfg)
 
 
 @pytest.mark.parametrize("name", LAUNCHERS)

@@ -28,13 +28,14 @@ def test_each_kind_writes_the_keys_of_its_line():
         "round": 4,
         "pruned": ["q"],
     }
-    assert MembershipEvent("join", 2, replica_id=5, replicas=3, start_seconds=1.5).to_record() == {
+    assert MembershipEvent("join", 2, replica_id=5, replicas=3, start_seconds=1.5, nodes=["a1", "b2"]).to_record() == {
         "event": "membership",
         "action": "join",
         "round": 2,
         "replica_id": 5,
         "replicas": 3,
         "start_seconds": 1.5,
+        "nodes": ["a1", "b2"],
     }
     assert MembershipEvent("scale", 7, target=4).to_record() == {
         "event": "membership",
