@@ -130,3 +130,62 @@ def test_a_gpu_ranks_sync_sends_and_holds_what_the_host_path_does(codec):
         assert_equal_values(on_gpu.residual, on_host.residual)
         assert_equal_values(on_gpu.anchor, on_host.anchor)
         assert_equal_values(local["gpu"], local["host"])
+
+
+@pytest.mark.parametrize("codec,weights", [("int4", "int8"), ("none", "none")])
+def test_a_server_on_the_gpu_steps_as_the_host_server_does(codec, weights, tmp_path):
+    """``server_gpus``: a server in-process on the GPU against one on the host, over syncs
+    of two fragments with clipping; then a checkpoint of the GPU server loads back onto the
+    GPU and sends what it sent before."""
+    from conftest import seal
+
+    from diloco_ray.config.schema import TrainerConfig
+    from diloco_ray.runtime.messages import Contribution
+    from diloco_ray.runtime.server import ParameterServer
+
+    shapes = {"embed": (40, 64), "w": (24, 64), "norm": (64,)}
+    names = list(shapes)
+
+    def server(gpus: float) -> ParameterServer:
+        cfg = TrainerConfig(
+            model_config={"model_type": "llama"},
+            dataset_name="builtin:arithmetic",
+            **dict(max_steps=4, outer_lr=0.7, outer_momentum=0.9, compression_block=16, sync_fragments=2),
+            **dict(pseudo_grad_compression=codec, weights_compression=weights, outer_grad_clip=0.5, server_gpus=gpus),
+        )
+        g = torch.Generator().manual_seed(0)
+        seed = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+        buf, _ = compression.pack_pieces(seed, dict.fromkeys(names, 0), names, "none", {"version": 0})
+        out = ParameterServer(cfg.to_dict())
+        out.initialize([buf], shapes)
+        return out
+
+    on_gpu, on_host = server(1.0), server(0.0)
+    assert all(t.device.type == "cuda" for t in on_gpu.store.params.values())
+    for r in range(3):
+        plans = dict(zip([0, 1], on_host.data_plan([0, 1])))
+        for fragment in range(2):
+            target = partition.fragments(shapes, 2)[fragment]
+            g = torch.Generator().manual_seed(10 * r + fragment)
+            contributions = []
+            for rid in (0, 1):
+                pieces = {n: 0.05 * torch.randn(iv[1] - iv[0], *shapes[n][1:], generator=g) for n, iv in target.items()}
+                buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, names, codec, {})
+                contributions.append(Contribution(rid, [buf], 1.0 + rid))
+            messages = []
+            for srv in (on_gpu, on_host):
+                applied = srv.commit(plans, srv.reduce(srv.prepare(fragment, contributions)))
+                messages.append(srv.new_weights_message(fragment).copy())
+                assert applied.applied
+            got = [compression.unpack_pieces(m, names)[0] for m in messages]
+            for n in got[1]:
+                torch.testing.assert_close(got[0][n][1], got[1][n][1], rtol=1e-5, atol=1e-6)
+    sent = on_gpu.full_weights().copy()
+    on_gpu.save(str(tmp_path))
+    seal(tmp_path)
+    again = server(1.0)
+    again.load(str(tmp_path))
+    assert all(t.device.type == "cuda" for t in again.store.params.values())
+    assert np.array_equal(
+        compression.unpack(again.full_weights())[0]["0"].numpy(), compression.unpack(sent)[0]["0"].numpy()
+    )
