@@ -6,7 +6,9 @@ there (:mod:`diloco_ray.algo.device_message`): ``anchor - local`` is written int
 scratch, encoded and fed back on the device, and only the finished messages come down, in
 one pinned buffer. Elsewhere it runs on the host (:mod:`diloco_ray.algo.compression`): a CPU
 rank, or a GPU rank whose anchor is kept in host memory (``anchor_on_host``, which trades the
-GPU's speed here for 4 bytes per parameter of GPU memory). Both write the same bytes.
+GPU's speed here for 4 bytes per parameter of GPU memory). Both write the same bytes. On
+the device a server's message is built whole before it comes down: its size (4 bytes per
+parameter sent with ``none``, 1 with ``int8``) is GPU memory the sync holds while it runs.
 :class:`~diloco_ray.algo.rank_sync.RankSync` decides what to send and apply; this module
 only does it.
 """
