@@ -36,8 +36,8 @@ def packbits(bits: torch.Tensor) -> torch.Tensor:
     pad = -bits.numel() % 8
     if pad:
         bits = torch.cat([bits, bits.new_zeros(pad)])
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    return (bits.view(-1, 8) << shifts).sum(1, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    return (bits.view(-1, 8).to(torch.int32) << shifts).sum(1).to(torch.uint8)
 
 
 def unpackbits(data: torch.Tensor) -> torch.Tensor:
