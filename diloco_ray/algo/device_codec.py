@@ -45,13 +45,16 @@ def device_step(numel: int, codec: str, block: int, fraction: float) -> int:
 
 def _quantise(flat: torch.Tensor, codec: str, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Blockwise absmax quantisation, :func:`diloco_ray.algo.codecs._quantise` with its
-    constants made on ``flat``'s device: (q as int8 of len(flat), fp32 scale per block)."""
+    constants made on ``flat``'s device: (q as int8 of len(flat), fp32 scale per block).
+    Every division is by a tensor, correctly rounded as the host's is."""
     n, qmax = flat.numel(), _QMAX[codec]
     blocks = -(-n // block)
     padded = torch.nn.functional.pad(flat, (0, blocks * block - n)).view(blocks, block)
     finite = torch.isfinite(padded)
     clean = torch.where(finite, padded, torch.zeros((), device=flat.device))
-    scale = clean.abs().amax(dim=1) / qmax
+    # Divided by a tensor, not a Python number: CUDA divides by a host scalar as a multiply
+    # by its reciprocal, a bit off the host's division now and then.
+    scale = clean.abs().amax(dim=1) / torch.full((), float(qmax), device=flat.device)
     scale = torch.where(finite.all(dim=1), scale, torch.full((), math.nan, device=flat.device))
     divisor = torch.where(scale > 0, scale, torch.ones((), device=flat.device))
     q = torch.round(clean / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
