@@ -1,92 +1,109 @@
-"""The codecs' encode + decode on a GPU, in ns per parameter: ``bench/run.py``'s GPU figure.
+"""The codecs' real device path on a GPU, in ns per parameter: ``bench/run.py``'s GPU figure,
+and ``python bench/device_codec.py`` for its parts.
 
-``compression.pack_pieces`` / ``unpack_pieces`` do not run on the device: they accept CUDA
-tensors, but copy each one into a host scratch tensor and encode it there into a numpy
-message (``unpack_pieces`` decodes into host tensors). What a codec could do on the device
-is its arithmetic, so that is what this times, on one flat fp32 tensor where it lives:
+What a GPU rank does with a pseudo-gradient and a weights message
+(``diloco_ray.algo.device_message``), on one flat fp32 tensor of ``numel`` values:
 
-* ``none``: the values are the message: one copy.
-* ``fp16`` / ``bf16``: saturate finite values, cast down, cast back to fp32.
-* ``int8`` / ``int4``: blockwise absmax quantise (a NaN scale for a block holding NaN/Inf),
-  int4's nibble packing and unpacking, dequantise.
+* encode: the message built on the device (header copied up, values encoded there);
+* down: the message brought to the host through one pinned buffer (``to_host``);
+* up + decode: a host message staged into pinned memory, copied up and decoded there
+  (``unpack_pieces``).
 
-The arithmetic mirrors ``diloco_ray.algo.codecs`` (``_quantise``, ``_encode``,
-``_decode_range``) with constants made on the tensor's device (``_quantise`` makes them
-on the host, which CUDA ops do not all accept); :func:`check_against_pack` holds the two
-to the same values. Timed with CUDA events around ``repeats`` round trips after warm-up.
+:func:`ns_per_param` is the round trip of all three, each step waited for as the rank waits
+for it. :func:`check_against_pack` first holds the device path to the host's
+``compression.pack`` / ``unpack``: the same values decoded (and, topk aside, the same bytes).
+Without CUDA it prints that it is skipped.
 """
 
 from __future__ import annotations
 
-import math
+import argparse
+import os
+import sys
+import time
 
+import numpy as np
 import torch
 
-from diloco_ray.algo import codecs, compression
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from diloco_ray.algo import codecs, compression, device_message  # noqa: E402
 
 
-def _quantise(flat: torch.Tensor, qmax: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``codecs._quantise`` on ``flat``'s device: (q as int8, fp32 scale per block)."""
-    n = flat.numel()
-    blocks = -(-n // block)
-    padded = torch.nn.functional.pad(flat, (0, blocks * block - n)).view(blocks, block)
-    finite = torch.isfinite(padded)
-    clean = torch.where(finite, padded, torch.zeros((), device=flat.device))
-    scale = clean.abs().amax(dim=1) / qmax
-    scale = torch.where(finite.all(dim=1), scale, torch.full((), math.nan, device=flat.device))
-    divisor = torch.where(scale > 0, scale, torch.ones((), device=flat.device))
-    q = torch.round(clean / divisor[:, None]).clamp_(-qmax, qmax).to(torch.int8)
-    return q.view(-1)[:n], scale
+def encode(flat: torch.Tensor, codec: str, block: int = codecs.DEFAULT_BLOCK) -> torch.Tensor:
+    """One tensor's message, built on ``flat``'s device (the rank's pack of a pseudo-gradient)."""
+    shapes, fill = {"x": tuple(flat.shape)}, lambda _, out: out.copy_(flat)
+    return device_message.pack_pieces_filled(shapes, {"x": 0}, ["x"], fill, codec, {}, block=block, device=flat.device)
 
 
-def _int4_round_trip(q: torch.Tensor) -> torch.Tensor:
-    """Pack int4 values two to a byte (first in the low nibble) and unpack them again."""
-    nibbles = (q.to(torch.int16) + 8).to(torch.uint8)
-    if nibbles.numel() % 2:
-        nibbles = torch.cat([nibbles, torch.zeros(1, dtype=torch.uint8, device=q.device)])
-    packed = nibbles[0::2] | (nibbles[1::2] << 4)
-    pairs = torch.stack([packed & 0x0F, packed >> 4], dim=1).view(-1)[: q.numel()]
-    return pairs.to(torch.int16) - 8
+def decode(buf: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host message's tensor, decoded on ``device`` (the rank's apply of a weights message)."""
+    pieces, _ = device_message.unpack_pieces(buf, ["x"], device)
+    return pieces["x"][1]
 
 
-def round_trip(flat: torch.Tensor, codec: str, block: int = codecs.DEFAULT_BLOCK) -> torch.Tensor:
-    """Encode and decode one flat fp32 tensor with ``codec`` on its own device."""
-    if codec == "none":
-        return flat.clone()
-    if codec in ("fp16", "bf16"):
-        limit = codecs._FP16_MAX if codec == "fp16" else codecs._BF16_MAX
-        saturated = torch.where(torch.isinf(flat), flat, flat.clamp(-limit, limit))
-        return saturated.to(torch.float16 if codec == "fp16" else torch.bfloat16).float()
-    q, scale = _quantise(flat, codecs._QMAX[codec], block)
-    values = _int4_round_trip(q) if codec == "int4" else q
-    out = torch.zeros(scale.numel() * block, device=flat.device)
-    out[: flat.numel()] = values
-    out.view(-1, block).mul_(scale[:, None])  # a NaN scale makes its whole block NaN
-    return out[: flat.numel()]
-
-
-def check_against_pack(codec: str, block: int = codecs.DEFAULT_BLOCK) -> None:
-    """Raise if :func:`round_trip` decodes other values than ``compression.pack`` + ``unpack``
-    (on the host, a few blocks with a zero block and an odd length)."""
+def check_against_pack(codec: str, block: int = codecs.DEFAULT_BLOCK, device: str = "cuda") -> None:
+    """Raise if the device path decodes other values than ``compression.pack`` + ``unpack``
+    on the host (a few blocks with a zero block and an odd length), or writes other bytes
+    (topk's entries may stand in another order within a block: its values are compared)."""
     flat = torch.randn(3 * block + 1, generator=torch.Generator().manual_seed(0))
     flat[block : 2 * block] = 0
-    expected = compression.unpack(compression.pack({"x": flat}, codec, block=block))[0]["x"]
-    if not torch.equal(round_trip(flat, codec, block), expected):
-        raise AssertionError(f"bench/device_codec.py's {codec} round trip differs from compression.pack/unpack")
+    host, _ = compression.pack_pieces({"x": flat}, {"x": 0}, ["x"], codec, {}, block=block)
+    (down,) = device_message.to_host([encode(flat.to(device), codec, block)])
+    if codec != "topk" and not np.array_equal(down, host):
+        raise AssertionError(f"the device path's {codec} message differs from compression.pack_pieces'")
+    expected = compression.unpack_pieces(host, ["x"])[0]["x"][1]
+    if not torch.equal(decode(down, torch.device(device)).cpu(), expected):
+        raise AssertionError(f"the device path's {codec} values differ from compression.unpack_pieces'")
+
+
+def timings(codec: str, numel: int = 1 << 26, repeats: int = 10, device: str = "cuda") -> dict[str, float]:
+    """Mean ns per value of each step over ``repeats`` round trips after two warm-up ones
+    (which also fill the pinned-memory cache): ``encode``, ``down``, ``up_decode``."""
+    check_against_pack(codec, device=device)
+    flat = torch.randn(numel, device=device)
+    where = torch.device(device)
+    spent = {"encode": 0.0, "down": 0.0, "up_decode": 0.0}
+    for trip in range(repeats + 2):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        message = encode(flat, codec)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        (down,) = device_message.to_host([message])
+        t2 = time.perf_counter()
+        decode(down, where)
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        if trip >= 2:
+            for key, seconds in zip(spent, (t1 - t0, t2 - t1, t3 - t2)):
+                spent[key] += seconds
+    return {key: seconds * 1e9 / (repeats * numel) for key, seconds in spent.items()}
 
 
 def ns_per_param(codec: str, numel: int = 1 << 26, repeats: int = 10, device: str = "cuda") -> float:
-    """Mean ns per value over ``repeats`` encode + decode round trips of ``numel``
-    fp32 values on ``device`` (CUDA events; two warm-up trips first)."""
-    check_against_pack(codec)
-    flat = torch.randn(numel, device=device)
-    for _ in range(2):
-        round_trip(flat, codec)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(repeats):
-        round_trip(flat, codec)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e6 / (repeats * numel)  # ms -> ns
+    """Mean ns per value of the whole round trip: encode on the device, the message down,
+    back up and decoded there (see :func:`timings`)."""
+    return sum(timings(codec, numel, repeats, device).values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--numel", type=int, default=1 << 26)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--codecs", default=",".join(codecs.CODECS))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("device_codec: skipped: no CUDA device (torch.cuda.is_available() is False)")
+        return 0
+    print(f"{torch.cuda.get_device_name()}, {args.numel:,} fp32 values, ns per value")
+    print(f"{'codec':6} {'encode':>8} {'down':>8} {'up+dec':>8} {'total':>8} {'B/value':>8}")
+    for codec in args.codecs.split(","):
+        t = timings(codec, args.numel, args.repeats)
+        size = codecs.codec_nbytes(args.numel, codec) / args.numel
+        print(f"{codec:6} {t['encode']:8.4f} {t['down']:8.4f} {t['up_decode']:8.4f} {sum(t.values()):8.4f} {size:8.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,10 +3,14 @@
 Builds a Llama-style model through the rank's own path (``modeling.build_model``: meta
 device, then only the rank's rows allocated on the GPU and filled), runs AdamW inner steps
 in bf16 autocast with gradient checkpointing, and times one pseudo-gradient pack
-(``RankSync.outgoing``) with the anchor on the GPU and in pinned host memory. Prints
-tokens/s, MFU (6 x parameters x tokens/s over the GPU's dense bf16 peak), peak GPU memory
-in bytes per parameter, and sync seconds per parameter. For the device tool: Ray is not
-installed there, so the rank's parts are driven directly.
+(``RankSync.outgoing``: ``anchor - local``, encoded, as host bytes Ray can take) per codec,
+three ways: on the GPU (the rank's default: encoded there, one pinned copy down), the old
+host path with the anchor on the GPU (each tensor copied down and encoded on the host), and
+``anchor_on_host``. Each pack is timed on its second call (the first allocates the pinned
+buffer and the residual). Prints tokens/s, MFU (6 x parameters x tokens/s over the GPU's
+dense bf16 peak), peak GPU memory in bytes per parameter, and ns per parameter of each pack.
+For the device tool: Ray is not installed there, so the rank's parts are driven directly.
+Without CUDA it prints that it is skipped.
 """
 
 from __future__ import annotations
@@ -36,7 +40,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--codecs", default="none,int8,topk", help="codecs the GPU pack is timed with")
+    ap.add_argument("--host-codecs", default="none", help="codecs the host paths are timed with (slow)")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_rank: skipped: no CUDA device (torch.cuda.is_available() is False)")
+        return
     arch = {
         "model_type": "llama",
         "hidden_size": args.hidden,
@@ -90,21 +99,35 @@ def main() -> None:
         f"(6 N T / {peak / 1e12:.0f} TFLOP/s), loss {float(loss):.3f}"
     )
     print(f"GPU peak in training {torch.cuda.max_memory_allocated() / n:.2f} B/param (AdamW fp32 floor 16 + anchor 4)")
-    for on_host in (False, True):
-        shapes = {k: tuple(p.shape) for k, p in params.items()}
-        sync = RankSync(shapes, 1, 0, anchor_on_host=on_host)
-        local = {k: p.data for k, p in params.items()}
-        sync.anchor = {k: sync._new_anchor(p) for k, p in local.items()}
+    local = {k: p.data for k, p in params.items()}
+    for codec in args.codecs.split(","):
+        time_pack(local, n, codec, "on the GPU")
+    for codec in args.host_codecs.split(","):
+        time_pack(local, n, codec, "host path, anchor on the GPU")
+        time_pack(local, n, codec, "anchor_on_host")
+
+
+def time_pack(local: dict, n: int, codec: str, way: str) -> float:
+    """Seconds of one ``RankSync.outgoing`` of ``local`` (against an anchor a little off,
+    so there is a pseudo-gradient to encode) done ``way``, timed on its second call."""
+    shapes = {k: tuple(p.shape) for k, p in local.items()}
+    sync = RankSync(shapes, 1, 0, codec=codec, anchor_on_host=way == "anchor_on_host")
+    sync.on_device = None if way != "host path, anchor on the GPU" else False
+    sync.anchor = {k: sync._new_anchor(p) for k, p in local.items()}
+    for anchor in sync.anchor.values():
+        anchor.add_(1e-3)
+    for _ in range(2):
+        buf = None  # the first call's pinned buffer goes back to torch's cache for the second
         torch.cuda.synchronize()
         t = time.perf_counter()
         (buf,) = sync.outgoing(0, local)
         s = time.perf_counter() - t
-        print(
-            f"sync pack, anchor {'in pinned host memory' if on_host else 'on the GPU'}: {s:.2f} s "
-            f"= {s / n * 1e9:.2f} ns/param, message {buf.nbytes / n:.2f} B/param, "
-            f"GPU now {torch.cuda.memory_allocated() / n:.2f} B/param"
-        )
-        del sync, buf
+    print(
+        f"sync pack {codec:5} {way:28}: {s:.3f} s = {s / n * 1e9:.3f} ns/param, message {buf.nbytes / n:.3f} B/param, "
+        f"GPU now {torch.cuda.memory_allocated() / n:.2f} B/param"
+    )
+    del sync, buf
+    return s
 
 
 if __name__ == "__main__":

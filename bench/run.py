@@ -24,8 +24,9 @@ The figures (goals from the project's issue tracker):
   counts moved (``bytes_up + bytes_down``) and per parameter. Reported, no goal: on 2
   shared cores it measures how many passes over memory 4 ranks and a server make, not a
   network.
-* ``gpu_encode_decode_ns_per_param_<codec>``: each codec's encode + decode of 64M fp32
-  values on a GPU (``bench/device_codec.py``; ``pack_pieces`` itself encodes on the host).
+* ``gpu_encode_decode_ns_per_param_<codec>``: each codec's round trip of 64M fp32 values
+  through the device path (``bench/device_codec.py``: encoded on the GPU, down through
+  pinned memory, up again and decoded there).
   Reported; skipped, with the reason, where ``torch.cuda.is_available()`` is False.
 * ``comm_reduction_vs_ddp``: bytes data parallelism all-reduces for the same tokens (a
   ring all-reduce sends 2 x params x 4 bytes per worker per step) / bytes diloco-ray moves,
@@ -260,7 +261,7 @@ class Bench:
             self.figure(
                 f"gpu_encode_decode_ns_per_param_{codec}",
                 device_codec.ns_per_param(codec),
-                f"64M fp32 values encoded and decoded on {torch.cuda.get_device_name()} (CUDA events)",
+                f"64M fp32 values encoded, copied down and up, decoded on {torch.cuda.get_device_name()}",
             )
 
     def recovery(self) -> None:
@@ -335,10 +336,11 @@ NOTES = """## Notes
   and was retired. Lossy codecs encode and decode on the host (both ways here): on
   2026-11-25, at load 7-14, they moved 2-8x fewer bytes than `none` but took 3.7-5.5x
   longer per parameter (48-73 ns against 13 ns); where that time goes is not profiled yet.
-- **`gpu_encode_decode_ns_per_param_*`** times only the codec's arithmetic on the device
-  (`bench/device_codec.py`, checked value for value against `compression.pack`/`unpack`):
-  `pack_pieces` itself copies CUDA tensors to the host and encodes there. Not measured
-  yet: the 2-core development machine has no GPU, and there it prints as skipped.
+- **`gpu_encode_decode_ns_per_param_*`** times the device path a GPU rank takes
+  (`bench/device_codec.py`, checked against `compression.pack`/`unpack`): the message
+  encoded on the GPU, brought down through one pinned buffer, staged back up and decoded
+  there. Not measured yet: the 2-core development machine has no GPU, and there it prints
+  as skipped.
 - **`comm_reduction_vs_ddp`** is computed at TrainerConfig's default H = 500; at
   tiny.yaml's H = 30 the same bytes are a 48x reduction (int8 up, fp32 down; int8
   both ways doubles it).

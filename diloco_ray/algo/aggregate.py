@@ -176,7 +176,7 @@ def add_corrected(
     for name, span, piece in found:
         by_name.setdefault(name, []).append((span, piece))
     for name, parts in by_name.items():
-        whole = torch.empty(acc[name].shape)
+        whole = torch.empty(acc[name].shape, device=acc[name].device)
         for span, piece in parts:
             partition.put(whole, span, check_finite(piece.decode(), name), offset=first_row[name])
         momentum = momentum_of(name)
@@ -238,6 +238,8 @@ def sum_of_squares(t: Tensor, chunk: int = 1 << 16) -> float:
     flat = t.reshape(-1)
     if not flat.numel():
         return 0.0
+    if flat.device.type != "cpu":
+        return decoupled.sumsq_there(flat)
     scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float64)
     total = 0.0
     for part in flat.split(chunk):

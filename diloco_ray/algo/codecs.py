@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Optional
 
 import numpy as np
 import torch
@@ -57,14 +58,16 @@ def codec_nbytes(numel: int, codec: str, block: int = DEFAULT_BLOCK, fraction: f
     return sum(sections(numel, codec, block, fraction))
 
 
-def chunk_step(numel: int, codec: str, block: int, fraction: float) -> int:
+def chunk_step(numel: int, codec: str, block: int, fraction: float, chunk: Optional[int] = None) -> int:
     """Values encoded or decoded at a time: whole blocks whose bytes start on a byte
-    boundary (an even count of int4 blocks; a multiple of 8 topk blocks)."""
+    boundary (an even count of int4 blocks; a multiple of 8 topk blocks), about ``chunk``
+    values (default: the host's bound on the codec's scratch memory)."""
+    chunk = _CHUNK if chunk is None else chunk
     if codec == "topk":
-        return topk.chunk_values(numel, block, fraction, _CHUNK)
+        return topk.chunk_values(numel, block, fraction, chunk)
     if codec in _QMAX:
-        return max(2, (_CHUNK // block) // 2 * 2) * block
-    return _CHUNK
+        return max(2, (chunk // block) // 2 * 2) * block
+    return chunk
 
 
 def _as_le_bytes(array: np.ndarray, le_dtype: str) -> np.ndarray:

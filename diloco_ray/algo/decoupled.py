@@ -63,6 +63,8 @@ from typing import Mapping, Optional
 
 import torch
 
+from diloco_ray.algo.device_codec import DEVICE_CHUNK
+
 CYCLE_EPS = 1e-9  # round-off allowance when fractions of a round add up to a whole one
 
 
@@ -267,6 +269,8 @@ def cycle_sumsq(cycle: Optional[torch.Tensor], grad: torch.Tensor, chunk: int = 
     flat = grad.reshape(-1)
     if not flat.numel():
         return 0.0
+    if flat.device.type != "cpu":
+        return sumsq_there(flat, cycle)
     parts = flat.split(chunk)
     others = cycle.reshape(-1).split(chunk) if cycle is not None else [None] * len(parts)
     scratch = torch.empty(min(chunk, flat.numel()), dtype=torch.float64)
@@ -277,6 +281,23 @@ def cycle_sumsq(cycle: Optional[torch.Tensor], grad: torch.Tensor, chunk: int = 
             wide.add_(other)
         total += float(torch.dot(wide, wide))
     return total
+
+
+def sumsq_there(values: torch.Tensor, other: Optional[torch.Tensor] = None) -> float:
+    """The sum of squares of ``values`` (plus ``other``, of its size), in float64 on their
+    own device: a large chunk at a time, summed there and read once. A server's GPU's way
+    (``server_gpus``): the host's -- a small chunk at a time through one reused scratch,
+    each read as it is done -- would wait on the GPU for every chunk."""
+    flat = values.reshape(-1)
+    parts = flat.split(DEVICE_CHUNK)
+    others = other.reshape(-1).split(DEVICE_CHUNK) if other is not None else [None] * len(parts)
+    total = torch.zeros((), dtype=torch.float64, device=flat.device)
+    for part, add in zip(parts, others):
+        wide = part.double()
+        if add is not None:
+            wide.add_(add)
+        total += torch.dot(wide, wide)
+    return float(total)
 
 
 @torch.no_grad()

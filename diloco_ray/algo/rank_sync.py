@@ -16,6 +16,11 @@ Messages are :func:`compression.pack` buffers whose meta carries ``rows`` (the f
 of each piece), ``version`` and, for fragment messages, ``fragment``; with
 ``weights_compression`` they hold a ``delta`` against the previous version instead of
 values.
+
+Where the work happens (:mod:`diloco_ray.algo.rank_codec`): on a GPU rank, unless
+``anchor_on_host``, the anchor and the residuals live on the GPU, the pseudo-gradient is
+taken, encoded and fed back there, only the encoded messages come down, and a weights
+message goes up once and is decoded there; elsewhere all of it runs on the host.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import codecs, compression, links, partition
+from diloco_ray.algo import codecs, compression, links, partition, rank_codec
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.sections import SyncCodecSection
 
@@ -54,7 +59,10 @@ class RankSync:
         decay: ``error_feedback_decay``.
 
     A rank builds it from its :class:`~diloco_ray.config.sections.SyncCodecSection` with
-    :meth:`of`; the plain arguments are for tests and benchmarks.
+    :meth:`of`; the plain arguments are for tests and benchmarks, and so is the attribute
+    ``on_device``: None (the default) works on a GPU rank's device unless ``anchor_on_host``
+    (see the module docstring); True runs the device code even on the host, with CPU
+    kernels, and False the host code even for a GPU's rows, to compare the two.
     """
 
     def __init__(
@@ -78,6 +86,7 @@ class RankSync:
         self.world_size, self.rank = world_size, rank
         self.codec, self.alpha, self.block, self.fraction = codec, alpha, block, fraction
         self.anchor_on_host = anchor_on_host
+        self.on_device: Optional[bool] = None
         self.error_feedback = (error_feedback or codec == "topk") and codec != "none"
         self.decay = decay  # the residual's weight in the next sync (error_feedback_decay)
         # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
@@ -157,8 +166,9 @@ class RankSync:
             NeedsFullLoad: a fragment message does not follow the version held.
         """
         sent: dict = {}
+        device = rank_codec.device_of(local)
         for s, buf in enumerate(buffers):
-            pieces, meta = compression.unpack_pieces(buf, self.names)
+            pieces, meta = self._decode(buf, device)
             full = meta.get("fragment") is None
             if full:
                 self.sent_local = {}  # replaced: nothing in flight is merged any more
@@ -220,6 +230,13 @@ class RankSync:
         else:
             rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
 
+    def _works_on_device(self, device: torch.device) -> bool:
+        return rank_codec.works_on_device(device, self.anchor_on_host, self.on_device)
+
+    def _decode(self, buf, device: torch.device) -> tuple[dict, dict]:
+        """A message's pieces, decoded where the sync of rows on ``device`` works."""
+        return rank_codec.decode(buf, self.names, device, self._works_on_device(device))
+
     def _new_anchor(self, local: torch.Tensor) -> torch.Tensor:
         """An fp32 copy of ``local`` where the anchor lives: beside it, or on the host."""
         if not (self.anchor_on_host and local.device.type == "cuda"):
@@ -238,7 +255,15 @@ class RankSync:
         """This rank's pseudo-gradient ``anchor - local`` of ``fragment``, one packed
         buffer per server, through the codec (with error feedback when enabled). With error
         feedback the buffers are kept under ``attempt`` (the driver's launch counter) until
-        :meth:`settle` hears whether the servers applied them."""
+        :meth:`settle` hears whether the servers applied them.
+
+        On a GPU the messages are built there and come down together through one pinned
+        buffer (:func:`~diloco_ray.algo.device_message.to_host`), waited for before this
+        returns. With ``overlap_communication`` that copy does not
+        overlap the next inner steps: the rank's period must hand Ray host bytes when it
+        returns, before the next period's steps start. What overlaps them is what follows
+        the copy -- the transfer to the servers, their outer step and the weights coming
+        back -- as on the host path."""
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
         link_bytes = self.world_size * sum(
@@ -252,7 +277,9 @@ class RankSync:
                 n: (iv[0], partition.take(local[n], iv, self.held[n][0]).detach().float().clone())
                 for n, iv in held.items()
             }
-        buffers = [self._pack_difference(rows, local, stamp) for rows in plan]
+        device = rank_codec.device_of(local)
+        where = device if self._works_on_device(device) else None
+        buffers = rank_codec.to_host([self._pack_difference(rows, local, stamp, where) for rows in plan])
         if self.error_feedback and attempt is not None:
             self.unsettled[attempt] = buffers
         return buffers
@@ -287,44 +314,38 @@ class RankSync:
     def _add_to_residual(self, buffers: Sequence[np.ndarray]) -> None:
         """Add the values these buffers carried (decoded as the servers decode them) into
         the residual of their rows."""
+        device = rank_codec.device_of(self.anchor)
         for buf in buffers:
-            pieces, _ = compression.unpack_pieces(buf, self.names)
+            pieces, _ = self._decode(buf, device)
             for name, (start, values) in pieces.items():
                 rows = self._residual_rows({name: (start, start + partition.num_rows(values.shape))})[name]
                 rows.add_(values.view(rows.shape))
 
-    def _pack_difference(self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict) -> np.ndarray:
-        """``anchor - local`` of ``rows`` packed for one server, with its residual decayed
-        and fed back when error feedback is on."""
+    def _pack_difference(
+        self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict, device: Optional[torch.device]
+    ):
+        """``anchor - local`` of ``rows`` packed for one server (built on ``device``, or on
+        the host for None), with its residual decayed and fed back when error feedback is on."""
         residual = self._residual_rows(rows) if self.error_feedback else None
         if residual is not None and self.decay != 1.0:
             for view in residual.values():
                 view.mul_(self.decay)
-
-        def fill(name: str, into: torch.Tensor) -> None:
-            offset = self.held[name][0]
-            anchor = partition.take(self.anchor[name], rows[name], offset)
-            _difference_into(anchor, partition.take(local[name], rows[name], offset), into.view(anchor.shape))
-
-        return compression.pack_pieces_filled(
-            {n: partition.take(self.anchor[n], iv, self.held[n][0]).shape for n, iv in rows.items()},
-            {n: iv[0] for n, iv in rows.items()},
-            self.names,
-            fill,
-            self.codec,
-            meta,
-            residual,
-            self.block,
-            fraction=self.fraction,
-        )
+        anchor = {n: partition.take(self.anchor[n], iv, self.held[n][0]) for n, iv in rows.items()}
+        mine = {n: partition.take(local[n], iv, self.held[n][0]) for n, iv in rows.items()}
+        starts = {n: iv[0] for n, iv in rows.items()}
+        args = (self.names, self.codec, meta, residual, self.block, self.fraction)
+        return rank_codec.pack_difference(anchor, mine, starts, *args, device=device)
 
     def _residual_rows(self, rows: partition.Rows) -> dict[str, torch.Tensor]:
         """Views of the error-feedback residual of ``rows`` (zeros for a new parameter),
-        which the codec updates in place."""
+        which the codec updates in place. It lives where the codec works: beside the anchor
+        when that is on the device, else on the host (a checkpoint's moves there when used)."""
         views = {}
         for name, iv in rows.items():
-            if name not in self.residual:
-                self.residual[name] = torch.zeros(self.anchor[name].shape)  # on the host, like the codec
+            device = self.anchor[name].device
+            home = device if self._works_on_device(device) else torch.device("cpu")
+            held = self.residual.get(name)
+            self.residual[name] = torch.zeros(self.anchor[name].shape, device=home) if held is None else held.to(home)
             views[name] = partition.take(self.residual[name], iv, self.held[name][0])
         return views
 
@@ -372,18 +393,6 @@ class RankSync:
             self.versions = list(state["versions"])
             sent = state.get("sent_local") or {}
             self.sent_local = {f: {n: (r, t.clone()) for n, (r, t) in rows.items()} for f, rows in sent.items()}
-
-
-def _difference_into(anchor: torch.Tensor, local_rows: torch.Tensor, into: torch.Tensor) -> None:
-    """Write ``anchor - local_rows`` into ``into`` (of the anchor's shape), straight into the
-    message: no full-size temporary, wherever the three tensors live."""
-    if local_rows.device == into.device:
-        torch.sub(anchor, local_rows, out=into)
-    elif anchor.device == into.device:  # anchor on the host: the rows come down first
-        into.copy_(local_rows)
-        torch.sub(anchor, into, out=into)
-    else:  # rows on a GPU: one tensor's difference there, then to the host
-        into.copy_(anchor - local_rows.float())
 
 
 def _span(s: slice) -> tuple[int, int]:

@@ -209,6 +209,7 @@ class ConfigFields(DerivedValues):
     device: Literal["auto", "cpu", "cuda"] = _f(PLACEMENT, "auto", "where ranks run: cuda if the cluster has GPUs (auto), or forced")
     cpus_per_rank: float = _f(PLACEMENT, 1.0, "Ray CPUs reserved per rank actor (also its torch threads)", gt=0.0)
     server_cpus: float = _f(PLACEMENT, 1.0, "Ray CPUs reserved for the parameter-server actor", ge=0.0)
+    server_gpus: float = _f(PLACEMENT, 0.0, "Ray GPUs each parameter-server actor takes, at most 1 (a server uses one; a fraction lets servers share one): the replicas' messages are decoded, summed and stepped there and the weights messages built there (0: the servers work on the host)", ge=0.0, le=1.0)
     server_resources: Union[dict, list] = _f(PLACEMENT, {}, "custom Ray resources the server actors need, to pin them to nodes (e.g. {head: 1}); a list gives one mapping per server actor")
     replica_resources: Union[dict, list] = _f(PLACEMENT, {}, "custom Ray resources every rank of a replica needs, to pin replicas to nodes or regions (e.g. {region-us: 1}); a list gives one mapping per replica id (id i takes entry i mod the list's length)")
     num_param_servers: int = _f((PLACEMENT, CHECKPOINTING), 1, "parameter-server actors; the parameters are split over them, balanced by bytes", ge=1)

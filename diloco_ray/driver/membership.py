@@ -86,8 +86,9 @@ def capacity_shortfall(placement: PlacementSection, num_replicas: int, device: s
         if isinstance(placement.server_resources, list)
         else [placement.server_resources] * placement.num_param_servers
     )
+    server_gpus = {"GPU": placement.server_gpus} if placement.server_gpus else {}
     for extra in servers:
-        add({"CPU": placement.server_cpus, **extra})
+        add({"CPU": placement.server_cpus, **server_gpus, **extra})
     short = {
         name: (amount, available.get(name, 0.0))
         for name, amount in need.items()

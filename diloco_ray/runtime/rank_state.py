@@ -116,7 +116,7 @@ class RankState:
         saved = self.round_start.load(round_index)  # a fresh copy each time: load_state_dict may alias it
         if saved is not None:
             self._restore_optimizer_and_rng(saved)
-            self.sync.residual = {n: t.to("cpu") for n, t in saved["residual"].items()}
+            self.sync.residual = dict(saved["residual"])  # fresh copies, where they were kept
             if not keep:
                 self.round_start.clear()
 

@@ -18,6 +18,11 @@ keeps the round index. A sync of one fragment (the whole model unless
 A sync commits or aborts as one unit: the step, the version, the fragment, the round and
 the data cursor move together in :meth:`~ParameterServer.commit`, or none of them does.
 
+With ``server_gpus`` a server holds its rows, their outer state and its sum on the GPU Ray
+gives it: the replicas' buffers are decoded there, summed there, stepped there, and the
+weights messages are built there and come down through pinned memory. Without, all of it is
+on the host.
+
 The actor is thin: it owns named parts and delegates to them. Its rows and where they
 stand are a :class:`~diloco_ray.runtime.server_store.SliceStore` (the data cursor a
 :class:`~diloco_ray.runtime.server_store.PlanLedger`); the sum of a sync an
@@ -65,6 +70,23 @@ def warm_optimizer_imports(outer_optim: OuterOptimSection) -> None:
         pass
 
 
+def server_device(server_gpus: float) -> torch.device:
+    """Where a server's tensors live: the GPU Ray gave it (it sees only that one) when it
+    takes one, else the host.
+
+    Raises:
+        ConfigError: ``server_gpus`` is set but this process sees no CUDA device.
+    """
+    if not server_gpus:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"server_gpus: {server_gpus:g} but this parameter server sees no CUDA device "
+            "(a CPU-only torch, or no GPU on its node); set server_gpus: 0 to keep the servers on the host"
+        )
+    return torch.device("cuda", 0)
+
+
 class ParameterServer:
     """Holds one slice of the global model state and applies outer updates to it.
 
@@ -87,6 +109,7 @@ class ParameterServer:
         torch.set_num_threads(max(1, int(sections.placement.server_cpus)))
         host_memory.fix_mmap_threshold(host_memory.SERVER_THRESHOLD)
         self.decoupled = sections.run.sync_mode == "decoupled"
+        self.device = server_device(sections.placement.server_gpus)
         self.plans = PlanLedger(job.sequences_for, owner=f"server {index}")
         self.checkpoint = ServerCheckpoint(index, sections.checkpointing)
         # The parts that know the model's rows come with its shapes (initialize or load).
@@ -102,7 +125,9 @@ class ParameterServer:
         """The parts that need only the rows: layout, codec and aggregator."""
         links = self.sync_codec
         self.layout = SliceLayout(shapes, self.index, self.num_servers, links.sync_fragments)
-        self.codec = SliceCodec(self.layout, links.compression_block, links.topk_fraction, allocate=self._message_space)
+        self.codec = SliceCodec(
+            self.layout, links.compression_block, links.topk_fraction, allocate=self._message_space, device=self.device
+        )
         correct = self.merging.stale_correction == "momentum"
         by_cycle = (
             self.decoupled
@@ -118,8 +143,8 @@ class ParameterServer:
 
     def _hold(self, params: dict) -> OuterOptimizer:
         """The parts that hold the rows: the store (around a new outer optimizer over
-        ``params``, optimizer pieces by key) and the outbox."""
-        optimizer = OuterOptimizer(params, self.outer_optim)
+        ``params``, optimizer pieces by key) and the outbox, on the server's device."""
+        optimizer = OuterOptimizer({k: t.to(self.device) for k, t in params.items()}, self.outer_optim)
         self.store = SliceStore(self.layout, optimizer, self.sync_codec.sync_fragments)
         self.outbox = WeightsOutbox(self.store, self.codec, self.sync_codec.weights_compression)
         return optimizer

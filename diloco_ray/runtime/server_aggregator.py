@@ -120,18 +120,23 @@ class Agreement:
 
 class SumSpace:
     """One fp32 buffer kept from sync to sync, where a sync's sum is built and, once the sum
-    is consumed, an uncompressed weights message. A fresh sum each sync would fault every
-    page of it in again, a cost on the order of the adds into it. 4 bytes per parameter of
-    the slice: the server's peak holds a sum anyway. What it hands out is valid until it
-    hands out the next."""
+    is consumed, an uncompressed weights message (on the host). A fresh sum each sync would
+    fault every page of it in again, a cost on the order of the adds into it. 4 bytes per
+    parameter of the slice: the server's peak holds a sum anyway. What it hands out is valid
+    until it hands out the next.
 
-    def __init__(self):
-        self._buffer = torch.empty(0)
+    Args:
+        device: where the buffer lives: the server's GPU (``server_gpus``) or the host.
+    """
+
+    def __init__(self, device: torch.device = torch.device("cpu")):
+        self.device = device
+        self._buffer = torch.empty(0, device=device)
 
     def _at_least(self, floats: int) -> torch.Tensor:
         if self._buffer.numel() < floats:
-            self._buffer = torch.empty(0)  # the old one goes before the new one comes
-            self._buffer = torch.empty(floats)
+            self._buffer = torch.empty(0, device=self.device)  # the old one goes before the new one comes
+            self._buffer = torch.empty(floats, device=self.device)
         return self._buffer
 
     def zeroed(self, shapes: Mapping[str, tuple]) -> dict[str, torch.Tensor]:
@@ -174,7 +179,7 @@ class Aggregator:
         self.layout, self.codec, self.momentum_of = layout, codec, momentum_of
         self.cycle_of = cycle_of
         self.pending: Optional[PendingSync] = None
-        self.space = SumSpace()
+        self.space = SumSpace(codec.device)  # the sum lives where the pieces are decoded
 
     def prepare(self, fragment: int, contributions: list[Contribution], divisor: Optional[float] = None) -> Prepared:
         """Fetch, decode and check every contribution; add the valid ones' weighted sum in
@@ -276,7 +281,8 @@ class Aggregator:
         sum in it. A sync's weights message is built after its sum was consumed, so the two
         share one buffer and the server's peak stays weights + momentum + one buffer (+ the
         cycle's gradient when clipped by the cycle). Such a message is valid until the next
-        :meth:`prepare`: through Ray it was copied into the object store when the call returned."""
-        if self.pending is not None:
+        :meth:`prepare`: through Ray it was copied into the object store when the call returned.
+        A sum on a GPU lends nothing: a message is built there and comes down on its own."""
+        if self.pending is not None or self.space.device.type != "cpu":
             return np.empty(nbytes, dtype=np.uint8)
         return self.space.as_bytes(nbytes)

@@ -2,9 +2,12 @@
 checked against the rows a sync expects, and the server's rows packed into messages.
 
 :class:`SliceCodec` knows one server's :class:`~diloco_ray.algo.slice_layout.SliceLayout`
-and the codec settings; it keeps no state between calls. Pieces are decoded as views into
-the buffers where the codec allows (nothing is copied), and an uncompressed message is
-written into memory its caller lends (the server's sum space, once no sum is in it).
+and the codec settings; it keeps no state between calls. On the host, pieces are decoded as
+views into the buffers where the codec allows (nothing is copied), and an uncompressed
+message is written into memory its caller lends (the server's sum space, once no sum is in
+it). On a server's GPU (``server_gpus``) each buffer goes up once and is decoded there, and
+a message is built there and comes down through pinned memory
+(:mod:`diloco_ray.algo.device_message`): the same bytes either way.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, partition
+from diloco_ray.algo import compression, device_message, partition
 from diloco_ray.algo.aggregate import check_finite
 from diloco_ray.algo.slice_layout import SliceLayout
 
@@ -27,7 +30,14 @@ class SliceCodec:
         layout: the rows this server holds.
         block: ``compression_block``, the values per scale of the block codecs.
         topk_fraction: the share of values the ``topk`` codec keeps.
-        allocate: ``nbytes -> np.uint8 array`` for an uncompressed message (None: a fresh array).
+        allocate: ``nbytes -> np.uint8 array`` for an uncompressed message on the host
+            (None: a fresh array).
+        device: where the server's tensors live: pieces are decoded there and messages
+            built there.
+
+    Attributes:
+        on_host: whether the host path runs (a host ``device``); tests set it False to run
+            the device path's code on the host, with CPU kernels, beside the host path.
     """
 
     def __init__(
@@ -36,10 +46,20 @@ class SliceCodec:
         block: int,
         topk_fraction: float,
         allocate: Optional[Callable[[int], np.ndarray]] = None,
+        device: torch.device = torch.device("cpu"),
     ):
         self.layout = layout
         self.block, self.topk_fraction = block, topk_fraction
         self.allocate = allocate
+        self.device = device
+        self.on_host = device.type == "cpu"
+
+    def unpack(self, buf, lazy: bool = False) -> tuple[dict, dict]:
+        """A message's pieces (name -> (first row, rows)) and meta, decoded where the
+        server's tensors live (with ``lazy``, still encoded)."""
+        if self.on_host:
+            return compression.unpack_pieces(buf, self.layout.names, lazy)
+        return device_message.unpack_pieces(buf, self.layout.names, self.device, lazy)
 
     # ---- coming in ---------------------------------------------------------------------
     def decode(self, buffers: list, target: partition.Rows) -> list:
@@ -55,7 +75,7 @@ class SliceCodec:
         found = []
         covered = dict.fromkeys(target, 0)
         for r, buf in enumerate(buffers):
-            pieces, _ = compression.unpack_pieces(buf, self.layout.names, lazy=True)
+            pieces, _ = self.unpack(buf, lazy=True)
             for name, (start, piece) in pieces.items():
                 span = (start, start + partition.num_rows(piece.shape))
                 if name not in target or partition.intersect({name: span}, target) != {name: span}:
@@ -75,7 +95,7 @@ class SliceCodec:
     def receive(self, buffers: list, target: partition.Rows) -> dict[str, torch.Tensor]:
         """Like :meth:`decode`, assembled into fp32 tensors covering ``target`` exactly,
         every value checked finite."""
-        out = {n: torch.empty(self.layout.piece_shape(n, iv)) for n, iv in target.items()}
+        out = {n: torch.empty(self.layout.piece_shape(n, iv), device=self.device) for n, iv in target.items()}
         for name, span, piece in self.decode(buffers, target):
             partition.put(out[name], span, check_finite(piece.decode(), name), offset=target[name][0])
         return out
@@ -83,31 +103,41 @@ class SliceCodec:
     # ---- going out ---------------------------------------------------------------------
     def pack(self, pieces: Mapping[str, torch.Tensor], target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
         """Rows ``target`` of the optimizer ``pieces`` (by key) as a message, stamped with
-        its send time. Uncompressed, it is written straight into :attr:`allocate`'s memory."""
+        its send time. Uncompressed on the host, it is written straight into :attr:`allocate`'s memory."""
         if codec != "none":
             return self.encode({n: self.layout.rows(pieces, n, iv) for n, iv in target.items()}, target, codec, meta)
         layout = self.layout
-        return compression.pack_pieces_filled(
+        args = (
             {n: layout.piece_shape(n, iv) for n, iv in target.items()},
             {n: iv[0] for n, iv in target.items()},
             layout.names,
             lambda n, out: out.copy_(layout.rows(pieces, n, target[n])),
             "none",
             {**meta, "sent_at": time.time()},
-            block=self.block,
-            allocate=self.allocate,
         )
+        if self.on_host:
+            return compression.pack_pieces_filled(*args, block=self.block, allocate=self.allocate)
+        return self._down(device_message.pack_pieces_filled(*args, block=self.block, device=self.device))
 
     def encode(self, named: Mapping[str, torch.Tensor], target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
         """Tensors by name, each exactly rows ``target[name]``, as a ``codec`` message
         stamped with its send time."""
-        buf, _ = compression.pack_pieces(
-            dict(named),
-            {n: iv[0] for n, iv in target.items()},
-            self.layout.names,
-            codec,
-            {**meta, "sent_at": time.time()},
+        starts, stamped = {n: iv[0] for n, iv in target.items()}, {**meta, "sent_at": time.time()}
+        if self.on_host:
+            buf, _ = compression.pack_pieces(
+                dict(named), starts, self.layout.names, codec, stamped, block=self.block, fraction=self.topk_fraction
+            )
+            return buf
+        shapes = {n: t.shape for n, t in named.items()}
+        message = device_message.pack_pieces_filled(
+            *(shapes, starts, self.layout.names, lambda n, out: out.copy_(named[n]), codec, stamped),
             block=self.block,
             fraction=self.topk_fraction,
+            device=self.device,
         )
-        return buf
+        return self._down(message)
+
+    @staticmethod
+    def _down(message: torch.Tensor) -> np.ndarray:
+        """A message built on the device, as the host array Ray is handed."""
+        return device_message.to_host([message])[0]

@@ -51,10 +51,12 @@ class ServerGroup:
         resources = placement.server_resources
         per_server = resources if isinstance(resources, list) else [resources] * count
         remote_cls = ray.remote(server_cls)
+        # A GPU only when asked for (server_gpus): Ray then shows the server that one GPU.
+        gpus = {"num_gpus": placement.server_gpus} if placement.server_gpus else {}
         self.actors = [
-            remote_cls.options(num_cpus=placement.server_cpus, resources=per_server[s] or None, name=None).remote(
-                config.to_dict(), s
-            )
+            remote_cls.options(
+                num_cpus=placement.server_cpus, resources=per_server[s] or None, name=None, **gpus
+            ).remote(config.to_dict(), s)
             for s in range(count)
         ]
 

@@ -14,7 +14,6 @@ from typing import Mapping
 
 import numpy as np
 
-from diloco_ray.algo import compression
 from diloco_ray.runtime.server_codec import SliceCodec
 from diloco_ray.runtime.server_store import SliceStore
 
@@ -42,8 +41,10 @@ class WeightsOutbox:
     def restore(self, outer: Mapping, version: int) -> None:
         """What a checkpoint kept (``held``, ``last_message``) of the messages up to ``version``."""
         compressed = self.weights_compression != "none"
-        # `held` tracks what replicas hold only while weights go down compressed.
-        self.held = dict(outer.get("held") or {}) if compressed else {}
+        # `held` tracks what replicas hold only while weights go down compressed; it lives
+        # beside the weights (a checkpoint's is read on the host).
+        device = self.codec.device
+        self.held = {n: t.to(device) for n, t in (outer.get("held") or {}).items()} if compressed else {}
         self.last_message = outer["last_message"].numpy() if "last_message" in outer else np.zeros(0, dtype=np.uint8)
         if compressed and not self.held:
             self.reset_held()
@@ -94,7 +95,7 @@ class WeightsOutbox:
         delta = {n: layout.rows(store.params, n, iv) - layout.rows(self.held, n, iv) for n, iv in target.items()}
         meta = {"delta": True, "fragment": fragment, "version": store.version}
         buf = self.codec.encode(delta, target, self.weights_compression, meta)
-        decoded, _ = compression.unpack_pieces(buf, layout.names)
+        decoded, _ = self.codec.unpack(buf)
         for n, iv in target.items():
             layout.rows(self.held, n, iv).add_(decoded[n][1])
         self.last_message = buf

@@ -55,11 +55,12 @@ class SliceStore:
         return self.optimizer.momentum(self.layout.pieces[(name, 0)])
 
     def rows_of(self, name: str) -> Optional[tuple[int, np.ndarray]]:
-        """(first row, fp32 rows) of ``name`` this server holds, or None; a view, not a copy."""
+        """(first row, fp32 rows) of ``name`` this server holds, or None; on the host a view,
+        not a copy (a server's GPU copies them down)."""
         iv = self.layout.owned.get(name)
         if iv is None:
             return None
-        return iv[0], self.layout.rows(self.params, name, iv).numpy()
+        return iv[0], self.layout.rows(self.params, name, iv).cpu().numpy()
 
     # ---- a sync's commit ---------------------------------------------------------------
     def step(self, mean: dict, lr: float, norm: float) -> None:

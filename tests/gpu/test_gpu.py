@@ -81,6 +81,28 @@ def test_gradient_checkpointing_and_compile_bf16_on_gpu(ray_gpu, tmp_path):
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
 
 
+def test_servers_on_the_gpu_train_as_servers_on_the_host(ray_gpu, tmp_path):
+    """server_gpus: CPU replicas (gloo) and a server on the one GPU, through Ray, against the
+    same run with the server on the host: the same weights to float tolerance (the norm's
+    float64 sum is taken in another order there)."""
+    from conftest import max_abs_diff
+
+    runs = {}
+    for gpus in (0.0, 1.0):
+        cfg = tiny_config(
+            tmp_path / f"gpus{gpus:g}",
+            device="cpu",
+            server_gpus=gpus,
+            pseudo_grad_compression="int8",
+            outer_grad_clip=1.0,
+            diloco_loops=2,
+            cpus_per_rank=1,
+        )
+        runs[gpus] = _train(cfg)
+    assert [r["replicas"] for r in runs[1.0].rounds] == [2, 2]
+    assert max_abs_diff(tmp_path / "gpus1", tmp_path / "gpus0") < 1e-4
+
+
 def _rank(tmp_path, **fields):
     from diloco_ray.runtime.rank import RankWorker
 

@@ -1,0 +1,143 @@
+"""The ``topk`` codec as torch ops on the values' own device: the bytes of
+:mod:`diloco_ray.algo.topk` (same layout, same selection, same 2-bit levels), with the bit
+packing that :mod:`~diloco_ray.algo.topk` does with numpy done by shifts and sums here, so a
+tensor on a GPU is encoded and decoded without leaving it.
+
+The arithmetic is :mod:`~diloco_ray.algo.topk`'s, op for op, so on the host the two write the
+same bytes. On a GPU the kept entries are the same (ties in magnitude aside), but
+``torch.topk(sorted=False)`` lists them in another order within a block: the bytes may differ
+in where each entry stands, never in what a block decodes to.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from diloco_ray.algo.topk import _FP16_MAX, _SCALE_BYTES, _kept, _tail, shape_of
+
+
+def _bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
+    """(..., n) ints -> (..., n * nbits) bits, least significant first."""
+    shifts = torch.arange(nbits, dtype=torch.int64, device=values.device)
+    return ((values.to(torch.int64)[..., None] >> shifts) & 1).flatten(-2).to(torch.uint8)
+
+
+def _ints(bits: torch.Tensor, nbits: int) -> torch.Tensor:
+    """Inverse of :func:`_bits` over the last dimension."""
+    weights = torch.tensor([1 << i for i in range(nbits)], dtype=torch.int64, device=bits.device)
+    return (bits.to(torch.int64).unflatten(-1, (-1, nbits)) * weights).sum(-1)
+
+
+def packbits(bits: torch.Tensor) -> torch.Tensor:
+    """A flat 0/1 uint8 stream as bytes, first bit in the least significant place, the last
+    byte padded with zeros (``np.packbits(bitorder="little")``)."""
+    pad = -bits.numel() % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    shifts = torch.arange(8, dtype=torch.int32, device=bits.device)
+    return (bits.view(-1, 8).to(torch.int32) << shifts).sum(1).to(torch.uint8)
+
+
+def unpackbits(data: torch.Tensor) -> torch.Tensor:
+    """Bytes as a flat 0/1 uint8 stream, least significant bit first."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    return ((data[:, None] >> shifts) & 1).view(-1)
+
+
+def _levels(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, high) decoded magnitudes per block from its fp16 ``(lo, hi)`` pair."""
+    lo, hi = scales[:, 0].float(), scales[:, 1].float()
+    return lo + 0.25 * (hi - lo), lo + 0.75 * (hi - lo)
+
+
+def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept:
+    :func:`diloco_ray.algo.topk._encode_rows` with its constants on the rows' device."""
+    zero = torch.zeros((), device=rows.device)
+    finite = torch.isfinite(rows).all(dim=1)
+    clean = torch.where(torch.isfinite(rows), rows, zero)
+    index = clean.abs().topk(k, dim=1, sorted=False).indices
+    kept = clean.gather(1, index)
+    # A kept zero becomes a copy of the row's largest entry (see topk's docstring).
+    is_zero = kept == 0
+    top = kept.abs().argmax(1, keepdim=True)
+    index = torch.where(is_zero, index.gather(1, top), index)
+    kept = torch.where(is_zero, kept.gather(1, top), kept)
+    size = kept.abs()
+    scales = torch.stack([size.amin(1), size.amax(1)], dim=1).clamp(max=_FP16_MAX)
+    scales = torch.where(finite[:, None], scales, torch.full((), math.nan, device=rows.device)).to(torch.float16)
+    low, high = _levels(scales)
+    code = (kept < 0).to(torch.int64) * 2 + (size >= (low + high)[:, None] / 2).to(torch.int64)
+    return scales, torch.cat([_bits(index, nbits), _bits(code, 2)], dim=1).reshape(-1)
+
+
+def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values, as
+    uint8 tensors on ``flat``'s device (:func:`diloco_ray.algo.topk.encode`)."""
+    width, k, nbits = shape_of(numel, block, fraction)
+    whole = flat.numel() // width if width else 0
+    parts = [_encode_rows(flat[: whole * width].reshape(whole, width), k, nbits)] if whole else []
+    if flat.numel() > whole * width:  # the tensor's short tail block
+        rest = flat[whole * width :].reshape(1, -1)
+        parts.append(_encode_rows(rest, _kept(rest.numel(), fraction), nbits))
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.uint8, device=flat.device)
+        return empty, empty
+    scales = torch.cat([s for s, _ in parts]).reshape(-1).view(torch.uint8)
+    return scales, packbits(torch.cat([b for _, b in parts]))
+
+
+def encode_into(
+    part: torch.Tensor, lo: int, numel: int, block: int, fraction: float, scales: torch.Tensor, payload: torch.Tensor
+) -> None:
+    """:func:`encode` of the chunk ``part`` (values ``lo...``; ``lo`` from
+    :func:`~diloco_ray.algo.topk.chunk_values`' steps), written where it belongs in the
+    tensor's sections (uint8 tensors)."""
+    width, k, bits = shape_of(numel, block, fraction)
+    first = lo // width
+    s, p = encode(part, numel, block, fraction)
+    scales[_SCALE_BYTES * first : _SCALE_BYTES * first + s.numel()] = s
+    start = first * k * (bits + 2) // 8
+    payload[start : start + p.numel()] = p
+
+
+def _decode_rows(payload: torch.Tensor, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int) -> torch.Tensor:
+    """``len(pairs)`` rows of ``n`` values, ``k`` entries each, whose bits start at bit
+    ``start`` of ``payload``."""
+    rows, per_row = pairs.shape[0], k * (nbits + 2)
+    length = rows * per_row
+    raw = unpackbits(payload[start // 8 : -(-(start + length) // 8)])
+    bits = raw[start % 8 : start % 8 + length].view(rows, per_row)
+    index, code = _ints(bits[:, : k * nbits], nbits), _ints(bits[:, k * nbits :], 2)
+    low, high = _levels(pairs)
+    size = torch.where(code % 2 == 1, high[:, None], low[:, None])
+    values = torch.where(code >= 2, -size, size)
+    out = torch.zeros(rows, n, device=payload.device)
+    # Clamped as the host decoder clamps: a corrupt index writes garbage, never out of range.
+    return out.scatter_(1, index.clamp_(0, n - 1), values).view(-1)
+
+
+def decode(
+    scales: torch.Tensor, payload: torch.Tensor, numel: int, block: int, fraction: float, lo: int, hi: int
+) -> torch.Tensor:
+    """Values ``[lo, hi)`` of the flattened tensor, fp32 on the sections' device; ``lo``
+    must start a block (:func:`diloco_ray.algo.topk.decode`).
+
+    Args:
+        scales: the tensor's whole scales section (uint8, fp16 pairs).
+        payload: the tensor's whole payload section (uint8 bits).
+        numel, block, fraction: as for :func:`encode`.
+    """
+    width, k, nbits = shape_of(numel, block, fraction)
+    blocks, tail, k_tail = _tail(numel, width, fraction)
+    first, last = lo // width, -(-hi // width)
+    # A copy: the section's offset in its message need not suit a view as fp16.
+    pairs = scales[4 * first : 4 * last].clone().view(torch.float16).view(-1, 2)
+    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
+    per_block = k * (nbits + 2)
+    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width)]
+    if last == blocks:
+        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail))
+    return torch.cat(parts)[lo - first * width : hi - first * width]
