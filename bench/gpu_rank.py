@@ -2,7 +2,8 @@
 
 Builds a Llama-style model through the rank's own path (``modeling.build_model``: meta
 device, then only the rank's rows allocated on the GPU and filled), runs AdamW inner steps
-in bf16 autocast with gradient checkpointing, and times one pseudo-gradient pack
+in bf16 autocast (with gradient checkpointing unless ``--no-gradient-checkpointing``), and
+times one pseudo-gradient pack
 (``RankSync.outgoing``: ``anchor - local``, encoded, as host bytes Ray can take) per codec,
 three ways: on the GPU (the rank's default: encoded there, one pinned copy down), the old
 host path with the anchor on the GPU (each tensor copied down and encoded on the host), and
@@ -40,6 +41,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument(
+        "--no-gradient-checkpointing",
+        dest="checkpointing",
+        action="store_false",
+        help="keep the activations (more memory) instead of recomputing them in the backward pass",
+    )
     ap.add_argument("--codecs", default="none,int8,topk", help="codecs the GPU pack is timed with")
     ap.add_argument("--host-codecs", default="none", help="codecs the host paths are timed with (slow)")
     args = ap.parse_args()
@@ -61,7 +68,7 @@ def main() -> None:
         seq_len=args.seq,
         batch_size=args.batch,
         mixed_precision="bf16",
-        gradient_checkpointing=True,
+        gradient_checkpointing=args.checkpointing,
         output_dir="unused",
         attn_implementation="sdpa",
         dataset_name="builtin:arithmetic",
