@@ -3,31 +3,18 @@
 packing that :mod:`~diloco_ray.algo.topk` does with numpy done by shifts and sums here, so a
 tensor on a GPU is encoded and decoded without leaving it.
 
-The arithmetic is :mod:`~diloco_ray.algo.topk`'s, op for op, so on the host the two write the
-same bytes. On a GPU the kept entries are the same (ties in magnitude aside), but
-``torch.topk(sorted=False)`` lists them in another order within a block: the bytes may differ
-in where each entry stands, never in what a block decodes to.
+The selection and the levels are :mod:`~diloco_ray.algo.topk`'s own functions (they keep
+their constants on the values' device), so on the host the two write the same bytes. On a
+GPU the kept entries are the same (ties in magnitude aside), but ``torch.topk(sorted=False)``
+lists them in another order within a block: the bytes may differ in where each entry
+stands, never in what a block decodes to.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 
-from diloco_ray.algo.topk import _FP16_MAX, _SCALE_BYTES, _kept, _tail, shape_of
-
-
-def _bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
-    """(..., n) ints -> (..., n * nbits) bits, least significant first."""
-    shifts = torch.arange(nbits, dtype=torch.int64, device=values.device)
-    return ((values.to(torch.int64)[..., None] >> shifts) & 1).flatten(-2).to(torch.uint8)
-
-
-def _ints(bits: torch.Tensor, nbits: int) -> torch.Tensor:
-    """Inverse of :func:`_bits` over the last dimension."""
-    weights = torch.tensor([1 << i for i in range(nbits)], dtype=torch.int64, device=bits.device)
-    return (bits.to(torch.int64).unflatten(-1, (-1, nbits)) * weights).sum(-1)
+from diloco_ray.algo.topk import _SCALE_BYTES, _encode_rows, _ints, _kept, _levels, _tail, shape_of
 
 
 def packbits(bits: torch.Tensor) -> torch.Tensor:
@@ -44,33 +31,6 @@ def unpackbits(data: torch.Tensor) -> torch.Tensor:
     """Bytes as a flat 0/1 uint8 stream, least significant bit first."""
     shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
     return ((data[:, None] >> shifts) & 1).view(-1)
-
-
-def _levels(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(low, high) decoded magnitudes per block from its fp16 ``(lo, hi)`` pair."""
-    lo, hi = scales[:, 0].float(), scales[:, 1].float()
-    return lo + 0.25 * (hi - lo), lo + 0.75 * (hi - lo)
-
-
-def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept:
-    :func:`diloco_ray.algo.topk._encode_rows` with its constants on the rows' device."""
-    zero = torch.zeros((), device=rows.device)
-    finite = torch.isfinite(rows).all(dim=1)
-    clean = torch.where(torch.isfinite(rows), rows, zero)
-    index = clean.abs().topk(k, dim=1, sorted=False).indices
-    kept = clean.gather(1, index)
-    # A kept zero becomes a copy of the row's largest entry (see topk's docstring).
-    is_zero = kept == 0
-    top = kept.abs().argmax(1, keepdim=True)
-    index = torch.where(is_zero, index.gather(1, top), index)
-    kept = torch.where(is_zero, kept.gather(1, top), kept)
-    size = kept.abs()
-    scales = torch.stack([size.amin(1), size.amax(1)], dim=1).clamp(max=_FP16_MAX)
-    scales = torch.where(finite[:, None], scales, torch.full((), math.nan, device=rows.device)).to(torch.float16)
-    low, high = _levels(scales)
-    code = (kept < 0).to(torch.int64) * 2 + (size >= (low + high)[:, None] / 2).to(torch.int64)
-    return scales, torch.cat([_bits(index, nbits), _bits(code, 2)], dim=1).reshape(-1)
 
 
 def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

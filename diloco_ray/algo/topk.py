@@ -91,13 +91,13 @@ def encode_into(
 
 def _bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
     """(..., n) ints -> (..., n * nbits) bits, least significant first."""
-    shifts = torch.arange(nbits, dtype=torch.int64)
+    shifts = torch.arange(nbits, dtype=torch.int64, device=values.device)
     return ((values.to(torch.int64)[..., None] >> shifts) & 1).flatten(-2).to(torch.uint8)
 
 
 def _ints(bits: torch.Tensor, nbits: int) -> torch.Tensor:
     """Inverse of :func:`_bits` over the last dimension."""
-    weights = torch.tensor([1 << i for i in range(nbits)], dtype=torch.int64)
+    weights = torch.tensor([1 << i for i in range(nbits)], dtype=torch.int64, device=bits.device)
     return (bits.to(torch.int64).unflatten(-1, (-1, nbits)) * weights).sum(-1)
 
 
@@ -108,9 +108,10 @@ def _levels(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept."""
+    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept
+    (on the rows' device: the GPU path, :mod:`~diloco_ray.algo.device_topk`, runs it too)."""
     finite = torch.isfinite(rows).all(dim=1)
-    clean = torch.where(torch.isfinite(rows), rows, torch.zeros(()))
+    clean = torch.where(torch.isfinite(rows), rows, torch.zeros((), device=rows.device))
     index = clean.abs().topk(k, dim=1, sorted=False).indices
     kept = clean.gather(1, index)
     # A kept zero becomes a copy of the row's largest entry (see the module docstring), so
@@ -121,7 +122,7 @@ def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, 
     kept = torch.where(zero, kept.gather(1, top), kept)
     size = kept.abs()
     scales = torch.stack([size.amin(1), size.amax(1)], dim=1).clamp(max=_FP16_MAX)
-    scales = torch.where(finite[:, None], scales, torch.full((), math.nan)).to(torch.float16)
+    scales = torch.where(finite[:, None], scales, torch.full((), math.nan, device=rows.device)).to(torch.float16)
     low, high = _levels(scales)
     # Nearer hi or lo, judged against the midpoint of the two decoded levels.
     code = (kept < 0).to(torch.int64) * 2 + (size >= (low + high)[:, None] / 2).to(torch.int64)
