@@ -59,7 +59,7 @@ class ChannelClient:
         *,
         server_name: Optional[str] = None,
         max_frame_bytes: int = 8 << 20,
-        backoff_s: tuple[float, float] = (0.5, 4.0),
+        backoff_s: tuple[float, float] = (0.5, 1.0),
         log: Callable[[str], None] = print,
     ):
         self.address, self.region, self.token = address, region, token
@@ -69,6 +69,7 @@ class ChannelClient:
         self._joining = threading.Lock()
         self.ready = False  # this region's replicas are up: the home may hand it jobs (sent with every call)
         self.info: dict = {}
+        self._still_down: set[str] = set()  # calls retrying at the longest pause, already said
         options = grpc_options(max_frame_bytes) + [
             ("grpc.http2.max_pings_without_data", 0),
             # A link back from an outage is dialled again within the backoff's longest pause.
@@ -191,6 +192,7 @@ class ChannelClient:
         return frames.encode({**header, "region": self.region, "session": self.session, "ready": self.ready}, payload)
 
     def _decode(self, reply: bytes) -> frames.Frame:
+        self._still_down.clear()  # the home answered: a later break is said again
         try:
             return frames.decode(reply, self.max_frame_bytes)
         except frames.BadFrame as bad:
@@ -214,6 +216,11 @@ class ChannelClient:
         if give_up_after_s is not None and time.monotonic() - started + pause > give_up_after_s:
             unreachable = f"the home at {self.address} unreachable for {give_up_after_s:g}s"
             raise ChannelDown(f"region {self.region!r}: {unreachable}")
-        self.log(f"region {self.region!r}: {method} to {self.address} broke ({code.name}); retrying in {pause:.1f}s")
+        broke = f"region {self.region!r}: {method} to {self.address} broke ({code.name})"
+        if pause < self.backoff_s[1]:
+            self.log(f"{broke}; retrying in {pause:.1f}s")
+        elif method not in self._still_down:  # one line, not one a second, for a long outage
+            self._still_down.add(method)
+            self.log(f"{broke}; retrying every {pause:.1f}s")
         time.sleep(pause)
         return min(pause * 2, self.backoff_s[1])

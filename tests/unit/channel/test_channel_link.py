@@ -254,3 +254,17 @@ def test_a_home_restarted_on_its_port_is_rejoined_and_its_notices_are_taken(home
         assert any("joining again" in line for line in eu.lines)
     finally:
         again.stop(0)
+
+
+def test_a_home_that_stays_down_is_retried_at_the_longest_pause_with_one_line(home):
+    from diloco_ray.channel.client import ChannelDown
+
+    eu = region(home, backoff_s=(0.05, 0.1))
+    eu.join()
+    home.stop(0)  # the link goes and stays down
+    with pytest.raises(ChannelDown, match="unreachable"):
+        eu.download("w/1/0", give_up_after_s=1.5)
+    growing = [line for line in eu.lines if "retrying in" in line]
+    at_longest = [line for line in eu.lines if "retrying every 0.1s" in line]
+    # Several tries at the longest pause (0.1 s for 1.5 s), but the log says so once.
+    assert len(growing) == 1 and len(at_longest) == 1, eu.lines
