@@ -258,7 +258,7 @@ class RegionAgent:
             self.merge.settle(dict((int(a), bool(ok)) for a, ok in notice["sent_verdicts"]))
         ahead, self.ahead = self.ahead, None
         if ahead is not None:  # the run loop dropped it unless this is its notice
-            launched, plans = ahead.launched, ahead.plans
+            launch, launched, plans = None, ahead.launched, ahead.plans
         else:
             # With overlap the replicas merge this period's message at its end: they start now
             # and the download rides under their steps. Else, and for a full load, it comes first.
@@ -270,7 +270,7 @@ class RegionAgent:
         except ChannelRefused:  # the home moved past this job: the replicas started on it stop
             self._stop_period(notice["attempt"], launched or {})
             raise
-        self._reply(notice, launched or launch(), plans)
+        self._reply(notice, launched if launched is not None else launch(), plans)
 
     def _launcher(self, notice: dict) -> tuple[Callable[[], dict], dict]:
         """How to launch ``notice``'s period on every replica (the takes of its messages
