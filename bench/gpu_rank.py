@@ -3,13 +3,14 @@
 Builds a Llama-style model through the rank's own path (``modeling.build_model``: meta
 device, then only the rank's rows allocated on the GPU and filled), runs AdamW inner steps
 in bf16 autocast (with gradient checkpointing unless ``--no-gradient-checkpointing``), and
-times one pseudo-gradient pack
-(``RankSync.outgoing``: ``anchor - local``, encoded, as host bytes Ray can take) per codec,
-three ways: on the GPU (the rank's default: encoded there, one pinned copy down), the old
-host path with the anchor on the GPU (each tensor copied down and encoded on the host), and
-``anchor_on_host``. Each pack is timed on its second call (the first allocates the pinned
-buffer and the residual). Prints tokens/s, MFU (6 x parameters x tokens/s over the GPU's
-dense bf16 peak), peak GPU memory in bytes per parameter, and ns per parameter of each pack.
+times one pseudo-gradient pack (``RankSync.start_outgoing``: ``anchor - local``, encoded,
+as host bytes Ray can take) per codec, to the host and, on the GPU, on the stream the steps
+run on (the copy down runs on its own, beside the next steps), three ways: on the GPU (the
+rank's default: encoded there, one pinned copy down), the old host path with the anchor on
+the GPU (each tensor copied down and encoded on the host), and ``anchor_on_host``. Each pack
+is timed on its second call (the first allocates the pinned buffer and the residual).
+Prints tokens/s, MFU (6 x parameters x tokens/s over the GPU's dense bf16 peak), peak GPU
+memory in bytes per parameter, and ns per parameter of each pack.
 For the device tool: Ray is not installed there, so the rank's parts are driven directly.
 Without CUDA it prints that it is skipped.
 """
@@ -124,13 +125,19 @@ def time_pack(local: dict, n: int, codec: str, way: str) -> float:
     for anchor in sync.anchor.values():
         anchor.add_(1e-3)
     for _ in range(2):
-        buf = None  # the first call's pinned buffer goes back to torch's cache for the second
+        buf = copy = None  # the first call's pinned buffer goes back to torch's cache for the second
         torch.cuda.synchronize()
+        began, queued = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t = time.perf_counter()
-        (buf,) = sync.outgoing(0, local)
+        began.record()
+        copy = sync.start_outgoing(0, local)
+        queued.record()  # what the steps' stream spends; the copy down runs on its own stream
+        (buf,) = copy.wait()
         s = time.perf_counter() - t
+    busy = began.elapsed_time(queued) / 1e3
     print(
-        f"sync pack {codec:5} {way:28}: {s:.3f} s = {s / n * 1e9:.3f} ns/param, message {buf.nbytes / n:.3f} B/param, "
+        f"sync pack {codec:5} {way:28}: {s:.3f} s = {s / n * 1e9:.3f} ns/param to the host, "
+        f"{busy / n * 1e9:.3f} ns/param holding the steps' stream, message {buf.nbytes / n:.3f} B/param, "
         f"GPU now {torch.cuda.memory_allocated() / n:.2f} B/param"
     )
     del sync, buf

@@ -7,9 +7,10 @@ with the buffer on ``device``: the header is laid out on the host (it follows fr
 alone) and copied up, each tensor is written by ``fill`` into device scratch and encoded there
 by :mod:`diloco_ray.algo.device_codec`, and error feedback's residual is updated in place on
 the device, so the pseudo-gradient never leaves it. :func:`to_host` then brings a sync's
-messages down in one pinned buffer by asynchronous copies, waited on once (Ray must be handed
-host bytes). The way up is :func:`to_device` (one staged, asynchronous copy) and
-:func:`unpack_pieces`, which decodes on the device.
+messages down in one pinned buffer by asynchronous copies on a stream of their own, waited on
+once (Ray must be handed host bytes); :class:`DownCopy` is that copy not yet waited for, so
+the next inner steps can run while it lasts. The way up is :func:`to_device` (one staged,
+asynchronous copy) and :func:`unpack_pieces`, which decodes on the device.
 
 On the host (a CPU ``device``) the same code runs with torch's CPU kernels and writes exactly
 the bytes and residuals of the host path: the tests hold the two together there. On a GPU the
@@ -132,24 +133,67 @@ def pack_pieces_filled(
 # ---- between the device and the host --------------------------------------------------------
 
 
+class DownCopy:
+    """Messages on their way to the host: one pinned buffer for them all, filled by one
+    asynchronous copy per message on a copy stream of their device, so kernels queued after
+    it (the next inner steps) run while the bytes come down. On the host the messages' own
+    memory, already there.
+
+    Args:
+        messages: uint8 tensors, all on one device, whose kernels are queued on its current
+            stream (the copies wait for them, not for anything queued later).
+    """
+
+    def __init__(self, messages: Sequence[torch.Tensor]):
+        self.nbytes = [m.numel() for m in messages]
+        self._arrays: Optional[list[np.ndarray]] = None
+        self._copied: Optional[torch.cuda.Event] = None
+        if all(m.device.type == "cpu" for m in messages):
+            self._arrays = [m.numpy() for m in messages]
+            return
+        host = torch.empty(sum(self.nbytes), dtype=torch.uint8, pin_memory=True)
+        stream = _copy_stream(messages[0].device)
+        stream.wait_stream(torch.cuda.current_stream(messages[0].device))
+        spans, at = [], 0
+        with torch.cuda.stream(stream):
+            for m in messages:
+                host[at : at + m.numel()].copy_(m, non_blocking=True)
+                m.record_stream(stream)  # its memory is not handed out again before the copy ends
+                spans.append((at, at + m.numel()))
+                at += m.numel()
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
+        self._host, self._spans = host, spans
+
+    def done(self) -> bool:
+        """Whether the bytes are on the host (without waiting)."""
+        return self._arrays is not None or self._copied.query()
+
+    def wait(self) -> list[np.ndarray]:
+        """The messages as host arrays, once the copy has ended (it waits for it only)."""
+        if self._arrays is None:
+            self._copied.synchronize()
+            array = self._host.numpy()  # keeps the pinned buffer alive while any message is held
+            self._arrays = [array[a:b] for a, b in self._spans]
+            self._host = None
+        return self._arrays
+
+
+_COPY_STREAMS: dict = {}
+
+
+def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream messages come down on, one per device, beside the one the steps run on."""
+    device = torch.device(device)
+    key = device.index if device.index is not None else torch.cuda.current_device()
+    if key not in _COPY_STREAMS:
+        _COPY_STREAMS[key] = torch.cuda.Stream(device=key)
+    return _COPY_STREAMS[key]
+
+
 def to_host(messages: Sequence[torch.Tensor]) -> list[np.ndarray]:
-    """The messages as host arrays, what Ray is handed. From a GPU: one pinned buffer for
-    them all, one asynchronous copy per message into it, one wait for the copies (an event
-    on the stream that encoded them) before the bytes are read. On the host: the
-    messages' own memory, no copy."""
-    if all(m.device.type == "cpu" for m in messages):
-        return [m.numpy() for m in messages]
-    host = torch.empty(sum(m.numel() for m in messages), dtype=torch.uint8, pin_memory=True)
-    spans, at = [], 0
-    for m in messages:
-        host[at : at + m.numel()].copy_(m, non_blocking=True)
-        spans.append((at, at + m.numel()))
-        at += m.numel()
-    copied = torch.cuda.Event()
-    copied.record()
-    copied.synchronize()
-    array = host.numpy()  # keeps the pinned buffer alive while any message is held
-    return [array[a:b] for a, b in spans]
+    """The messages as host arrays, what Ray is handed: a :class:`DownCopy`, waited for."""
+    return DownCopy(messages).wait()
 
 
 def to_device(buf, device: torch.device) -> torch.Tensor:

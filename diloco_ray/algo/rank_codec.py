@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-import numpy as np
 import torch
 
 from diloco_ray.algo import compression, device_message
@@ -81,11 +80,10 @@ def pack_difference(
     return compression.pack_pieces_filled(*args, fraction=fraction)
 
 
-def to_host(messages: list) -> list[np.ndarray]:
-    """:func:`pack_difference`'s messages as host arrays (device ones in one pinned copy)."""
-    if messages and isinstance(messages[0], torch.Tensor):
-        return device_message.to_host(messages)
-    return messages
+def start_to_host(messages: list) -> device_message.DownCopy:
+    """:func:`pack_difference`'s messages on their way to the host: device ones by one
+    pinned, asynchronous copy; host ones are there already (their own memory)."""
+    return device_message.DownCopy([m if isinstance(m, torch.Tensor) else torch.from_numpy(m) for m in messages])
 
 
 def _difference_into(anchor: torch.Tensor, local_rows: torch.Tensor, into: torch.Tensor) -> None:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import codecs, compression, links, partition, rank_codec
+from diloco_ray.algo.device_message import DownCopy
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.sections import SyncCodecSection
 
@@ -107,7 +108,7 @@ class RankSync:
         self.sent_local: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
         # Error feedback: per launch (the driver's attempt), the buffers this rank sent, kept
         # until the driver says whether the servers applied them (see settle).
-        self.unsettled: dict[int, list[np.ndarray]] = {}
+        self.unsettled: dict[int, DownCopy] = {}
 
     @classmethod
     def of(
@@ -244,7 +245,6 @@ class RankSync:
         return torch.empty(local.shape, dtype=torch.float32, pin_memory=True).copy_(local.detach())
 
     # ---- what goes up ------------------------------------------------------------------
-    @torch.no_grad()
     def outgoing(
         self,
         fragment: int,
@@ -252,18 +252,28 @@ class RankSync:
         link: links.Link | None = None,
         attempt: Optional[int] = None,
     ) -> list[np.ndarray]:
+        """:meth:`start_outgoing`'s buffers, once they are on the host."""
+        return self.start_outgoing(fragment, local, link, attempt).wait()
+
+    @torch.no_grad()
+    def start_outgoing(
+        self,
+        fragment: int,
+        local: Mapping[str, torch.Tensor],
+        link: links.Link | None = None,
+        attempt: Optional[int] = None,
+    ) -> DownCopy:
         """This rank's pseudo-gradient ``anchor - local`` of ``fragment``, one packed
-        buffer per server, through the codec (with error feedback when enabled). With error
-        feedback the buffers are kept under ``attempt`` (the driver's launch counter) until
-        :meth:`settle` hears whether the servers applied them.
+        buffer per server, through the codec (with error feedback when enabled), on its way
+        to the host. With error feedback the buffers are kept under ``attempt`` (the driver's
+        launch counter) until :meth:`settle` hears whether the servers applied them.
 
         On a GPU the messages are built there and come down together through one pinned
-        buffer (:func:`~diloco_ray.algo.device_message.to_host`), waited for before this
-        returns. With ``overlap_communication`` that copy does not
-        overlap the next inner steps: the rank's period must hand Ray host bytes when it
-        returns, before the next period's steps start. What overlaps them is what follows
-        the copy -- the transfer to the servers, their outer step and the weights coming
-        back -- as on the host path."""
+        buffer by a copy on a stream of its own
+        (:class:`~diloco_ray.algo.device_message.DownCopy`): what is queued after this call
+        (the next period's steps, with ``overlap_communication``) runs while the bytes come
+        down; ``wait()`` gives them. On the host they are there when this returns. Either way
+        ``local`` may change as soon as this returns: the difference is already taken."""
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
         link_bytes = self.world_size * sum(
@@ -279,10 +289,10 @@ class RankSync:
             }
         device = rank_codec.device_of(local)
         where = device if self._works_on_device(device) else None
-        buffers = rank_codec.to_host([self._pack_difference(rows, local, stamp, where) for rows in plan])
+        copy = rank_codec.start_to_host([self._pack_difference(rows, local, stamp, where) for rows in plan])
         if self.error_feedback and attempt is not None:
-            self.unsettled[attempt] = buffers
-        return buffers
+            self.unsettled[attempt] = copy
+        return copy
 
     @torch.no_grad()
     def settle(self, verdicts: Mapping[int, bool]) -> None:
@@ -300,9 +310,9 @@ class RankSync:
         if not verdicts:
             return
         for attempt, applied in sorted(verdicts.items()):
-            buffers = self.unsettled.pop(attempt, None)
-            if buffers is not None and not applied:
-                self._add_to_residual(buffers)
+            sent = self.unsettled.pop(attempt, None)
+            if sent is not None and not applied:
+                self._add_to_residual(sent.wait())
         newest = max(verdicts)
         self.unsettled = {a: b for a, b in self.unsettled.items() if a > newest}
 

@@ -35,18 +35,16 @@ from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import tokenization
 from diloco_ray.model import loading as modeling
-from diloco_ray.observe.events import StepEvent
 from diloco_ray.runtime import fsdp, placement, transport
 from diloco_ray.runtime.faults import RankFaults
 from diloco_ray.runtime.messages import SnapshotPlan, SyncPeriod
 from diloco_ray.runtime.placement import RankPlacement
 from diloco_ray.runtime.rank_batches import RankBatches, load_tokens
+from diloco_ray.runtime.rank_outbox import Outbox, messages_apart
 from diloco_ray.runtime.rank_output import RankOutput
-from diloco_ray.runtime.rank_period import PeriodTally
+from diloco_ray.runtime.rank_period import BoardReports, PeriodTally
 from diloco_ray.runtime.rank_state import RankState, local_rows
 from diloco_ray.runtime.rank_weights import receive_weights
-
-BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
 
 class RankWorker:
@@ -76,7 +74,9 @@ class RankWorker:
         self._abort_attempt = -1  # set from another thread by abort()
         decoupled = self.sections.run.sync_mode == "decoupled"
         self.faults = RankFaults.for_rank(self.sections.faults.fault_plan, replica_id, rank, at_or_after=decoupled)
-        self._last_beat = 0.0
+        self.reports = BoardReports(replica_id, rank, world_size)
+        # Where run_period leaves its messages for message() when they leave apart.
+        self.outbox = Outbox() if messages_apart(self.sections.sync_codec) else None
 
     # ---- set-up -----------------------------------------------------------------------
     def where(self) -> tuple[str, list]:
@@ -177,11 +177,43 @@ class RankWorker:
     def run_period(self, job: SyncPeriod):
         """Run one sync period: take in the server's latest weights, run this period's
         inner steps, and return ``(*buffers, RoundStats)``: this rank's pseudo-gradient
-        for the period's fragment, one packed buffer per server.
+        for the period's fragment, one packed buffer per server. With
+        ``overlap_communication`` it returns the stats alone as soon as the buffers are on
+        their way to the host, and :meth:`message` returns them (see
+        :mod:`~diloco_ray.runtime.rank_outbox`).
 
         Args:
             job: what the driver hands every rank of the replica for this period.
         """
+        try:
+            sent, stats = self._period(job)
+        except BaseException as e:
+            if self.outbox is not None:
+                self.outbox.fail(job.attempt, f"{type(e).__name__}: {e}")
+            raise
+        if self.outbox is not None:
+            self.outbox.post(job.attempt, sent)
+            return stats
+        return (*self._buffers(sent), stats)
+
+    def message(self, attempt: int):
+        """The buffers of the period of launch ``attempt``, one per server (bare for one
+        server, as ``num_returns=1`` expects), once they are on the host. Called with
+        :meth:`run_period` when its messages leave apart, in the "messages" concurrency
+        group, so it waits for the copy while the next period runs."""
+        buffers = self._buffers(self.outbox.take(attempt))
+        return buffers[0] if len(buffers) == 1 else buffers
+
+    def _buffers(self, sent) -> list:
+        """The host buffers of a period's messages (an empty one per server when the period
+        was stopped: the return count stays fixed)."""
+        if sent is None:
+            return [np.zeros(0, dtype=np.uint8)] * self.sections.placement.num_param_servers
+        return sent.wait()
+
+    def _period(self, job: SyncPeriod) -> tuple:
+        """One sync period: (its messages on their way to the host, or None when it was
+        stopped; its RoundStats)."""
         t0 = time.perf_counter()
         self.faults.start_period()
         # Overlap: a fragment's new weights are merged one period late, so the steps run
@@ -210,14 +242,14 @@ class RankWorker:
         if not tally.aborted and self.faults.hold_link(lambda: self._abort_attempt == job.attempt):
             tally.aborted = True
         # Kept under the launch's attempt until the driver's verdict on it (RankSync.settle).
-        buffers = (
-            [] if tally.aborted else self.sync.outgoing(job.fragment, local_rows(self.params), job.link, job.attempt)
+        sent = (
+            None
+            if tally.aborted
+            else self.sync.start_outgoing(job.fragment, local_rows(self.params), job.link, job.attempt)
         )
         unused = self.batches.unused_after(tally.last) if tally.out_of_time else []
-        stats = tally.stats(self.rank, buffers, received, restarted, t2 - t1, (t1 - t0) + (t3 - t2), unused)
-        if tally.aborted:  # nothing to send: an empty message per server keeps the return count fixed
-            buffers = [np.zeros(0, dtype=np.uint8)] * self.sections.placement.num_param_servers
-        return (*buffers, stats)
+        bytes_up = sum(sent.nbytes) if sent is not None else 0
+        return sent, tally.stats(self.rank, bytes_up, received, restarted, t2 - t1, (t1 - t0) + (t3 - t2), unused)
 
     def _run_steps(self, job: SyncPeriod, started: float) -> PeriodTally:
         """This period's inner steps: from the first not yet run (after a snapshot's) to the
@@ -239,7 +271,7 @@ class RankWorker:
                 tally.aborted = True
                 break
             self.faults.before_step(job.round, t)
-            self._beat(job, t)
+            self.reports.beat(job, t)
             self._train_step(job, t, batches, tally)
             self._after_step(job, t + 1, len(steps), tally)
             if t + 1 < last and not self.batches.another_step_fits(started, t + 1 - tally.first, budget):
@@ -274,7 +306,7 @@ class RankWorker:
         """After ``done`` of the round's ``total`` steps: a step event every ``logging_steps``,
         an in-flight snapshot every ``snapshots.every`` (not at the round's end)."""
         if done % self.sections.observability.logging_steps == 0:
-            tally.logged = self._report_step(job, done, tally.loss_sum, tally.logged, tally.tokens)
+            self.reports.step(job, done, tally, self.state.lr, self._schedule_start(job) + done)
         snapshots = job.snapshots
         if snapshots and done % snapshots.every == 0 and done < total:
             self._save_snapshot(snapshots, job.plan, done, tally.loss_sum, (tally.tokens, tally.counted))
@@ -290,30 +322,6 @@ class RankWorker:
     def _resuming(job: SyncPeriod) -> bool:
         """Whether the period goes on from an in-flight snapshot."""
         return bool(job.snapshots and job.snapshots.resume_step)
-
-    def _report_step(self, job: SyncPeriod, step: int, loss_sum: torch.Tensor, logged: tuple, tokens: int) -> tuple:
-        """Rank 0 sends a step event (mean loss since the last one, lr, tokens) to the
-        driver's board, without waiting. Reading ``loss_sum`` syncs the device, which is
-        why it happens every ``logging_steps`` and not every step."""
-        board = job.board
-        if board is None or self.rank != 0:
-            return logged
-        total = float(loss_sum)
-        since = max(1, step - logged[0])
-        board.report.remote(
-            StepEvent(
-                round=job.round,
-                replica=self.replica_id,
-                step=step,
-                global_step=self._schedule_start(job) + step,
-                loss=(total - logged[1]) / since,
-                lr=self.state.lr,
-                # rank 0's count for the whole replica: its ranks see equal batches
-                tokens=tokens * self.world_size,
-                time=time.time(),
-            )
-        )
-        return step, total
 
     def _schedule_start(self, job: SyncPeriod) -> int:
         """The inner lr schedule's step at the period's step 0."""
@@ -344,14 +352,6 @@ class RankWorker:
         inner state when this rank has begun the round (a rank still at the boundary
         has nothing to undo). ``keep`` keeps that state for another re-run."""
         self.state.rewind(round_index, keep)
-
-    def _beat(self, job: SyncPeriod, step: int) -> None:
-        """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
-        frozen rank is told apart from a slow one even without a round deadline."""
-        board, now = job.board, time.monotonic()
-        if board is not None and now - self._last_beat >= BEAT_S:
-            self._last_beat = now
-            board.beat.remote(self.replica_id, self.rank, job.attempt, step)
 
     def abort(self, attempt: int) -> None:
         """Ask a running sync period of launch ``attempt`` to stop at its next step boundary.

@@ -2,16 +2,21 @@
 
 A :class:`PeriodTally` is filled in step by step by the rank's inner loop
 (:mod:`~diloco_ray.runtime.rank`); at the period's end :meth:`PeriodTally.stats` turns it
-into the :class:`~diloco_ray.runtime.messages.RoundStats` the driver reads.
+into the :class:`~diloco_ray.runtime.messages.RoundStats` the driver reads. While it runs,
+:class:`BoardReports` tells the driver's board how it goes: step events and heartbeats.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
-from diloco_ray.runtime.messages import RoundStats
+from diloco_ray.observe.events import StepEvent
+from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+
+BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
 
 
 @dataclass
@@ -38,10 +43,10 @@ class PeriodTally:
     out_of_time: bool = False  # the time budget cut the period short
 
     def stats(
-        self, rank: int, buffers: list, received: int, restarted: bool, compute: float, load: float, unused: list
+        self, rank: int, bytes_up: int, received: int, restarted: bool, compute: float, load: float, unused: list
     ) -> RoundStats:
-        """What the driver learns of the period from rank ``rank``: ``buffers``: what it sends;
-        ``received``: weight bytes taken in; ``compute`` and ``load``: seconds spent on the inner
+        """What the driver learns of the period from rank ``rank``: ``bytes_up``: the bytes it
+        sends; ``received``: weight bytes taken in; ``compute`` and ``load``: seconds spent on the inner
         steps and on taking in weights; ``unused``: the plan's ranges it had no time for."""
         return RoundStats(
             rank=rank,
@@ -50,7 +55,7 @@ class PeriodTally:
             loss_sum=float(self.loss_sum),
             compute_seconds=compute,
             load_seconds=load,
-            bytes_up=sum(b.nbytes for b in buffers),
+            bytes_up=bytes_up,
             bytes_down=received,
             aborted=self.aborted,
             resumed_step=self.resumed,
@@ -58,3 +63,48 @@ class PeriodTally:
             loss_tokens=self.counted,
             unused=unused,
         )
+
+
+class BoardReports:
+    """What a rank tells the driver's board (``job.board``; None: no one listens) while a
+    period runs, without waiting for an answer.
+
+    Args:
+        replica_id, rank, world_size: who reports, and how many ranks its replica has.
+    """
+
+    def __init__(self, replica_id: int, rank: int, world_size: int):
+        self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
+        self._last_beat = 0.0
+
+    def step(self, job: SyncPeriod, step: int, tally: PeriodTally, lr: float, global_step: int) -> None:
+        """Rank 0 sends a step event (mean loss since the last one, lr, tokens) after
+        ``step``. Reading the loss syncs the device, which is why it happens every
+        ``logging_steps`` and not every step."""
+        board = job.board
+        if board is None or self.rank != 0:
+            return
+        total = float(tally.loss_sum)
+        since = max(1, step - tally.logged[0])
+        board.report.remote(
+            StepEvent(
+                round=job.round,
+                replica=self.replica_id,
+                step=step,
+                global_step=global_step,
+                loss=(total - tally.logged[1]) / since,
+                lr=lr,
+                # rank 0's count for the whole replica: its ranks see equal batches
+                tokens=tally.tokens * self.world_size,
+                time=time.time(),
+            )
+        )
+        tally.logged = (step, total)
+
+    def beat(self, job: SyncPeriod, step: int) -> None:
+        """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
+        frozen rank is told apart from a slow one even without a round deadline."""
+        board, now = job.board, time.monotonic()
+        if board is not None and now - self._last_beat >= BEAT_S:
+            self._last_beat = now
+            board.beat.remote(self.replica_id, self.rank, job.attempt, step)

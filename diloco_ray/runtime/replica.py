@@ -24,6 +24,7 @@ from diloco_ray.data import samples, sources
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.placement import place_ranks, replica_layout
 from diloco_ray.runtime.rank import RankWorker
+from diloco_ray.runtime.rank_outbox import messages_apart
 
 
 def start_token_data(data: DataSection, model: ModelSection) -> list | None:
@@ -104,9 +105,11 @@ class Replica:
             # refuse the next trainer's in the same job (names are unique per Ray namespace).
             name=f"diloco-replica-{replica_id}-{uuid.uuid4().hex[:8]}",
         )
-        # "control" lets abort() reach a rank while run_period() is busy; every other call
-        # stays in the default group and runs in order.
-        remote_cls = ray.remote(concurrency_groups={"control": 1})(worker_cls)
+        # "control" lets abort() reach a rank while run_period() is busy; "messages" lets a
+        # period's messages leave while the next period runs; every other call stays in the
+        # default group and runs in order.
+        self.messages_apart = messages_apart(sections.sync_codec)
+        remote_cls = ray.remote(concurrency_groups={"control": 1, "messages": 1})(worker_cls)
         self.ranks = [
             remote_cls.options(
                 num_cpus=self.placement.cpus_per_rank,
@@ -142,9 +145,7 @@ class Replica:
     def seed_pieces(self) -> list[list]:
         """Per server, refs to each rank's rows of the freshly built weights."""
         servers = self.placement.num_param_servers
-        refs = [r.seed_pieces.options(num_returns=servers).remote() for r in self.ranks]
-        refs = [[ref] if servers == 1 else ref for ref in refs]
-        return [[per_rank[s] for per_rank in refs] for s in range(servers)]
+        return per_server([r.seed_pieces.options(num_returns=servers).remote() for r in self.ranks], servers)
 
     def adopt_initial(self, expected: list | None) -> list:
         """Refs to each rank's (digests, adopted) of its freshly built weights, given the
@@ -155,8 +156,17 @@ class Replica:
         """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
         buffer refs; the ranks' stats refs)."""
         servers = self.placement.num_param_servers
-        outs = [r.run_period.options(num_returns=servers + 1).remote(job) for r in self.ranks]
-        return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
+        if not self.messages_apart:
+            outs = [r.run_period.options(num_returns=servers + 1).remote(job) for r in self.ranks]
+            return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
+        # The stats come as soon as the messages are on their way down; the messages by their
+        # own call, which waits for the copy while the next period runs (rank_outbox).
+        stats = [r.run_period.remote(job) for r in self.ranks]
+        group = "messages"
+        sends = [
+            r.message.options(num_returns=servers, concurrency_group=group).remote(job.attempt) for r in self.ranks
+        ]
+        return per_server(sends, servers), stats
 
     def abort(self, attempt: int) -> None:
         """Tell every rank to stop the sync period of launch ``attempt`` at its next step
@@ -189,3 +199,10 @@ class Replica:
         except Exception:
             pass
         self.ranks = []
+
+
+def per_server(refs: list, servers: int) -> list[list]:
+    """Per server, the ranks' refs, from each rank's ``num_returns=servers`` call (a bare
+    ref when ``servers`` is 1)."""
+    refs = [[ref] if servers == 1 else ref for ref in refs]
+    return [[per_rank[s] for per_rank in refs] for s in range(servers)]

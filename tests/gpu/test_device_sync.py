@@ -189,3 +189,18 @@ def test_a_server_on_the_gpu_steps_as_the_host_server_does(codec, weights, tmp_p
     assert np.array_equal(
         compression.unpack(again.full_weights())[0]["0"].numpy(), compression.unpack(sent)[0]["0"].numpy()
     )
+
+
+def test_a_message_comes_down_while_the_next_kernels_run():
+    """The copy down runs on a stream of its own: kernels queued after it (the next
+    period's steps) do not wait for it, and it does not wait for them."""
+    sent = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    message = sent.to(GPU)
+    torch.cuda.synchronize()
+    copy = device_message.DownCopy([message])
+    del message  # held by the copy until it ends (its memory is not handed out before)
+    torch.cuda._sleep(2_000_000_000)  # about a second of the steps' stream, queued after the copy
+    (down,) = copy.wait()
+    assert not torch.cuda.current_stream().query()  # the copy ended while the steps still ran
+    torch.cuda.synchronize()
+    assert np.array_equal(down, sent.numpy()) and torch.from_numpy(down).is_pinned()

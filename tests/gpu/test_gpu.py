@@ -155,3 +155,30 @@ def test_anchor_on_host_sends_the_same_pseudo_gradient():
         sent[on_host] = {n: t for n, (_, t) in compression.unpack_pieces(buf, list(shapes))[0].items()}
     for name, grad in sent[False].items():
         assert torch.equal(sent[True][name], grad), name
+
+
+def test_overlap_on_the_gpu_trains_as_the_host_path(ray_gpu, tmp_path):
+    """overlap_communication on a GPU rank: its messages are built there and leave by their
+    own call while the next period runs (rank_outbox). The same run with the anchor on the
+    host (built on the host, sent with the stats) ends on the same weights to float
+    tolerance (int8's bytes are the same on both; fp32 sums may round apart)."""
+    from conftest import max_abs_diff
+
+    for on_host in (False, True):
+        cfg = tiny_config(
+            tmp_path / f"host{int(on_host)}",
+            device="cuda",
+            num_replicas=1,
+            min_replicas=1,
+            sync_fragments=2,
+            overlap_communication=True,
+            pseudo_grad_compression="int8",
+            error_feedback=True,
+            anchor_on_host=on_host,
+            diloco_loops=3,
+            max_steps=8,
+            cpus_per_rank=1,
+        )
+        result = _train(cfg)
+        assert [r["replicas"] for r in result.rounds] == [1, 1, 1]
+    assert max_abs_diff(tmp_path / "host0", tmp_path / "host1") < 1e-4

@@ -27,7 +27,7 @@ from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.config.fault_plan import KINDS
 from diloco_ray.observe.metrics import read_events
 from diloco_ray.persist import checkpoint
-from diloco_ray.runtime.rank import BEAT_S
+from diloco_ray.runtime.rank_period import BEAT_S
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
