@@ -21,9 +21,9 @@ trap ray_local_stop EXIT
 
 ray start --head --port "$port" --ray-client-server-port "$client" \
   --include-dashboard true --dashboard-host 127.0.0.1 --dashboard-port "$dash" \
-  --dashboard-agent-listen-port "$agent" --num-cpus 2 "${RAY_LOCAL_OPTS[@]}" >/dev/null
+  --dashboard-agent-listen-port "$agent" --num-cpus 2 "${RAY_LOCAL_OPTS[@]}" --temp-dir "$RAY_LOCAL_TMP/head" >/dev/null
 ray start --address "127.0.0.1:$port" --dashboard-agent-listen-port $((agent + 1)) \
-  --num-cpus 2 "${RAY_LOCAL_OPTS[@]}" >/dev/null
+  --num-cpus 2 "${RAY_LOCAL_OPTS[@]}" --temp-dir "$RAY_LOCAL_TMP/node2" >/dev/null
 echo "cluster up: $(python -c 'import sys, ray; ray.init(address=sys.argv[1], logging_level="ERROR"); print(len(ray.nodes()), "nodes,", ray.cluster_resources().get("CPU"), "CPUs")' "127.0.0.1:$port")"
 
 # The job runs against the cluster through its dashboard address, as on a real one.

@@ -21,8 +21,11 @@ fi
 RAY_LOCAL_TMP=$(mktemp -d /tmp/raylocal.XXXXXX)
 # --object-store-memory: a few hundred MB is plenty for small jobs, and several raylets
 # with the default (30% of RAM each) would claim more shared memory than the machine has.
-RAY_LOCAL_OPTS=(--temp-dir "$RAY_LOCAL_TMP" --disable-usage-stats
-                --object-store-memory "${RAY_OBJECT_STORE_BYTES:-300000000}")
+RAY_LOCAL_OPTS=(--disable-usage-stats --object-store-memory "${RAY_OBJECT_STORE_BYTES:-300000000}")
+# Every node also gets a temp dir of its own under RAY_LOCAL_TMP (pass --temp-dir
+# "$RAY_LOCAL_TMP/<node>" to each `ray start`): a node's runtime_env agent keeps and
+# removes its own copies of a job's working_dir there, so two nodes sharing one dir remove
+# the files of a job still running on the other (the job then fails to import its code).
 
 _ray_local_tree() {  # the given pids and all their descendants
   local p

@@ -30,11 +30,11 @@ trap ray_local_stop EXIT
 ray start --head --port "$port" --ray-client-server-port "$client" \
   --include-dashboard true --dashboard-host 127.0.0.1 --dashboard-port "$dash" \
   --dashboard-agent-listen-port "$agent" \
-  --num-cpus 1 --resources '{"region-us": 1}' "${RAY_LOCAL_OPTS[@]}" >/dev/null
+  --num-cpus 1 --resources '{"region-us": 1}' "${RAY_LOCAL_OPTS[@]}" --temp-dir "$RAY_LOCAL_TMP/head" >/dev/null
 ray start --address "127.0.0.1:$port" --dashboard-agent-listen-port $((agent + 1)) \
-  --num-cpus 2 --resources '{"region-us": 1}' "${RAY_LOCAL_OPTS[@]}" >/dev/null
+  --num-cpus 2 --resources '{"region-us": 1}' "${RAY_LOCAL_OPTS[@]}" --temp-dir "$RAY_LOCAL_TMP/node2" >/dev/null
 ray start --address "127.0.0.1:$port" --dashboard-agent-listen-port $((agent + 2)) \
-  --num-cpus 2 --resources '{"region-eu": 1}' "${RAY_LOCAL_OPTS[@]}" >/dev/null
+  --num-cpus 2 --resources '{"region-eu": 1}' "${RAY_LOCAL_OPTS[@]}" --temp-dir "$RAY_LOCAL_TMP/node3" >/dev/null
 
 python - "127.0.0.1:$port" <<'EOF'
 import sys, ray

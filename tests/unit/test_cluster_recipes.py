@@ -514,11 +514,15 @@ def _ray_starts(script: str) -> list[dict]:
     (shell variables replaced by stand-in values)."""
     from ray.scripts.scripts import start
 
-    nodes = []
+    nodes, dirs = [], []
     for line in _logical_lines(_read(script)):
         if not line.startswith("ray start"):
             continue
-        assert '"${RAY_LOCAL_OPTS[@]}"' in line, "every node needs the cluster's own temp dir (see ray_local_stop)"
+        assert '"${RAY_LOCAL_OPTS[@]}"' in line, "every node needs the cluster's options (local_ray_lib.sh)"
+        # Under the cluster's temp dir (see ray_local_stop), and a dir of its own: nodes sharing
+        # one remove each other's copies of a running job's working_dir.
+        dirs.append(re.search(r'--temp-dir "\$RAY_LOCAL_TMP/(\w+)"', line).group(1))
+        assert dirs.count(dirs[-1]) == 1, f"{script}: two nodes share the temp dir {dirs[-1]}"
         line = line.replace('"${RAY_LOCAL_OPTS[@]}"', _lib_opts())
         line = re.sub(r"\$\(\([^)]*\)\)", "1", line)  # $((agent + 1))
         line = re.sub(r"\$\{?\w+(:-[^}]*)?\}?", "1", line)  # $port, ${X:-default}
