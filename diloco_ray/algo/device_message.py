@@ -165,10 +165,6 @@ class DownCopy:
             self._copied.record(stream)
         self._host, self._spans = host, spans
 
-    def done(self) -> bool:
-        """Whether the bytes are on the host (without waiting)."""
-        return self._arrays is not None or self._copied.query()
-
     def wait(self) -> list[np.ndarray]:
         """The messages as host arrays, once the copy has ended (it waits for it only)."""
         if self._arrays is None:

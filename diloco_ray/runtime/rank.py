@@ -13,7 +13,9 @@ set-up, each with only what it needs:
 * ``faults`` (:mod:`~diloco_ray.runtime.faults`): the fault plan's hook points.
 
 Each sync period it loads its rows of the global weights, runs its inner steps, and returns
-its rows of the pseudo-gradient ``global - local``, one packed buffer per server. With
+its rows of the pseudo-gradient ``global - local``, one packed buffer per server (with
+``overlap_communication`` by a second call, :meth:`RankWorker.message`, so the next period
+starts while they come down: :mod:`~diloco_ray.runtime.rank_outbox`). With
 ``sync_fragments`` > 1 one call covers one fragment's sync period. It is a plain class: the
 replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process. It keeps
 the whole config (for tests and tools) but reads it by section (``sections``).

@@ -16,6 +16,7 @@ from conftest import EXACT_JOB, ROOT, applied_positions, max_abs_diff, resume_cl
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.observe.metrics import read_events
+from diloco_ray.runtime.rank import RankWorker
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -149,3 +150,32 @@ def test_scale_from_another_process_and_from_a_callback_and_a_lost_step_board(ra
         cwd=ROOT,
     )
     assert missing.returncode == 2 and "holds no run" in missing.stderr
+
+
+class LoseOneMessage(RankWorker):
+    """Replica 1 loses the messages of its second period after its stats went out (its
+    process gone in that moment, as far as the servers can tell): with overlap the two
+    leave by separate calls."""
+
+    sends = 0
+
+    def message(self, attempt):
+        self.sends += 1
+        if self.replica_id == 1 and self.sends == 2:
+            self.outbox.take(attempt)  # made, never delivered
+            raise RuntimeError("the rank went away between its stats and its messages")
+        return super().message(attempt)
+
+
+def test_a_message_lost_after_its_stats_is_rejected_as_lost_in_transit(ray_local, tmp_path):
+    """The rule for a message that never arrives from a replica that reported: the servers
+    reject it as lost in transit and apply the others; the replica trains on."""
+
+    class Trainer(DilocoFSDPTrainer):
+        worker_cls = LoseOneMessage
+
+    cfg = tiny_config(tmp_path / "run", sync_fragments=2, overlap_communication=True, diloco_loops=3)
+    rounds = Trainer(cfg).train().rounds
+    assert [r["round"] for r in rounds] == [0, 1, 2] and [r["replicas"] for r in rounds] == [1, 2, 2]
+    assert list(rounds[0]["rejected"]) == ["1"] and "lost in transit" in rounds[0]["rejected"]["1"]
+    assert rounds[1]["rejected"] == {} and rounds[2]["rejected"] == {}

@@ -19,6 +19,7 @@ from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError
+from diloco_ray.runtime import transport
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.server import ParameterServer
 from diloco_ray.runtime.server_group import assemble_weights
@@ -147,13 +148,15 @@ class Sim:
         return [[per_rank[r][s] for r in range(self.world_size)] for s in range(len(self.servers))]
 
     # ---- one sync ---------------------------------------------------------------------
-    def sync(self, round_index: int, fragment: int, plans: dict, skip=(), poison=None, absent=()):
+    def sync(self, round_index: int, fragment: int, plans: dict, skip=(), poison=None, absent=(), lost=None):
         """One sync period: every replica takes in the latest message, trains, sends.
 
         Args:
             skip: replica ids that train and receive but do not contribute.
             poison: (replica id, server) whose pieces for that server get a NaN.
             absent: replica ids that sit the period out (receive nothing, send nothing).
+            lost: (replica id, server) whose pieces for that server are lost in transit
+                (:class:`LostInTransit`, with :func:`lossy_transport`).
         """
         contributions = [[] for _ in self.servers]
         for rid in self.replicas:
@@ -168,6 +171,8 @@ class Sim:
                 # The first rank that sends that server anything gets a NaN.
                 r = next(r for r, b in enumerate(bufs[poison[1]]) if compression.unpack(b)[0])
                 bufs[poison[1]][r] = with_value(bufs[poison[1]][r], *poison[2:])
+            if lost is not None and lost[0] == rid:
+                bufs[lost[1]] = [LostInTransit() for _ in bufs[lost[1]]]
             for s in range(len(self.servers)):
                 contributions[s].append(Contribution(rid, bufs[s], 1.0 + rid))
         prepared = [srv.prepare(fragment, contributions[s]) for s, srv in enumerate(self.servers)]
@@ -272,6 +277,46 @@ def test_sum_of_squares_in_chunks_matches_a_float64_copy():
     want = float(t.double().square().sum())
     assert _sum_of_squares(t, chunk=1 << 16) == pytest.approx(want, rel=1e-12)
     assert _sum_of_squares(torch.tensor(2.0)) == 4.0 and _sum_of_squares(torch.zeros(0)) == 0.0
+
+
+class LostInTransit:
+    """Stands for a ref whose object is gone: its node went down after the replica reported
+    (with overlap, a rank lost between its stats and its messages)."""
+
+
+@pytest.fixture
+def lossy_transport(monkeypatch):
+    """The servers' transport, raising Ray's error for a :class:`LostInTransit` piece."""
+    import ray
+
+    receive = transport.receive
+
+    def lossy(items, link=None):
+        if any(isinstance(i, LostInTransit) for i in items):
+            raise ray.exceptions.RayError("its node went down")
+        return receive(items, link)
+
+    monkeypatch.setattr(transport, "receive", lossy)
+
+
+@pytest.mark.parametrize("num_servers,fragments", [(1, 1), (2, 2)])
+def test_a_message_lost_in_transit_is_rejected_by_every_server_as_if_never_sent(
+    num_servers, fragments, lossy_transport
+):
+    lost, clean = Sim(num_servers, fragments, 2, 3), Sim(num_servers, fragments, 2, 3)
+    for sim in (lost, clean):
+        sim.round(0)
+    ids = list(lost.replicas)
+    plans = dict(zip(ids, lost.servers[0].data_plan(ids)))
+    for f in range(fragments):
+        applied, reduced = lost.sync(1, f, plans, lost=(1, num_servers - 1) if f == 0 else None)
+        clean.sync(1, f, plans, skip={1} if f == 0 else ())
+        if f == 0:  # lost on one server, rejected by all: the others' mean, as had it not sent
+            for r in reduced:
+                assert r.accepted == [0, 2] and "lost in transit" in str(r.reasons[1])
+            for a in applied:
+                assert a.applied and a.accepted == [0, 2] and set(a.rejected) == {1}
+    assert max_diff(lost.global_weights(), clean.global_weights()) == 0.0
 
 
 @pytest.mark.parametrize("num_servers,fragments", [(2, 1), (3, 2)])
