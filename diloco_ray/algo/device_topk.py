@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from diloco_ray.algo.topk import _SCALE_BYTES, _encode_rows, _ints, _kept, _levels, _tail, shape_of
+from diloco_ray.algo.topk import _SCALE_BYTES, decode_with, encoded_rows, shape_of
 
 
 def packbits(bits: torch.Tensor) -> torch.Tensor:
@@ -36,12 +36,7 @@ def unpackbits(data: torch.Tensor) -> torch.Tensor:
 def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values, as
     uint8 tensors on ``flat``'s device (:func:`diloco_ray.algo.topk.encode`)."""
-    width, k, nbits = shape_of(numel, block, fraction)
-    whole = flat.numel() // width if width else 0
-    parts = [_encode_rows(flat[: whole * width].reshape(whole, width), k, nbits)] if whole else []
-    if flat.numel() > whole * width:  # the tensor's short tail block
-        rest = flat[whole * width :].reshape(1, -1)
-        parts.append(_encode_rows(rest, _kept(rest.numel(), fraction), nbits))
+    parts = encoded_rows(flat, numel, block, fraction)
     if not parts:
         empty = torch.zeros(0, dtype=torch.uint8, device=flat.device)
         return empty, empty
@@ -63,22 +58,6 @@ def encode_into(
     payload[start : start + p.numel()] = p
 
 
-def _decode_rows(payload: torch.Tensor, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int) -> torch.Tensor:
-    """``len(pairs)`` rows of ``n`` values, ``k`` entries each, whose bits start at bit
-    ``start`` of ``payload``."""
-    rows, per_row = pairs.shape[0], k * (nbits + 2)
-    length = rows * per_row
-    raw = unpackbits(payload[start // 8 : -(-(start + length) // 8)])
-    bits = raw[start % 8 : start % 8 + length].view(rows, per_row)
-    index, code = _ints(bits[:, : k * nbits], nbits), _ints(bits[:, k * nbits :], 2)
-    low, high = _levels(pairs)
-    size = torch.where(code % 2 == 1, high[:, None], low[:, None])
-    values = torch.where(code >= 2, -size, size)
-    out = torch.zeros(rows, n, device=payload.device)
-    # Clamped as the host decoder clamps: a corrupt index writes garbage, never out of range.
-    return out.scatter_(1, index.clamp_(0, n - 1), values).view(-1)
-
-
 def decode(
     scales: torch.Tensor, payload: torch.Tensor, numel: int, block: int, fraction: float, lo: int, hi: int
 ) -> torch.Tensor:
@@ -90,14 +69,9 @@ def decode(
         payload: the tensor's whole payload section (uint8 bits).
         numel, block, fraction: as for :func:`encode`.
     """
-    width, k, nbits = shape_of(numel, block, fraction)
-    blocks, tail, k_tail = _tail(numel, width, fraction)
-    first, last = lo // width, -(-hi // width)
-    # A copy: the section's offset in its message need not suit a view as fp16.
-    pairs = scales[4 * first : 4 * last].clone().view(torch.float16).view(-1, 2)
-    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
-    per_block = k * (nbits + 2)
-    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width)]
-    if last == blocks:
-        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail))
-    return torch.cat(parts)[lo - first * width : hi - first * width]
+
+    def pairs_of(first: int, last: int) -> torch.Tensor:
+        # A copy: the section's offset in its message need not suit a view as fp16.
+        return scales[4 * first : 4 * last].clone().view(torch.float16).view(-1, 2)
+
+    return decode_with(pairs_of, payload, unpackbits, numel, block, fraction, lo, hi)

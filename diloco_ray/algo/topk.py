@@ -28,6 +28,7 @@ it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import numpy as np
 import torch
@@ -129,6 +130,22 @@ def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, 
     return scales, torch.cat([_bits(index, nbits), _bits(code, 2)], dim=1).reshape(-1)
 
 
+def encoded_rows(
+    flat: torch.Tensor, numel: int, block: int, fraction: float
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(fp16 ``(lo, hi)`` per block, the blocks' bits) of whole blocks of a tensor of
+    ``numel`` values, on ``flat``'s device: the whole blocks in one part, the tensor's
+    short tail block in another; the host and the device (:mod:`~diloco_ray.algo.device_topk`)
+    then pack the bits each their own way."""
+    width, k, nbits = shape_of(numel, block, fraction)
+    whole = flat.numel() // width if width else 0
+    parts = [_encode_rows(flat[: whole * width].reshape(whole, width), k, nbits)] if whole else []
+    if flat.numel() > whole * width:  # the tensor's short tail block
+        rest = flat[whole * width :].reshape(1, -1)
+        parts.append(_encode_rows(rest, _kept(rest.numel(), fraction), nbits))
+    return parts
+
+
 def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
     """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values.
 
@@ -137,33 +154,57 @@ def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple
         numel: the whole tensor's size (it fixes the block width and k).
         block, fraction: ``compression_block`` and ``topk_fraction``.
     """
-    width, k, nbits = shape_of(numel, block, fraction)
-    whole = flat.numel() // width
-    parts = [_encode_rows(flat[: whole * width].reshape(whole, width), k, nbits)] if whole else []
-    if flat.numel() > whole * width:  # the tensor's short tail block
-        rest = flat[whole * width :].reshape(1, -1)
-        parts.append(_encode_rows(rest, _kept(rest.numel(), fraction), nbits))
+    parts = encoded_rows(flat, numel, block, fraction)
     scales = torch.cat([s for s, _ in parts]) if parts else torch.zeros(0, 2, dtype=torch.float16)
     stream = torch.cat([b for _, b in parts]).numpy() if parts else np.zeros(0, dtype=np.uint8)
     scale_bytes = np.ascontiguousarray(scales.view(torch.int16).numpy().astype("<i2")).view(np.uint8)
     return scale_bytes.reshape(-1), np.packbits(stream, bitorder="little")
 
 
-def _decode_rows(payload: np.ndarray, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int) -> torch.Tensor:
+def _decode_rows(
+    payload, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int, unpackbits: Callable
+) -> torch.Tensor:
     """``len(pairs)`` rows of ``n`` values, ``k`` entries each, whose bits start at bit
-    ``start`` of ``payload``."""
+    ``start`` of ``payload`` (``unpackbits``: bytes -> a flat 0/1 tensor, least significant
+    bit first)."""
     rows, per_row = pairs.shape[0], k * (nbits + 2)
     length = rows * per_row
-    raw = np.unpackbits(payload[start // 8 : -(-(start + length) // 8)], bitorder="little")
-    bits = torch.from_numpy(raw[start % 8 : start % 8 + length]).view(rows, per_row)
+    raw = unpackbits(payload[start // 8 : -(-(start + length) // 8)])
+    bits = raw[start % 8 : start % 8 + length].view(rows, per_row)
     index, code = _ints(bits[:, : k * nbits], nbits), _ints(bits[:, k * nbits :], 2)
     low, high = _levels(pairs)
     size = torch.where(code % 2 == 1, high[:, None], low[:, None])
     values = torch.where(code >= 2, -size, size)
-    out = torch.zeros(rows, n)
+    out = torch.zeros(rows, n, device=pairs.device)
     # An index >= n cannot come from encode(); clamp so a corrupt message decodes to
     # garbage values, not an out-of-range write.
     return out.scatter_(1, index.clamp_(0, n - 1), values).view(-1)
+
+
+def decode_with(
+    pairs_of: Callable[[int, int], torch.Tensor],
+    payload,
+    unpackbits: Callable,
+    numel: int,
+    block: int,
+    fraction: float,
+    lo: int,
+    hi: int,
+) -> torch.Tensor:
+    """Values ``[lo, hi)`` of the flattened tensor, fp32; ``lo`` must start a block. What
+    the host's :func:`decode` and the device's (:mod:`~diloco_ray.algo.device_topk`) share:
+    each gives ``pairs_of(first, last)``, the fp16 ``(lo, hi)`` pairs of those blocks read
+    from its scales section, and ``unpackbits`` for its payload section."""
+    width, k, nbits = shape_of(numel, block, fraction)
+    blocks, tail, k_tail = _tail(numel, width, fraction)
+    first, last = lo // width, -(-hi // width)
+    pairs = pairs_of(first, last)
+    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
+    per_block = k * (nbits + 2)
+    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width, unpackbits)]
+    if last == blocks:
+        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail, unpackbits))
+    return torch.cat(parts)[lo - first * width : hi - first * width]
 
 
 def decode(
@@ -176,13 +217,12 @@ def decode(
         payload: the tensor's whole payload section (uint8 bits).
         numel, block, fraction: as for :func:`encode`.
     """
-    width, k, nbits = shape_of(numel, block, fraction)
-    blocks, tail, k_tail = _tail(numel, width, fraction)
-    first, last = lo // width, -(-hi // width)
-    pairs = torch.from_numpy(scales[4 * first : 4 * last].copy().view("<f2").astype(np.float16)).view(-1, 2)
-    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
-    per_block = k * (nbits + 2)
-    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width)]
-    if last == blocks:
-        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail))
-    return torch.cat(parts)[lo - first * width : hi - first * width]
+
+    def pairs_of(first: int, last: int) -> torch.Tensor:
+        return torch.from_numpy(scales[4 * first : 4 * last].copy().view("<f2").astype(np.float16)).view(-1, 2)
+
+    return decode_with(pairs_of, payload, _host_unpackbits, numel, block, fraction, lo, hi)
+
+
+def _host_unpackbits(data: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.unpackbits(data, bitorder="little"))
