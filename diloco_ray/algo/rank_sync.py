@@ -8,8 +8,11 @@ messages and its local parameters, and gets back the buffers to send. It owns
 * the **versions** -- per server, how many syncs the anchor reflects, so a message is
   applied once, in order, and a gap (a replica that missed a sync, or a new one) is
   detected and answered with a full load;
-* the **residuals** of error feedback, one per trained parameter, zero when a replica
-  joins (a fresh replica has sent nothing yet, so it owes no correction);
+* the **residuals** of error feedback and the sends awaiting the driver's verdict, one
+  residual per trained parameter over this rank's rows, zero when a replica joins (a fresh
+  replica has sent nothing yet, so it owes no correction): a
+  :class:`~diloco_ray.algo.error_feedback.FeedbackLedger`, the books a region keeps by the
+  same code;
 * the row layout: which rows of which fragment go to which server (:mod:`partition`).
 
 Messages are :func:`compression.pack` buffers whose meta carries ``rows`` (the first row
@@ -32,6 +35,7 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import codecs, compression, links, partition, rank_codec
+from diloco_ray.algo.error_feedback import FeedbackLedger, keeps_residual
 from diloco_ray.algo.device_message import DownCopy
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.sections import SyncCodecSection
@@ -88,8 +92,7 @@ class RankSync:
         self.codec, self.alpha, self.block, self.fraction = codec, alpha, block, fraction
         self.anchor_on_host = anchor_on_host
         self.on_device: Optional[bool] = None
-        self.error_feedback = (error_feedback or codec == "topk") and codec != "none"
-        self.decay = decay  # the residual's weight in the next sync (error_feedback_decay)
+        self.error_feedback = keeps_residual(codec, error_feedback)
         # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
         self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
         mine = partition.rank_rows(self.shapes, world_size, rank)
@@ -99,16 +102,14 @@ class RankSync:
             for frag in partition.fragments(self.shapes, fragments)
         ]
         self.anchor: dict[str, torch.Tensor] = {}
-        self.residual: dict[str, torch.Tensor] = {}
+        # Error feedback's residual over the rows held, and the sends awaiting their verdict.
+        self.ledger = FeedbackLedger(self.held, self.shapes, decay)
         self.versions = [-1] * servers
         # Overlap with error feedback: per fragment in flight, this rank's local rows of it
         # as they were sent (name -> (first row, rows)), for the merge (see apply).
         self.fragment_rows = partition.fragments(self.shapes, fragments)
         self.keeps_sent = overlap and self.error_feedback
         self.sent_local: dict[int, dict[str, tuple[int, torch.Tensor]]] = {}
-        # Error feedback: per launch (the driver's attempt), the buffers this rank sent, kept
-        # until the driver says whether the servers applied them (see settle).
-        self.unsettled: dict[int, DownCopy] = {}
 
     @classmethod
     def of(
@@ -290,74 +291,49 @@ class RankSync:
         device = rank_codec.device_of(local)
         where = device if self._works_on_device(device) else None
         copy = rank_codec.start_to_host([self._pack_difference(rows, local, stamp, where) for rows in plan])
-        if self.error_feedback and attempt is not None:
-            self.unsettled[attempt] = copy
+        if self.error_feedback:
+            self.ledger.keep(attempt, copy)
         return copy
 
     @torch.no_grad()
+    def start_period(self, reset_inner: bool, reset: bool, restart: bool, verdicts: Mapping[int, bool]) -> None:
+        """The ledger's books as a period starts (:meth:`FeedbackLedger.start_period
+        <diloco_ray.algo.error_feedback.FeedbackLedger.start_period>`): what a send the
+        driver says was not applied (late past the deadline, rejected, lost in transit, or
+        a fragment of a replica that sat out the rest of its round) carried goes back into
+        the residual, read here as the servers read it."""
+        device = self._residual_device()
+        self.ledger.start_period(
+            reset_inner=reset_inner, reset=reset, restart=restart, verdicts=verdicts, read=self._reader(), device=device
+        )
+
+    @torch.no_grad()
     def settle(self, verdicts: Mapping[int, bool]) -> None:
-        """Close the sends the driver has a verdict on: ``verdicts`` maps a launch attempt
-        to whether the servers applied what this rank sent in it.
+        """Settle the verdicts alone (a checkpoint's save settles them before it writes)."""
+        self.ledger.settle(verdicts, self._reader(), self._residual_device())
 
-        The residual was reduced by what a message carried when it was encoded. A message
-        that was then not applied (late past the deadline, rejected, lost in transit, or a
-        fragment of a replica that sat out the rest of its round) carried nothing to the
-        weights, so what it carried goes back into the residual, and error feedback sends
-        it again. The driver hands out verdicts in launch order: a send older than the
-        newest verdict and without one of its own was lost to the driver (a resumed run)
-        and is dropped.
-        """
-        if not verdicts:
-            return
-        for attempt, applied in sorted(verdicts.items()):
-            sent = self.unsettled.pop(attempt, None)
-            if sent is not None and not applied:
-                self._add_to_residual(sent.wait())
-        newest = max(verdicts)
-        self.unsettled = {a: b for a, b in self.unsettled.items() if a > newest}
-
-    def forget_sent(self) -> None:
-        """Drop every unsettled send: its work is undone another way (a re-run of the round
-        rewinds the residual, a reset clears it, a restored server reloads everything)."""
-        self.unsettled = {}
-
-    def _add_to_residual(self, buffers: Sequence[np.ndarray]) -> None:
-        """Add the values these buffers carried (decoded as the servers decode them) into
-        the residual of their rows."""
+    def _reader(self):
+        """This rank's messages read as the servers read them, where its sync works."""
         device = rank_codec.device_of(self.anchor)
-        for buf in buffers:
-            pieces, _ = self._decode(buf, device)
-            for name, (start, values) in pieces.items():
-                rows = self._residual_rows({name: (start, start + partition.num_rows(values.shape))})[name]
-                rows.add_(values.view(rows.shape))
+        return lambda buf: self._decode(buf, device)[0]
+
+    def _residual_device(self) -> torch.device:
+        """Where the residual lives: beside the anchor when the sync works there, else on
+        the host (a checkpoint's moves there when used)."""
+        device = rank_codec.device_of(self.anchor)
+        return device if self._works_on_device(device) else torch.device("cpu")
 
     def _pack_difference(
         self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict, device: Optional[torch.device]
     ):
         """``anchor - local`` of ``rows`` packed for one server (built on ``device``, or on
         the host for None), with its residual decayed and fed back when error feedback is on."""
-        residual = self._residual_rows(rows) if self.error_feedback else None
-        if residual is not None and self.decay != 1.0:
-            for view in residual.values():
-                view.mul_(self.decay)
+        residual = self.ledger.feed(rows, self._residual_device()) if self.error_feedback else None
         anchor = {n: partition.take(self.anchor[n], iv, self.held[n][0]) for n, iv in rows.items()}
         mine = {n: partition.take(local[n], iv, self.held[n][0]) for n, iv in rows.items()}
         starts = {n: iv[0] for n, iv in rows.items()}
         args = (self.names, self.codec, meta, residual, self.block, self.fraction)
         return rank_codec.pack_difference(anchor, mine, starts, *args, device=device)
-
-    def _residual_rows(self, rows: partition.Rows) -> dict[str, torch.Tensor]:
-        """Views of the error-feedback residual of ``rows`` (zeros for a new parameter),
-        which the codec updates in place. It lives where the codec works: beside the anchor
-        when that is on the device, else on the host (a checkpoint's moves there when used)."""
-        views = {}
-        for name, iv in rows.items():
-            device = self.anchor[name].device
-            home = device if self._works_on_device(device) else torch.device("cpu")
-            held = self.residual.get(name)
-            self.residual[name] = torch.zeros(self.anchor[name].shape, device=home) if held is None else held.to(home)
-            views[name] = partition.take(self.residual[name], iv, self.held[name][0])
-        return views
 
     def seed(self, local: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
         """This rank's rows of its current weights for each server, fp32 (to start the
@@ -388,16 +364,16 @@ class RankSync:
 
     # ---- state that a checkpoint keeps ---------------------------------------------------
     def state_dict(self, with_anchor: bool) -> dict:
-        """Residuals always; anchors and versions when the local rows are kept too (when
-        they may differ from the global weights at a round boundary)."""
-        state = {"residual": dict(self.residual)}
+        """Residuals always (with every send still unsettled put back: what no verdict
+        reached is not in the checkpoint's weights); anchors and versions when the local rows
+        are kept too (when they may differ from the global weights at a round boundary)."""
+        state = {"residual": self.ledger.saved_residual(self._reader(), self._residual_device())}
         if with_anchor:
             state.update(anchor=dict(self.anchor), versions=list(self.versions), sent_local=dict(self.sent_local))
         return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.residual = {n: t.clone() for n, t in (state.get("residual") or {}).items()}
-        self.unsettled = {}  # a checkpoint is taken with every send settled
+        self.ledger.load_state_dict({"residual": state.get("residual")})  # (saved with every send settled)
         if "anchor" in state:
             self.anchor = {n: t.clone() for n, t in state["anchor"].items()}
             self.versions = list(state["versions"])

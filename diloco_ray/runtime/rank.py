@@ -228,9 +228,7 @@ class RankWorker:
         # rows may hold the NaN that was rejected.
         if job.reset or job.reset_inner:
             self.sync.forget_versions()
-        if job.reset or job.restart:  # what was sent is undone by the reload or the rewind
-            self.sync.forget_sent()
-        self.sync.settle(dict(job.sent_verdicts))
+        self.sync.start_period(job.reset_inner, job.reset, job.restart, dict(job.sent_verdicts))
         received = receive_weights(self.sync, self.params, job, merge=False, full_only=late_merge)
         fetched = transport.prefetch(job.messages) if late_merge else None  # downloads while the steps run
         restarted = job.fragment == 0 and self._begin_round(job, resuming=self._resuming(job))

@@ -89,22 +89,22 @@ class RankState:
         self.optimizer.zero_grad(set_to_none=True)
 
     def reset(self) -> None:
-        """A fresh inner optimizer (and scaler) and no residual: what a replica whose
+        """A fresh inner optimizer (and scaler), and no round start kept: what a replica whose
         pseudo-gradient was rejected as non-finite gets, so its poisoned state (NaN in
-        AdamW's moments) does not make it diverge again next round. Its weights are
-        reloaded whole by the worker (:meth:`RankWorker.run_period
+        AdamW's moments) does not make it diverge again next round. Its residual is cleared
+        by the period's start (:meth:`RankSync.start_period
+        <diloco_ray.algo.rank_sync.RankSync.start_period>`) and its weights are reloaded
+        whole by the worker (:meth:`RankWorker.run_period
         <diloco_ray.runtime.rank.RankWorker.run_period>`)."""
         self.optimizer = build_inner_optimizer([p for _, p in self.params], self.inner_optim)
         if self.scaler is not None:
             self.scaler = torch.amp.GradScaler(self.device.type)
-        self.sync.residual = {}
-        self.sync.forget_sent()
         self.round_start.clear()
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     def note_round_start(self, round_index: int) -> None:
         """Keep the inner optimizer, RNG and residual as ``round_index`` begins, for a re-run."""
-        self.round_start.save(round_index, {**self._optimizer_and_rng(), "residual": self.sync.residual})
+        self.round_start.save(round_index, {**self._optimizer_and_rng(), "residual": self.sync.ledger.residual})
 
     @torch.no_grad()
     def rewind(self, round_index: int, keep: bool = False) -> None:
@@ -116,7 +116,7 @@ class RankState:
         saved = self.round_start.load(round_index)  # a fresh copy each time: load_state_dict may alias it
         if saved is not None:
             self._restore_optimizer_and_rng(saved)
-            self.sync.residual = dict(saved["residual"])  # fresh copies, where they were kept
+            self.sync.ledger.rewind(saved["residual"])  # fresh copies, where they were kept; nothing sent since
             if not keep:
                 self.round_start.clear()
 

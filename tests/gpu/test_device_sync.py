@@ -126,8 +126,8 @@ def test_a_gpu_ranks_sync_sends_and_holds_what_the_host_path_does(codec):
         message = _message(new, version, version % 2, codec="int8")
         on_gpu.apply([message] * 2, local["gpu"], merge=True)
         on_host.apply([message] * 2, local["host"], merge=True)
-        assert all(r.device.type == "cuda" for r in on_gpu.residual.values())
-        assert_equal_values(on_gpu.residual, on_host.residual)
+        assert all(r.device.type == "cuda" for r in on_gpu.ledger.residual.values())
+        assert_equal_values(on_gpu.ledger.residual, on_host.ledger.residual)
         assert_equal_values(on_gpu.anchor, on_host.anchor)
         assert_equal_values(local["gpu"], local["host"])
 

@@ -62,7 +62,7 @@ def test_applied_plus_residual_is_every_pseudo_gradient_when_a_send_is_dropped(c
                 applied[name] += t
     sync.settle(verdicts)
     for name in SHAPES:
-        residual = sync.residual[name]
+        residual = sync.ledger.residual[name]
         torch.testing.assert_close(applied[name] + residual, computed[name], rtol=0, atol=1e-5, msg=name)
 
 
@@ -71,14 +71,14 @@ def test_a_send_the_driver_never_rules_on_is_dropped_once_a_later_one_is_settled
     for attempt in (5, 6, 7):
         sync.outgoing(0, local, attempt=attempt)
     sync.settle({6: True})  # 5 was lost to the driver (a resumed run): verdicts come in launch order
-    assert list(sync.unsettled) == [7]
+    assert list(sync.ledger.unsettled) == [7]
 
 
 def test_a_reset_or_a_rewind_forgets_what_was_sent():
     sync, local = start("topk")
     sync.outgoing(0, local, attempt=1)
-    residual = {n: t.clone() for n, t in sync.residual.items()}
-    sync.forget_sent()
+    residual = {n: t.clone() for n, t in sync.ledger.residual.items()}
+    sync.ledger.forget_sent()
     sync.settle({1: False})  # a re-run's rewind restores the residual itself: nothing goes back twice
     for name, t in residual.items():
-        assert torch.equal(sync.residual[name], t)
+        assert torch.equal(sync.ledger.residual[name], t)

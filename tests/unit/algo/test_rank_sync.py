@@ -181,7 +181,7 @@ def test_a_rank_that_forgets_its_versions_loads_everything_before_the_next_fragm
     assert sync.versions == [-1, -1]
     assert sync.decide_load(2, fragment_message=True) == "full"
     assert sync.decide_load(1, fragment_message=False) == "apply"  # even the version it held
-    assert all(torch.equal(sync.anchor[n], anchor[n]) for n in SHAPES) and list(sync.unsettled) == [4]
+    assert all(torch.equal(sync.anchor[n], anchor[n]) for n in SHAPES) and list(sync.ledger.unsettled) == [4]
 
 
 def test_one_message_per_server():
@@ -394,8 +394,8 @@ def test_error_feedback_decay_weighs_the_residual_in_each_sync(decay):
         local["w"].sub_(g)
         (buf,) = sync.outgoing(0, local)
         sent = decode(buf, shapes)[0]["w"][1]
-        torch.testing.assert_close(sent + sync.residual["w"], g + decay * old, rtol=0, atol=1e-6)
-        old = sync.residual["w"].clone()
+        torch.testing.assert_close(sent + sync.ledger.residual["w"], g + decay * old, rtol=0, atol=1e-6)
+        old = sync.ledger.residual["w"].clone()
     assert float(old.abs().max()) > 0  # topk left most of it out
 
 
@@ -407,14 +407,14 @@ def test_error_feedback_removes_the_bias(codec):
     bias_ef = float((mean_ef - g).abs().max())
     assert bias_plain > 1e-4  # the codec alone keeps the same error every round
     assert bias_ef < bias_plain / 10
-    assert float(sync_ef.residual["w"].abs().max()) > 0
-    assert sync_plain.residual == {}
+    assert float(sync_ef.ledger.residual["w"].abs().max()) > 0
+    assert sync_plain.ledger.residual == {}
 
 
 def test_topk_always_carries_a_residual():
     # topk drops most values: without feedback they would never be sent, so it is always on.
     mean, sync, g = run_constant("topk", False, rounds=200)
-    assert sync.error_feedback is True and float(sync.residual["w"].abs().max()) > 0
+    assert sync.error_feedback is True and float(sync.ledger.residual["w"].abs().max()) > 0
     once, _, _ = run_constant("topk", False, rounds=1)
     assert float((once - g).abs().max()) > 0.5 * float(g.abs().max())  # one message sends little
     assert float((mean - g).abs().max()) < 0.1 * float(g.abs().max())  # in the long run, all of it
@@ -422,7 +422,7 @@ def test_topk_always_carries_a_residual():
 
 def test_error_feedback_is_off_for_a_lossless_codec():
     mean, sync, g = run_constant("none", True, rounds=3)
-    assert sync.error_feedback is False and sync.residual == {}
+    assert sync.error_feedback is False and sync.ledger.residual == {}
     torch.testing.assert_close(mean, g, rtol=0, atol=1e-6)
 
 
@@ -444,7 +444,7 @@ def test_error_feedback_carries_the_residual_by_rows(servers):
                 partition.put(sent[n], (start, start + piece.shape[0]), piece, offset)
         for n in SHAPES:
             r = rows(SHAPES[n], 2, rank)
-            torch.testing.assert_close(sync.residual[n], 0.1 * g[n][r] - sent[n], rtol=0, atol=1e-6)
+            torch.testing.assert_close(sync.ledger.residual[n], 0.1 * g[n][r] - sent[n], rtol=0, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- state dict
@@ -469,15 +469,15 @@ def test_state_dict_round_trip_with_anchor():
     other = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, block=16)
     other.load_state_dict(state)
     assert other.versions == sync.versions == [1, 1]
-    assert set(other.anchor) == set(SHAPES) and set(other.residual) == set(SHAPES)
+    assert set(other.anchor) == set(SHAPES) and set(other.ledger.residual) == set(SHAPES)
     for n in SHAPES:
         assert torch.equal(other.anchor[n], sync.anchor[n])
-        assert torch.equal(other.residual[n], sync.residual[n])
+        assert torch.equal(other.ledger.residual[n], sync.ledger.residual[n])
     # Copies, not aliases: the loaded state does not move with the original.
     sync.anchor["lm_head.weight"].add_(1.0)
-    sync.residual["lm_head.weight"].add_(1.0)
+    sync.ledger.residual["lm_head.weight"].add_(1.0)
     assert not torch.equal(other.anchor["lm_head.weight"], sync.anchor["lm_head.weight"])
-    assert not torch.equal(other.residual["lm_head.weight"], sync.residual["lm_head.weight"])
+    assert not torch.equal(other.ledger.residual["lm_head.weight"], sync.ledger.residual["lm_head.weight"])
     # And the next pseudo-gradient is the same from both.
     sync, local = trained_sync()
     other = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, block=16)
@@ -508,14 +508,14 @@ def test_state_dict_without_anchor_keeps_residuals_only():
     other.load_state_dict(state)
     assert other.anchor == {} and other.versions == [-1, -1]
     for n in SHAPES:
-        assert torch.equal(other.residual[n], sync.residual[n])
+        assert torch.equal(other.ledger.residual[n], sync.ledger.residual[n])
     assert other.decide_load(1, fragment_message=True) == "full"
 
 
 def test_load_empty_state():
     sync, _ = trained_sync()
     sync.load_state_dict({})
-    assert sync.residual == {}
+    assert sync.ledger.residual == {}
     assert sync.versions == [1, 1]  # no anchors in the state: what it holds stays
 
 
@@ -554,7 +554,7 @@ def measure_outgoing_memory() -> None:
         expected = sync.anchor["layer3"] - local["layer3"]
         tolerance = 0 if codec == "none" else 0.02 / 127 * 2
         right = bool(torch.allclose(pieces["layer3"][1], expected, atol=tolerance, rtol=0))
-        results.append({"grew": grew, "message": int(buf.nbytes), "right": right, "residual": bool(sync.residual)})
+        results.append({"grew": grew, "message": int(buf.nbytes), "right": right, "residual": bool(sync.ledger.residual)})
     print(json.dumps(results))
 
 

@@ -59,9 +59,9 @@ def assert_same_state(host: RankSync, dev: RankSync, local_host: dict, local_dev
     for name in NAMES:
         assert torch.equal(host.anchor[name], dev.anchor[name]), name
         assert torch.equal(local_host[name], local_dev[name]), name
-    assert host.residual.keys() == dev.residual.keys()
-    for name, r in host.residual.items():
-        assert torch.equal(r, dev.residual[name]), name
+    assert host.ledger.residual.keys() == dev.ledger.residual.keys()
+    for name, r in host.ledger.residual.items():
+        assert torch.equal(r, dev.ledger.residual[name]), name
     assert host.versions == dev.versions
 
 
@@ -106,8 +106,8 @@ def test_a_checkpoints_residual_is_used_where_the_device_path_works():
     saved = {n: torch.full(t.shape, 0.25) for n, t in local.items()}
     dev.load_state_dict({"residual": saved})
     dev.outgoing(0, local)
-    assert set(dev.residual) == set(NAMES)
-    assert all(dev.residual[n] is not saved[n] for n in NAMES)  # cloned on load, never aliased
+    assert set(dev.ledger.residual) == set(NAMES)
+    assert all(dev.ledger.residual[n] is not saved[n] for n in NAMES)  # cloned on load, never aliased
 
 
 def test_the_device_path_and_a_host_anchor_exclude_each_other():

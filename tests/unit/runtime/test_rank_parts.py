@@ -32,10 +32,11 @@ def test_a_rank_sync_built_of_the_codec_section_equals_the_plain_one():
         num_param_servers=2,
     )
     built = RankSync.of(cfg.sections().sync_codec, SHAPES, world_size=2, rank=1, servers=2)
-    plain = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, alpha=0.25)
-    plain.block, plain.decay, plain.keeps_sent = 16, 0.5, True
-    for attr in ("codec", "alpha", "block", "fraction", "decay", "error_feedback", "keeps_sent", "sends", "held"):
+    plain = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, alpha=0.25, decay=0.5)
+    plain.block, plain.keeps_sent = 16, True
+    for attr in ("codec", "alpha", "block", "fraction", "error_feedback", "keeps_sent", "sends", "held"):
         assert getattr(built, attr) == getattr(plain, attr), attr
+    assert built.ledger.decay == plain.ledger.decay == 0.5
 
 
 def tokens(n: int, seq_len: int = 8) -> TokenData:
