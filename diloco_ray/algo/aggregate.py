@@ -70,6 +70,13 @@ class Rejected:
 MEAN_OVERFLOWS = Rejected(Rejection.NON_FINITE, "the weighted mean overflows fp32")
 
 
+def poisoned(rejected: Mapping[int, Rejected]) -> set[int]:
+    """The replicas of ``rejected`` (id -> why) whose inner state is poisoned: rejected as
+    non-finite, they start their next period with a fresh inner state and reload every
+    weight (the home's rule for its replicas, and a region's for its own)."""
+    return {rid for rid, why in rejected.items() if why.reason is Rejection.NON_FINITE}
+
+
 class NonFiniteError(ValueError):
     """A pseudo-gradient holds NaN or Inf (rejected as ``Rejection.NON_FINITE``, and the
     driver resets that replica's inner state)."""

@@ -75,7 +75,9 @@ class FeedbackLedger:
         views = {}
         for name, iv in rows.items():
             held = self.residual.get(name)
-            self.residual[name] = torch.zeros(self._held_shape(name), device=device) if held is None else held.to(device)
+            self.residual[name] = (
+                torch.zeros(self._held_shape(name), device=device) if held is None else held.to(device)
+            )
             views[name] = partition.take(self.residual[name], iv, self.held[name][0])
         return views
 
@@ -158,7 +160,9 @@ class FeedbackLedger:
     def state_dict(self) -> dict:
         """The residual and the unsettled sends' bytes (uint8 tensors), for a sender that
         must take its books up again where it stopped (a region's agent restarted)."""
-        sent = {str(a): [torch.from_numpy(np.ascontiguousarray(b)) for b in s.wait()] for a, s in self.unsettled.items()}
+        sent = {
+            str(a): [torch.from_numpy(np.ascontiguousarray(b)) for b in s.wait()] for a, s in self.unsettled.items()
+        }
         return {"residual": dict(self.residual), "unsettled": sent}
 
     def load_state_dict(self, state: Mapping) -> None:

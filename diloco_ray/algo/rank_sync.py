@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import codecs, compression, links, partition, rank_codec
-from diloco_ray.algo.error_feedback import FeedbackLedger, keeps_residual
 from diloco_ray.algo.device_message import DownCopy
+from diloco_ray.algo.error_feedback import FeedbackLedger, keeps_residual
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.sections import SyncCodecSection
 

@@ -12,7 +12,11 @@ config is a list of mappings, each one fault::
 
 ``target`` is ``replica`` (the default), ``server`` or ``driver``. A replica fault fires
 in rank ``rank`` of replica id ``replica`` when that rank reaches inner step ``step`` of
-round ``round``, once (a re-run of the round does not fire it again):
+round ``round``, once (a re-run of the round does not fire it again). Across regions,
+``region`` names another region and ``replica`` the replica inside it (0 to its
+``replicas`` - 1): the home hands the region its faults with its config, and the region's
+agent carries them out as the home does its own (``{kind: nan, region: eu, replica: 1,
+round: 0}``):
 
 * ``kill``: the rank's process dies at once (SIGKILL), as on a lost node.
 * ``freeze``: the rank's process stops (SIGSTOP) and never answers again.
@@ -66,6 +70,7 @@ class Fault:
         seconds: extra seconds per step (``slow``).
         factor: how many times as long every step takes from then on (``slowdown``).
         index: which server actor (server faults).
+        region: another region whose replica it hits (replica faults; None: this cluster's).
     """
 
     kind: str
@@ -77,11 +82,12 @@ class Fault:
     seconds: float = 0.0
     index: int = 0
     factor: float = 0.0
+    region: Optional[str] = None
 
     @property
     def key(self) -> tuple:
         """Identifies the fault, so it fires once."""
-        return (self.target, self.kind, self.round, self.replica, self.rank, self.step, self.index)
+        return (self.target, self.kind, self.round, self.replica, self.rank, self.step, self.index, self.region)
 
 
 _INT_FIELDS = ("round", "replica", "rank", "step", "index")
@@ -96,44 +102,65 @@ def parse(plan: Optional[list]) -> list[Fault]:
             f"fault_plan: {plan!r} is not allowed; expected a list of mappings such as "
             "{kind: kill, replica: 0, round: 1, step: 2}"
         )
+    return [_parse_entry(f"fault_plan[{i}]", entry) for i, entry in enumerate(plan)]
+
+
+def _parse_entry(where: str, entry) -> Fault:
+    """One entry of the plan (``where``: its place, for the message)."""
     known = {f.name for f in fields(Fault)}
-    out = []
-    for i, entry in enumerate(plan):
-        where = f"fault_plan[{i}]"
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{where}: {entry!r} is not allowed; expected a mapping with kind and round")
-        unknown = sorted(set(entry) - known)
-        if unknown:
-            raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(known))}")
-        target = entry.get("target", "replica")
-        if target not in KINDS:
-            raise ConfigError(f"{where}.target: {target!r} is not allowed; expected replica, server or driver")
-        kind = entry.get("kind")
-        if kind not in KINDS[target]:
-            raise ConfigError(
-                f"{where}.kind: {kind!r} is not allowed for target {target}; expected one of {', '.join(KINDS[target])}"
-            )
-        if "round" not in entry:
-            raise ConfigError(f"{where}.round: missing; give the 0-based round the fault fires in")
-        for name in _INT_FIELDS:
-            value = entry.get(name, 0)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ConfigError(f"{where}.{name}: {value!r} is not allowed; expected a whole number >= 0")
-        seconds = entry.get("seconds", 0.0)
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
-            raise ConfigError(f"{where}.seconds: {seconds!r} is not allowed; expected a number >= 0")
-        if kind == "slow" and not seconds:
-            raise ConfigError(f"{where}.seconds: a slow fault needs seconds > 0 (extra seconds per step)")
-        factor = entry.get("factor", 0.0)
-        if kind == "slowdown" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1):
-            raise ConfigError(f"{where}.factor: {factor!r} is not allowed; a slowdown needs a number > 1")
-        out.append(Fault(**{**entry, "seconds": float(seconds), "factor": float(factor)}))
-    return out
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: {entry!r} is not allowed; expected a mapping with kind and round")
+    unknown = sorted(set(entry) - known)
+    if unknown:
+        raise ConfigError(f"{where}.{unknown[0]}: unknown key; allowed: {', '.join(sorted(known))}")
+    target = entry.get("target", "replica")
+    if target not in KINDS:
+        raise ConfigError(f"{where}.target: {target!r} is not allowed; expected replica, server or driver")
+    kind = entry.get("kind")
+    if kind not in KINDS[target]:
+        raise ConfigError(
+            f"{where}.kind: {kind!r} is not allowed for target {target}; expected one of {', '.join(KINDS[target])}"
+        )
+    region = entry.get("region")
+    if region is not None and (target != "replica" or not isinstance(region, str) or not region):
+        raise ConfigError(f"{where}.region: {region!r} is not allowed; a replica fault may name a region of `regions`")
+    if "round" not in entry:
+        raise ConfigError(f"{where}.round: missing; give the 0-based round the fault fires in")
+    for name in _INT_FIELDS:
+        value = entry.get(name, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{where}.{name}: {value!r} is not allowed; expected a whole number >= 0")
+    return Fault(**{**entry, "seconds": _seconds(where, kind, entry), "factor": _factor(where, kind, entry)})
+
+
+def _seconds(where: str, kind: str, entry: dict) -> float:
+    seconds = entry.get("seconds", 0.0)
+    if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        raise ConfigError(f"{where}.seconds: {seconds!r} is not allowed; expected a number >= 0")
+    if kind == "slow" and not seconds:
+        raise ConfigError(f"{where}.seconds: a slow fault needs seconds > 0 (extra seconds per step)")
+    return float(seconds)
+
+
+def _factor(where: str, kind: str, entry: dict) -> float:
+    factor = entry.get("factor", 0.0)
+    if kind == "slowdown" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1):
+        raise ConfigError(f"{where}.factor: {factor!r} is not allowed; a slowdown needs a number > 1")
+    return float(factor)
 
 
 def for_rank(plan: list[Fault], replica_id: int, rank: int) -> list[Fault]:
-    """The replica faults aimed at one rank."""
-    return [f for f in plan if f.target == "replica" and f.replica == replica_id and f.rank == rank]
+    """The replica faults aimed at one rank of this cluster (a region's are its own)."""
+    return [
+        f for f in plan if f.target == "replica" and f.region is None and f.replica == replica_id and f.rank == rank
+    ]
+
+
+def for_region(plan: Optional[list], region: str) -> Optional[list]:
+    """The entries of a config's ``fault_plan`` aimed at ``region``'s replicas, as that
+    region's own config holds them (``region`` dropped: they are its replicas); None: none."""
+    mine = [{k: v for k, v in entry.items() if k != "region"} for entry in plan or () if entry.get("region") == region]
+    return mine or None
 
 
 def due(
@@ -159,10 +186,18 @@ def due(
 
 def check_reachable(plan: list[Fault], config) -> None:
     """Refuse a fault that could never fire in this job (configured but silently ignored)."""
+    regions = {r["name"]: r for r in config.regions or ()}
     for i, fault in enumerate(plan):
         where = f"fault_plan[{i}]"
         if fault.target != "replica":
             pass
+        elif fault.region is not None and fault.region not in regions:
+            raise ConfigError(
+                f"{where}.region: {fault.region!r} is not one of regions ({', '.join(regions) or 'none'})"
+            )
+        elif fault.region is not None and fault.replica >= int(regions[fault.region]["replicas"]):
+            count = int(regions[fault.region]["replicas"])
+            raise ConfigError(f"{where}.replica: region {fault.region!r} has replicas 0..{count - 1}")
         elif fault.step >= config.max_steps:
             raise ConfigError(
                 f"{where}.step: {fault.step} is never reached; a period runs inner steps 0..{config.max_steps - 1}"

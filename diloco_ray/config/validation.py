@@ -426,7 +426,6 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_builtin_size,
     _check_what_needs_another_field,
     _check_fragments,
-    _check_fault_plan,
     _check_what_streaming_rules_out,
     _check_ranks_list,
     _check_nodes_per_replica,
@@ -434,4 +433,5 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_placement,
     _check_links,
     _check_regions,
+    _check_fault_plan,  # after the regions it may name
 )

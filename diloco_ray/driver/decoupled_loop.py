@@ -356,6 +356,7 @@ class DecoupledLoop:
         self.wasted_steps += self._flight_poll().steps_run(flight)
         self.pace.forget(rid)
         self.failed.add(rid)
+        self.jobs.note_dropped(flight.attempt, [rid])  # a member that comes back puts back what it sent
         host.members.remove(flight.launch.replica, gone.why)
         if server_alive:  # (a dead server's plans are gone with it: the restored cursor has them)
             server_call(lambda: host.server.release_plan(rid), "giving a plan back")

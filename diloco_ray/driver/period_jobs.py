@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from diloco_ray.algo import links
-from diloco_ray.algo.outer import Rejection
+from diloco_ray.algo.aggregate import poisoned
 from diloco_ray.config.sections import SyncCodecSection
 from diloco_ray.driver.host import Host
 from diloco_ray.runtime.messages import AppliedRound, SnapshotPlan, SyncPeriod
@@ -124,10 +124,11 @@ class PeriodJobs:
         accepted = set(applied.accepted)
         for rid in sent:
             self.verdicts.setdefault(rid, {})[attempt] = rid in accepted
-        self.reset_inner |= {rid for rid, why in applied.rejected.items() if why.reason is Rejection.NON_FINITE}
+        self.reset_inner |= poisoned(applied.rejected)
 
     def note_dropped(self, attempt: int, replica_ids: Iterable[int]) -> None:
         """What these replicas sent in ``attempt`` (if they sent anything: one told to stop
-        may not have) reached no sync: late past the deadline."""
+        may not have) reached no sync: late past the deadline, or lost (a region whose link
+        was cut learns it when it is back; a lost replica of this cluster never comes back)."""
         for rid in replica_ids:
             self.verdicts.setdefault(rid, {})[attempt] = False

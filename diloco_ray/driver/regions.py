@@ -15,15 +15,28 @@ knows which regions take part: a region joins the round once it is connected and
 replicas are up, leaves it when the loop drops it (late, or failed: a region silent for
 ``channel_timeout_s`` is lost), and joins again at a later boundary once it has
 reconnected.
+
+A region's part of a checkpoint is its own (its residual and its replicas' inner state,
+written in its own ``output_dir``): when the home checkpoints, the gateway asks each region
+between periods to save it (:meth:`RegionGateway.save_region`) and keeps what the region
+answers (an id and a digest) as the region's file in the home's checkpoint. Every notice
+carries the home's *restore directive* for the region: a new home starts every region fresh
+unless it resumed a checkpoint, and a home that restores its servers behind the round the
+replicas were at names the checkpoint (:meth:`RegionGateway.restore`); the region carries
+each directive out once (:class:`~diloco_ray.regions.books.RegionBooks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import threading
 import time
+import uuid
 from typing import Callable, Optional
 
+from diloco_ray.channel import frames
 from diloco_ray.channel.credentials import Token, read_pem, read_token
 from diloco_ray.channel.server import ChannelServer
 from diloco_ray.config.fields import REGION_ID_BASE
@@ -51,8 +64,18 @@ class RegionGateway:
         servers: ``num_param_servers``: a period returns one buffer per server.
     """
 
-    def __init__(self, regions: ChannelSection, token: Token, cert: bytes, key: bytes, join_info: dict, servers: int):
+    def __init__(
+        self,
+        regions: ChannelSection,
+        token: Token,
+        cert: bytes,
+        key: bytes,
+        join_info: dict,
+        servers: int,
+        save_timeout_s: float = 60.0,
+    ):
         self.servers, self.max_bytes = servers, int(regions.channel_max_frame_mb * (1 << 20))
+        self.save_timeout_s = save_timeout_s
         self.timeout_s = regions.channel_timeout_s
         self.channel = ChannelServer(
             regions=[r["name"] for r in regions.regions],
@@ -72,6 +95,9 @@ class RegionGateway:
         self.published: dict[tuple, object] = {}  # (full, version) published or being published -> its token
         self.lock = threading.Lock()
         self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
+        # Region -> what its state starts from in this home's run: a new home starts every
+        # region fresh (its servers start from nothing) until restore() names a checkpoint.
+        self.directives = {name: _directive(None) for name in self.channel.regions}
 
     def address(self) -> int:
         """The port the channel listens on."""
@@ -101,13 +127,16 @@ class RegionGateway:
             full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
         reply = wire.reply_key(region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
-        self.channel.notify(region, {"job": wire.notice_of(job, messages, full, reply)})
+        notice = wire.notice_of(job, messages, full, reply, restore=self.directives[region])
+        self.channel.notify(region, {"job": notice})
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
                 buffers, stats = wire.reply_of(payload, self.max_bytes)
                 if not stats.aborted:  # its replicas completed the period: they hold job.version
                     self.held[region] = (self.channel.instance_of(region), job.version)
+                if (stats.region or {}).get("reload"):  # a replica of it starts fresh next: full weights
+                    self.held.pop(region, None)
                 stats = self._with_traffic(region, stats, before)
                 if len(buffers) == self.servers:
                     return (*buffers, stats)
@@ -126,6 +155,50 @@ class RegionGateway:
         without it); the region is told, and its reply, if it comes, is dropped."""
         self.aborted[region] = max(attempt, self.aborted.get(region, -1))  # its run_period returns, and drops the reply
         self.channel.notify(region, {"abort": attempt})
+
+    def save_region(self, region: str, folder: str, round_index: int, verdicts: tuple) -> dict:
+        """Ask ``region`` (between its periods) to save its part of the home's checkpoint of
+        ``round_index``, first settling ``verdicts`` (its sends' verdicts not yet delivered),
+        and write what it answers as ``regions/<region>.json`` in checkpoint ``folder``.
+        Returns that file's hashes (as a replica's save does, :func:`staging.publish`); ``{}``
+        and no file when the region did not answer within ``save_timeout_s``: a restore from
+        this checkpoint then starts it fresh, as a replica the checkpoint holds no state for."""
+        from diloco_ray.persist import staging
+
+        reply = f"s/{region}/{uuid.uuid4().hex}"
+        request = {"round": int(round_index), "verdicts": [[int(a), bool(ok)] for a, ok in verdicts], "reply": reply}
+        self.channel.notify(region, {"save": request})
+        payload = self.channel.take(reply, timeout_s=self.save_timeout_s)
+        if payload is None:
+            self.channel.discard(reply)
+            log.warning("channel: region %r did not save its part of checkpoint %d in time", region, round_index)
+            return {}
+        try:
+            saved = wire.saved_of(payload, self.max_bytes, round_index)
+        except frames.BadFrame as bad:
+            log.warning("channel: region %r's save of checkpoint %d was refused (%s)", region, round_index, bad.why)
+            return {}
+        name = f"regions/{region}.json"
+        scratch = staging.scratch(folder)
+        os.makedirs(os.path.join(scratch, "regions"), exist_ok=True)
+        with open(os.path.join(scratch, name), "w", encoding="utf-8") as f:
+            json.dump(saved, f)
+        return staging.publish(folder, [name])
+
+    def restore(self, folder: Optional[str]) -> None:
+        """The home's servers start from checkpoint ``folder`` (None: from nothing): every
+        region's next notice says so, with its part of that checkpoint when it holds one."""
+        from diloco_ray.persist import staging
+
+        for region in self.directives:
+            saved = None
+            if folder is not None:
+                name = f"regions/{region}.json"
+                local = staging.read_checked(folder, [name])
+                if os.path.isfile(os.path.join(local, name)):
+                    with open(os.path.join(local, name), encoding="utf-8") as f:
+                        saved = json.load(f)
+            self.directives[region] = _directive(saved)
 
     def stop(self) -> None:
         """Tell every region the run is over, give them a moment to hear it, and close."""
@@ -195,6 +268,12 @@ class RegionGateway:
                 self.channel.unpublish(key)
 
 
+def _directive(saved: Optional[dict]) -> dict:
+    """A restore directive: a new id (carried out once), and the region's saved part of the
+    checkpoint the home's servers start from (None: start fresh)."""
+    return {"id": uuid.uuid4().hex, "save": saved}
+
+
 class RegionMember:
     """A region among the round's members: what the loops ask of a replica, carried by the gateway.
 
@@ -206,10 +285,12 @@ class RegionMember:
         name: the region's name.
         gateway: the :class:`RegionGateway` actor.
         servers: ``num_param_servers``.
+        round_of: the index of the round the run is at (a checkpoint's, when one is taken).
     """
 
-    def __init__(self, index: int, name: str, gateway, servers: int):
+    def __init__(self, index: int, name: str, gateway, servers: int, round_of: Callable[[], int]):
         self.id, self.name, self.gateway, self.servers = REGION_ID_BASE + index, name, gateway, servers
+        self.round_of = round_of
         self.world_size = 1  # one message per sync, whatever runs behind it
         self.judged_by_steps = False
         self.shapes: dict = {}
@@ -221,6 +302,10 @@ class RegionMember:
 
     def abort(self, attempt: int) -> None:
         self.gateway.abort.remote(self.name, attempt)
+
+    def save_inner_state(self, folder: str, slot: int, sent_verdicts: tuple = ()) -> list:
+        """The region's part of a checkpoint (see :meth:`RegionGateway.save_region`)."""
+        return [self.gateway.save_region.remote(self.name, folder, self.round_of(), sent_verdicts)]
 
     def stop(self) -> None:
         """Nothing to stop here: the region's own cluster runs its replicas."""
@@ -239,7 +324,7 @@ class RegionMembers:
 
     def __init__(self, regions: ChannelSection, gateway, servers: int, on_event: Callable, round_of: Callable):
         self.gateway, self.on_event, self.round_of = gateway, on_event, round_of
-        self.members = [RegionMember(i, r["name"], gateway, servers) for i, r in enumerate(regions.regions)]
+        self.members = [RegionMember(i, r["name"], gateway, servers, round_of) for i, r in enumerate(regions.regions)]
         self.taking_part: list[RegionMember] = []
 
     @property
@@ -271,6 +356,13 @@ class RegionMembers:
     def owns(self, rep) -> bool:
         return isinstance(rep, RegionMember)
 
+    def restore(self, folder: Optional[str]) -> None:
+        """The home's servers start from checkpoint ``folder`` behind what the regions hold
+        (None: from nothing): every region takes up its part of it, or starts fresh."""
+        import ray
+
+        ray.get(self.gateway.restore.remote(folder))
+
     def close(self) -> None:
         """Tell the regions the run is over and close the channel."""
         import ray
@@ -294,7 +386,7 @@ def open_channel(job: dict, sections, on_event: Callable, round_of: Callable) ->
     gateway = (
         ray.remote(RegionGateway)
         .options(num_cpus=0, max_concurrency=8 + 4 * len(r.regions))
-        .remote(r, token, cert, key, info, servers)
+        .remote(r, token, cert, key, info, servers, save_timeout_s=sections.membership.call_timeout_s / 2)
     )
     port = ray.get(gateway.address.remote(), timeout=sections.membership.call_timeout_s)
     log.info("channel: listening on %s:%d for regions %s", r.channel_host, port, ", ".join(info))

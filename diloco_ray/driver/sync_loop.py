@@ -220,8 +220,11 @@ class SyncLoop:
             for rep, why in poll.failed:
                 host.members.remove(rep, why)
             run.late |= set(poll.late)
-            self.jobs.note_dropped(self.jobs.attempt, poll.late)
-            run.failed |= {rep.id for rep, _ in poll.failed}
+            failed = {rep.id for rep, _ in poll.failed}
+            # Neither reached this sync: a member that comes back (a region whose link was cut)
+            # puts back what it sent, as a late one does.
+            self.jobs.note_dropped(self.jobs.attempt, [*poll.late, *failed])
+            run.failed |= failed
             replicas, regions = reported_counts(poll.reported)
             m = self.membership
             run.verdict = too_few_reported(replicas, m.min_replicas, self.streaming, regions, m.min_regions)

@@ -198,6 +198,8 @@ class DilocoFSDPTrainer:
         if resume:
             self._load_server(resume[0], skipped=resume[1], reason="resume")
             self.loop.resume_in_flight(self.replicas)
+            if self.regions is not None:  # (a new home starts them fresh otherwise)
+                self.regions.restore(resume[0])
         else:
             seed, self.shapes = self.replicas[0], self.replicas[0].shapes  # every rank builds the same model
             self.server.initialize(seed.seed_pieces(), seed.shapes)
@@ -365,10 +367,11 @@ class DilocoFSDPTrainer:
     def _checkpointed_replicas(self) -> dict:
         """Slot -> replica, whose inner state a checkpoint holds: the replicas between
         periods (every one at a synchronous round boundary; in decoupled mode the ones just
-        merged). One still training has no state that goes with these weights: its slot is
-        left out and it resumes fresh."""
+        merged), and the regions between periods by their ids. One still training has no
+        state that goes with these weights: its slot is left out and it resumes fresh."""
         busy = self.loop.unmerged(self.replicas)
-        return {slot: rep for slot, rep in enumerate(self.replicas) if rep.id not in busy}
+        idle = {slot: rep for slot, rep in enumerate(self.replicas) if rep.id not in busy}
+        return {**idle, **{rep.id: rep for rep in (self.regions.active if self.regions else []) if rep.id not in busy}}
 
     def _checkpoint_on_stop(self) -> Optional[str]:
         unmerged = self.loop.unmerged(self.replicas)
@@ -398,6 +401,8 @@ class DilocoFSDPTrainer:
                     ray.get(rep.load_inner_state(path, slot), timeout=self.sections.membership.call_timeout_s)
                 except (RayActorError, ray.exceptions.GetTimeoutError):
                     self.members.remove(rep, "failed")
+            if self.regions is not None:
+                self.regions.restore(path)
 
     # ---- output and teardown ----------------------------------------------------------
     def save_final(self) -> str:

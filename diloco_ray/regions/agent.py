@@ -3,21 +3,25 @@ region's replicas on the region's own Ray cluster, one sync at a time.
 
 :class:`RegionAgent` dials out to the home (:class:`~diloco_ray.channel.client.ChannelClient`)
 and takes the job's config from it, so a region cannot drift from the home's. It then
-starts the region's replicas as the trainer starts its own
-(:class:`~diloco_ray.runtime.replica.Replica`, on this cluster), and for every job notice:
+starts the region's replicas (:class:`~diloco_ray.regions.replicas.RegionReplicas`, on this
+cluster), and for every job notice:
 
-1. cuts the region's data plan into its replicas' shares
-   (:func:`~diloco_ray.runtime.region_wire.split_plan`) and runs one sync period on every
-   replica, handing them the weights messages through the region's
-   :class:`~diloco_ray.regions.mailbox.Mailbox` as it downloads them (and the full weights
-   when its replicas must load everything: their first period, a gap, a restore, a NaN
-   reset); with overlap the replicas start before the download, which rides under their
-   steps;
-2. merges what they sent into one message per home server
-   (:class:`~diloco_ray.runtime.regional_merge.RegionalMerge`) and uploads it with one
-   stats summary, which hands back every range no merged replica trained. With error
-   feedback the merge's residual is saved in the region's ``output_dir``
-   (``region_state.pt``) first, so an agent restarted into the same run takes it up.
+1. applies the notice to the region's books (:class:`~diloco_ray.regions.books.RegionBooks`:
+   the verdicts on its earlier messages, a re-run's rewind, the home's restore directive, a
+   replica rejected as non-finite starting fresh), then runs one sync period on every
+   replica with its share of the region's data plan, handing them the weights messages
+   through the region's :class:`~diloco_ray.regions.mailbox.Mailbox` as it downloads them
+   (and the full weights when a replica must load everything: its first period, a gap, a
+   restore, a reset); with overlap the replicas start before the download, which rides
+   under their steps;
+2. collects the period as the home collects its own (a frozen, dead or late replica is
+   dropped and its slot refilled), merges what the replicas sent into one message per home
+   server and uploads it with one stats summary, which hands back every range no merged
+   replica trained. The books are saved in the region's ``output_dir`` first, so an agent
+   restarted into the same run takes them up.
+
+When the home checkpoints, it asks the region between periods for its part (its replicas'
+inner state and its residual, in its own ``output_dir``) and keeps what the region answers.
 
 With overlap, a round's next period is known before its notice comes
 (:func:`~diloco_ray.runtime.region_wire.next_in_round`): the replicas start it as soon as
@@ -40,14 +44,16 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import numpy as np
-import torch
 
 from diloco_ray.channel.client import ChannelClient, ChannelRefused
 from diloco_ray.channel.server import MAX_WAIT_S
+from diloco_ray.config.fault_plan import for_region
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import first_line
 from diloco_ray.logs import log
+from diloco_ray.regions.books import PeriodStart, RegionBooks
 from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
+from diloco_ray.regions.replicas import RegionReplicas, job_for
 from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import Contribution, RoundStats
 from diloco_ray.runtime.regional_merge import RegionalMerge
@@ -55,14 +61,12 @@ from diloco_ray.runtime.regional_merge import RegionalMerge
 LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
 START_TRIES = 3  # starts of a private Ray before the agent gives up
 MAILBOX_THREADS = 64  # takes waiting at once: every rank's messages of a period, and full weights
-ABORT_WAIT_S = 60.0  # how long a period told to stop may take to end before the agent goes on
-STATE_FILE = "region_state.pt"  # in the region's output_dir: the regional merge's residual
 
 
 @dataclass
 class Ahead:
     """A period the replicas started before its notice came: the notice expected, the
-    takes of its messages and the replicas' launches, and their data plans."""
+    replicas' launches, and their data plans."""
 
     notice: dict
     launched: dict
@@ -71,8 +75,8 @@ class Ahead:
 
 def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig:
     """The region's own view of the home's job: its replica count, no regions of its own,
-    an uncompressed leg inside the region, no faults or checkpoints of the home's, and its
-    own ``output_dir``."""
+    an uncompressed leg inside the region, the faults the home's plan aims at its replicas
+    (none of the home's own), no checkpoints of the home's, and its own ``output_dir``."""
     overrides = dict(
         num_replicas=int(region["replicas"]),
         min_replicas=1,
@@ -86,7 +90,7 @@ def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig
         error_feedback=False,
         error_feedback_decay=None,
         topk_fraction=None,
-        fault_plan=None,
+        fault_plan=for_region(home.get("fault_plan"), region["name"]),
         checkpoint_steps=None,
         resume_from=None,
         link_mbps=None,
@@ -102,7 +106,8 @@ class RegionAgent:
 
     Args:
         client: the region's channel client (not yet joined).
-        output_dir: the region's own folder (its logs; the run's outputs are the home's).
+        output_dir: the region's own folder (its logs, its books and its part of the
+            home's checkpoints; the run's outputs are the home's).
         log_line: where the agent's one-line notes go.
         give_up_after_s: how long the home may be unreachable before the agent leaves
             (:class:`~diloco_ray.channel.client.ChannelDown`); None: never.
@@ -117,7 +122,7 @@ class RegionAgent:
     ):
         self.client, self.output_dir, self.log = client, output_dir, log_line
         self.give_up_after_s = give_up_after_s
-        self.replicas: list = []
+        self.replicas: Optional[RegionReplicas] = None
         self.mailbox = None
         self.started_ray = False
         self.stopping = threading.Event()
@@ -133,10 +138,10 @@ class RegionAgent:
         home, region = info["config"], info["region"]
         os.makedirs(self.output_dir, exist_ok=True)
         self.config = in_region_config(home, region, self.output_dir)
-        self.run_id = f"{home.get('output_dir')}|{home.get('seed')}|{region['name']}"  # what a saved state must match
         self.log(f"region {region['name']!r}: joined; {region['replicas']} replicas")
         self._start_beating(float(home.get("channel_timeout_s") or 20.0))
-        self._start(TrainerConfig.from_dict(home))
+        run = f"{home.get('output_dir')}|{home.get('seed')}|{region['name']}"  # what a saved state must match
+        self._start(TrainerConfig.from_dict(home), run)
         self.client.ready = True  # the next beat tells the home: jobs may come from now on
         self.client.beat(timeout_s=10.0)
         try:
@@ -150,6 +155,9 @@ class RegionAgent:
         while True:
             notice = self._next_notice()
             if notice is None:
+                continue
+            if "save" in notice:  # (between rounds: no period is started ahead then)
+                self._save_checkpoint(notice["save"])
                 continue
             if self.ahead is not None and notice.get("job") != self.ahead.notice:
                 self._drop_ahead()  # the home went another way
@@ -172,7 +180,8 @@ class RegionAgent:
     def _next_notice(self) -> Optional[dict]:
         """The next notice to act on. Everything the home has queued is read first, so a
         job it has already told this region to drop (a region back from an outage finds
-        its old job and that job's abort waiting) is passed over, not run."""
+        its old job and that job's abort waiting) is passed over, not run: only the
+        verdicts it carries are settled (the home tells each verdict once)."""
         if not self.inbox:
             self.seq, notice = self.client.wait(self.seq, give_up_after_s=self.give_up_after_s)
             self.inbox += [notice] if notice is not None else []
@@ -185,6 +194,7 @@ class RegionAgent:
         dropped = {n["abort"] for n in self.inbox if "abort" in n}
         if "job" in notice and notice["job"]["attempt"] in dropped:
             self.log(f"region: passed over job {notice['job']['attempt']}, which the home has dropped")
+            self.books.settle(_verdicts(notice["job"]))
             if self.ahead is not None and self.ahead.notice == notice["job"]:
                 self._drop_ahead()
             return None
@@ -201,7 +211,7 @@ class RegionAgent:
 
         threading.Thread(target=beat, name="region-beat", daemon=True).start()
 
-    def _start(self, home: TrainerConfig) -> None:
+    def _start(self, home: TrainerConfig, run: str) -> None:
         import ray
 
         from diloco_ray.driver import ray_connection
@@ -211,19 +221,22 @@ class RegionAgent:
         s = self.config.sections()
         device = ray_connection.resolve_device(s.placement.device)
         token_data = start_token_data(s.data, s.model)
-        self.replicas = [
-            Replica(i, self.config, device, RankWorker, token_data) for i in range(s.membership.num_replicas)
-        ]
-        ray.get([rep.placed_ref for rep in self.replicas])
-        shapes = [ray.get(rep.setup())[0] for rep in self.replicas][0]
+        sizes = [s.data.sequences_for(i) for i in range(s.membership.num_replicas)]  # each slot's share of a plan
+        self.replicas = RegionReplicas(
+            lambda rid: Replica(rid, self.config, device, RankWorker, token_data),
+            *(sizes, s.membership, s.sync_codec, s.run.sync_mode, self.log),
+        )
         servers = s.placement.num_param_servers
         self.mailbox = ray.remote(Mailbox).options(num_cpus=0, max_concurrency=MAILBOX_THREADS).remote()
         self.servers = [FullWeightsOf(self.mailbox, i) for i in range(servers)]
         self.overlap = s.sync_codec.overlap_communication
         self.fragments = s.sync_codec.sync_fragments
-        self.merge = RegionalMerge(shapes, home.sections().sync_codec, servers)
-        self._load_state()
-        self.sizes = [s.data.sequences_for(i) for i in range(len(self.replicas))]
+        merge = RegionalMerge(self.replicas.shapes, home.sections().sync_codec, servers)
+        keep = s.checkpointing.save_total_limit
+        self.books = RegionBooks(merge, self.output_dir, run, s.membership.restore_on_retry, keep)
+        taken = self.books.load()
+        if taken:
+            self.log(f"region: {taken}")
 
     def _connect_ray(self) -> None:
         """This region's Ray: the cluster ``RAY_ADDRESS`` names, else a private one with room
@@ -252,27 +265,26 @@ class RegionAgent:
         """One sync period of every replica, merged into the region's one reply (the
         period started ahead of this notice, when it is the one expected)."""
         keys, full = list(notice["messages"]), list(notice["full_keys"])
-        if notice["reset"] or notice["restart"]:
-            self.merge.forget_residual()
-        else:
-            self.merge.settle(dict((int(a), bool(ok)) for a, ok in notice["sent_verdicts"]))
+        start = self.books.begin(notice, self.replicas.ids)
+        if start.restore_from is not None:
+            self.replicas.load_inner_state(start.restore_from)
         ahead, self.ahead = self.ahead, None
         if ahead is not None:  # the run loop dropped it unless this is its notice
             launch, launched, plans = None, ahead.launched, ahead.plans
         else:
             # With overlap the replicas merge this period's message at its end: they start now
             # and the download rides under their steps. Else, and for a full load, it comes first.
-            early = self.overlap and not (notice["full"] or notice["reset"] or full)
-            launch, plans = self._launcher(notice)
+            early = self.overlap and not (notice["full"] or notice["reset"] or full or start.reload)
+            launch, plans = self._launcher(notice, start)
             launched = launch() if early else None
         try:
             self._deliver(keys, full)
         except ChannelRefused:  # the home moved past this job: the replicas started on it stop
-            self._stop_period(notice["attempt"], launched or {})
+            self._stop(notice["attempt"], launched or {})
             raise
         self._reply(notice, launched if launched is not None else launch(), plans)
 
-    def _launcher(self, notice: dict) -> tuple[Callable[[], dict], dict]:
+    def _launcher(self, notice: dict, start: PeriodStart) -> tuple[Callable[[], dict], dict]:
         """How to launch ``notice``'s period on every replica (the takes of its messages
         made, what the last period held void), and the replicas' data plans."""
         import ray
@@ -280,13 +292,12 @@ class RegionAgent:
         keys = list(notice["messages"])
         ray.get(self.mailbox.keep.remote(keys))  # the last period's messages and full weights are void
         messages = [self.mailbox.take.remote(key) for key in keys]
-        plans = dict(enumerate(wire.split_plan(notice["plan"], self.sizes)))
+        plans = self.replicas.plans(notice["plan"])
+        board = self.replicas.board
 
         def launch() -> dict:
-            return {
-                i: rep.run_period(wire.job_of(notice, plans[i], messages, self.servers))
-                for i, rep in enumerate(self.replicas)
-            }
+            jobs = {rid: job_for(notice, rid, plans[rid], messages, self.servers, start, board=board) for rid in plans}
+            return self.replicas.launch(jobs)
 
         return launch, plans
 
@@ -296,23 +307,20 @@ class RegionAgent:
         expected = wire.next_in_round(notice, self.client.region, self.fragments) if self.overlap else None
         if expected is None:
             return
-        launch, plans = self._launcher(expected)
+        launch, plans = self._launcher(expected, PeriodStart())
         self.ahead = Ahead(expected, launch(), plans)
 
     def _drop_ahead(self) -> None:
         """Stop the period started ahead: its notice will not come."""
         ahead, self.ahead = self.ahead, None
         self.log(f"region: stopped job {ahead.notice['attempt']}, started ahead: the home went another way")
-        self._stop_period(ahead.notice["attempt"], ahead.launched)
+        self._stop(ahead.notice["attempt"], ahead.launched)
 
-    def _stop_period(self, attempt: int, launched: dict) -> None:
-        """Stop the replicas' period of launch ``attempt`` and wait for it to end."""
-        import ray
-
-        self.mailbox.keep.remote([])  # a replica waiting for a message of it is let go
-        for rep, (_, stats_refs) in zip(self.replicas, launched.values()):
-            rep.abort(attempt)
-            ray.wait(stats_refs, num_returns=len(stats_refs), timeout=ABORT_WAIT_S)
+    def _stop(self, attempt: int, launched: dict) -> None:
+        """Stop the replicas' period of launch ``attempt``, letting go of a replica that
+        waits for one of its messages."""
+        self.mailbox.keep.remote([])
+        self.replicas.stop_period(attempt, launched)
 
     def _decline(self, notice: dict) -> None:
         """Answer a job this region did not run, so the home does not wait for it: nothing
@@ -331,50 +339,37 @@ class RegionAgent:
             self.mailbox.put.remote(full_key(index), self._download(key))
 
     def _reply(self, notice: dict, launched: dict, plans: dict) -> None:
-        """Wait for the replicas' periods, merge them into one message and upload it."""
-        import ray
-
-        stats, buffers = {}, {}
-        for i, (per_server, stats_refs) in launched.items():
-            try:
-                stats[i] = ray.get(stats_refs)
-                buffers[i] = per_server
-            except ray.exceptions.RayError as e:  # its share goes back to the home's cursor
-                self.log(f"region: replica {i} failed its period ({type(e).__name__}); its data is handed back")
-        ok = [i for i in stats if not any(s.aborted for s in stats[i])]
-        if len(ok) == len(self.replicas):  # the replicas go on while their sends are merged and cross
-            self._start_ahead(notice)
+        """Collect the replicas' periods, merge them into one message and upload it; then
+        refill the slots of replicas that were dropped (their successors load everything
+        next period, so the reply asks for the full weights)."""
+        poll = self.replicas.collect(launched, notice["attempt"])
+        stats = poll.reported
+        if len(stats) == len(launched):
+            self._start_ahead(notice)  # the replicas go on while their sends are merged and cross
         servers = len(self.servers)
-        weights = {i: float(sum(s.loss_tokens for s in stats[i])) for i in ok}
-        contributions = [[Contribution(i, buffers[i][s], weights[i]) for i in ok] for s in range(servers)]
-        message = self.merge.merge(notice["fragment"], contributions, attempt=notice["attempt"])
+        weights = {rid: float(sum(s.loss_tokens for s in stats[rid])) for rid in stats}
+        contributions = [
+            [Contribution(rid, launched[rid].buffers[s], weights[rid]) for rid in stats] for s in range(servers)
+        ]
+        message = self.books.merge_period(notice["fragment"], contributions, notice["attempt"])
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
+        if self.replicas.lost or self.books.reload_next(notice["fragment"], self.fragments):
+            summary.region["reload"] = True
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
-        self._save_state()  # before the upload: what it carried is in the residual's books
+        self.books.save()  # before the upload: what it carries is in the books
         self.client.upload(notice["reply"], wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)
+        self.replicas.refill()
 
-    def _state_file(self) -> str:
-        return os.path.join(self.output_dir, STATE_FILE)
-
-    def _save_state(self) -> None:
-        """Save the regional merge's state (error feedback's residual) with the region's,
-        so an agent restarted into the same run takes it up; replaced whole, never torn."""
-        if not self.merge.error_feedback:
-            return
-        held = {"run": self.run_id, "merge": self.merge.state()}
-        torch.save(held, self._state_file() + ".tmp")
-        os.replace(self._state_file() + ".tmp", self._state_file())
-
-    def _load_state(self) -> None:
-        path = self._state_file()
-        if not (self.merge.error_feedback and os.path.exists(path)):
-            return
-        held = torch.load(path, weights_only=False)
-        if held.get("run") != self.run_id:
-            self.log(f"region: {path} is another run's state; starting with an empty residual")
-            return
-        self.merge.load_state(held["merge"])
-        self.log(f"region: took up the residual saved in {path}")
+    def _save_checkpoint(self, request: dict) -> None:
+        """The region's part of the home's checkpoint: its replicas' inner state and its
+        residual, with the verdicts the home has not delivered yet settled first; the home
+        keeps the answer (an id and a digest) to name it on a restore."""
+        self.books.settle(_verdicts(request))
+        tmp = self.books.begin_checkpoint(int(request["round"]))
+        self.replicas.save_inner_state(tmp)
+        saved = self.books.commit_checkpoint(tmp, int(request["round"]))
+        self.client.upload(request["reply"], wire.saved_payload(saved), give_up_after_s=self.give_up_after_s)
+        self.log(f"region: saved its part of checkpoint {request['round']}")
 
     def _download(self, key: str) -> np.ndarray:
         """A message the home published or is about to (its servers may still be making it)."""
@@ -386,10 +381,13 @@ class RegionAgent:
         import ray
 
         self.stopping.set()
-        for rep in self.replicas:
-            rep.stop()
-        self.replicas = []
+        if self.replicas is not None:
+            self.replicas.close()
         if self.started_ray:
             ray.shutdown()
             self.started_ray = False
         self.client.close()
+
+
+def _verdicts(notice: dict) -> dict[int, bool]:
+    return {int(a): bool(ok) for a, ok in notice.get("sent_verdicts", notice.get("verdicts", ()))}

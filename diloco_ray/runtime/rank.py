@@ -47,6 +47,7 @@ from diloco_ray.runtime.rank_output import RankOutput
 from diloco_ray.runtime.rank_period import BoardReports, PeriodTally
 from diloco_ray.runtime.rank_state import RankState, local_rows
 from diloco_ray.runtime.rank_weights import receive_weights
+from diloco_ray.runtime.round_start import at_period_start
 
 
 class RankWorker:
@@ -340,9 +341,10 @@ class RankWorker:
         error-feedback residual of the round's start, so the re-run trains exactly as
         the first attempt did. Returns whether this was a re-run.
         """
-        if job.restart:
+        action = at_period_start(job.fragment, job.restart, self.sections.membership.restore_on_retry, resuming)
+        if action == "rewind":
             self.state.rewind(job.round, keep=True)
-        elif self.sections.membership.restore_on_retry and not resuming:
+        elif action == "note":
             self.state.note_round_start(job.round)
         return job.restart
 

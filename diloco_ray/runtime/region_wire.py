@@ -42,10 +42,14 @@ PLAIN_FIELDS = ("round", "fragment", "attempt", "full", "version", "reset", "res
 OPTIONAL_FIELDS = ("schedule_step", "time_budget_s")
 
 
-def notice_of(job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[str], reply_key: str) -> dict:
+def notice_of(
+    job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[str], reply_key: str, restore: Mapping
+) -> dict:
     """The notice of ``job`` for a region: where the channel holds the weights messages
     (``message_keys``, one per home server, and the full weights ``full_keys`` for a load
-    after a gap) and under which key the region uploads its reply."""
+    after a gap), under which key the region uploads its reply, and the home's restore
+    directive (what the region's state starts from in this home's run: its id, carried out
+    once, and the region's saved part of the checkpoint the servers started from, or None)."""
     notice = {name: getattr(job, name) for name in PLAIN_FIELDS + OPTIONAL_FIELDS}
     notice.update(
         plan=[[int(s), int(c)] for s, c in job.plan],
@@ -53,6 +57,7 @@ def notice_of(job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[
         messages=list(message_keys),
         full_keys=list(full_keys),
         reply=reply_key,
+        restore=dict(restore),
     )
     return notice
 
@@ -113,14 +118,13 @@ def job_of(notice: Mapping, plan: Sequence[Range], messages: Sequence, servers: 
     """A replica's :class:`SyncPeriod` inside the region, from the home's ``notice``: its own
     ``plan`` (:func:`split_plan`), the weights ``messages`` as refs in the region's store,
     the region's ``servers`` for a full load; ``extra``: the region's own fields (its step
-    board, its link, in-flight snapshots)."""
+    board, and flags of its own beside the home's: a reload, a replica's fresh start)."""
     fields = {name: notice[name] for name in PLAIN_FIELDS}
     fields.update({name: notice.get(name) for name in OPTIONAL_FIELDS})
     verdicts = tuple((int(a), bool(ok)) for a, ok in notice.get("sent_verdicts", ()))
     plan = [(int(s), int(c)) for s, c in plan]
-    return SyncPeriod(
-        **fields, plan=plan, messages=list(messages), servers=list(servers), sent_verdicts=verdicts, **extra
-    )
+    fields.update(plan=plan, messages=list(messages), servers=list(servers), sent_verdicts=verdicts)
+    return SyncPeriod(**{**fields, **extra})
 
 
 def split_plan(plan: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:
@@ -172,6 +176,29 @@ def reply_payload(buffers: Sequence[np.ndarray], summary: RoundStats) -> bytes:
     header, the buffers one after another as its payload."""
     header = {"stats": dataclasses.asdict(summary), "sizes": [int(len(b)) for b in buffers]}
     return frames.encode(header, b"".join(np.asarray(b, dtype=np.uint8).tobytes() for b in buffers))
+
+
+def saved_payload(saved: Mapping) -> bytes:
+    """A region's answer to a checkpoint's save request: what the home keeps of its part."""
+    return frames.encode({"saved": dict(saved)}, b"")
+
+
+def saved_of(payload: bytes, max_bytes: int, round_index: int) -> dict:
+    """A region's answer to the save request of checkpoint ``round_index``, checked: an id,
+    that round, and a hex digest, nothing else.
+
+    Raises:
+        frames.BadFrame: anything else.
+    """
+    saved = frames.decode(payload, max_bytes).header.get("saved")
+    if not isinstance(saved, dict) or set(saved) != {"id", "round", "digest"}:
+        raise frames.BadFrame("malformed: a save's answer is {id, round, digest}")
+    ok = isinstance(saved["id"], str) and len(saved["id"]) <= 64 and saved["id"].isalnum()
+    ok = ok and isinstance(saved["digest"], str) and len(saved["digest"]) == 64
+    ok = ok and all(c in "0123456789abcdef" for c in saved["digest"])
+    if not ok or saved["round"] != round_index or isinstance(saved["round"], bool):
+        raise frames.BadFrame(f"malformed: a save's answer for round {round_index} names another or a bad id")
+    return saved
 
 
 def reply_of(payload: bytes, max_bytes: int) -> tuple[list[np.ndarray], RoundStats]:

@@ -11,12 +11,14 @@ one-rank replica packs its pseudo-gradient for that server. The home takes the m
 one contribution weighted by the region's accepted tokens, so its mean over regions is the
 mean over every replica: a sum of sums, to fp32 round-off.
 
-The codec of the WAN leg is the run's ``pseudo_grad_compression``. With ``error_feedback``
-the region keeps the residual (what its messages did not carry yet, decayed by
-``error_feedback_decay``), as a rank does for its own sends, and settles each message by
-the home's verdict on it (:meth:`RegionalMerge.settle`); the leg inside the region
-stays uncompressed or not, as the replicas' own codec says. Plain tensors and buffers, no
-Ray: the regional server actor is a thin adapter over it.
+The codec of the WAN leg is the run's ``pseudo_grad_compression``. With error feedback
+the region keeps its books as a rank keeps its own, with the same code
+(:class:`~diloco_ray.algo.error_feedback.FeedbackLedger`): one residual per parameter over
+every row (the region sends every server's slice of every fragment), each message's pieces
+taking from and putting back into their own rows, and each message kept under the home's
+launch attempt until the home's verdict on it settles it. The leg inside the region stays
+uncompressed or not, as the replicas' own codec says. Plain tensors and buffers, no Ray:
+the region's agent is a thin adapter over it.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression
+from diloco_ray.algo import compression, partition
+from diloco_ray.algo.device_message import DownCopy
+from diloco_ray.algo.error_feedback import FeedbackLedger, keeps_residual
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.config.sections import SyncCodecSection
 from diloco_ray.runtime.messages import Contribution
@@ -64,15 +68,14 @@ class RegionalMerge:
 
     def __init__(self, shapes: Mapping[str, Sequence[int]], sync_codec: SyncCodecSection, num_servers: int):
         self.codec_name = sync_codec.pseudo_grad_compression
-        self.error_feedback = sync_codec.error_feedback or self.codec_name == "topk"
-        self.decay = sync_codec.error_feedback_decay
+        self.error_feedback = keeps_residual(self.codec_name, sync_codec.error_feedback)
         self.block, self.fraction = sync_codec.compression_block, sync_codec.topk_fraction
         self.layouts = [SliceLayout(shapes, s, num_servers, sync_codec.sync_fragments) for s in range(num_servers)]
+        self.names = self.layouts[0].names
         self.codecs = [SliceCodec(layout, self.block, self.fraction) for layout in self.layouts]
         self.aggregators = [Aggregator(layout, codec) for layout, codec in zip(self.layouts, self.codecs)]
-        self.residual: list[dict[str, torch.Tensor]] = [{} for _ in self.layouts]  # per slice, by name
-        self.piece_shapes: list[dict[str, torch.Size]] = [{} for _ in self.layouts]
-        self.unsettled: dict[int, list] = {}  # launch attempt -> the message sent then, awaiting its verdict
+        every_row = {n: (0, partition.num_rows(s)) for n, s in self.layouts[0].shapes.items()}
+        self.ledger = FeedbackLedger(every_row, self.layouts[0].shapes, sync_codec.error_feedback_decay)
 
     def merge(
         self, fragment: int, contributions: Sequence[Sequence[Contribution]], attempt: Optional[int] = None
@@ -89,73 +92,28 @@ class RegionalMerge:
             return RegionalMessage(rejected=reasons)
         weights = prepared[0].weights
         buffers = [self._pack(s, fragment, mean) for s, mean in enumerate(means)]
-        if self.error_feedback and attempt is not None:
-            self.unsettled[attempt] = buffers
+        if self.error_feedback:
+            self.ledger.keep(attempt, DownCopy([torch.from_numpy(b) for b in buffers]))
         return RegionalMessage(buffers, float(sum(weights[r] for r in accepted)), list(accepted), reasons)
 
-    def settle(self, verdicts: Mapping[int, bool]) -> None:
-        """Close the messages the home has a verdict on (launch attempt -> applied), as a
-        rank settles its own sends: what a message carried was taken out of the residual
-        when it was packed, so a message the home did not apply (the region was late, cut
-        off, rejected) puts it back, to be sent again. A kept message older than the newest
-        verdict and without one of its own was lost to the home, and is dropped."""
-        if not verdicts:
-            return
-        for attempt, applied in sorted(verdicts.items()):
-            buffers = self.unsettled.pop(attempt, None)
-            if buffers is not None and not applied:
-                for server, buf in enumerate(buffers):
-                    self._add_to_residual(server, buf)
-        newest = max(verdicts)
-        self.unsettled = {a: b for a, b in self.unsettled.items() if a > newest}
-
-    def forget_residual(self) -> None:
-        """Drop what the region's messages have not carried yet, and the messages awaiting
-        a verdict (the home restored its servers from a checkpoint: that work is undone
-        another way)."""
-        self.residual = [{} for _ in self.layouts]
-        self.unsettled = {}
-
-    def state(self) -> dict:
-        """What the region keeps between syncs (the residual, and the messages awaiting a
-        verdict), to save with the region's state."""
-        return {"residual": self.residual, "piece_shapes": self.piece_shapes, "unsettled": self.unsettled}
-
-    def load_state(self, state: Mapping) -> None:
-        """Take up a :meth:`state` saved by this region's agent before it restarted."""
-        if len(state["residual"]) != len(self.layouts):
-            raise ValueError(f"a saved residual of {len(state['residual'])} slices for {len(self.layouts)} servers")
-        self.residual, self.piece_shapes = list(state["residual"]), list(state["piece_shapes"])
-        self.unsettled = dict(state["unsettled"])
-
-    def _add_to_residual(self, server: int, buf: np.ndarray) -> None:
-        pieces, _ = compression.unpack_pieces(buf, self.layouts[server].names)
-        held = self.residual[server]
-        for name, (_, values) in pieces.items():
-            shape = self.piece_shapes[server][name]
-            values = values.reshape(shape)
-            held[name] = held[name] + values if name in held and held[name].shape == shape else values.clone()
+    def read(self, buf) -> dict:
+        """A message's pieces as the home's servers read it (name -> (first row, rows))."""
+        return compression.unpack_pieces(buf, self.names)[0]
 
     def _pack(self, server: int, fragment: int, mean: dict[str, torch.Tensor]) -> np.ndarray:
+        """The mean of ``server``'s rows of ``fragment`` packed for it, with the residual of
+        those rows decayed and fed back (the codec leaves in it what it did not carry)."""
         target = self.layouts[server].target(fragment)
-        self.piece_shapes[server].update({n: piece.shape for n, piece in mean.items()})
-        residual = self._residual_of(server, mean) if self.error_feedback else None
-        buf, left = compression.pack_pieces(
-            mean,
-            {n: iv[0] for n, iv in target.items()},
-            self.layouts[server].names,
+        residual = self.ledger.feed(target) if self.error_feedback else None
+        shapes = {n: tuple(piece.shape) for n, piece in mean.items()}
+        return compression.pack_pieces_filled(
+            shapes,
+            {n: target[n][0] for n in shapes},
+            self.names,
+            lambda name, out: out.copy_(mean[name].reshape(out.shape)),
             self.codec_name,
             {},
             residual,
             block=self.block,
             fraction=self.fraction,
         )
-        if left is not None and residual is not None:
-            self.residual[server].update(left)  # what this message did not carry
-        return buf
-
-    def _residual_of(self, server: int, mean: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """This slice's residual of the names in ``mean`` (a name not seen yet counts as
-        zeros), decayed before it is fed back."""
-        held = self.residual[server]
-        return {n: held[n] * self.decay for n in mean if n in held and held[n].shape == mean[n].shape}

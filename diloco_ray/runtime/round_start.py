@@ -17,8 +17,23 @@ import os
 import shutil
 import tempfile
 import weakref
+from typing import Optional
 
 import torch
+
+
+def at_period_start(fragment: int, restart: bool, restore_on_retry: bool, resuming: bool = False) -> Optional[str]:
+    """What a sender does with its round's start as a period begins, by the one rule ranks and
+    regions follow: at a round's first period (``fragment`` 0), a re-run (``restart``) goes
+    back to the state kept at the round's start (``"rewind"``: local := global, and with
+    ``restore_on_retry`` the inner state and residual kept then), and otherwise, with
+    ``restore_on_retry``, that state is kept for a re-run (``"note"``; not when ``resuming``
+    from an in-flight snapshot, which is not a round's start). None: nothing to do."""
+    if fragment != 0:
+        return None
+    if restart:
+        return "rewind"
+    return "note" if restore_on_retry and not resuming else None
 
 
 class RoundStart:

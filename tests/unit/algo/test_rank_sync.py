@@ -554,7 +554,9 @@ def measure_outgoing_memory() -> None:
         expected = sync.anchor["layer3"] - local["layer3"]
         tolerance = 0 if codec == "none" else 0.02 / 127 * 2
         right = bool(torch.allclose(pieces["layer3"][1], expected, atol=tolerance, rtol=0))
-        results.append({"grew": grew, "message": int(buf.nbytes), "right": right, "residual": bool(sync.ledger.residual)})
+        results.append(
+            {"grew": grew, "message": int(buf.nbytes), "right": right, "residual": bool(sync.ledger.residual)}
+        )
     print(json.dumps(results))
 
 

@@ -342,7 +342,10 @@ def test_a_regions_next_notice_in_a_round_is_the_one_the_home_sends(tmp_path):
 
     def notice(job):
         keys = wire.message_keys(job.version, 1)
-        return json.loads(json.dumps(wire.notice_of(job, keys, [], wire.reply_key("eu", job.attempt, job.fragment))))
+        restore = {"id": "d1", "save": None}
+        return json.loads(
+            json.dumps(wire.notice_of(job, keys, [], wire.reply_key("eu", job.attempt, job.fragment), restore))
+        )
 
     sent = [notice(job) for job in reps[0].jobs]
     assert [(n["round"], n["fragment"]) for n in sent] == [(0, 0), (0, 1), (1, 0), (1, 1)]

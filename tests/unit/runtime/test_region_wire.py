@@ -79,7 +79,7 @@ def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
         sent_verdicts=((8, True), (6, False)),
         schedule_step=90,
     )
-    notice = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1")
+    notice = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1", {"id": "d1", "save": None})
     notice = json.loads(json.dumps(notice))  # it crosses as JSON
     assert notice["messages"] == ["w/7/0", "w/7/1"] and notice["reply"] == "eu/a9/f1"
     share = wire.split_plan(notice["plan"], [12, 12])[1]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression
+from diloco_ray.regions.books import RegionBooks
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.regional_merge import RegionalMerge
 from diloco_ray.runtime.server import ParameterServer
@@ -146,9 +147,9 @@ def test_with_a_lossy_wan_codec_the_residual_keeps_what_the_messages_did_not_car
             for n, (start, t) in got.items():
                 meant[n] += t.float() * WEIGHTS[rid] / sum(WEIGHTS[i] for i in ranks)
     for n in SHAPES:
-        held = merge.residual[0].get(n, torch.zeros(SHAPES[n]))
+        held = merge.ledger.residual.get(n, torch.zeros(SHAPES[n]))
         assert torch.allclose(carried[n] + held, meant[n], atol=1e-5), n
-    assert any(float(t.abs().max()) > 0 for t in merge.residual[0].values())  # something was held back
+    assert any(float(t.abs().max()) > 0 for t in merge.ledger.residual.values())  # something was held back
 
 
 @pytest.mark.parametrize("applied", [True, False])
@@ -169,17 +170,17 @@ def test_a_message_the_home_did_not_apply_goes_back_into_the_residual(applied):
         n: t.float().view(SHAPES[n])
         for n, (_, t) in compression.unpack_pieces(message.buffers[0], list(SHAPES))[0].items()
     }
-    merge.settle({7: applied})
+    merge.ledger.settle({7: applied}, merge.read)
     for n in SHAPES:
-        held = merge.residual[0].get(n, torch.zeros(SHAPES[n])).view(SHAPES[n])
+        held = merge.ledger.residual.get(n, torch.zeros(SHAPES[n])).view(SHAPES[n])
         # applied: the residual is what the message left out; not applied: everything meant
         want = meant[n] - carried.get(n, 0) if applied else meant[n]
         assert torch.allclose(held, want, atol=1e-5), n
-    assert merge.unsettled == {}
-    merge.settle({7: False})  # a verdict heard twice settles nothing more
+    assert merge.ledger.unsettled == {}
+    merge.ledger.settle({7: False}, merge.read)  # a verdict heard twice settles nothing more
     assert all(
         torch.allclose(
-            merge.residual[0].get(n, torch.zeros(SHAPES[n])).view(SHAPES[n]),
+            merge.ledger.residual.get(n, torch.zeros(SHAPES[n])).view(SHAPES[n]),
             meant[n] - (carried.get(n, 0) if applied else 0),
             atol=1e-5,
         )
@@ -194,12 +195,16 @@ def test_a_saved_state_taken_up_by_a_new_merge_sends_what_the_old_one_would(tmp_
     servers = home(plain)
     receive(servers, ranks, [s.full_weights() for s in servers], full=True)
     first, second = replica_sends(plain, ranks, 0), replica_sends(plain, ranks, 1)
-    old = RegionalMerge(SHAPES, cfg.sections().sync_codec, 1)
-    old.merge(0, [[Contribution(rid, [first[rid][0]], WEIGHTS[rid]) for rid in ranks]], attempt=1)
-    torch.save(old.state(), tmp_path / "state.pt")
-    new = RegionalMerge(SHAPES, cfg.sections().sync_codec, 1)
-    new.load_state(torch.load(tmp_path / "state.pt", weights_only=False))
-    for merge in (old, new):
-        merge.settle({1: False})
-    a, b = (m.merge(0, [[Contribution(rid, [second[rid][0]], WEIGHTS[rid]) for rid in ranks]]) for m in (old, new))
+    old = RegionBooks(RegionalMerge(SHAPES, cfg.sections().sync_codec, 1), str(tmp_path), "run", True, None)
+    old.merge_period(0, [[Contribution(rid, [first[rid][0]], WEIGHTS[rid]) for rid in ranks]], attempt=1)
+    old.save()  # safetensors and JSON: nothing is unpickled when it is taken up
+    assert not list(tmp_path.glob("*.pt")) and list(tmp_path.glob("region_state*.safetensors"))
+    new = RegionBooks(RegionalMerge(SHAPES, cfg.sections().sync_codec, 1), str(tmp_path), "run", True, None)
+    assert new.load() is not None
+    for books in (old, new):
+        books.settle({1: False})
+    a, b = (
+        books.merge_period(0, [[Contribution(rid, [second[rid][0]], WEIGHTS[rid]) for rid in ranks]], attempt=2)
+        for books in (old, new)
+    )
     assert bytes(a.buffers[0]) == bytes(b.buffers[0])

@@ -1,0 +1,250 @@
+"""A region's books between syncs, kept by the rank's rules with the rank's code: :class:`RegionBooks`.
+
+A region sends the home one message per sync, the merge of its replicas
+(:class:`~diloco_ray.runtime.regional_merge.RegionalMerge`), and with a lossy codec it owes
+the home what those messages did not carry yet. The books keep that debt exactly as a
+rank keeps its own: the same ledger (:class:`~diloco_ray.algo.error_feedback.FeedbackLedger`)
+over every row, the same period-start rule for its flags and verdicts, the same round-start
+rule for a re-run (:func:`~diloco_ray.runtime.round_start.at_period_start`). Beside the
+ledger they hold what a region does for its replicas that the home does for its own:
+
+* a replica the region's merge rejected as non-finite starts its next round fresh (a new
+  inner optimizer, every weight reloaded), as the home resets a replica it rejected
+  (:func:`~diloco_ray.algo.aggregate.poisoned`);
+* the home's **restore directive**: when the home's servers start from a checkpoint (a
+  resumed home, a server restored behind the round the replicas were at) or from nothing
+  (a new run), every notice says so, once per directive: the region then takes up its own
+  part of that checkpoint (its residual, and its replicas' inner state, saved when the home
+  checkpointed, :meth:`begin_checkpoint`), or starts fresh, and its replicas reload;
+* what an agent restarted into the same run takes up: the ledger as it was saved before the
+  last upload (:meth:`save`), the verdicts heard since (a small journal, so a put-back is
+  never lost to a restart between a notice and the next save) and the round's start.
+
+Files, never pickle (safetensors and JSON, in the region's ``output_dir``); no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence
+
+from diloco_ray import files
+from diloco_ray.algo.aggregate import poisoned
+from diloco_ray.errors import DataError
+from diloco_ray.persist import checkpoint, manifest, state_files
+from diloco_ray.runtime.messages import Contribution
+from diloco_ray.runtime.regional_merge import RegionalMerge, RegionalMessage
+from diloco_ray.runtime.round_start import at_period_start
+
+STATE = "region_state"  # the ledger as the agent last saved it: region_state.json + region_state-N.safetensors
+JOURNAL = "region_verdicts.json"  # the verdicts heard since that save
+ROUND_START = "region_round_start"  # the residual at the current round's start (restore_on_retry)
+CHECKPOINTS = "checkpoints"  # the region's part of the home's checkpoints, by round
+LEDGER = "region_ledger"  # a region checkpoint's residual (beside its replicas' inner state)
+
+
+@dataclass
+class PeriodStart:
+    """What the region's replicas start a period with, beside the home's notice.
+
+    Args:
+        reset_inner: the replica slots whose inner state starts fresh (and reload every weight).
+        reload: every replica reloads every weight (the home's servers started from a
+            checkpoint or from nothing).
+        restore_from: a region checkpoint folder every replica takes its inner state from
+            first (None: none).
+    """
+
+    reset_inner: set = field(default_factory=set)
+    reload: bool = False
+    restore_from: Optional[str] = None
+
+
+class RegionBooks:
+    """One region's books.
+
+    Args:
+        merge: the region's merge (its ledger is the books' residual).
+        folder: the region's ``output_dir``.
+        run: what a saved state must belong to (the home's run and this region).
+        restore_on_retry: the run's ``restore_on_retry``.
+        keep_checkpoints: ``save_total_limit`` (None: keep every region checkpoint).
+    """
+
+    def __init__(
+        self, merge: RegionalMerge, folder: str, run: str, restore_on_retry: bool, keep_checkpoints: Optional[int]
+    ):
+        self.merge, self.ledger, self.folder, self.run = merge, merge.ledger, folder, run
+        self.restore_on_retry, self.keep_checkpoints = restore_on_retry, keep_checkpoints
+        self.poisoned: set[int] = set()  # slots rejected as non-finite since their last round start
+        self.directive: Optional[str] = None  # the home's restore directive last carried out
+        self.heard: dict[int, bool] = {}  # verdicts heard since the last save (the journal's)
+        self.generation = 0  # of the saved state's tensor file
+        os.makedirs(folder, exist_ok=True)
+
+    # ---- a period ----------------------------------------------------------------------
+    def begin(self, notice: Mapping, slots: Sequence[int]) -> PeriodStart:
+        """Apply a job notice's flags and verdicts to the books, as a rank applies its
+        job's (see the module docstring); what the replicas (``slots``) start with."""
+        start = self._follow(notice.get("restore"), slots)
+        verdicts = {int(a): bool(ok) for a, ok in notice.get("sent_verdicts", ())}
+        self._hear(verdicts)
+        flags = {k: bool(notice[k]) for k in ("reset_inner", "reset", "restart")}
+        self.ledger.start_period(**flags, verdicts=verdicts, read=self.merge.read)
+        action = at_period_start(int(notice["fragment"]), flags["restart"], self.restore_on_retry)
+        if action == "rewind":
+            self._rewind(int(notice["round"]))
+        elif action == "note":
+            self._note_round_start(int(notice["round"]))
+        if flags["reset_inner"]:  # the home rejected the region's own message as non-finite
+            start.reset_inner |= set(slots)
+        if int(notice["fragment"]) == 0:  # a rejected replica starts its next round fresh, as at home
+            start.reset_inner |= self.poisoned & set(slots)
+            self.poisoned = set()
+        return start
+
+    def merge_period(self, fragment: int, contributions: Sequence[Sequence[Contribution]], attempt: int):
+        """:meth:`RegionalMerge.merge`; a replica rejected as non-finite is noted for a reset."""
+        message: RegionalMessage = self.merge.merge(fragment, contributions, attempt=attempt)
+        self.poisoned |= poisoned(message.rejected)
+        return message
+
+    def reload_next(self, fragment: int, fragments: int) -> bool:
+        """Whether the region's next period (after ``fragment``'s) resets a replica and so
+        needs the full weights: the home is asked for them with this period's reply."""
+        return bool(self.poisoned) and fragment == fragments - 1
+
+    def settle(self, verdicts: Mapping[int, bool]) -> None:
+        """Settle verdicts alone (a checkpoint's save: the flat replicas settle theirs too)."""
+        self._hear(dict(verdicts))
+        self.ledger.settle(verdicts, self.merge.read)
+
+    # ---- what an agent restarted into the run takes up ------------------------------------
+    def save(self) -> None:
+        """Save the ledger (its residual and the sends awaiting a verdict), before an
+        upload: what the upload carries is in the books. Replaced whole, never torn: the JSON,
+        written last, names the tensor file it goes with; the journal starts over."""
+        if not self.merge.error_feedback:
+            return
+        self.generation += 1
+        tensors, skeleton = state_files.flatten_state(self.ledger.state_dict())
+        tensor_file = f"{STATE}-{self.generation}.safetensors"
+        state_files.save_tensors(os.path.join(self.folder, tensor_file), tensors)
+        doc = {"run": self.run, "tensors": tensor_file, "skeleton": skeleton, "directive": self.directive}
+        files.write_atomic(self._path(f"{STATE}.json"), json.dumps(doc, allow_nan=False), mode=0o600)
+        self._remove_older_tensors(tensor_file)
+        self.heard = {}
+        files.write_atomic(self._path(JOURNAL), json.dumps({"run": self.run, "heard": []}), mode=0o600)
+
+    def load(self) -> Optional[str]:
+        """Take up the state an agent of this run saved, then settle the verdicts it heard
+        after; what happened, in one line (None: nothing to take up)."""
+        path = self._path(f"{STATE}.json")
+        if not (self.merge.error_feedback and os.path.isfile(path)):
+            return None
+        doc = _read_json(path)
+        if doc.get("run") != self.run:
+            return f"{path} is another run's state; starting with an empty residual"
+        name = os.path.basename(str(doc["tensors"]))
+        tensors = state_files.load_tensors(self._path(name))
+        self.ledger.load_state_dict(state_files.unflatten_state(tensors, doc["skeleton"]))
+        self.directive, self.generation = doc.get("directive"), int(name.rsplit("-", 1)[-1].split(".")[0])
+        journal = _read_json(self._path(JOURNAL)) if os.path.isfile(self._path(JOURNAL)) else {}
+        if journal.get("run") == self.run:
+            self.settle({int(a): bool(ok) for a, ok in journal.get("heard", [])})
+        return f"took up the residual saved in {path}"
+
+    # ---- the region's part of the home's checkpoints -------------------------------------
+    def begin_checkpoint(self, round_index: int) -> str:
+        """A temp folder for the region's part of the home's checkpoint of ``round_index``:
+        the agent has its replicas save their inner state into it, then :meth:`commit_checkpoint`."""
+        return checkpoint.begin(self._path(CHECKPOINTS), round_index)
+
+    def commit_checkpoint(self, tmp: str, round_index: int) -> dict:
+        """Add the residual (every unsettled send put back: the books as the checkpoint's
+        weights leave them), seal the folder and prune old ones; what the home keeps of it
+        in its own checkpoint (an id and the manifest's digest), to hand back on a restore."""
+        state_files.save_state(tmp, LEDGER, {"residual": self.ledger.saved_residual(self.merge.read)})
+        save_id = uuid.uuid4().hex
+        path = checkpoint.commit(tmp, self._path(CHECKPOINTS), round_index, {"region_save": save_id})
+        checkpoint.prune(self._path(CHECKPOINTS), self.keep_checkpoints)
+        return {"id": save_id, "round": round_index, "digest": state_files.sha256_file(_manifest(path))}
+
+    def checkpoint_for(self, saved: Optional[Mapping]) -> Optional[str]:
+        """The region checkpoint the home's ``saved`` names (its id and digest), checked
+        whole; None when this region holds none that matches."""
+        if not saved:
+            return None
+        path = self._path(CHECKPOINTS, checkpoint.round_folder_name(int(saved.get("round", -1))))
+        if not os.path.isfile(_manifest(path)) or checkpoint.verify(path) is not None:
+            return None
+        meta = manifest.read_manifest(path).get("meta", {})
+        digest = state_files.sha256_file(_manifest(path))
+        return path if meta.get("region_save") == saved.get("id") and digest == saved.get("digest") else None
+
+    # ---- the steps above -----------------------------------------------------------------
+    def _follow(self, directive: Optional[Mapping], slots: Sequence[int]) -> PeriodStart:
+        """Carry out the home's restore directive once: the region's part of the checkpoint
+        it names, or a fresh start; every replica reloads."""
+        if not directive or directive.get("id") == self.directive:
+            return PeriodStart()
+        self.directive, self.poisoned = directive["id"], set()
+        self._drop_round_start()
+        path = self.checkpoint_for(directive.get("save"))
+        if path is None:
+            self.ledger.clear()
+            return PeriodStart(reset_inner=set(slots), reload=True)
+        self.ledger.load_state_dict(state_files.load_state(path, LEDGER))
+        return PeriodStart(reload=True, restore_from=path)
+
+    def _hear(self, verdicts: dict[int, bool]) -> None:
+        """Note ``verdicts`` in the journal before they touch the books (a restarted agent
+        settles them again: settling is idempotent)."""
+        if not verdicts or not self.merge.error_feedback:
+            return
+        self.heard.update(verdicts)
+        heard = sorted([a, ok] for a, ok in self.heard.items())
+        files.write_atomic(self._path(JOURNAL), json.dumps({"run": self.run, "heard": heard}), mode=0o600)
+
+    def _note_round_start(self, round_index: int) -> None:
+        if self.merge.error_feedback:
+            state_files.save_state(self.folder, ROUND_START, {"round": round_index, "residual": self.ledger.residual})
+
+    def _rewind(self, round_index: int) -> None:
+        """Back to the residual kept at ``round_index``'s start (kept as trained when none was)."""
+        if not os.path.isfile(self._path(f"{ROUND_START}.json")):
+            return
+        saved = state_files.load_state(self.folder, ROUND_START)
+        if saved["round"] == round_index:
+            self.ledger.rewind(saved["residual"])
+
+    def _drop_round_start(self) -> None:
+        for name in (f"{ROUND_START}.json", f"{ROUND_START}.safetensors"):
+            if os.path.isfile(self._path(name)):
+                os.remove(self._path(name))
+
+    def _remove_older_tensors(self, keep: str) -> None:
+        for name in os.listdir(self.folder):
+            if name.startswith(f"{STATE}-") and name.endswith(".safetensors") and name != keep:
+                os.remove(self._path(name))
+
+    def _path(self, *parts: str) -> str:
+        return os.path.join(self.folder, *parts)
+
+
+def _manifest(path: str) -> str:
+    return os.path.join(path, manifest.MANIFEST)
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"{path}: not a region state this agent can read ({e})") from None
+    if not isinstance(doc, dict):
+        raise DataError(f"{path}: not a region state this agent can read (not a JSON object)")
+    return doc
