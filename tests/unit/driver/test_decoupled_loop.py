@@ -511,3 +511,19 @@ def test_a_lost_period_hands_the_merge_to_the_trainer_and_the_next_call_goes_on_
     assert second.action is Action.PROCEED and second.record.to_record()["replica_ids"] == [0]
     assert host.calls.count("on_round_begin") == 1
     assert sum(1 for c in host.calls if isinstance(c, tuple) and c[0] == "inject_faults") == 1
+
+
+def test_a_member_whose_period_was_lost_hears_when_it_is_back_that_its_send_was_not_applied(tmp_path):
+    """As test_sync_loop's: a region lost mid-period comes back with its message kept for
+    a verdict, and its next period brings it: not applied."""
+    host, reps = make(tmp_path, stall_timeout_s=0.01, abort_grace_s=0.01, delays={0: [30]})
+    reps[1].never = {0}
+    host.loop.steps = Beats(host.loop, silent={1})
+    assert host.loop.run_round(host).action is Action.RUN_AGAIN
+    lost = reps[1].jobs[0].attempt
+    host.members.active.append(reps[1])  # back: it takes part from the next launch
+    host.loop.steps = Beats(host.loop, silent=set())
+    reps[1].never = set()
+    host.loop.run_round(host)
+    host.merge()
+    assert reps[1].jobs[1].sent_verdicts == ((lost, False),)

@@ -352,3 +352,17 @@ def test_a_regions_next_notice_in_a_round_is_the_one_the_home_sends(tmp_path):
     assert wire.next_in_round(sent[0], "eu", 2) == sent[1] and wire.next_in_round(sent[2], "eu", 2) == sent[3]
     assert wire.next_in_round(sent[1], "eu", 2) is None  # the round's last period: the next plan is not known
     assert wire.next_in_round(sent[0], "us", 2) != sent[1]  # another region's reply key
+
+
+@pytest.mark.parametrize("fragments", [1, 2])
+def test_a_member_lost_mid_period_hears_when_it_is_back_that_its_send_was_not_applied(tmp_path, fragments):
+    """A region cut off mid-period is lost to the round, but its agent lives on with the
+    message it merged kept for its verdict: back at a later round, it must hear that the
+    message reached no sync, so it puts its values back (not lose them for good)."""
+    loop, host, reps = make(tmp_path, faults=[{"kind": "kill", "replica": 1, "round": 0}], sync_fragments=fragments)
+    apply_next_update(loop, host)
+    assert host.members.removed == [(1, "failed")]
+    lost = reps[1].jobs[0].attempt
+    host.members.active.append(reps[1])  # it joins again at the boundary, as a region does
+    apply_next_update(loop, host)
+    assert reps[1].jobs[1].sent_verdicts == ((lost, False),)
