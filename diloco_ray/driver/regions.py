@@ -95,6 +95,7 @@ class RegionGateway:
         self.published: dict[tuple, object] = {}  # (full, version) published or being published -> its token
         self.lock = threading.Lock()
         self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
+        self.reload_at_round: set[str] = set()  # regions a replica of which starts its next round fresh
         # Region -> what its state starts from in this home's run: a new home starts every
         # region fresh (its servers start from nothing) until restore() names a checkpoint.
         self.directives = {name: _directive(None) for name in self.channel.regions}
@@ -123,7 +124,11 @@ class RegionGateway:
             self._unpublish_all()
         messages = self._publish(job.version, False, lambda: ray.get(list(job.messages)))
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
-        if wire.needs_full(job, self._held(region)):
+        held = self._held(region)
+        if job.fragment == 0 and region in self.reload_at_round:  # a replica of it starts this round fresh
+            self.reload_at_round.discard(region)
+            held = None
+        if wire.needs_full(job, held):
             full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
         reply = wire.reply_key(region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
@@ -135,8 +140,7 @@ class RegionGateway:
                 buffers, stats = wire.reply_of(payload, self.max_bytes)
                 if not stats.aborted:  # its replicas completed the period: they hold job.version
                     self.held[region] = (self.channel.instance_of(region), job.version)
-                if (stats.region or {}).get("reload"):  # a replica of it starts fresh next: full weights
-                    self.held.pop(region, None)
+                self._note_reloads(region, stats.region or {})
                 stats = self._with_traffic(region, stats, before)
                 if len(buffers) == self.servers:
                     return (*buffers, stats)
@@ -214,6 +218,15 @@ class RegionGateway:
         none yet, or its agent is not the one that completed a period)."""
         instance, version = self.held.get(region, (None, None))
         return version if instance is not None and instance == self.channel.instance_of(region) else None
+
+    def _note_reloads(self, region: str, facts: dict) -> None:
+        """What a region's reply says its replicas will load: everything at its next period
+        (a replica replaced), or at its next round's start (a replica reset). Asking costs
+        the region its own link's bytes, nothing more."""
+        if facts.get("reload"):
+            self.held.pop(region, None)
+        if facts.get("reload_at_round"):
+            self.reload_at_round.add(region)
 
     def _with_traffic(self, region: str, stats: RoundStats, before: tuple[int, int]) -> RoundStats:
         """``stats`` with the channel bytes since ``before`` as the region's bytes both ways."""

@@ -353,8 +353,9 @@ class RegionAgent:
         ]
         message = self.books.merge_period(notice["fragment"], contributions, notice["attempt"])
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
-        if self.replicas.lost or self.books.reload_next(notice["fragment"], self.fragments):
-            summary.region["reload"] = True
+        # What the home publishes for this region next: a refilled slot loads everything at once,
+        # a replica rejected as non-finite at its next round's start.
+        summary.region.update(reload=bool(self.replicas.lost), reload_at_round=self.books.resets_at_round_start)
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
         self.books.save()  # before the upload: what it carries is in the books
         self.client.upload(notice["reply"], wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)

@@ -112,10 +112,11 @@ class RegionBooks:
         self.poisoned |= poisoned(message.rejected)
         return message
 
-    def reload_next(self, fragment: int, fragments: int) -> bool:
-        """Whether the region's next period (after ``fragment``'s) resets a replica and so
-        needs the full weights: the home is asked for them with this period's reply."""
-        return bool(self.poisoned) and fragment == fragments - 1
+    @property
+    def resets_at_round_start(self) -> bool:
+        """Whether a replica starts the region's next round fresh (it was rejected as
+        non-finite), and so needs the full weights then: the home is told with the reply."""
+        return bool(self.poisoned)
 
     def settle(self, verdicts: Mapping[int, bool]) -> None:
         """Settle verdicts alone (a checkpoint's save: the flat replicas settle theirs too)."""

@@ -82,3 +82,23 @@ def test_a_reset_or_a_rewind_forgets_what_was_sent():
     sync.settle({1: False})  # a re-run's rewind restores the residual itself: nothing goes back twice
     for name, t in residual.items():
         assert torch.equal(sync.ledger.residual[name], t)
+
+
+@pytest.mark.parametrize("codec", ["topk", "int4"])
+def test_a_checkpoint_written_with_a_send_unsettled_holds_what_it_carried(codec):
+    """A decoupled replica's period has sent but not been merged when a checkpoint is written
+    (told to stop): no weights the checkpoint holds carry that send, and a loaded state has no
+    unsettled sends, so the saved residual holds it; the live books keep it for its verdict."""
+    sync, local = start(codec)
+    g = torch.Generator().manual_seed(2)
+    for name, t in local.items():
+        t.sub_(0.1 * torch.randn(t.shape, generator=g))
+    buffers = sync.outgoing(0, local, attempt=4)
+    carried = decoded(buffers, sync.names)
+    saved = sync.state_dict(with_anchor=False)
+    other = RankSync(SHAPES, 1, 0, 1, 1, codec, error_feedback=True, block=128, fraction=1 / 16)
+    other.load_state_dict(saved)
+    for name in SHAPES:
+        want = sync.ledger.residual[name] + carried[name]
+        torch.testing.assert_close(other.ledger.residual[name], want, rtol=0, atol=1e-6, msg=name)
+    assert list(sync.ledger.unsettled) == [4] and other.ledger.unsettled == {}

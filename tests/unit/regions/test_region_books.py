@@ -210,7 +210,7 @@ def test_a_replica_rejected_as_non_finite_inside_the_region_starts_its_next_roun
     region.period(notice(0, 0, 1))
     _, message = region.period(notice(0, 1, 2, verdicts=()), nan=(1,))
     assert message.accepted == [0] and 1 in message.rejected
-    assert region.books.reload_next(1, 2)  # its reply asks the home for the full weights
+    assert region.books.resets_at_round_start  # its reply asks the home for the full weights then
     start = region.books.begin(notice(1, 0, 3, verdicts=[(1, True), (2, True)]), list(WEIGHTS))
     assert start.reset_inner == {1} and not start.reload  # that replica alone, at its next round
     again = region.books.begin(notice(1, 1, 4), list(WEIGHTS))
@@ -302,9 +302,7 @@ def test_applied_plus_held_is_every_merged_pseudo_gradient_through_every_fault(t
             message = region.merge(note, nan=(1,) if poisoned_at == fragment else ())
             region.books.save()  # before the upload
             if poisoned_at == fragment:
-                assert message.accepted == [0] and region.books.reload_next(fragment, fragments) == (
-                    fragment == fragments - 1
-                )
+                assert message.accepted == [0] and region.books.resets_at_round_start
             if lost_at == fragment:  # the link goes down before the reply crosses: the round goes on without it
                 home["verdicts"][attempt] = False
                 break
