@@ -41,7 +41,16 @@ import time
 import wan
 import wan_links
 import wan_regions
-from wan_outage import CUT_AFTER_ROUNDS, cut_link, last_eval, outage_facts, outage_seconds, read_records
+from wan_outage import (
+    CUT_AFTER_ROUNDS,
+    cut_link,
+    last_eval,
+    nan_facts,
+    nan_fault,
+    outage_facts,
+    outage_seconds,
+    read_records,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOKEN = "wan-rehearsal-token"  # a throwaway: the channel's bearer token for this machine's rehearsal
@@ -192,6 +201,9 @@ class Rehearsal:
         row["region_exits"] = {n: agents[n].returncode for n in agents}
         if outage:
             row["outage"] = outage_facts(every, net.sites[-1].name, facts, logs[net.sites[-1].name])
+            row["outage"]["nan"] = nan_facts(every, net.sites[1].name)
+            row["outage"]["agent_joins_by_region"] = {n: logs[n].count("joined;") for n in agents}
+            row["outage"]["region_exits"] = {n: agents[n].returncode for n in agents}
         if not keep:
             shutil.rmtree(out, ignore_errors=True)
         return row
@@ -359,7 +371,9 @@ def regions_rows(args, reh: Rehearsal, res: Results, chosen: list) -> None:
                 f"channel_timeout_s={args.outage_channel_timeout}",
                 f"round_timeout_s={args.outage_round_timeout}",
             )
-            extra = (*loops, *timeouts)
+            # A replica of the first other region turns NaN in round 0: reset there, applied again.
+            faults = f"fault_plan={json.dumps([nan_fault(reh.names[1])])}"
+            extra = (*loops, *timeouts, faults)
             call = functools.partial(reh.regions_run, net, delay=topk["delay_ms"])
             row = res.run("regions", topk["rate_mbit"], topk["delay_ms"], "topk", True, call, extra=extra, outage=plan)
             base = {"fault_free_eval_loss": topk["final_eval_loss"], "run": row}

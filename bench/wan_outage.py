@@ -8,6 +8,10 @@ region again. :func:`outage_facts` reads the run's records: how many processes w
 replaced, how many records after the link came back passed before the region was applied
 again, and which stream positions were lost (below the furthest applied, never applied)
 or repeated (applied twice), from every record's ``data_ranges``.
+
+The same run poisons a replica of another region in round 0 (:func:`nan_fault`, through the
+home's ``fault_plan``): :func:`nan_facts` says whether that region's merge left it out then
+and from which round it was applied again (the region resets it for its next round).
 """
 
 from __future__ import annotations
@@ -17,6 +21,21 @@ import os
 import time
 
 CUT_AFTER_ROUNDS = 3  # rounds the outage run completes before the link goes down
+NAN_REPLICA = 1  # the replica of a region that turns NaN in round 0
+
+
+def nan_fault(region: str) -> dict:
+    """The fault plan's entry that poisons ``region``'s replica NAN_REPLICA in round 0."""
+    return {"kind": "nan", "region": region, "replica": NAN_REPLICA, "round": 0}
+
+
+def nan_facts(every: list[dict], region: str) -> dict:
+    """Whether ``region``'s merge left its poisoned replica out in round 0, and the first
+    round after that applied it again (None: never)."""
+    merged = [(r["round"], (r.get("regions") or {}).get(region, {}).get("replica_ids", [])) for r in every]
+    again = next((i for i, ids in merged if i >= 1 and NAN_REPLICA in ids), None)
+    left_out = bool(merged) and merged[0][0] == 0 and NAN_REPLICA not in merged[0][1]
+    return {"region": region, "replica": NAN_REPLICA, "left_out_in_round_0": left_out, "applied_again_at": again}
 
 
 def read_records(path: str) -> list[dict]:
