@@ -165,17 +165,20 @@ class RegionGateway:
         ``round_index``, first settling ``verdicts`` (its sends' verdicts not yet delivered),
         and write what it answers as ``regions/<region>.json`` in checkpoint ``folder``.
         Returns that file's hashes (as a replica's save does, :func:`staging.publish`); ``{}``
-        and no file when the region did not answer within ``save_timeout_s``: a restore from
-        this checkpoint then starts it fresh, as a replica the checkpoint holds no state for."""
+        and no file when the region did not answer within ``save_timeout_s`` or went silent
+        (its link down: ``channel_timeout_s``): a restore from this checkpoint then starts it
+        fresh, as a replica the checkpoint holds no state for."""
         from diloco_ray.persist import staging
 
         reply = f"s/{region}/{uuid.uuid4().hex}"
         request = {"round": int(round_index), "verdicts": [[int(a), bool(ok)] for a, ok in verdicts], "reply": reply}
         self.channel.notify(region, {"save": request})
-        payload = self.channel.take(reply, timeout_s=self.save_timeout_s)
-        if payload is None:
+        payload, deadline = None, time.monotonic() + self.save_timeout_s
+        while payload is None and time.monotonic() < deadline and region in self.channel.connected():
+            payload = self.channel.take(reply, timeout_s=POLL_S)
+        if payload is None:  # silent past channel_timeout_s, or too slow
             self.channel.discard(reply)
-            log.warning("channel: region %r did not save its part of checkpoint %d in time", region, round_index)
+            log.warning("channel: region %r did not save its part of checkpoint %d", region, round_index)
             return {}
         try:
             saved = wire.saved_of(payload, self.max_bytes, round_index)

@@ -266,6 +266,8 @@ class RegionAgent:
         period started ahead of this notice, when it is the one expected)."""
         keys, full = list(notice["messages"]), list(notice["full_keys"])
         start = self.books.begin(notice, self.replicas.ids)
+        if start.note:
+            self.log(f"region: {start.note}")
         if start.restore_from is not None:
             self.replicas.load_inner_state(start.restore_from)
         ahead, self.ahead = self.ahead, None

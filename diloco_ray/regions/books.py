@@ -56,11 +56,13 @@ class PeriodStart:
             checkpoint or from nothing).
         restore_from: a region checkpoint folder every replica takes its inner state from
             first (None: none).
+        note: what the region did with the home's restore directive, in one line (None: nothing).
     """
 
     reset_inner: set = field(default_factory=set)
     reload: bool = False
     restore_from: Optional[str] = None
+    note: Optional[str] = None
 
 
 class RegionBooks:
@@ -194,12 +196,15 @@ class RegionBooks:
             return PeriodStart()
         self.directive, self.poisoned = directive["id"], set()
         self._drop_round_start()
-        path = self.checkpoint_for(directive.get("save"))
+        saved = directive.get("save")
+        path = self.checkpoint_for(saved)
         if path is None:
             self.ledger.clear()
-            return PeriodStart(reset_inner=set(slots), reload=True)
+            why = f"round {saved.get('round')}, of which it holds no part" if saved else "nothing"
+            return PeriodStart(reset_inner=set(slots), reload=True, note=f"starts fresh: the home starts from {why}")
         self.ledger.load_state_dict(state_files.load_state(path, LEDGER))
-        return PeriodStart(reload=True, restore_from=path)
+        note = f"took up its part of the home's checkpoint of round {saved['round']}"
+        return PeriodStart(reload=True, restore_from=path, note=note)
 
     def _hear(self, verdicts: dict[int, bool]) -> None:
         """Note ``verdicts`` in the journal before they touch the books (a restarted agent

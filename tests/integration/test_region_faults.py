@@ -11,13 +11,23 @@ round deadline (``round_timeout_s: null``).
   other, and the round goes on instead of waiting forever; a new replica takes the slot.
 
 No agent exits on any of it, and every stream position is applied once.
+
+And the home's driver killed mid-round, then resumed from its checkpoint while the region's
+agent stays up: the region takes up its own part of that checkpoint (its replica's inner
+state), its replica reloads the checkpoint's weights instead of training on from the rounds
+the home undid, and the run ends with the weights of the same job run without the kill.
 """
 
 from __future__ import annotations
 
-from conftest import tiny_config
+import signal
+import subprocess
+import sys
 
-from diloco_ray import DilocoFSDPTrainer
+from conftest import ROOT, max_abs_diff, subprocess_env, tiny_config
+
+from diloco_ray import DilocoFSDPTrainer, TrainerConfig
+from diloco_ray.observe.metrics import read_events
 from tests.integration.test_regions import TOKEN, applied_positions, free_port, start_region, wait_for_line
 from tests.unit.channel.tls_files import make_tls
 
@@ -65,3 +75,47 @@ def test_a_poisoned_replica_and_a_frozen_one_inside_a_region_are_handled_there(r
     assert any(2 in e["replica_ids"] for e in eu[3:])  # a new replica in its slot
     positions = applied_positions(result.rounds)
     assert len(positions) == len(set(positions))  # none applied twice
+
+
+def test_a_home_resumed_while_its_region_stays_up_ends_with_the_weights_of_the_run_without_the_kill(
+    ray_local, tmp_path, monkeypatch
+):
+    tls = make_tls(str(tmp_path))
+    port = free_port()
+    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
+    shape = dict(diloco_loops=5, max_steps=4, checkpoint_steps=4, eval_batches=1, seed=3)
+    flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=2, **shape)).train()
+    cfg = tiny_config(
+        tmp_path / "home",
+        num_replicas=1,
+        regions=[{"name": "eu", "replicas": 1}],
+        channel_host="127.0.0.1",
+        channel_port=port,
+        channel_tls_cert=tls["home.pem"],
+        channel_tls_key=tls["home.key"],
+        min_regions=2,  # every round with the region: the flat run's rounds
+        round_timeout_s=180,
+        fault_plan=[{"kind": "kill", "target": "driver", "round": 3}],
+        **shape,
+    )
+    agent = start_region("eu", port, tls, tmp_path)
+    try:
+        wait_for_line(tmp_path / "eu.log", "Ray is up", agent)
+        cfg.to_yaml(str(tmp_path / "home.yaml"))
+        command = [sys.executable, "-m", "diloco_ray", "train", str(tmp_path / "home.yaml")]
+        killed = subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        assert [r["round"] for r in read_events(cfg.output_dir, "round")] == [0, 1, 2]
+        again = TrainerConfig.from_yaml(
+            str(tmp_path / "home" / "config.yaml"), overrides={"resume_from": cfg.output_dir, "fault_plan": None}
+        )
+        resumed = DilocoFSDPTrainer(again).train()
+        agent.wait(timeout=120)
+    finally:
+        agent.kill()
+    log = open(tmp_path / "eu.log").read()
+    assert agent.returncode == 0 and log.count("Ray is up") == 1, log[-3000:]
+    assert "took up its part of the home's checkpoint of round 3" in log
+    assert [r["round"] for r in resumed.rounds] == [3, 4]
+    assert all(1_000_000 in r["replica_ids"] for r in resumed.rounds)
+    assert max_abs_diff(cfg.output_dir, flat.output_dir) <= 1e-5
