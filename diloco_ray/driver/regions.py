@@ -96,6 +96,7 @@ class RegionGateway:
         self.lock = threading.Lock()
         self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
         self.reload_at_round: set[str] = set()  # regions a replica of which starts its next round fresh
+        self.home = uuid.uuid4().hex[:12]  # this start of the home: the channel keys of its run name it
         # Region -> what its state starts from in this home's run: a new home starts every
         # region fresh (its servers start from nothing) until restore() names a checkpoint.
         self.directives = {name: _directive(None) for name in self.channel.regions}
@@ -130,9 +131,9 @@ class RegionGateway:
             held = None
         if wire.needs_full(job, held):
             full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
-        reply = wire.reply_key(region, job.attempt, job.fragment)
+        reply = wire.reply_key(self.home, region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
-        notice = wire.notice_of(job, messages, full, reply, restore=self.directives[region])
+        notice = wire.notice_of(job, messages, full, reply, restore=self.directives[region], home=self.home)
         self.channel.notify(region, {"job": notice})
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
@@ -245,7 +246,7 @@ class RegionGateway:
         region's replicas start their steps and merge those weights at the period's end; the
         region's download waits for them). A version's messages stay until one two newer is
         published."""
-        keys = wire.message_keys(version, self.servers, full)
+        keys = wire.message_keys(self.home, version, self.servers, full)
         publication = (full, version)
         with self.lock:
             if publication in self.published:
@@ -270,7 +271,7 @@ class RegionGateway:
                 for p in stale:
                     del self.published[p]
             for old_full, old_version in stale:
-                for key in wire.message_keys(old_version, self.servers, old_full):
+                for key in wire.message_keys(self.home, old_version, self.servers, old_full):
                     self.channel.unpublish(key)
 
         threading.Thread(target=publish, name=f"publish-{keys[0]}", daemon=True).start()
@@ -280,7 +281,7 @@ class RegionGateway:
         with self.lock:
             gone, self.published = self.published, {}
         for full, version in gone:
-            for key in wire.message_keys(version, self.servers, full):
+            for key in wire.message_keys(self.home, version, self.servers, full):
                 self.channel.unpublish(key)
 
 

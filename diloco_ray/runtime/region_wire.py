@@ -9,7 +9,10 @@ stats). Actor handles and object refs never cross: each side turns a notice into
 
 The channel keys of a period's messages and reply follow one rule (:func:`message_keys`,
 :func:`reply_key`), so with overlap a region can tell the next period of a round before
-its notice arrives (:func:`next_in_round`) and start its replicas on it at once.
+its notice arrives (:func:`next_in_round`) and start its replicas on it at once. Every key
+names the home's run (``home``, one per start of the home: a resumed home counts its
+launches and versions from its checkpoint again), so an upload or a download of the last
+home's that crosses late is never taken for one of the new home's.
 
 Inside the region, :func:`split_plan` cuts the region's plan into its replicas' plans in
 slot order, exactly as the home's cursor cuts a round among replicas (returned ranges
@@ -43,13 +46,14 @@ OPTIONAL_FIELDS = ("schedule_step", "time_budget_s")
 
 
 def notice_of(
-    job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[str], reply_key: str, restore: Mapping
+    job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[str], reply_key: str, restore: Mapping, home: str
 ) -> dict:
     """The notice of ``job`` for a region: where the channel holds the weights messages
     (``message_keys``, one per home server, and the full weights ``full_keys`` for a load
     after a gap), under which key the region uploads its reply, and the home's restore
     directive (what the region's state starts from in this home's run: its id, carried out
-    once, and the region's saved part of the checkpoint the servers started from, or None)."""
+    once, and the region's saved part of the checkpoint the servers started from, or None),
+    and the home's run (``home``) that the keys name."""
     notice = {name: getattr(job, name) for name in PLAIN_FIELDS + OPTIONAL_FIELDS}
     notice.update(
         plan=[[int(s), int(c)] for s, c in job.plan],
@@ -58,19 +62,21 @@ def notice_of(
         full_keys=list(full_keys),
         reply=reply_key,
         restore=dict(restore),
+        home=home,
     )
     return notice
 
 
-def message_keys(version: int, servers: int, full: bool = False) -> list[str]:
-    """The channel keys of weights ``version``'s messages, one per home server (``full``:
-    the full weights of that version, for a region that must load everything)."""
-    return [f"{'f' if full else 'w'}/{version}/{s}" for s in range(servers)]
+def message_keys(home: str, version: int, servers: int, full: bool = False) -> list[str]:
+    """The channel keys of weights ``version``'s messages in the home's run ``home``, one per
+    home server (``full``: the full weights of that version, for a region that must load
+    everything)."""
+    return [f"{'f' if full else 'w'}/{home}/{version}/{s}" for s in range(servers)]
 
 
-def reply_key(region: str, attempt: int, fragment: int) -> str:
-    """Where ``region`` uploads its reply to the period launched as ``attempt``."""
-    return f"r/{region}/{attempt}/{fragment}"
+def reply_key(home: str, region: str, attempt: int, fragment: int) -> str:
+    """Where ``region`` uploads its reply to the period launched as ``attempt`` in ``home``'s run."""
+    return f"r/{home}/{region}/{attempt}/{fragment}"
 
 
 def next_in_round(notice: Mapping, region: str, fragments: int) -> Optional[dict]:
@@ -98,9 +104,9 @@ def next_in_round(notice: Mapping, region: str, fragments: int) -> Optional[dict
         "restart": False,
         "reset_inner": False,
         "sent_verdicts": [],
-        "messages": message_keys(version, len(notice["messages"])),
+        "messages": message_keys(notice["home"], version, len(notice["messages"])),
         "full_keys": [],
-        "reply": reply_key(region, attempt, fragment),
+        "reply": reply_key(notice["home"], region, attempt, fragment),
     }
 
 

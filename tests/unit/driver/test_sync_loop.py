@@ -341,10 +341,12 @@ def test_a_regions_next_notice_in_a_round_is_the_one_the_home_sends(tmp_path):
         apply_next_update(loop, host)
 
     def notice(job):
-        keys = wire.message_keys(job.version, 1)
+        keys = wire.message_keys("h1", job.version, 1)
         restore = {"id": "d1", "save": None}
         return json.loads(
-            json.dumps(wire.notice_of(job, keys, [], wire.reply_key("eu", job.attempt, job.fragment), restore))
+            json.dumps(
+                wire.notice_of(job, keys, [], wire.reply_key("h1", "eu", job.attempt, job.fragment), restore, "h1")
+            )
         )
 
     sent = [notice(job) for job in reps[0].jobs]

@@ -79,7 +79,7 @@ def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
         sent_verdicts=((8, True), (6, False)),
         schedule_step=90,
     )
-    notice = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1", {"id": "d1", "save": None})
+    notice = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1", {"id": "d1", "save": None}, "h1")
     notice = json.loads(json.dumps(notice))  # it crosses as JSON
     assert notice["messages"] == ["w/7/0", "w/7/1"] and notice["reply"] == "eu/a9/f1"
     share = wire.split_plan(notice["plan"], [12, 12])[1]
@@ -99,3 +99,17 @@ def test_the_full_weights_go_to_a_region_only_when_its_replicas_may_need_them():
     assert not wire.needs_full(job(5), held=4) and not wire.needs_full(job(5), held=5)  # the next version, or a re-run
     assert wire.needs_full(job(7), held=4)  # a gap: it missed syncs
     assert wire.needs_full(job(5, reset=True), held=4) and wire.needs_full(job(5, reset_inner=True), held=4)
+
+
+def test_a_resumed_homes_keys_never_meet_the_last_homes():
+    """A resumed home counts its launches and versions from its checkpoint again: an upload
+    of the last home's launch 4 that crosses late must not be taken for the new home's launch
+    4, nor a download of its version 3 for the new version 3."""
+    assert wire.reply_key("h1", "eu", 4, 0) != wire.reply_key("h2", "eu", 4, 0)
+    assert set(wire.message_keys("h1", 3, 2)).isdisjoint(wire.message_keys("h2", 3, 2))
+    job = SyncPeriod(round=0, fragment=0, plan=[(0, 8)], attempt=4, messages=[], full=False, version=3)
+    keys, reply = wire.message_keys("h2", 3, 1), wire.reply_key("h2", "eu", 4, 0)
+    notice = wire.notice_of(job, keys, [], reply, {"id": "d1", "save": None}, "h2")
+    expected = wire.next_in_round(notice, "eu", fragments=2)
+    assert expected["reply"] == wire.reply_key("h2", "eu", 5, 1)  # the next period's keys, in this home's run
+    assert expected["messages"] == wire.message_keys("h2", 4, 1) and expected["restore"] == notice["restore"]
