@@ -28,7 +28,14 @@ from conftest import ROOT, max_abs_diff, subprocess_env, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.observe.metrics import read_events
-from tests.integration.test_regions import TOKEN, applied_positions, free_port, start_region, wait_for_line
+from tests.integration.test_regions import (
+    TOKEN,
+    applied_positions,
+    free_port,
+    home_config,
+    start_region,
+    wait_for_line,
+)
 from tests.unit.channel.tls_files import make_tls
 
 FAULTS = [
@@ -41,14 +48,12 @@ def test_a_poisoned_replica_and_a_frozen_one_inside_a_region_are_handled_there(r
     tls = make_tls(str(tmp_path))
     port = free_port()
     monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
-    cfg = tiny_config(
+    cfg = home_config(
         tmp_path / "home",
+        port,
+        tls,
+        [{"name": "eu", "replicas": 2}],
         num_replicas=1,
-        regions=[{"name": "eu", "replicas": 2}],
-        channel_host="127.0.0.1",
-        channel_port=port,
-        channel_tls_cert=tls["home.pem"],
-        channel_tls_key=tls["home.key"],
         pseudo_grad_compression="topk",
         diloco_loops=5,
         max_steps=6,
@@ -85,14 +90,12 @@ def test_a_home_resumed_while_its_region_stays_up_ends_with_the_weights_of_the_r
     monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
     shape = dict(diloco_loops=5, max_steps=4, checkpoint_steps=4, eval_batches=1, seed=3)
     flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=2, **shape)).train()
-    cfg = tiny_config(
+    cfg = home_config(
         tmp_path / "home",
+        port,
+        tls,
+        [{"name": "eu", "replicas": 1}],
         num_replicas=1,
-        regions=[{"name": "eu", "replicas": 1}],
-        channel_host="127.0.0.1",
-        channel_port=port,
-        channel_tls_cert=tls["home.pem"],
-        channel_tls_key=tls["home.key"],
         min_regions=2,  # every round with the region: the flat run's rounds
         round_timeout_s=180,
         fault_plan=[{"kind": "kill", "target": "driver", "round": 3}],

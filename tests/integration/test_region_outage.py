@@ -19,10 +19,10 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT
 
 from diloco_ray import DilocoFSDPTrainer
-from tests.integration.test_regions import TOKEN, free_port, start_region, wait_for_line
+from tests.integration.test_regions import TOKEN, free_port, home_config, start_region, wait_for_line
 from tests.unit.channel.tls_files import make_tls
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -79,14 +79,12 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
     relay = Relay(listen=("127.0.0.1", 0), to=("127.0.0.1", port))
     relay_port = relay.start()
     monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
-    cfg = tiny_config(
+    cfg = home_config(
         tmp_path / "home",
+        port,
+        tls,
+        [{"name": "eu", "replicas": 1}],
         num_replicas=1,
-        regions=[{"name": "eu", "replicas": 1}],
-        channel_host="127.0.0.1",
-        channel_port=port,
-        channel_tls_cert=tls["home.pem"],
-        channel_tls_key=tls["home.key"],
         channel_timeout_s=3,
         **(SYNC_EXTRA if mode == "sync" else {}),
         diloco_loops=ROUNDS_BEFORE_CUT + ROUNDS_CUT + 5,

@@ -45,6 +45,20 @@ def applied_positions(rounds: list) -> list:
     return sorted(p for r in rounds for ranges in r["data_ranges"].values() for s, c in ranges for p in range(s, s + c))
 
 
+def home_config(folder, port: int, tls: dict, regions: list, **fields):
+    """A home's config whose channel listens on this machine (``port``, the test CA's
+    certificate), with ``regions`` and the job's ``fields``."""
+    return tiny_config(
+        folder,
+        regions=regions,
+        channel_host="127.0.0.1",
+        channel_port=port,
+        channel_tls_cert=tls["home.pem"],
+        channel_tls_key=tls["home.key"],
+        **fields,
+    )
+
+
 def start_region(name: str, port: int, tls: dict, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "RAY_ADDRESS": "local"}
     return subprocess.Popen(
@@ -71,14 +85,12 @@ def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_loca
     flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=6, **shape)).train()
 
     monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
-    home_cfg = tiny_config(
+    home_cfg = home_config(
         tmp_path / "home",
+        port,
+        tls,
+        [{"name": "eu", "replicas": 2}, {"name": "us", "replicas": 2}],
         num_replicas=2,
-        regions=[{"name": "eu", "replicas": 2}, {"name": "us", "replicas": 2}],
-        channel_host="127.0.0.1",
-        channel_port=port,
-        channel_tls_cert=tls["home.pem"],
-        channel_tls_key=tls["home.key"],
         min_regions=1 if syncs == "overlap" else 3,  # (fragments commit with whoever reported)
         round_timeout_s=180,  # a region that failed is dropped, and the test fails fast
         **shape,
