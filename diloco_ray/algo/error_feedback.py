@@ -147,15 +147,16 @@ class FeedbackLedger:
         self.residual, self.unsettled = dict(residual), {}
 
     def saved_residual(self, read: Reader, device: torch.device = CPU) -> dict[str, torch.Tensor]:
-        """The residual a checkpoint keeps: every send still unsettled put back (copies;
-        the live books stay as they are)."""
-        saved = {n: t.clone() for n, t in self.residual.items()}
-        if self.unsettled:
-            books = FeedbackLedger(self.held, self.shapes, self.decay)
-            books.residual = saved
-            for sent in self.unsettled.values():
-                books.put_back(sent.wait(), read, device)
-        return saved
+        """The residual a checkpoint keeps: every send still unsettled put back, into copies
+        (the live books stay as they are). With nothing unsettled, the residual itself: a
+        checkpoint only reads it, and a copy would cost its size again where it lives."""
+        if not self.unsettled:
+            return dict(self.residual)
+        books = FeedbackLedger(self.held, self.shapes, self.decay)
+        books.residual = {n: t.clone() for n, t in self.residual.items()}
+        for sent in self.unsettled.values():
+            books.put_back(sent.wait(), read, device)
+        return books.residual
 
     def state_dict(self) -> dict:
         """The residual and the unsettled sends' bytes (uint8 tensors), for a sender that
