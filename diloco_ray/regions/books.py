@@ -51,7 +51,7 @@ class PeriodStart:
     """What the region's replicas start a period with, beside the home's notice.
 
     Args:
-        reset_inner: the replica slots whose inner state starts fresh (and reload every weight).
+        reset_inner: the replicas whose inner state starts fresh (and reload every weight).
         reload: every replica reloads every weight (the home's servers started from a
             checkpoint or from nothing).
         restore_from: a region checkpoint folder every replica takes its inner state from
@@ -81,17 +81,17 @@ class RegionBooks:
     ):
         self.merge, self.ledger, self.folder, self.run = merge, merge.ledger, folder, run
         self.restore_on_retry, self.keep_checkpoints = restore_on_retry, keep_checkpoints
-        self.poisoned: set[int] = set()  # slots rejected as non-finite since their last round start
+        self.poisoned: set[int] = set()  # replicas rejected as non-finite since their last round start
         self.directive: Optional[str] = None  # the home's restore directive last carried out
         self.heard: dict[int, bool] = {}  # verdicts heard since the last save (the journal's)
         self.generation = 0  # of the saved state's tensor file
         os.makedirs(folder, exist_ok=True)
 
     # ---- a period ----------------------------------------------------------------------
-    def begin(self, notice: Mapping, slots: Sequence[int]) -> PeriodStart:
+    def begin(self, notice: Mapping, replica_ids: Sequence[int]) -> PeriodStart:
         """Apply a job notice's flags and verdicts to the books, as a rank applies its
-        job's (see the module docstring); what the replicas (``slots``) start with."""
-        start = self._follow(notice.get("restore"), slots)
+        job's (see the module docstring); what the region's replicas start with."""
+        start = self._follow(notice.get("restore"), replica_ids)
         verdicts = {int(a): bool(ok) for a, ok in notice.get("sent_verdicts", ())}
         self._hear(verdicts)
         flags = {k: bool(notice[k]) for k in ("reset_inner", "reset", "restart")}
@@ -102,9 +102,9 @@ class RegionBooks:
         elif action == "note":
             self._note_round_start(int(notice["round"]))
         if flags["reset_inner"]:  # the home rejected the region's own message as non-finite
-            start.reset_inner |= set(slots)
+            start.reset_inner |= set(replica_ids)
         if int(notice["fragment"]) == 0:  # a rejected replica starts its next round fresh, as at home
-            start.reset_inner |= self.poisoned & set(slots)
+            start.reset_inner |= self.poisoned & set(replica_ids)
             self.poisoned = set()
         return start
 
@@ -127,11 +127,10 @@ class RegionBooks:
 
     # ---- what an agent restarted into the run takes up ------------------------------------
     def save(self) -> None:
-        """Save the ledger (its residual and the sends awaiting a verdict), before an
-        upload: what the upload carries is in the books. Replaced whole, never torn: the JSON,
-        written last, names the tensor file it goes with; the journal starts over."""
-        if not self.merge.error_feedback:
-            return
+        """Save the ledger (its residual and the sends awaiting a verdict) and the restore
+        directive carried out last, before an upload: what the upload carries is in the
+        books. Replaced whole, never torn: the JSON, written last, names the tensor file it
+        goes with; the journal starts over."""
         self.generation += 1
         tensors, skeleton = state_files.flatten_state(self.ledger.state_dict())
         tensor_file = f"{STATE}-{self.generation}.safetensors"
@@ -146,7 +145,7 @@ class RegionBooks:
         """Take up the state an agent of this run saved, then settle the verdicts it heard
         after; what happened, in one line (None: nothing to take up)."""
         path = self._path(f"{STATE}.json")
-        if not (self.merge.error_feedback and os.path.isfile(path)):
+        if not os.path.isfile(path):
             return None
         doc = _read_json(path)
         if doc.get("run") != self.run:
@@ -158,7 +157,7 @@ class RegionBooks:
         journal = _read_json(self._path(JOURNAL)) if os.path.isfile(self._path(JOURNAL)) else {}
         if journal.get("run") == self.run:
             self.settle({int(a): bool(ok) for a, ok in journal.get("heard", [])})
-        return f"took up the residual saved in {path}"
+        return f"took up the books saved in {path}"
 
     # ---- the region's part of the home's checkpoints -------------------------------------
     def begin_checkpoint(self, round_index: int) -> str:
@@ -189,7 +188,7 @@ class RegionBooks:
         return path if meta.get("region_save") == saved.get("id") and digest == saved.get("digest") else None
 
     # ---- the steps above -----------------------------------------------------------------
-    def _follow(self, directive: Optional[Mapping], slots: Sequence[int]) -> PeriodStart:
+    def _follow(self, directive: Optional[Mapping], replica_ids: Sequence[int]) -> PeriodStart:
         """Carry out the home's restore directive once: the region's part of the checkpoint
         it names, or a fresh start; every replica reloads."""
         if not directive or directive.get("id") == self.directive:
@@ -201,7 +200,8 @@ class RegionBooks:
         if path is None:
             self.ledger.clear()
             why = f"round {saved.get('round')}, of which it holds no part" if saved else "nothing"
-            return PeriodStart(reset_inner=set(slots), reload=True, note=f"starts fresh: the home starts from {why}")
+            note = f"starts fresh: the home starts from {why}"
+            return PeriodStart(reset_inner=set(replica_ids), reload=True, note=note)
         self.ledger.load_state_dict(state_files.load_state(path, LEDGER))
         note = f"took up its part of the home's checkpoint of round {saved['round']}"
         return PeriodStart(reload=True, restore_from=path, note=note)
