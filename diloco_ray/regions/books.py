@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
@@ -39,7 +40,8 @@ from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.regional_merge import RegionalMerge, RegionalMessage
 from diloco_ray.runtime.round_start import at_period_start
 
-STATE = "region_state"  # the ledger as the agent last saved it: region_state.json + region_state-N.safetensors
+# Each state is NAME.json, written last, naming its NAME-XXXXXXXX.safetensors (replaced whole, never torn).
+STATE = "region_state"  # the ledger as the agent last saved it
 JOURNAL = "region_verdicts.json"  # the verdicts heard since that save
 ROUND_START = "region_round_start"  # the residual at the current round's start (restore_on_retry)
 CHECKPOINTS = "checkpoints"  # the region's part of the home's checkpoints, by round
@@ -84,13 +86,15 @@ class RegionBooks:
         self.poisoned: set[int] = set()  # replicas rejected as non-finite since their last round start
         self.directive: Optional[str] = None  # the home's restore directive last carried out
         self.heard: dict[int, bool] = {}  # verdicts heard since the last save (the journal's)
-        self.generation = 0  # of the saved state's tensor file
+        # The round's start being written while the replicas train (joined before the books change).
+        self.writing: Optional[threading.Thread] = None
         os.makedirs(folder, exist_ok=True)
 
     # ---- a period ----------------------------------------------------------------------
     def begin(self, notice: Mapping, replica_ids: Sequence[int]) -> PeriodStart:
         """Apply a job notice's flags and verdicts to the books, as a rank applies its
         job's (see the module docstring); what the region's replicas start with."""
+        self._written()
         start = self._follow(notice.get("restore"), replica_ids)
         verdicts = {int(a): bool(ok) for a, ok in notice.get("sent_verdicts", ())}
         self._hear(verdicts)
@@ -110,6 +114,7 @@ class RegionBooks:
 
     def merge_period(self, fragment: int, contributions: Sequence[Sequence[Contribution]], attempt: int):
         """:meth:`RegionalMerge.merge`; a replica rejected as non-finite is noted for a reset."""
+        self._written()
         message: RegionalMessage = self.merge.merge(fragment, contributions, attempt=attempt)
         self.poisoned |= poisoned(message.rejected)
         return message
@@ -123,23 +128,19 @@ class RegionBooks:
     def settle(self, verdicts: Mapping[int, bool]) -> None:
         """Settle verdicts alone (a checkpoint's save: the flat replicas settle theirs too)."""
         self._hear(dict(verdicts))
+        self._written()
         self.ledger.settle(verdicts, self.merge.read)
 
     # ---- what an agent restarted into the run takes up ------------------------------------
     def save(self) -> None:
         """Save the ledger (its residual and the sends awaiting a verdict) and the restore
         directive carried out last, before an upload: what the upload carries is in the
-        books. Replaced whole, never torn: the JSON, written last, names the tensor file it
-        goes with; the journal starts over."""
-        self.generation += 1
-        tensors, skeleton = state_files.flatten_state(self.ledger.state_dict())
-        tensor_file = f"{STATE}-{self.generation}.safetensors"
-        state_files.save_tensors(os.path.join(self.folder, tensor_file), tensors)
-        doc = {"run": self.run, "tensors": tensor_file, "skeleton": skeleton, "directive": self.directive}
-        files.write_atomic(self._path(f"{STATE}.json"), json.dumps(doc, allow_nan=False), mode=0o600)
-        self._remove_older_tensors(tensor_file)
-        self.heard = {}
-        files.write_atomic(self._path(JOURNAL), json.dumps({"run": self.run, "heard": []}), mode=0o600)
+        books; the journal starts over."""
+        self._written()
+        self._write(STATE, self.ledger.state_dict(), directive=self.directive)
+        if self.heard:  # the journal starts over (an empty one stays as it is)
+            self.heard = {}
+            files.write_atomic(self._path(JOURNAL), json.dumps({"run": self.run, "heard": []}), mode=0o600)
 
     def load(self) -> Optional[str]:
         """Take up the state an agent of this run saved, then settle the verdicts it heard
@@ -147,13 +148,12 @@ class RegionBooks:
         path = self._path(f"{STATE}.json")
         if not os.path.isfile(path):
             return None
-        doc = _read_json(path)
-        if doc.get("run") != self.run:
+        saved = self._read(STATE)
+        if saved is None:
             return f"{path} is another run's state; starting with an empty residual"
-        name = os.path.basename(str(doc["tensors"]))
-        tensors = state_files.load_tensors(self._path(name))
-        self.ledger.load_state_dict(state_files.unflatten_state(tensors, doc["skeleton"]))
-        self.directive, self.generation = doc.get("directive"), int(name.rsplit("-", 1)[-1].split(".")[0])
+        doc, state = saved
+        self.ledger.load_state_dict(state)
+        self.directive = doc.get("directive")
         journal = _read_json(self._path(JOURNAL)) if os.path.isfile(self._path(JOURNAL)) else {}
         if journal.get("run") == self.run:
             self.settle({int(a): bool(ok) for a, ok in journal.get("heard", [])})
@@ -216,26 +216,57 @@ class RegionBooks:
         files.write_atomic(self._path(JOURNAL), json.dumps({"run": self.run, "heard": heard}), mode=0o600)
 
     def _note_round_start(self, round_index: int) -> None:
+        """Keep the residual as ``round_index`` starts, for a re-run: written while the
+        replicas train (nothing changes the books before the period's merge, which waits)."""
         if self.merge.error_feedback:
-            state_files.save_state(self.folder, ROUND_START, {"round": round_index, "residual": self.ledger.residual})
+            residual = dict(self.ledger.residual)
+            self.writing = threading.Thread(
+                target=self._write, args=(ROUND_START, residual), kwargs={"round": round_index}
+            )
+            self.writing.start()
+
+    def _written(self) -> None:
+        """Wait until the round's start is on disk, before anything changes the books."""
+        if self.writing is not None:
+            self.writing.join()
+            self.writing = None
 
     def _rewind(self, round_index: int) -> None:
         """Back to the residual kept at ``round_index``'s start (kept as trained when none was)."""
-        if not os.path.isfile(self._path(f"{ROUND_START}.json")):
-            return
-        saved = state_files.load_state(self.folder, ROUND_START)
-        if saved["round"] == round_index:
-            self.ledger.rewind(saved["residual"])
+        self._written()
+        saved = self._read(ROUND_START) if os.path.isfile(self._path(f"{ROUND_START}.json")) else None
+        if saved is not None and saved[0].get("round") == round_index:
+            self.ledger.rewind(saved[1])
 
     def _drop_round_start(self) -> None:
-        for name in (f"{ROUND_START}.json", f"{ROUND_START}.safetensors"):
-            if os.path.isfile(self._path(name)):
-                os.remove(self._path(name))
+        self._written()
+        self._remove(ROUND_START)
 
-    def _remove_older_tensors(self, keep: str) -> None:
-        for name in os.listdir(self.folder):
-            if name.startswith(f"{STATE}-") and name.endswith(".safetensors") and name != keep:
-                os.remove(self._path(name))
+    def _write(self, name: str, state, **facts) -> None:
+        """``state`` (tensors and plain values) as ``name-XXXXXXXX.safetensors`` and then
+        ``name.json``, which names it with ``facts`` and this run: a reader sees the old
+        pair or the new one, never half of one. Older tensor files of ``name`` go."""
+        tensors, skeleton = state_files.flatten_state(state)
+        tensor_file = f"{name}-{uuid.uuid4().hex[:8]}.safetensors"
+        state_files.save_tensors(self._path(tensor_file), tensors)
+        doc = {**facts, "run": self.run, "tensors": tensor_file, "skeleton": skeleton}
+        files.write_atomic(self._path(f"{name}.json"), json.dumps(doc, allow_nan=False), mode=0o600)
+        self._remove(name, keep=tensor_file)
+
+    def _read(self, name: str) -> Optional[tuple[dict, object]]:
+        """(the facts, the state) :meth:`_write` left as ``name``; None: another run's."""
+        doc = _read_json(self._path(f"{name}.json"))
+        if doc.get("run") != self.run:
+            return None
+        tensors = state_files.load_tensors(self._path(os.path.basename(str(doc.get("tensors")))))
+        return doc, state_files.unflatten_state(tensors, doc["skeleton"])
+
+    def _remove(self, name: str, keep: Optional[str] = None) -> None:
+        """``name``'s files, but the tensor file ``keep`` (None: the JSON too)."""
+        for entry in os.listdir(self.folder):
+            ours = entry.startswith(f"{name}-") and entry.endswith(".safetensors")
+            if (ours and entry != keep) or (keep is None and entry == f"{name}.json"):
+                os.remove(self._path(entry))
 
     def _path(self, *parts: str) -> str:
         return os.path.join(self.folder, *parts)
