@@ -37,14 +37,19 @@ CUT_S = 8.0  # and for at least this long: past channel_timeout_s, and a few of 
 # Sync mode streams its syncs with overlap, the path where a region starts a round's next
 # period before its notice and must stop it when the home drops the region instead. It also
 # loses a server after the link is back: the home restores it from the round's checkpoint,
-# and the region, which never noticed, reloads the restored weights.
+# and the region, which never noticed, reloads the restored weights. Before all that, the
+# region's replica turns NaN in round 0: the region sends nothing then, resets it, and it
+# is applied again from the next round.
 SERVER_KILLED_AT = ROUNDS_BEFORE_CUT + ROUNDS_CUT + 3
 SYNC_EXTRA = dict(
     sync_fragments=2,
     overlap_communication=True,
     round_timeout_s=120,
     checkpoint_steps=500,  # every round: max_steps
-    fault_plan=[{"kind": "kill", "target": "server", "round": SERVER_KILLED_AT}],
+    fault_plan=[
+        {"kind": "kill", "target": "server", "round": SERVER_KILLED_AT},
+        {"kind": "nan", "region": "eu", "replica": 0, "round": 0},
+    ],
 )
 
 
@@ -132,5 +137,7 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
     left = [e for e in events if e.get("event") == "membership" and e.get("region") == "eu" and e["action"] == "leave"]
     assert left, "the region's leave is recorded"
     if mode == "sync":
+        eu = [(r.get("regions") or {}).get("eu", {}) for r in rounds]
+        assert not eu[0].get("replica_ids") and eu[1]["replica_ids"] == [0]  # NaN in round 0, reset, back
         assert [e["round"] for e in events if e.get("event") == "server"], "the killed server was restored"
         assert with_region[-1] and rounds[-1]["round"] > SERVER_KILLED_AT  # applied after the restore
