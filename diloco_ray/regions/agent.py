@@ -156,11 +156,11 @@ class RegionAgent:
             notice = self._next_notice()
             if notice is None:
                 continue
-            if "save" in notice:  # (between rounds: no period is started ahead then)
+            if self.ahead is not None and notice.get("job") != self.ahead.notice:
+                self._drop_ahead()  # the home went another way (a save comes between rounds: its round is over)
+            if "save" in notice:
                 self._save_checkpoint(notice["save"])
                 continue
-            if self.ahead is not None and notice.get("job") != self.ahead.notice:
-                self._drop_ahead()  # the home went another way
             if "abort" in notice:
                 continue  # (a period told to stop has already ended here: they run one at a time)
             if notice.get("stop"):
@@ -369,7 +369,11 @@ class RegionAgent:
         keeps the answer (an id and a digest) to name it on a restore."""
         self.books.settle(_verdicts(request))
         tmp = self.books.begin_checkpoint(int(request["round"]))
-        self.replicas.save_inner_state(tmp)
+        try:
+            self.replicas.save_inner_state(tmp)
+        except Exception as e:  # a replica lost or frozen: no part this time (a restore starts the region fresh)
+            self.log(f"region: could not save its part of checkpoint {request['round']} ({first_line(e)})")
+            return
         saved = self.books.commit_checkpoint(tmp, int(request["round"]))
         self.client.upload(request["reply"], wire.saved_payload(saved), give_up_after_s=self.give_up_after_s)
         self.log(f"region: saved its part of checkpoint {request['round']}")

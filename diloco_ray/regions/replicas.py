@@ -110,12 +110,22 @@ class RegionReplicas:
             ray.wait(list(launch.stats), num_returns=len(launch.stats), timeout=ABORT_WAIT_S)
 
     def save_inner_state(self, folder: str) -> None:
-        """Every replica's inner state into ``folder`` (by slot), as a home checkpoint holds its replicas'."""
-        ray.get([ref for slot, rep in enumerate(self.slots) for ref in rep.save_inner_state(folder, slot)])
+        """Every replica's inner state into ``folder`` (by slot), as a home checkpoint holds its
+        replicas', within ``call_timeout_s`` (raises what the wait raised)."""
+        refs = [ref for slot, rep in enumerate(self.slots) for ref in rep.save_inner_state(folder, slot)]
+        ray.get(refs, timeout=self.membership.call_timeout_s)
 
     def load_inner_state(self, folder: str) -> None:
-        """Every replica's inner state from ``folder`` (by slot): a fresh optimizer where it holds none."""
-        ray.get([ref for slot, rep in enumerate(self.slots) for ref in rep.load_inner_state(folder, slot)])
+        """Every replica's inner state from ``folder`` (by slot): a fresh optimizer where it
+        holds none. A replica that cannot (lost, frozen) is dropped and its slot refilled."""
+        for slot, rep in enumerate(self.slots):
+            try:
+                ray.get(rep.load_inner_state(folder, slot), timeout=self.membership.call_timeout_s)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as e:
+                self.log(f"region: replica {rep.id} dropped ({type(e).__name__} taking up its inner state)")
+                rep.stop()
+                self.lost.append(slot)
+        self.refill()
 
     def close(self) -> None:
         for rep in self.slots:
