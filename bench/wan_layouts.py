@@ -30,6 +30,7 @@ import functools
 import glob
 import json
 import os
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -53,7 +54,6 @@ from wan_outage import (
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOKEN = "wan-rehearsal-token"  # a throwaway: the channel's bearer token for this machine's rehearsal
 DELAYS = (0.0, 50.0, 150.0)
 # The equivalence pair (fp32, sync, one fragment): short, so that it shows the hierarchy's
 # sum against the flat one before chaotic training has grown their last-bit differences.
@@ -151,13 +151,18 @@ class Rehearsal:
 
     Args:
         args: wan.py's parsed arguments (``regions``, ``replicas_per_region``, ``set``, ``config``).
-        tls: the channel's files (``ca.pem``, ``home.pem``, ``home.key``).
+        tls: the channel's files (``ca.pem``, ``home.pem``, ``home.key``), in a folder of
+            this rehearsal's own, where the regions' throwaway tokens are written too.
     """
 
     def __init__(self, args, tls: dict):
         self.args, self.tls = args, tls
         self.names = ["home"] + [f"r{i}" for i in range(1, args.regions)]
         self.per = args.replicas_per_region
+        self.tokens = {name: secrets.token_hex(32) for name in self.names[1:]}
+        self.tokens_file = os.path.join(os.path.dirname(tls["ca.pem"]), "channel_tokens")
+        with open(os.open(self.tokens_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write("".join(f"{name} {token}\n" for name, token in self.tokens.items()))
 
     # ---- layout: regions ------------------------------------------------------------------
     def regions_run(self, net, rate, delay, codec, overlap, extra=(), keep=None, outage=None) -> dict:
@@ -170,7 +175,7 @@ class Rehearsal:
             net.set_delay(delay)
         out = keep or tempfile.mkdtemp(prefix="wan-regions-")
         os.makedirs(out, exist_ok=True)
-        env = net.env(DILOCO_CHANNEL_TOKEN=TOKEN, PYTHONPATH=ROOT)
+        env = net.env(PYTHONPATH=ROOT)
         agents = self._agents(net, out, env)
         cmd = self._home_command(net, out, codec, overlap, extra, outage)
         metrics = os.path.join(out, "home", "metrics.jsonl")
@@ -216,7 +221,8 @@ class Rehearsal:
             cmd = [sys.executable, "-m", "diloco_ray", "region", "--home", f"{site.gateway}:{wan_regions.RELAY_PORT}"]
             cmd += ["--name", site.name, "--ca-cert", self.tls["ca.pem"], "--server-name", "localhost"]
             cmd += ["--output-dir", os.path.join(out, site.name)]
-            agents[site.name] = net.start(site, cmd, os.path.join(out, f"{site.name}.log"), env)
+            own = {**env, "DILOCO_CHANNEL_TOKEN": self.tokens[site.name]}  # each region its own token
+            agents[site.name] = net.start(site, cmd, os.path.join(out, f"{site.name}.log"), own)
         for name, agent in agents.items():
             wait_for(os.path.join(out, f"{name}.log"), "Ray is up", agent)
         return agents
@@ -230,6 +236,7 @@ class Rehearsal:
             "channel_port": wan_regions.CHANNEL_PORT,
             "channel_tls_cert": self.tls["home.pem"],
             "channel_tls_key": self.tls["home.key"],
+            "channel_tokens_file": self.tokens_file,
             **codec_fields(codec, overlap),
         }
         if not outage and not overlap:

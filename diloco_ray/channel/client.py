@@ -21,10 +21,29 @@ import grpc
 
 from diloco_ray.channel import frames
 from diloco_ray.channel.credentials import Token
-from diloco_ray.channel.server import CHUNK_BYTES, MAX_WAIT_S, REGION_KEY, SERVICE, grpc_options
+from diloco_ray.channel.headers import MAX_WAIT_S
+from diloco_ray.channel.server import CHUNK_BYTES, REGION_KEY, SERVICE, grpc_options
 
 # A broken link or a home that is restarting: worth trying again after a pause.
 RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED}
+# A home whose certificate this region refuses is tried again this long (it may be replacing
+# its certificate), then the agent stops: a wrong CA, name or date does not mend itself.
+TLS_GIVE_UP_S = 30.0
+# What gRPC's status details say when the TLS handshake failed, and the one line for each.
+TLS_REFUSALS = (
+    ("Hostname Verification", "its certificate is not for the name dialled (--server-name)"),
+    ("expired", "its certificate has expired"),
+    ("not yet valid", "its certificate is not valid yet"),
+    ("signature failure", "its certificate is not signed by --ca-cert"),
+    ("CERTIFICATE_VERIFY_FAILED", "its certificate is not signed by --ca-cert"),
+    ("andshake failed", "the TLS handshake failed"),
+)
+
+
+def tls_refusal(details: str) -> Optional[str]:
+    """Why this region refused the home's certificate, from a call's status details (None:
+    the call did not fail on TLS)."""
+    return next((why for text, why in TLS_REFUSALS if text in details), None)
 
 
 class ChannelRefused(Exception):
@@ -70,6 +89,7 @@ class ChannelClient:
         self.ready = False  # this region's replicas are up: the home may hand it jobs (sent with every call)
         self.info: dict = {}
         self._still_down: set[str] = set()  # calls retrying at the longest pause, already said
+        self._tls_refused_since: Optional[float] = None
         options = grpc_options(max_frame_bytes) + [
             ("grpc.http2.max_pings_without_data", 0),
             # A link back from an outage is dialled again within the backoff's longest pause.
@@ -193,6 +213,7 @@ class ChannelClient:
 
     def _decode(self, reply: bytes) -> frames.Frame:
         self._still_down.clear()  # the home answered: a later break is said again
+        self._tls_refused_since = None
         try:
             return frames.decode(reply, self.max_frame_bytes)
         except frames.BadFrame as bad:
@@ -213,6 +234,9 @@ class ChannelClient:
             line = error.details() or f"{method}: {code.name}"
             self.log(f"channel: {line}")
             raise ChannelRefused(line) from None
+        tls = tls_refusal(error.details() or "")
+        if tls is not None:
+            return self._tls_retry(tls, pause)
         if give_up_after_s is not None and time.monotonic() - started + pause > give_up_after_s:
             unreachable = f"the home at {self.address} unreachable for {give_up_after_s:g}s"
             raise ChannelDown(f"region {self.region!r}: {unreachable}")
@@ -222,5 +246,18 @@ class ChannelClient:
         elif method not in self._still_down:  # one line, not one a second, for a long outage
             self._still_down.add(method)
             self.log(f"{broke}; retrying every {pause:.1f}s")
+        time.sleep(pause)
+        return min(pause * 2, self.backoff_s[1])
+
+    def _tls_retry(self, why: str, pause: float) -> float:
+        """Sleep before trying a home whose certificate was refused again, or raise once it
+        has been refused for :data:`TLS_GIVE_UP_S`."""
+        line = f"region {self.region!r}: the home at {self.address} was refused: {why}"
+        now = time.monotonic()
+        if self._tls_refused_since is None:
+            self._tls_refused_since = now
+            self.log(f"{line}; trying again for {TLS_GIVE_UP_S:g}s")
+        elif now - self._tls_refused_since >= TLS_GIVE_UP_S:
+            raise ChannelRefused(line)
         time.sleep(pause)
         return min(pause * 2, self.backoff_s[1])

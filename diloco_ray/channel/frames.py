@@ -83,6 +83,8 @@ def decode(data: bytes, max_bytes: int) -> Frame:
         header = json.loads(bytes(body[:head_len]))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise BadFrame("malformed: its header is not JSON") from None
+    except RecursionError:  # nested past what a header ever needs
+        raise BadFrame("malformed: its header is nested too deep") from None
     if not isinstance(header, dict):
         raise BadFrame("malformed: its header is not a JSON object")
     return Frame(header, bytes(body[head_len:]))

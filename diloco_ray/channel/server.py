@@ -1,25 +1,29 @@
 """The home's end of the channel: one TLS port that the regions dial out to.
 
-:class:`ChannelServer` is a gRPC server (gRPC comes with Ray) with one service of four
+:class:`ChannelServer` is a gRPC server (gRPC comes with Ray) with one service of five
 calls, each request and reply one checked frame (:mod:`diloco_ray.channel.frames`):
 
-* ``Join``: a region names itself and its agent's instance; it gets a session and what the
-  home hands it (the job's config). An agent that reconnects (same instance) takes its
-  session back; another agent claiming a region that is still connected is refused.
+* ``Join``: a region joins with its agent's instance; it gets a session and what the home
+  hands it (the job's config). An agent that reconnects (same instance) takes its session
+  back; another agent of a region that is still connected is refused.
 * ``Wait``: a long poll for the region's next notice (a small JSON object: a job, a stop).
-* ``Put``: one chunk of an upload (a region's message to the home), at an offset. A transfer
-  that breaks is resumed where the home's copy ends, so no chunk crosses twice, and the
-  whole is checked against its SHA-256 once it is complete.
+* ``Put``: one chunk of an upload (a region's message to the home), at an offset, under a
+  key the home asked this region for (:mod:`diloco_ray.channel.uploads`). A transfer that
+  breaks is resumed where the home's copy ends, so no chunk crosses twice, and the whole is
+  checked against its SHA-256 once it is complete.
 * ``Get``: a download (a message the home published, or is about to: the call may wait
   for it), streamed in chunks from an offset.
 * ``Beat``: the region is alive (its agent beats while its replicas train, so a region
   whose link went down is told apart from one that is busy).
 
-Every call carries the bearer token; a wrong one, an unknown region, a name already held, a
-malformed, truncated, corrupt or oversized frame is refused with one line at both ends
-naming the region and why (the home logs it; the region receives it as the call's status),
-and the channel goes on serving everyone else. The home's side of the traffic is the
-methods :meth:`publish`, :meth:`notify` and :meth:`take`.
+Who calls is settled first, from the call's bearer token alone, before its body is read
+(:mod:`diloco_ray.channel.guard`): a region is the region its token is listed under
+(:class:`~diloco_ray.channel.credentials.RegionTokens`). Then the frame is checked, and
+every header field typed and bounded (:mod:`diloco_ray.channel.headers`). A wrong token,
+an unknown or busy region, a malformed, truncated, corrupt or oversized frame, a key not
+the region's own is refused with one line at both ends naming the region and why, and the
+channel goes on serving everyone else. The home's side of the traffic is the methods
+:meth:`publish`, :meth:`notify`, :meth:`expect` and :meth:`take`.
 """
 
 from __future__ import annotations
@@ -28,29 +32,28 @@ import secrets
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import grpc
 
-from diloco_ray.channel import frames
-from diloco_ray.channel.credentials import Token
+from diloco_ray.channel import frames, headers
+from diloco_ray.channel.credentials import RegionTokens
+from diloco_ray.channel.guard import CALLS_PER_REGION, CallGuard, Refused
+from diloco_ray.channel.uploads import UploadRefused, Uploads
 
 SERVICE = "diloco.Channel"
 REGION_KEY = "x-diloco-region"  # metadata: who is calling, so that even a bad frame is attributed
 CHUNK_BYTES = 1 << 20  # a transfer's chunk: what one Put or one streamed Get reply carries
-MAX_WAIT_S = 30.0  # the longest a Wait is held open (the region calls again)
 # HTTP/2 pings on an idle connection: a link that went down breaks the calls on it within
 # about two of them, instead of after TCP's retransmissions give up (minutes).
 KEEPALIVE_MS = 4000
-# gRPC refuses on its own what is far past the frame limit; below that the handler refuses,
-# naming the region.
-GRPC_LIMIT_FACTOR = 4
 
 
 def grpc_options(max_frame_bytes: int) -> list[tuple[str, int]]:
-    """What both ends of the channel set: the message size limits, and keepalive pings."""
-    limit = max_frame_bytes * GRPC_LIMIT_FACTOR
+    """What both ends of the channel set: the message size limits (gRPC itself refuses a
+    message over the frame limit), and keepalive pings."""
+    limit = max_frame_bytes + frames.PREAMBLE_BYTES + frames.MAX_HEADER_BYTES
     return [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
@@ -58,14 +61,6 @@ def grpc_options(max_frame_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", KEEPALIVE_MS),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
-
-
-class Refused(Exception):
-    """A call the home refuses: ``code`` is its gRPC status, ``why`` the one line."""
-
-    def __init__(self, code: grpc.StatusCode, why: str):
-        super().__init__(why)
-        self.code, self.why = code, why
 
 
 @dataclass
@@ -80,27 +75,19 @@ class Session:
     ready: bool = False
 
 
-@dataclass
-class Upload:
-    """An upload in progress: the bytes so far, and the whole's size and digest."""
-
-    total: int
-    digest: str
-    data: bytearray = field(default_factory=bytearray)
-
-
 class ChannelServer:
     """The home's end of the channel.
 
     Args:
         regions: the names of the regions that may join.
-        token: the bearer token every call must carry.
+        tokens: every region's tokens: a call's token says which region is calling.
         cert, key: the home's TLS certificate and key (PEM bytes).
         host, port: where to listen (port 0: any free port; :meth:`start` returns it).
         max_frame_bytes: the largest frame accepted (a chunk and its header fit well under it).
         join_info: what a joining region is handed (region name -> JSON object).
         session_timeout_s: a region not heard from for this long is no longer connected
-            (another agent may then take its name).
+            (another agent of it may then join); an upload with no chunk for this long
+            is let go.
         log: where the home's one-line refusals and joins go.
     """
 
@@ -108,7 +95,7 @@ class ChannelServer:
         self,
         *,
         regions: Iterable[str],
-        token: Token,
+        tokens: RegionTokens,
         cert: bytes,
         key: bytes,
         host: str = "0.0.0.0",
@@ -118,15 +105,13 @@ class ChannelServer:
         session_timeout_s: float = 60.0,
         log: Callable[[str], None] = print,
     ):
-        self.regions, self.token, self.max_frame_bytes = set(regions), token, max_frame_bytes
+        self.regions, self.tokens, self.max_frame_bytes = set(regions), tokens, max_frame_bytes
         self.join_info, self.session_timeout_s, self.log = join_info, session_timeout_s, log
         self._cert, self._key, self._address = cert, key, f"{host}:{port}"
         self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}  # region -> its live session
         self._published: dict[str, bytes] = {}
-        self._uploads: dict[str, Upload] = {}
-        self._received: dict[str, bytes] = {}
-        self._unwanted: set[str] = set()  # uploads the home stopped waiting for: dropped on arrival
+        self._uploads = Uploads(max_frame_bytes, stale_s=session_timeout_s)
         self._traffic: dict[str, list[int]] = {}  # region -> [frame bytes it sent, frame bytes it was sent]
         self._notices: dict[str, list] = {}
         # Notices are numbered from the clock: a home that restarts (from its checkpoint) numbers
@@ -143,15 +128,19 @@ class ChannelServer:
             ("grpc.http2.max_ping_strikes", 0),
             ("grpc.so_reuseport", 0),  # a second channel on the same port fails, rather than sharing its calls
         ]
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=32), options=options)
+        # Every region its own calls' worth of threads, and a few for refusing the others.
+        workers = CALLS_PER_REGION * len(self.regions) + 8
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=workers), options=options, maximum_concurrent_rpcs=workers
+        )
         calls = {
-            "Join": grpc.unary_unary_rpc_method_handler(self._guarded(self._join)),
-            "Wait": grpc.unary_unary_rpc_method_handler(self._guarded(self._wait)),
-            "Put": grpc.unary_unary_rpc_method_handler(self._guarded(self._put)),
-            "Get": grpc.unary_stream_rpc_method_handler(self._guarded_stream(self._get)),
-            "Beat": grpc.unary_unary_rpc_method_handler(self._guarded(self._beat)),
+            "Join": (self._admitted("Join", self._join), False),
+            "Wait": (self._admitted("Wait", self._wait), False),
+            "Put": (self._admitted("Put", self._put), False),
+            "Get": (self._admitted("Get", self._get), True),
+            "Beat": (self._admitted("Beat", self._beat), False),
         }
-        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, calls)])
+        server.add_generic_rpc_handlers([CallGuard(SERVICE, calls, self.tokens, REGION_KEY, self.log)])
         credentials = grpc.ssl_server_credentials([(self._key, self._cert)])
         self.port = server.add_secure_port(self._address, credentials)
         server.start()
@@ -193,23 +182,32 @@ class ChannelServer:
             self._lock.notify_all()
             return self._seq
 
+    def expect(self, region: str, key: str) -> None:
+        """``region`` may upload ``key`` (its reply to a period, its answer to a save)."""
+        with self._lock:
+            self._uploads.expect(region, key)
+
     def take(self, key: str, timeout_s: Optional[float]) -> Optional[bytes]:
         """The upload ``key`` once it is complete and checked (removed from the channel),
         waiting up to ``timeout_s``; None if it has not arrived by then."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._lock:
-            while key not in self._received:
+            while not self._uploads.has(key):
                 left = None if deadline is None else deadline - time.monotonic()
                 if (left is not None and left <= 0) or self._server is None:
                     return None
                 self._lock.wait(left)
-            return self._received.pop(key)
+            return self._uploads.take(key)
 
     def discard(self, key: str) -> None:
         """The home no longer waits for upload ``key``: drop it, now or when it arrives."""
         with self._lock:
-            if self._received.pop(key, None) is None:
-                self._unwanted.add(key)
+            self._uploads.discard(key)
+
+    def held_upload_bytes(self) -> int:
+        """The bytes the channel holds of uploads in progress or not yet taken."""
+        with self._lock:
+            return self._uploads.held_bytes()
 
     def instance_of(self, region: str) -> Optional[str]:
         """The agent instance that holds ``region``'s session (None: it never joined)."""
@@ -237,38 +235,32 @@ class ChannelServer:
         return self._notices.setdefault(region, [])
 
     # ---- the calls --------------------------------------------------------------------
-    def _join(self, frame: frames.Frame, region: str) -> bytes:
-        instance = str(frame.header.get("instance", ""))
-        if region not in self.regions:
-            raise Refused(grpc.StatusCode.NOT_FOUND, f"region {region!r} is not one of this run's regions")
-        if not instance:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed: a join names its agent's instance")
-        now = time.monotonic()
+    def _join(self, h: dict, payload: bytes, region: str) -> bytes:
+        instance, now = h["instance"], time.monotonic()
         with self._lock:
             held = self._sessions.get(region)
             live = held is not None and now - held.seen <= self.session_timeout_s
             if live and held.instance != instance:
                 raise Refused(grpc.StatusCode.ALREADY_EXISTS, f"region {region!r} is already connected")
-            session = Session(region, instance, secrets.token_hex(16), now, ready=bool(frame.header.get("ready")))
+            session = Session(region, instance, secrets.token_hex(16), now, ready=h["ready"])
             self._sessions[region] = session
             if held is not None and held.instance != instance:
                 self._notices[region] = []  # a new agent: what was queued for the old one is void
         self.log(f"channel: region {region!r} joined{' again' if held is not None else ''}")
         return frames.encode({"session": session.token, "info": self.join_info(region)})
 
-    def _session(self, frame: frames.Frame, region: str) -> Session:
+    def _session(self, h: dict, region: str) -> Session:
         with self._lock:
             session = self._sessions.get(region)
-            if session is None or session.token != frame.header.get("session"):
+            if session is None or session.token != h["session"]:
                 raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"region {region!r}: no such session (join again)")
             session.seen = time.monotonic()
-            session.ready = bool(frame.header.get("ready", session.ready))
+            session.ready = h["ready"]
             return session
 
-    def _wait(self, frame: frames.Frame, region: str) -> bytes:
-        self._session(frame, region)
-        after = int(frame.header.get("after", 0))
-        deadline = time.monotonic() + min(float(frame.header.get("wait_s", MAX_WAIT_S)), MAX_WAIT_S)
+    def _wait(self, h: dict, payload: bytes, region: str) -> bytes:
+        self._session(h, region)
+        after, deadline = h["after"], time.monotonic() + h["wait_s"]
         with self._lock:
             while True:
                 queue = self._pending(region)
@@ -282,40 +274,32 @@ class ChannelServer:
             seq, notice = queue[0] if queue else (after, None)
         return frames.encode({"seq": seq, "notice": notice})
 
-    def _beat(self, frame: frames.Frame, region: str) -> bytes:
-        self._session(frame, region)
+    def _beat(self, h: dict, payload: bytes, region: str) -> bytes:
+        self._session(h, region)
         return frames.encode({})
 
-    def _put(self, frame: frames.Frame, region: str) -> bytes:
-        self._session(frame, region)
-        h = frame.header
-        key, offset, total, digest = str(h.get("key", "")), int(h.get("offset", -1)), h.get("total"), h.get("digest")
-        if not key or not isinstance(total, int) or not isinstance(digest, str):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed: an upload names its key, total and digest")
+    def _put(self, h: dict, payload: bytes, region: str) -> bytes:
+        self._session(h, region)
         with self._lock:
-            upload = self._uploads.get(key)
-            if upload is None or (upload.total, upload.digest) != (total, digest):
-                upload = self._uploads[key] = Upload(total, digest)
-            if offset == len(upload.data) and len(upload.data) + len(frame.payload) <= total:
-                upload.data += frame.payload
-            have = len(upload.data)
-            if have == total:
-                del self._uploads[key]
-                if frames.digest_of(bytes(upload.data)) != digest:
-                    raise Refused(grpc.StatusCode.DATA_LOSS, f"corrupt: upload {key!r} does not match its digest")
-                if key in self._unwanted:
-                    self._unwanted.discard(key)
-                else:
-                    self._received[key] = bytes(upload.data)
-                    self._lock.notify_all()
-        return frames.encode({"key": key, "have": have})
+            try:
+                have, whole = self._uploads.put(region, h["key"], h["offset"], h["total"], h["digest"], payload)
+            except UploadRefused as refused:
+                code = (
+                    grpc.StatusCode.DATA_LOSS
+                    if str(refused).startswith("corrupt")
+                    else grpc.StatusCode.PERMISSION_DENIED
+                )
+                raise Refused(code, str(refused)) from None
+            if whole:
+                self._lock.notify_all()
+        return frames.encode({"key": h["key"], "have": have})
 
-    def _get(self, frame: frames.Frame, region: str):
-        self._session(frame, region)
-        key, offset = str(frame.header.get("key", "")), int(frame.header.get("offset", 0))
+    def _get(self, h: dict, payload: bytes, region: str):
+        self._session(h, region)
+        key, offset = h["key"], h["offset"]
         # A message may be asked for before it is published (a region starts its period while
         # the home still makes the weights it merges at the end): wait for it a while.
-        deadline = time.monotonic() + min(float(frame.header.get("wait_s", 0.0)), MAX_WAIT_S)
+        deadline = time.monotonic() + h["wait_s"]
         with self._lock:
             while key not in self._published and self._server is not None:
                 left = deadline - time.monotonic()
@@ -326,56 +310,45 @@ class ChannelServer:
         if payload is None:
             raise Refused(grpc.StatusCode.NOT_FOUND, f"no message {key!r} is published")
         digest, total = frames.digest_of(payload), len(payload)
-        for start in range(max(0, offset), max(total, 1), CHUNK_BYTES):
+        for start in range(offset, max(total, 1), CHUNK_BYTES):
             chunk = payload[start : start + CHUNK_BYTES]
             yield frames.encode({"key": key, "offset": start, "total": total, "digest": digest}, chunk)
 
     # ---- checks every call passes -------------------------------------------------------
-    def _admit(self, request: bytes, context) -> tuple[frames.Frame, str]:
-        meta = dict(context.invocation_metadata())
-        region = str(meta.get(REGION_KEY, "?"))
-        auth = meta.get("authorization", "")
-        if not self.token.matches(auth[len("Bearer ") :] if auth.startswith("Bearer ") else None):
-            raise Refused(grpc.StatusCode.UNAUTHENTICATED, "wrong or missing token")
-        try:
-            frame = frames.decode(request, self.max_frame_bytes)
-        except frames.BadFrame as bad:
-            oversized = bad.why.startswith("oversized")
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if oversized else grpc.StatusCode.INVALID_ARGUMENT
-            raise Refused(code, bad.why) from None
-        if frame.header.get("region", region) != region:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "malformed: the frame names another region")
-        return frame, region
+    def _admitted(self, call: str, function: Callable):
+        """``function`` of (checked header, payload, region) as the guard calls it: with
+        the request's frame decoded and its header checked, the frame naming the region the
+        token says, and the call's bytes counted to that region."""
 
-    def _refuse(self, context, region: str, refused: Refused) -> None:
-        line = f"region {region!r} refused: {refused.why}"
-        self.log(f"channel: {line} (from {context.peer()})")
-        context.abort(refused.code, line)
-
-    def _guarded(self, call):
-        def handler(request: bytes, context) -> bytes:
-            region = str(dict(context.invocation_metadata()).get(REGION_KEY, "?"))
+        def admit(request: bytes, region: str) -> tuple[dict, bytes]:
             try:
-                frame, region = self._admit(request, context)
-                self._count(region, up=len(request))  # an admitted call's: the token was right
-                reply = call(frame, region)
-                self._count(region, down=len(reply))
-                return reply
-            except Refused as refused:
-                self._refuse(context, region, refused)
+                frame = frames.decode(request, self.max_frame_bytes)
+                h = headers.checked(call, frame.header, self.max_frame_bytes)
+            except frames.BadFrame as bad:
+                oversized = bad.why.startswith("oversized")
+                code = grpc.StatusCode.RESOURCE_EXHAUSTED if oversized else grpc.StatusCode.INVALID_ARGUMENT
+                raise Refused(code, bad.why) from None
+            except headers.BadHeader as bad:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, bad.why) from None
+            if h["region"] != region:
+                raise Refused(
+                    grpc.StatusCode.PERMISSION_DENIED, f"the call claims {h['region']!r}, its token says {region!r}"
+                )
+            self._count(region, up=len(request))
+            return h, frame.payload
 
-        return handler
+        if call == "Get":
 
-    def _guarded_stream(self, call):
-        def handler(request: bytes, context):
-            region = str(dict(context.invocation_metadata()).get(REGION_KEY, "?"))
-            try:
-                frame, region = self._admit(request, context)
-                self._count(region, up=len(request))  # an admitted call's: the token was right
-                for reply in call(frame, region):
+            def streamed(request: bytes, region: str):
+                for reply in function(*admit(request, region), region):
                     self._count(region, down=len(reply))
                     yield reply
-            except Refused as refused:
-                self._refuse(context, region, refused)
 
-        return handler
+            return streamed
+
+        def answered(request: bytes, region: str) -> bytes:
+            reply = function(*admit(request, region), region)
+            self._count(region, down=len(reply))
+            return reply
+
+        return answered

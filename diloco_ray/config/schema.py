@@ -169,6 +169,21 @@ def redacted(values: dict) -> dict:
     return {k: _redact_inside(v) for k, v in values.items()}
 
 
+def without_secrets(values: dict) -> dict:
+    """A config's field values with every secret-looking key inside a mapping field taken
+    out (the keys :func:`redacted` masks): what the home hands another region, which reads
+    its own secrets from its own environment (``HF_TOKEN``, ``AWS_*``, ``WANDB_API_KEY``)."""
+    return {k: _drop_inside(v) for k, v in values.items()}
+
+
+def _drop_inside(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_inside(v) for k, v in value.items() if not (isinstance(k, str) and SECRET_KEY.search(k))}
+    if isinstance(value, list):
+        return [_drop_inside(v) for v in value]
+    return value
+
+
 def _redact_inside(value: Any) -> Any:
     if isinstance(value, dict):
         return {

@@ -415,6 +415,8 @@ def _check_regions(cfg: ConfigFields) -> None:
     missing = [f for f in ("channel_tls_cert", "channel_tls_key") if not getattr(cfg, f)]
     if missing:
         raise ConfigError(f"regions: the channel needs {' and '.join(missing)} (PEM files of the home's certificate)")
+    if not cfg.channel_tokens_file:
+        raise ConfigError("regions: the channel needs channel_tokens_file (each region's token: one `NAME TOKEN` line)")
 
 
 RULES: tuple[Callable[[ConfigFields], None], ...] = (

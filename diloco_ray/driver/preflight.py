@@ -203,12 +203,12 @@ def loosened_settings(checkpointing: CheckpointSection, data: DataSection) -> li
 
 
 def check_channel(channel: ChannelSection) -> None:
-    """With regions: the channel's token and TLS files can be read (the token is only read)."""
+    """With regions: the channel's tokens and TLS files can be read (the tokens are only read)."""
     if not channel.regions:
         return
-    from diloco_ray.channel.credentials import read_pem, read_token
+    from diloco_ray.channel.credentials import RegionTokens, read_pem
 
-    read_token(channel.channel_token_file, channel.channel_token_env)
+    RegionTokens(channel.channel_tokens_file, [r["name"] for r in channel.regions])
     read_pem(channel.channel_tls_cert, "channel_tls_cert")
     read_pem(channel.channel_tls_key, "channel_tls_key")
 

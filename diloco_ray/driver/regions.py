@@ -37,7 +37,7 @@ import uuid
 from typing import Callable, Optional
 
 from diloco_ray.channel import frames
-from diloco_ray.channel.credentials import Token, read_pem, read_token
+from diloco_ray.channel.credentials import RegionTokens, read_pem
 from diloco_ray.channel.server import ChannelServer
 from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.config.sections import ChannelSection
@@ -58,28 +58,31 @@ class RegionGateway:
 
     Args:
         regions: the section naming the regions and the channel's address and limits.
-        token: the channel's bearer token (its secret crosses to the actor once, in memory).
+        tokens_file: the file of the regions' tokens (read by the actor, at the home).
         cert, key: the home's TLS certificate and key (PEM bytes).
         join_info: region name -> what it is handed when it joins (the job's config).
         servers: ``num_param_servers``: a period returns one buffer per server.
+        seq_len: tokens per sequence: what a region's plan can hold.
     """
 
     def __init__(
         self,
         regions: ChannelSection,
-        token: Token,
+        tokens_file: str,
         cert: bytes,
         key: bytes,
         join_info: dict,
         servers: int,
+        seq_len: int,
         save_timeout_s: float = 60.0,
     ):
         self.servers, self.max_bytes = servers, int(regions.channel_max_frame_mb * (1 << 20))
-        self.save_timeout_s = save_timeout_s
+        self.save_timeout_s, self.seq_len = save_timeout_s, seq_len
         self.timeout_s = regions.channel_timeout_s
+        names = [r["name"] for r in regions.regions]
         self.channel = ChannelServer(
-            regions=[r["name"] for r in regions.regions],
-            token=token,
+            regions=names,
+            tokens=RegionTokens(tokens_file, names, log=log.warning),
             cert=cert,
             key=key,
             host=regions.channel_host,
@@ -134,18 +137,16 @@ class RegionGateway:
         reply = wire.reply_key(self.home, region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
         notice = wire.notice_of(job, messages, full, reply, restore=self.directives[region], home=self.home)
+        self.channel.expect(region, reply)
         self.channel.notify(region, {"job": notice})
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
-                buffers, stats = wire.reply_of(payload, self.max_bytes)
+                buffers, stats = self._checked_reply(region, job, payload)
                 if not stats.aborted:  # its replicas completed the period: they hold job.version
                     self.held[region] = (self.channel.instance_of(region), job.version)
                 self._note_reloads(region, stats.region or {})
-                stats = self._with_traffic(region, stats, before)
-                if len(buffers) == self.servers:
-                    return (*buffers, stats)
-                return (*[b"" for _ in range(self.servers)], stats)
+                return (*buffers, self._with_traffic(region, stats, before))
             if self.aborted.get(region, -1) >= job.attempt:
                 self.channel.discard(reply)
                 aborted = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True)
@@ -173,6 +174,7 @@ class RegionGateway:
 
         reply = f"s/{region}/{uuid.uuid4().hex}"
         request = {"round": int(round_index), "verdicts": [[int(a), bool(ok)] for a, ok in verdicts], "reply": reply}
+        self.channel.expect(region, reply)
         self.channel.notify(region, {"save": request})
         payload, deadline = None, time.monotonic() + self.save_timeout_s
         while payload is None and time.monotonic() < deadline and region in self.channel.connected():
@@ -222,6 +224,25 @@ class RegionGateway:
         none yet, or its agent is not the one that completed a period)."""
         instance, version = self.held.get(region, (None, None))
         return version if instance is not None and instance == self.channel.instance_of(region) else None
+
+    def _checked_reply(self, region: str, job: SyncPeriod, payload: bytes) -> tuple[list, RoundStats]:
+        """A region's reply to ``job``, its claims checked against what the home planned
+        for it (:func:`wire.refused_claim`). A reply that is not well formed, claims more
+        than its plan or brings other than one buffer per server is refused: the region
+        sent nothing this period (its plan goes back to the cursor, its send gets a False
+        verdict), and the home's log says why."""
+        try:
+            buffers, stats = wire.reply_of(payload, self.max_bytes)
+            why = wire.refused_claim(stats, job.plan, self.seq_len)
+        except frames.BadFrame as bad:
+            buffers, stats, why = [], None, bad.why
+        if why is None and not stats.aborted and len(buffers) != self.servers:
+            why = f"{len(buffers)} buffers where the home has {self.servers} servers"
+        if why is None:
+            return (buffers if not stats.aborted else [b""] * self.servers), stats
+        log.warning("channel: region %r's reply to launch %d was refused: %s", region, job.attempt, why)
+        refused = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True, unused=list(job.plan), region={"refused": why})
+        return [b""] * self.servers, refused
 
     def _note_reloads(self, region: str, facts: dict) -> None:
         """What a region's reply says its replicas will load: everything at its next period
@@ -391,19 +412,32 @@ class RegionMembers:
 
 
 def open_channel(job: dict, sections, on_event: Callable, round_of: Callable) -> RegionMembers:
-    """Start the channel's actor at the home (``job``: the config as the regions get it) and
-    the members that stand for the regions; a region takes part once it has joined."""
+    """Start the channel's actor on the driver's node, where the tokens file is (``job``:
+    the config as the regions get it, with no secret in it) and the members that stand for the
+    regions; a region takes part once it has joined."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     r = sections.channel
-    token = read_token(r.channel_token_file, r.channel_token_env)
+    tokens_file = os.path.abspath(r.channel_tokens_file)
+    RegionTokens(tokens_file, [region["name"] for region in r.regions])  # one clear error, here
     cert, key = read_pem(r.channel_tls_cert, "channel_tls_cert"), read_pem(r.channel_tls_key, "channel_tls_key")
     info = {region["name"]: {"config": job, "region": region, "index": i} for i, region in enumerate(r.regions)}
     servers = sections.placement.num_param_servers
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     gateway = (
         ray.remote(RegionGateway)
-        .options(num_cpus=0, max_concurrency=8 + 4 * len(r.regions))
-        .remote(r, token, cert, key, info, servers, save_timeout_s=sections.membership.call_timeout_s / 2)
+        .options(num_cpus=0, max_concurrency=8 + 4 * len(r.regions), scheduling_strategy=here)
+        .remote(
+            r,
+            tokens_file,
+            cert,
+            key,
+            info,
+            servers,
+            sections.data.seq_len,
+            save_timeout_s=sections.membership.call_timeout_s / 2,
+        )
     )
     port = ray.get(gateway.address.remote(), timeout=sections.membership.call_timeout_s)
     log.info("channel: listening on %s:%d for regions %s", r.channel_host, port, ", ".join(info))

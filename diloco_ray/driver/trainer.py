@@ -19,7 +19,7 @@ from typing import Optional
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from diloco_ray.config.schema import TrainerConfig, redacted
+from diloco_ray.config.schema import TrainerConfig, redacted, without_secrets
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.loop import apply_next_update, loop_for
@@ -216,7 +216,9 @@ class DilocoFSDPTrainer:
         every region to join, up to ``placement_timeout_s``."""
         s = self.sections
         if s.channel.regions:
-            self.regions = open_channel(self.config.to_dict(), s, self.events.log, lambda: self.round_index)
+            self.regions = open_channel(
+                without_secrets(self.config.to_dict()), s, self.events.log, lambda: self.round_index
+            )
         self._inner_state_from = resume[0] if resume else None
         self.members = Membership(
             s.membership,

@@ -46,7 +46,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from diloco_ray.channel.client import ChannelClient, ChannelRefused
-from diloco_ray.channel.server import MAX_WAIT_S
+from diloco_ray.channel.headers import MAX_WAIT_S
 from diloco_ray.config.fault_plan import for_region
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import first_line

@@ -88,7 +88,8 @@ class RegionBooks:
         self.heard: dict[int, bool] = {}  # verdicts heard since the last save (the journal's)
         # The round's start being written while the replicas train (joined before the books change).
         self.writing: Optional[threading.Thread] = None
-        os.makedirs(folder, exist_ok=True)
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)  # the books are the region's own: nobody else reads or plants them
 
     # ---- a period ----------------------------------------------------------------------
     def begin(self, notice: Mapping, replica_ids: Sequence[int]) -> PeriodStart:

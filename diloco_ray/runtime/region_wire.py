@@ -208,14 +208,81 @@ def saved_of(payload: bytes, max_bytes: int, round_index: int) -> dict:
 
 
 def reply_of(payload: bytes, max_bytes: int) -> tuple[list[np.ndarray], RoundStats]:
-    """The buffers and summary of a reply (:func:`reply_payload`), checked as a frame."""
+    """The buffers and summary of a reply (:func:`reply_payload`), checked as a frame: a
+    summary of :class:`RoundStats`' fields and buffers that fill the payload exactly.
+
+    Raises:
+        frames.BadFrame: anything else.
+    """
     frame = frames.decode(payload, max_bytes)
-    stats = dict(frame.header["stats"])
-    stats["unused"] = [tuple(r) for r in stats.get("unused", [])]
+    try:
+        stats = dict(frame.header["stats"])
+        stats["unused"] = [tuple(r) for r in stats.get("unused", [])]
+        sizes = [int(size) for size in frame.header["sizes"]]
+        summary = RoundStats(**stats)
+    except (KeyError, TypeError, ValueError):
+        raise frames.BadFrame("malformed: a reply is {stats: the fields of RoundStats, sizes: [bytes, ...]}") from None
     buffers, at = [], 0
-    for size in frame.header["sizes"]:
+    for size in sizes:
+        if size < 0 or at + size > len(frame.payload):
+            break
         buffers.append(np.frombuffer(frame.payload, dtype=np.uint8, count=size, offset=at).copy())
         at += size
-    if at != len(frame.payload):
-        raise frames.BadFrame(f"malformed: the buffers hold {at} of the payload's {len(frame.payload)} bytes")
-    return buffers, RoundStats(**stats)
+    if at != len(frame.payload) or len(buffers) != len(sizes):
+        raise frames.BadFrame(
+            f"malformed: the buffers' sizes do not add up to the payload's {len(frame.payload)} bytes"
+        )
+    return buffers, summary
+
+
+COUNTS = ("rank", "inner_steps", "tokens", "bytes_up", "bytes_down", "loss_tokens", "resumed_step")
+AMOUNTS = ("loss_sum", "compute_seconds", "load_seconds")
+REGION_FACTS = {"replica_ids": list, "reload": bool, "reload_at_round": bool}
+
+
+def refused_claim(stats: RoundStats, plan: Sequence[Range], seq_len: int) -> Optional[str]:
+    """Why a region's summary claims what the home did not plan for it (None: it does not):
+    a count that is not a whole number from 0, an amount that is not finite from 0, more
+    tokens (its weight in the mean) or steps than its ``plan`` holds sequences of
+    ``seq_len``, unused ranges that are not inside its plan or overlap, or facts the home
+    does not read."""
+    positions = sum(int(c) for _, c in plan)
+    why = _bad_numbers(stats)
+    if why is None and max(stats.tokens, stats.loss_tokens) > positions * seq_len:
+        why = f"{max(stats.tokens, stats.loss_tokens)} tokens claimed; its plan holds {positions * seq_len}"
+    if why is None and stats.inner_steps > positions:
+        why = f"{stats.inner_steps} steps claimed on a plan of {positions} sequences"
+    facts = stats.region if isinstance(stats.region, dict) else {"": None}
+    typed = all(isinstance(facts.get(k, t()), t) for k, t in REGION_FACTS.items()) and not set(facts) - set(
+        REGION_FACTS
+    )
+    if why is None and not (typed and all(type(i) is int for i in facts.get("replica_ids", []))):
+        why = "its facts are not {replica_ids, reload, reload_at_round}"
+    return why or _outside(stats.unused, plan)
+
+
+def _bad_numbers(stats: RoundStats) -> Optional[str]:
+    for name in COUNTS:
+        value = getattr(stats, name)
+        if type(value) is not int or value < 0:
+            return f"{name} {value!r} is not a count"
+    for name in AMOUNTS:
+        value = getattr(stats, name)
+        if type(value) not in (int, float) or not np.isfinite(value) or value < 0:
+            return f"{name} {value!r} is not a finite amount from 0"
+    return None
+
+
+def _outside(unused: Sequence, plan: Sequence[Range]) -> Optional[str]:
+    """Why ``unused`` is not a set of disjoint ranges inside ``plan`` (None: it is)."""
+    spans = []
+    for r in unused:
+        if len(r) != 2 or not all(type(v) is int for v in r) or r[0] < 0 or r[1] <= 0:
+            return f"an unused range {list(r)!r} is not (start, count)"
+        if not any(s <= r[0] and r[0] + r[1] <= s + c for s, c in plan):
+            return f"the unused range {list(r)!r} is not in its plan"
+        spans.append((r[0], r[0] + r[1]))
+    spans.sort()
+    if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+        return "its unused ranges overlap"
+    return None

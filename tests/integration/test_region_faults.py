@@ -29,7 +29,6 @@ from conftest import ROOT, max_abs_diff, subprocess_env, tiny_config
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.observe.metrics import read_events
 from tests.integration.test_regions import (
-    TOKEN,
     applied_positions,
     free_port,
     home_config,
@@ -44,10 +43,9 @@ FAULTS = [
 ]
 
 
-def test_a_poisoned_replica_and_a_frozen_one_inside_a_region_are_handled_there(ray_local, tmp_path, monkeypatch):
+def test_a_poisoned_replica_and_a_frozen_one_inside_a_region_are_handled_there(ray_local, tmp_path):
     tls = make_tls(str(tmp_path))
     port = free_port()
-    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
     cfg = home_config(
         tmp_path / "home",
         port,
@@ -83,11 +81,10 @@ def test_a_poisoned_replica_and_a_frozen_one_inside_a_region_are_handled_there(r
 
 
 def test_a_home_resumed_while_its_region_stays_up_ends_with_the_weights_of_the_run_without_the_kill(
-    ray_local, tmp_path, monkeypatch
+    ray_local, tmp_path
 ):
     tls = make_tls(str(tmp_path))
     port = free_port()
-    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
     shape = dict(diloco_loops=5, max_steps=4, checkpoint_steps=4, eval_batches=1, seed=3)
     flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=2, **shape)).train()
     cfg = home_config(

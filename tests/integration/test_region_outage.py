@@ -22,7 +22,7 @@ import pytest
 from conftest import ROOT
 
 from diloco_ray import DilocoFSDPTrainer
-from tests.integration.test_regions import TOKEN, free_port, home_config, start_region, wait_for_line
+from tests.integration.test_regions import free_port, home_config, start_region, wait_for_line
 from tests.unit.channel.tls_files import make_tls
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
@@ -78,12 +78,11 @@ def applied_positions(rounds: list) -> list:
 
 
 @pytest.mark.parametrize("mode", ["sync", "decoupled"])
-def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, monkeypatch, mode):
+def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mode):
     tls = make_tls(str(tmp_path))
     port = free_port()
     relay = Relay(listen=("127.0.0.1", 0), to=("127.0.0.1", port))
     relay_port = relay.start()
-    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
     cfg = home_config(
         tmp_path / "home",
         port,

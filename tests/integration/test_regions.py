@@ -22,7 +22,10 @@ from conftest import ROOT, max_abs_diff, tiny_config
 from diloco_ray import DilocoFSDPTrainer
 from tests.unit.channel.tls_files import make_tls
 
-TOKEN = "region-test-token"
+
+def region_token(name: str) -> str:
+    """Region ``name``'s own channel token in these tests."""
+    return f"{name}-region-test-token"
 
 
 def free_port() -> int:
@@ -47,10 +50,15 @@ def applied_positions(rounds: list) -> list:
 
 def home_config(folder, port: int, tls: dict, regions: list, **fields):
     """A home's config whose channel listens on this machine (``port``, the test CA's
-    certificate), with ``regions`` and the job's ``fields``."""
+    certificate, a token per region in a tokens file beside ``folder``), with ``regions``
+    and the job's ``fields``."""
+    tokens = os.path.join(os.path.dirname(str(folder)), "channel_tokens")
+    with open(os.open(tokens, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write("".join(f"{r['name']} {region_token(r['name'])}\n" for r in regions))
     return tiny_config(
         folder,
         regions=regions,
+        channel_tokens_file=tokens,
         channel_host="127.0.0.1",
         channel_port=port,
         channel_tls_cert=tls["home.pem"],
@@ -61,6 +69,7 @@ def home_config(folder, port: int, tls: dict, regions: list, **fields):
 
 def start_region(name: str, port: int, tls: dict, tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": ROOT, "RAY_ADDRESS": "local"}
+    env["DILOCO_CHANNEL_TOKEN"] = region_token(name)
     return subprocess.Popen(
         [sys.executable, "-m", "diloco_ray", "region", "--home", f"127.0.0.1:{port}", "--name", name]
         + ["--ca-cert", tls["ca.pem"], "--server-name", "localhost", "--output-dir", str(tmp_path / name)],
@@ -78,13 +87,12 @@ SYNCS = {"plain": {}, "overlap": dict(sync_fragments=2, overlap_communication=Tr
 
 
 @pytest.mark.parametrize("syncs", sorted(SYNCS))
-def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_local, tmp_path, monkeypatch, syncs):
+def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_local, tmp_path, syncs):
     tls = make_tls(str(tmp_path))
     port = free_port()
     shape = {**dict(diloco_loops=3, max_steps=3, seed=3), **SYNCS[syncs]}
     flat = DilocoFSDPTrainer(tiny_config(tmp_path / "flat", num_replicas=6, **shape)).train()
 
-    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", TOKEN)
     home_cfg = home_config(
         tmp_path / "home",
         port,
@@ -125,4 +133,5 @@ def test_three_regions_of_two_end_with_the_weights_of_six_flat_replicas(ray_loca
         one_replica = r["regions"]["home"]["bytes_up"] / 2
         assert eu["bytes_up"] < 1.5 * one_replica, (eu, r["regions"]["home"])
     written = open(tmp_path / "home" / "config.yaml").read() + open(tmp_path / "home" / "metrics.jsonl").read()
-    assert TOKEN not in written and all(TOKEN not in log for log in logs.values())
+    tokens = [region_token(name) for name in agents]
+    assert not any(t in text for t in tokens for text in [written, *logs.values()])

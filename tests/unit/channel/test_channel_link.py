@@ -9,44 +9,21 @@ import threading
 
 import grpc
 import pytest
+from channel_home import TOKENS, make_home, region, write_tokens
 from tls_files import make_tls
 
 from diloco_ray.channel import frames
-from diloco_ray.channel.client import ChannelClient, ChannelRefused
+from diloco_ray.channel.client import ChannelRefused
 from diloco_ray.channel.credentials import Token, read_token
 from diloco_ray.channel.server import CHUNK_BYTES, REGION_KEY, SERVICE, ChannelServer
 from diloco_ray.errors import UserInputError
 
-TOKEN = Token("s3cret-token", "$TEST")
-
 
 @pytest.fixture
 def home(tmp_path):
-    tls = make_tls(str(tmp_path))
-    lines: list[str] = []
-    server = ChannelServer(
-        regions=["eu", "us"],
-        token=TOKEN,
-        cert=open(tls["home.pem"], "rb").read(),
-        key=open(tls["home.key"], "rb").read(),
-        host="127.0.0.1",
-        max_frame_bytes=2 * CHUNK_BYTES,
-        join_info=lambda region: {"config": {"region": region, "seed": 7}},
-        log=lines.append,
-    )
-    server.start()
-    server.lines, server.ca = lines, open(tls["ca.pem"], "rb").read()
+    server = make_home(tmp_path)
     yield server
     server.stop(0)
-
-
-def region(home, name="eu", token=TOKEN, **kwargs) -> ChannelClient:
-    lines: list[str] = []
-    client = ChannelClient(
-        f"127.0.0.1:{home.port}", name, token, home.ca, server_name="localhost", log=lines.append, **kwargs
-    )
-    client.lines = lines
-    return client
 
 
 def test_a_region_joins_gets_its_config_waits_for_a_notice_and_moves_messages_both_ways(home):
@@ -59,6 +36,7 @@ def test_a_region_joins_gets_its_config_waits_for_a_notice_and_moves_messages_bo
     home.publish("weights/0", weights)
     assert eu.download("weights/0") == weights
     grads = os.urandom(CHUNK_BYTES + 7)
+    home.expect("eu", "eu/grads/0")
     eu.upload("eu/grads/0", grads)
     assert home.take("eu/grads/0", timeout_s=5) == grads
     assert home.take("eu/grads/0", timeout_s=0.1) is None  # taken once
@@ -88,6 +66,7 @@ def test_an_upload_resumed_after_a_break_sends_no_chunk_twice(home, monkeypatch)
         return reply
 
     monkeypatch.setattr(eu, "_call_once", flaky)
+    home.expect("eu", "eu/grads/1")
     eu.upload("eu/grads/1", payload)
     assert home.take("eu/grads/1", timeout_s=5) == payload
     # chunk 0, chunk 1 (reply lost), a probe that learns the home has 2 chunks, chunk 2
@@ -103,13 +82,14 @@ class FakeBreak(grpc.RpcError):
 
 
 def test_a_wrong_token_is_refused_in_one_line_at_both_ends(home):
-    intruder = region(home, token=Token("guess", "$X"))
-    with pytest.raises(ChannelRefused, match=r"^region 'eu' refused: wrong or missing token$"):
+    intruder = region(home, token=Token("guess-guess-guess-guess", "$X"))
+    with pytest.raises(ChannelRefused, match=r"^a caller claiming 'eu' refused: wrong or missing token$"):
         intruder.join()
     assert [line for line in home.lines if "refused" in line] == [
-        next(line for line in home.lines if line.startswith("channel: region 'eu' refused: wrong or missing token"))
+        next(line for line in home.lines if line.startswith("channel: a caller claiming 'eu' refused: wrong or"))
     ]
-    assert all(TOKEN.secret not in line and "guess" not in line for line in home.lines + intruder.lines)
+    secrets = [t.secret for t in TOKENS.values()] + ["guess"]
+    assert all(secret not in line for secret in secrets for line in home.lines + intruder.lines)
 
 
 def test_a_region_name_already_connected_is_refused_but_its_own_agent_may_reconnect(home):
@@ -123,9 +103,9 @@ def test_a_region_name_already_connected_is_refused_but_its_own_agent_may_reconn
     assert home.connected() == {"eu"}
 
 
-def test_an_unknown_region_is_refused(home):
-    with pytest.raises(ChannelRefused, match="'mars' is not one of this run's regions"):
-        region(home, name="mars").join()
+def test_a_region_claiming_another_name_than_its_token_s_is_refused(home):
+    with pytest.raises(ChannelRefused, match="^region 'eu' refused: the call claims 'mars', its token says 'eu'$"):
+        region(home, name="mars", token=TOKENS["eu"]).join()
 
 
 @pytest.mark.parametrize(
@@ -134,7 +114,7 @@ def test_an_unknown_region_is_refused(home):
         (b"garbage", "truncated"),
         (frames.encode({"instance": "x"})[:-2], "truncated"),
         (b"NOPE" + frames.encode({"instance": "x"})[4:], "malformed: not a diloco-ray channel frame"),
-        (frames.encode({"instance": "x"}, b"z" * (2 * CHUNK_BYTES + 1)), "oversized"),
+        (frames.encode({"instance": "x"}, b"z" * (4 * CHUNK_BYTES + 1)), "oversized"),
     ],
     ids=["garbage", "truncated", "malformed", "oversized"],
 )
@@ -144,7 +124,7 @@ def test_a_malformed_truncated_or_oversized_message_is_refused_and_the_channel_g
         grpc.ssl_channel_credentials(root_certificates=home.ca),
         [("grpc.ssl_target_name_override", "localhost"), ("grpc.max_send_message_length", 64 << 20)],
     )
-    meta = (("authorization", f"Bearer {TOKEN.secret}"), (REGION_KEY, "us"))
+    meta = (("authorization", f"Bearer {TOKENS['us'].secret}"), (REGION_KEY, "us"))
     with pytest.raises(grpc.RpcError) as refused:
         channel.unary_unary(f"/{SERVICE}/Join")(request_bytes, metadata=meta, timeout=10)
     assert refused.value.details().startswith(f"region 'us' refused: {why}")
@@ -161,6 +141,7 @@ def test_many_regions_at_once(home):
         client = region(home, name=name)
         client.join()
         payload = name.encode() * 1000
+        home.expect(name, f"{name}/g")
         client.upload(f"{name}/g", payload)
         results[name] = home.take(f"{name}/g", timeout_s=5) == payload
 
@@ -174,17 +155,22 @@ def test_many_regions_at_once(home):
 
 def test_the_token_comes_from_a_file_or_a_variable_and_never_shows(tmp_path, monkeypatch):
     path = tmp_path / "token"
-    path.write_text("abc123\n")
+    path.write_text("abc123abc123abc123\n")
+    path.chmod(0o600)
     token = read_token(token_file=str(path))
-    assert token.secret == "abc123" and "abc123" not in repr(token) and token.matches("abc123")
-    monkeypatch.setenv("MY_TOKEN", "xyz")
-    assert read_token(token_env="MY_TOKEN").secret == "xyz"
+    assert token.secret == "abc123abc123abc123" and "abc123" not in repr(token) and token.matches("abc123abc123abc123")
+    monkeypatch.setenv("MY_TOKEN", "xyz" * 6)
+    assert read_token(token_env="MY_TOKEN").secret == "xyz" * 6
     monkeypatch.delenv("DILOCO_CHANNEL_TOKEN", raising=False)
     with pytest.raises(UserInputError, match="set the environment variable DILOCO_CHANNEL_TOKEN"):
         read_token()
     (tmp_path / "empty").write_text("")
+    (tmp_path / "empty").chmod(0o600)
     with pytest.raises(UserInputError, match="is empty"):
         read_token(token_file=str(tmp_path / "empty"))
+    monkeypatch.setenv("MY_TOKEN", "short")
+    with pytest.raises(UserInputError, match="at least 16 characters"):
+        read_token(token_env="MY_TOKEN")
 
 
 def test_the_home_checks_its_channel_files_and_token_before_ray_starts(tmp_path, monkeypatch):
@@ -193,13 +179,18 @@ def test_the_home_checks_its_channel_files_and_token_before_ray_starts(tmp_path,
     from diloco_ray.driver import preflight
 
     tls = make_tls(str(tmp_path))
-    fields = dict(regions=[{"name": "eu", "replicas": 2}], channel_tls_cert=tls["home.pem"], channel_tls_key="nope.key")
-    monkeypatch.setenv("DILOCO_CHANNEL_TOKEN", "t")
+    fields = dict(
+        regions=[{"name": "eu", "replicas": 2}],
+        channel_tls_cert=tls["home.pem"],
+        channel_tls_key="nope.key",
+        channel_tokens_file=write_tokens(tmp_path, {"eu": TOKENS["eu"]}),
+    )
     with pytest.raises(UserInputError, match="^channel_tls_key nope.key: No such file or directory$"):
         preflight.check_channel(tiny_config(tmp_path / "run", **fields).sections().channel)
     fields["channel_tls_key"] = tls["home.key"]
-    monkeypatch.delenv("DILOCO_CHANNEL_TOKEN")
-    with pytest.raises(UserInputError, match="set the environment variable DILOCO_CHANNEL_TOKEN"):
+    preflight.check_channel(tiny_config(tmp_path / "run", **fields).sections().channel)
+    fields["channel_tokens_file"] = write_tokens(tmp_path, TOKENS)  # us is not one of this run's regions
+    with pytest.raises(UserInputError, match=r"line 2: 'us' is not one of regions \(eu\)"):
         preflight.check_channel(tiny_config(tmp_path / "run", **fields).sections().channel)
 
 
@@ -213,6 +204,7 @@ def test_a_region_is_ready_once_it_says_so_and_counts_its_bytes_both_ways(home):
     home.publish("w/0", b"x" * 1000)
     before = home.traffic("eu")
     eu.download("w/0")
+    home.expect("eu", "r/0")
     eu.upload("r/0", b"y" * 500)
     up, down = (now - then for now, then in zip(home.traffic("eu"), before))
     assert 500 < up < 1000 and 1000 < down < 1500  # the frames: payload and a small header each
@@ -233,6 +225,7 @@ def test_a_new_agent_for_a_region_does_not_get_the_old_one_s_notices(home):
 def test_an_upload_the_home_gave_up_on_is_dropped_when_it_arrives(home):
     eu = region(home)
     eu.join()
+    home.expect("eu", "r/late")
     home.discard("r/late")
     eu.upload("r/late", b"z" * 10)
     assert home.take("r/late", timeout_s=0.2) is None
@@ -245,7 +238,7 @@ def test_a_home_restarted_on_its_port_is_rejoined_and_its_notices_are_taken(home
     assert eu.wait(after=0) == (seq, {"job": "before"})
     home.stop(0)
     again = ChannelServer(
-        regions=["eu"], token=TOKEN, cert=home._cert, key=home._key, host="127.0.0.1", port=home.port, log=print
+        regions=["eu"], tokens=home.tokens, cert=home._cert, key=home._key, host="127.0.0.1", port=home.port, log=print
     )
     again.start()
     try:

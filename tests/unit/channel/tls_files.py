@@ -16,10 +16,11 @@ def _name(common: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common)])
 
 
-def make_tls(folder: str, host: str = "localhost") -> dict[str, str]:
-    """Write ca.pem, home.pem and home.key (a certificate for ``host`` and 127.0.0.1) into
-    ``folder``; their paths by name."""
+def make_tls(folder: str, host: str = "localhost", expired: bool = False) -> dict[str, str]:
+    """Write ca.pem, home.pem and home.key (a certificate for ``host`` and 127.0.0.1, valid
+    now, or ``expired`` a minute ago) into ``folder``; their paths by name."""
     now = datetime.datetime.now(datetime.timezone.utc)
+    until = now - datetime.timedelta(minutes=1) if expired else now + datetime.timedelta(days=1)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
         x509.CertificateBuilder()
@@ -41,7 +42,7 @@ def make_tls(folder: str, host: str = "localhost") -> dict[str, str]:
         .public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
+        .not_valid_after(until)
         .add_extension(x509.SubjectAlternativeName(names), critical=False)
         .sign(ca_key, hashes.SHA256())
     )

@@ -7,7 +7,7 @@ from conftest import tiny_config
 from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.errors import ConfigError
 
-CHANNEL = dict(channel_tls_cert="home.pem", channel_tls_key="home.key")
+CHANNEL = dict(channel_tls_cert="home.pem", channel_tls_key="home.key", channel_tokens_file="tokens")
 
 
 def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
