@@ -641,3 +641,12 @@ def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
     assert (own.outer_lr, own.outer_momentum, own.error_feedback_decay, own.topk_fraction) == (0.7, 0.5, 1.0, 1 / 16)
     # What the run used is what config.yaml holds, so a resume uses it again.
     assert TrainerConfig.from_dict(sparse.to_dict()).to_dict() == sparse.to_dict()
+
+
+def test_the_config_a_region_is_handed_holds_no_secret():
+    from diloco_ray.config.schema import without_secrets
+
+    values = {
+        "dataset_kwargs": {"token": "hf_x", "data_files": "a.json", "storage_options": {"key": "k", "anon": False}}
+    }
+    assert without_secrets(values) == {"dataset_kwargs": {"data_files": "a.json", "storage_options": {"anon": False}}}

@@ -324,3 +324,23 @@ def test_applied_plus_held_is_every_merged_pseudo_gradient_through_every_fault(t
     region.books.settle(home["verdicts"])
     assert region.check() <= 1e-6
     assert sum(float(t.abs().sum()) for t in region.books.ledger.residual.values()) > 0
+
+
+def test_the_books_load_without_running_code_and_are_written_through_no_link(tmp_path):
+    import os
+    import pickle
+
+    class Planted:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    (tmp_path / "region_state.pt").write_bytes(pickle.dumps(Planted()))  # the old format's name
+    outside = tmp_path / "outside.json"
+    outside.write_text("untouched")
+    os.symlink(outside, tmp_path / "region_state.json")
+    region = Region(config(), tmp_path)
+    region.period(notice(0, 0, 1))
+    region.books.save()
+    assert outside.read_text() == "untouched" and not os.path.islink(tmp_path / "region_state.json")
+    assert books_of(region.cfg, tmp_path).load() is not None and not (tmp_path / "ran").exists()
+    assert os.stat(tmp_path).st_mode & 0o077 == 0  # the region's folder is its own

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 
 import numpy as np
 import pytest
@@ -113,3 +115,35 @@ def test_a_resumed_homes_keys_never_meet_the_last_homes():
     expected = wire.next_in_round(notice, "eu", fragments=2)
     assert expected["reply"] == wire.reply_key("h2", "eu", 5, 1)  # the next period's keys, in this home's run
     assert expected["messages"] == wire.message_keys("h2", 4, 1) and expected["restore"] == notice["restore"]
+
+
+PLAN = [(100, 4), (200, 2)]  # 6 sequences
+
+
+@pytest.mark.parametrize(
+    "claim, why",
+    [
+        (dict(unused=[(10**9, 500)]), r"the unused range \[1000000000, 500\] is not in its plan"),
+        (dict(unused=[(100, 3), (102, 2)]), "its unused ranges overlap"),
+        (dict(loss_tokens=10**12, tokens=10**12), "1000000000000 tokens claimed; its plan holds 48"),
+        (dict(tokens=-1), "tokens -1 is not a count"),
+        (dict(loss_sum=float("nan")), "loss_sum nan is not a finite amount"),
+        (dict(inner_steps=7), "7 steps claimed on a plan of 6 sequences"),
+        (dict(region={"replica_ids": [0], "name": "us"}), "its facts are not"),
+        (dict(loss_tokens=True), "loss_tokens True is not a count"),
+    ],
+    ids=["cursor", "overlap", "weight", "negative", "nan", "steps", "facts", "bool"],
+)
+def test_a_region_s_claims_are_checked_against_its_plan(claim, why):
+    honest = stats(tokens=48, unused=[(103, 1), (200, 2)])
+    honest = dataclasses.replace(honest, loss_tokens=40, region={"replica_ids": [0, 1], "reload": False})
+    assert wire.refused_claim(honest, PLAN, seq_len=8) is None
+    assert re.match(why, wire.refused_claim(dataclasses.replace(honest, **claim), PLAN, seq_len=8))
+
+
+def test_a_reply_whose_summary_or_sizes_do_not_fit_is_refused_as_malformed():
+    good = wire.reply_payload([np.zeros(4, dtype=np.uint8)], stats())
+    head = frames.decode(good, 1 << 20).header
+    for header in ({**head, "stats": {**head["stats"], "extra": 1}}, {**head, "sizes": [5]}, {"sizes": [4]}):
+        with pytest.raises(frames.BadFrame, match="malformed"):
+            wire.reply_of(frames.encode(header, b"\0" * 4), max_bytes=1 << 20)
