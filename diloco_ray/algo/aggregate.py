@@ -45,6 +45,7 @@ class Rejection(enum.Enum):
     NON_FINITE = "non-finite values"
     MALFORMED = "malformed"  # a missing or unexpected key, not a tensor, a wrong shape, an unreadable message
     LOST_IN_TRANSIT = "lost in transit"  # its node went down after it reported
+    SCREENED = "screened out"  # a region's contribution far outside the others (algo/screening.py)
 
 
 @dataclass(frozen=True)
@@ -149,8 +150,16 @@ def add_weighted(acc: Tensor, values: Tensor, weight: float, name: str) -> None:
     acc.add_(check_finite(values, name).to(dtype=acc.dtype), alpha=weight)
 
 
-def add_pieces(acc: Mapping[str, Tensor], found: Iterable, first_row: Mapping[str, int], weight: float) -> None:
-    """Add decoded pieces, times ``weight``, into the sum ``acc``, a chunk at a time.
+def add_pieces(
+    acc: Mapping[str, Tensor],
+    found: Iterable,
+    first_row: Mapping[str, int],
+    weight: float,
+    squares: Optional[list] = None,
+) -> None:
+    """Add decoded pieces, times ``weight``, into the sum ``acc``, a chunk at a time (and,
+    given ``squares``, append each chunk's sum of squares to it: the contribution's norm,
+    read as it is added).
 
     Args:
         acc: name -> the sum's fp32 tensor, covering rows from ``first_row[name]`` on.
@@ -166,6 +175,8 @@ def add_pieces(acc: Mapping[str, Tensor], found: Iterable, first_row: Mapping[st
         flat = partition.take(acc[name], span, first_row[name]).view(-1)  # rows are contiguous
         for lo, values in piece.chunks():
             add_weighted(flat[lo : lo + values.numel()], values, weight, name)
+            if squares is not None:
+                squares.append(float(torch.linalg.vector_norm(values)) ** 2)
 
 
 def add_corrected(
@@ -174,11 +185,13 @@ def add_corrected(
     first_row: Mapping[str, int],
     weight: float,
     momentum_of: Callable[[str], Optional[Tensor]],
+    squares: Optional[list] = None,
 ) -> None:
     """:func:`add_pieces` for a stale contribution (``stale_correction: momentum``): each
     tensor is assembled whole (one tensor's copy at a time), corrected against
     ``momentum_of(name)``, its outer momentum (None: left as it is), by
-    :func:`~diloco_ray.algo.decoupled.correct_stale_`, and then added."""
+    :func:`~diloco_ray.algo.decoupled.correct_stale_`, and then added (``squares``: as
+    :func:`add_pieces`, of the contribution as it came)."""
     by_name: dict[str, list] = {}
     for name, span, piece in found:
         by_name.setdefault(name, []).append((span, piece))
@@ -186,6 +199,8 @@ def add_corrected(
         whole = torch.empty(acc[name].shape, device=acc[name].device)
         for span, piece in parts:
             partition.put(whole, span, check_finite(piece.decode(), name), offset=first_row[name])
+        if squares is not None:
+            squares.append(float(torch.linalg.vector_norm(whole)) ** 2)
         momentum = momentum_of(name)
         if momentum is not None:
             decoupled.correct_stale_(whole, momentum.view(whole.shape))

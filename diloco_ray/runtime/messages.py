@@ -147,6 +147,7 @@ class Prepared:
     weights: dict[int, float]
     reasons: dict[int, Rejected]  # replica id -> why rejected here
     arrived: float  # wall-clock time the last piece arrived
+    sumsq: dict[int, float] = field(default_factory=dict)  # with screening: replica id -> its rows' squared norm here
 
 
 @dataclass

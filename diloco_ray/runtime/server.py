@@ -42,7 +42,9 @@ import torch
 
 from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.algo.outer import OuterOptimizer
+from diloco_ray.algo.screening import NormScreen
 from diloco_ray.algo.slice_layout import SliceLayout
+from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DecoupledSection, OuterOptimSection, SyncCodecSection
 from diloco_ray.data import plan as data
@@ -104,6 +106,9 @@ class ParameterServer:
         self.sync_codec: SyncCodecSection = sections.sync_codec
         self.outer_optim: OuterOptimSection = sections.outer_optim
         self.merging: DecoupledSection = sections.decoupled
+        threshold = sections.channel.region_screen_norm
+        # A region's contributions screened by norm (kept across restores: the parties' history).
+        self.screen = NormScreen(threshold) if sections.channel.regions and threshold is not None else None
         # Decoding, summing, clipping and stepping are vectorised torch ops: give them
         # the cores this actor reserves.
         torch.set_num_threads(max(1, int(sections.placement.server_cpus)))
@@ -139,6 +144,8 @@ class ParameterServer:
             self.codec,
             momentum_of=self._momentum_of if correct else None,
             cycle_of=self._cycle_of if by_cycle else None,
+            screen=self.screen,
+            screened=lambda replica_id: replica_id >= REGION_ID_BASE,
         )
 
     def _hold(self, params: dict) -> OuterOptimizer:

@@ -37,6 +37,7 @@ from diloco_ray.algo.aggregate import (
     squares_by_part,
     weight_scale,
 )
+from diloco_ray.algo.screening import NormScreen
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.runtime import transport
 from diloco_ray.runtime.messages import Contribution, Prepared, Reduced
@@ -167,6 +168,9 @@ class Aggregator:
             server's rows of it (or None before the first merge): each merge's
             ``cycle_sumsq`` then holds the squared norms of that plus the mean (decoupled,
             delayed, ``outer_grad_clip``: clipped by the cycle); None: no such parts.
+        screen: screens the contributions ``screened`` says are another party's (a
+            region's) by their norm over every server's rows (:mod:`diloco_ray.algo.screening`);
+            None: no screening, and no norm is computed.
     """
 
     def __init__(
@@ -175,9 +179,12 @@ class Aggregator:
         codec: SliceCodec,
         momentum_of: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
         cycle_of: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
+        screen: Optional[NormScreen] = None,
+        screened: Callable[[int], bool] = lambda replica_id: False,
     ):
         self.layout, self.codec, self.momentum_of = layout, codec, momentum_of
-        self.cycle_of = cycle_of
+        self.cycle_of, self.screen, self.screened = cycle_of, screen, screened
+        self.sumsq: dict[int, float] = {}  # this sync's: replica id -> squared norm of its rows here
         self.pending: Optional[PendingSync] = None
         self.space = SumSpace(codec.device)  # the sum lives where the pieces are decoded
 
@@ -193,6 +200,7 @@ class Aggregator:
         scale = weight_scale(sum(float(c.weight) for c in contributions))
         acc = self._zeroed(target)
         reasons, valid = {}, []
+        self.sumsq = {}
         for c in contributions:
             why = self._add(acc, c, target, scale)
             if why is None:
@@ -207,6 +215,7 @@ class Aggregator:
             weights={c.replica_id: float(c.weight) for c in contributions},
             reasons=reasons,
             arrived=time.time(),
+            sumsq=self.sumsq,
         )
 
     def _add(self, acc: dict, c: Contribution, target: partition.Rows, scale: float) -> Optional[Rejected]:
@@ -226,11 +235,14 @@ class Aggregator:
         corrected first when it is stale and a correction is configured."""
         found = self.codec.decode(buffers, target)
         first_row = {n: iv[0] for n, iv in target.items()}
+        squares = [] if self.screen is not None else None  # every one's: the screened and their reference
         weight = float(c.weight) / scale
         if c.staleness > 0 and self.momentum_of is not None:
-            add_corrected(acc, found, first_row, weight, self.momentum_of)
+            add_corrected(acc, found, first_row, weight, self.momentum_of, squares)
         else:
-            add_pieces(acc, found, first_row, weight)
+            add_pieces(acc, found, first_row, weight, squares)
+        if squares is not None:
+            self.sumsq[c.replica_id] = math.fsum(squares)
 
     def _sum(self, contributions: list[Contribution], ids: set[int], target: partition.Rows, scale: float) -> dict:
         """The weighted sum of the contributions of replicas ``ids`` (checked before), in a
@@ -250,6 +262,10 @@ class Aggregator:
         where the mean is past fp32's range: :meth:`Agreement.of` then rejects the sync)."""
         pending = self.pending
         reasons = {rid: why for p in prepared for rid, why in p.reasons.items()}
+        if self.screen is not None:  # every server the same norms (its rows' squares, in server order)
+            norms = {rid: math.sqrt(sum(p.sumsq.get(rid, 0.0) for p in prepared)) for rid in prepared[0].order}
+            norms = {rid: n for rid, n in norms.items() if rid not in reasons}
+            reasons.update(self.screen.judge(norms, [rid for rid in norms if self.screened(rid)]))
         accepted, total = accepted_of(prepared[0].order, prepared[0].weights, reasons, pending.divisor)
         target = self.layout.target(pending.fragment)
         if accepted != pending.valid:  # another server rejected one this server summed
