@@ -305,15 +305,18 @@ class _ShowProgress:
         c = self.config
         resumed = f", resumed at round {trainer.round_index + 1}" if trainer.round_index else ""
         where = "" if self.verbose else f"; Ray's output: {os.path.join(trainer.run_dir.local, 'logs', 'ray.log')}"
+        regions = "".join(f" + region {r['name']} ({r['replicas']} replicas, one member)" for r in c.regions or ())
         print(
-            f"diloco-ray: {c.num_replicas} replicas, {c.diloco_loops} rounds of {c.max_steps} inner steps, "
+            f"diloco-ray: {c.num_replicas} replicas{regions}, {c.diloco_loops} rounds of {c.max_steps} inner steps, "
             f"{c.sync_mode} mode{resumed}{where}",
             flush=True,
         )
         self.progress.start(trainer.round_index)
 
     def on_round_begin(self, trainer, round_index: int, replicas: int) -> None:
-        self.progress.begin_round(round_index, replicas, target=trainer.target_replicas)
+        # A round's members: the home's replicas, and each region as one (its merged message).
+        members = trainer.target_replicas + len(self.config.regions or ())
+        self.progress.begin_round(round_index, replicas, target=members)
 
     def on_step(self, trainer, event: dict) -> None:
         self.progress.step(event["replica"], event["step"], event["loss"], event["lr"], event["tokens"])

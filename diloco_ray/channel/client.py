@@ -133,7 +133,8 @@ class ChannelClient:
 
     def upload(self, key: str, payload: bytes, give_up_after_s: Optional[float] = None) -> None:
         """Send ``payload`` to the home as ``key``, chunk by chunk; after a break, from
-        where the home's copy ends."""
+        where the home's copy ends. An upload the home does not wait for (it moved past
+        it, or restarted) is let go with one line: nobody would take it."""
         total, digest, have, probe = len(payload), frames.digest_of(payload), 0, False
         started, pause = time.monotonic(), self.backoff_s[0]
         while True:
@@ -144,6 +145,9 @@ class ChannelClient:
             try:
                 have = int(self._call_once("Put", header, payload=chunk).header["have"])
             except grpc.RpcError as error:
+                if error.code() is grpc.StatusCode.NOT_FOUND:  # the home waits for no such upload (any more)
+                    self.log(f"channel: {error.details()}; not sent")
+                    return
                 pause, probe = self._retry_or_raise(error, "Put", started, give_up_after_s, pause), True
                 continue
             probe = False

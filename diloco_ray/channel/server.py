@@ -40,7 +40,7 @@ import grpc
 from diloco_ray.channel import frames, headers
 from diloco_ray.channel.credentials import RegionTokens
 from diloco_ray.channel.guard import CALLS_PER_REGION, CallGuard, Refused
-from diloco_ray.channel.uploads import UploadRefused, Uploads
+from diloco_ray.channel.uploads import UploadRefused, Uploads, UploadUnexpected
 
 SERVICE = "diloco.Channel"
 REGION_KEY = "x-diloco-region"  # metadata: who is calling, so that even a bad frame is attributed
@@ -283,12 +283,10 @@ class ChannelServer:
         with self._lock:
             try:
                 have, whole = self._uploads.put(region, h["key"], h["offset"], h["total"], h["digest"], payload)
+            except UploadUnexpected as unexpected:  # the region's agent lets it go (the home moved past it)
+                raise Refused(grpc.StatusCode.NOT_FOUND, str(unexpected)) from None
             except UploadRefused as refused:
-                code = (
-                    grpc.StatusCode.DATA_LOSS
-                    if str(refused).startswith("corrupt")
-                    else grpc.StatusCode.PERMISSION_DENIED
-                )
+                code = grpc.StatusCode.DATA_LOSS if "corrupt" in str(refused) else grpc.StatusCode.PERMISSION_DENIED
                 raise Refused(code, str(refused)) from None
             if whole:
                 self._lock.notify_all()

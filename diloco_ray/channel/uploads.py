@@ -28,6 +28,11 @@ class UploadRefused(Exception):
     """An upload chunk the home does not take; the message is the one line why."""
 
 
+class UploadUnexpected(UploadRefused):
+    """An upload under a key the home does not wait for from this region (never asked for,
+    or asked by a home that has since restarted): nobody will take it."""
+
+
 @dataclass
 class Upload:
     """An upload in progress: the bytes so far, the whole's size and digest, and when it
@@ -89,7 +94,7 @@ class Uploads:
         if self._closed.get(key) == region or (key in self._received and self._expected[key] == region):
             return total, False  # taken, given up on or whole (the reply to its last chunk was lost)
         if self._expected.get(key) != region:
-            raise UploadRefused(f"upload {key!r} is not one the home asked this region for")
+            raise UploadUnexpected(f"upload {key!r} is not one the home waits for from this region")
         if total > self.max_bytes:
             raise UploadRefused(f"upload {key!r} declares {total} bytes, over the limit of {self.max_bytes}")
         self._let_go_stale()

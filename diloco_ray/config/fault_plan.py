@@ -9,6 +9,7 @@ config is a list of mappings, each one fault::
       - {kind: kill, replica: 0, rank: 1, round: 3, step: 2}      # a rank's process dies
       - {kind: kill, target: server, round: 4}                    # the parameter server dies
       - {kind: nan, replica: 1, round: 1}                         # a poisoned gradient
+      - {kind: scale, region: eu, replica: 0, round: 2, factor: 100}  # a region's update x100
 
 ``target`` is ``replica`` (the default), ``server`` or ``driver``. A replica fault fires
 in rank ``rank`` of replica id ``replica`` when that rank reaches inner step ``step`` of
@@ -26,6 +27,9 @@ round: 0}``):
 * ``nan``: that step's loss, and so its gradients and the inner optimizer's state, turn NaN.
 * ``drop_link``: the rank trains on, but its pseudo-gradient never leaves: it waits until
   the driver gives up on it (the round's deadline, then ``abort_grace_s``).
+* ``scale``: that period's pseudo-gradient leaves ``factor`` times what it is (a faulty or
+  hostile party's update: 100, or -1 for a sign flip), to rehearse the screening of
+  regions' contributions (docs/security.md).
 
 A ``server`` fault (``kill``; ``index`` picks the server actor) and a ``driver`` fault
 (``kill``: SIGKILL, or ``term``: SIGTERM) fire on the driver while round ``round`` runs,
@@ -44,13 +48,14 @@ rank's inner loop and in the driver's loops.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Optional
 
 from diloco_ray.errors import ConfigError
 
 KINDS = {
-    "replica": ("kill", "freeze", "slow", "slowdown", "nan", "drop_link"),
+    "replica": ("kill", "freeze", "slow", "slowdown", "nan", "drop_link", "scale"),
     "server": ("kill",),
     "driver": ("kill", "term"),
 }
@@ -68,7 +73,8 @@ class Fault:
         rank: the rank inside the replica (replica faults).
         step: the inner step of the round it fires at, 0-based (replica faults).
         seconds: extra seconds per step (``slow``).
-        factor: how many times as long every step takes from then on (``slowdown``).
+        factor: how many times as long every step takes from then on (``slowdown``); what
+            the period's pseudo-gradient is multiplied by (``scale``).
         index: which server actor (server faults).
         region: another region whose replica it hits (replica faults; None: this cluster's).
     """
@@ -146,6 +152,11 @@ def _factor(where: str, kind: str, entry: dict) -> float:
     factor = entry.get("factor", 0.0)
     if kind == "slowdown" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1):
         raise ConfigError(f"{where}.factor: {factor!r} is not allowed; a slowdown needs a number > 1")
+    finite = isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
+    if kind == "scale" and (not finite or factor in (0, 1)):
+        raise ConfigError(
+            f"{where}.factor: {factor!r} is not allowed; a scale needs a finite number other than 0 and 1"
+        )
     return float(factor)
 
 

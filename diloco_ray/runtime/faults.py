@@ -53,6 +53,7 @@ class RankFaults:
         self.extra_seconds = 0.0  # slow: added to each remaining step of the period
         self.drop_link = False  # drop_link: the pseudo-gradient of this period never leaves
         self.factor = 1.0  # slowdown: every step takes this many times as long, for the rest of the run
+        self.scale = 1.0  # scale: this period's pseudo-gradient leaves this many times what it is
         self._poison_step = False  # nan: the current step's loss turns NaN
         self._step_seconds = 0.0  # the last step's own time, which a slowdown multiplies
         self._since: Optional[float] = None  # when the last step began (after its slowdown sleep)
@@ -65,6 +66,7 @@ class RankFaults:
     def start_period(self) -> None:
         """A new sync period: slowness and a dropped link last one period (a slowdown lasts)."""
         self.extra_seconds, self.drop_link, self._poison_step, self._since = 0.0, False, False, None
+        self.scale = 1.0
 
     def before_step(self, round_index: int, step: int) -> None:
         """Fire what is due at inner step ``step`` of ``round_index`` (kill and freeze never
@@ -95,6 +97,16 @@ class RankFaults:
             self._poison_step = True
         elif fault.kind == "drop_link":
             self.drop_link = True
+        elif fault.kind == "scale":
+            self.scale = fault.factor
+
+    def scaled(self, local: dict, anchor: dict) -> dict:
+        """``local`` as a party whose update is ``scale`` times this one's would hold it
+        (``anchor - scale * (anchor - local)``: its pseudo-gradient times ``scale``); ``local``
+        itself when no scale fault fired this period. The replica's own weights are untouched."""
+        if self.scale == 1.0:
+            return local
+        return {n: anchor[n] - self.scale * (anchor[n] - t) if n in anchor else t for n, t in local.items()}
 
     def poison(self, step_loss):
         """``step_loss``, or NaN times it on the step a ``nan`` fault names (so its gradients,

@@ -246,7 +246,9 @@ class RankWorker:
         sent = (
             None
             if tally.aborted
-            else self.sync.start_outgoing(job.fragment, local_rows(self.params), job.link, job.attempt)
+            else self.sync.start_outgoing(
+                job.fragment, self.faults.scaled(local_rows(self.params), self.sync.anchor), job.link, job.attempt
+            )
         )
         unused = self.batches.unused_after(tally.last) if tally.out_of_time else []
         bytes_up = sum(sent.nbytes) if sent is not None else 0

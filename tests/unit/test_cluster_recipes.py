@@ -28,7 +28,7 @@ from diloco_ray.runtime.replica import resources_for_replica
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLUSTER = os.path.join(ROOT, "cluster")
 LAUNCHERS = ["aws.yaml", "gcp.yaml"]
-SCRIPTS = ["local_multinode.sh", "local_regions.sh", "local_ray_lib.sh"]
+SCRIPTS = ["local_multinode.sh", "local_regions.sh", "local_ray_lib.sh", "local_regions_rehearsal.sh"]
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives every head node this resource
 REMOTE_OUTPUT = ("s3://", "gs://")
 SUBMIT = re.compile(r"^(\w+=\S+\s+)*ray job submit ")  # a command line, not prose about one
@@ -661,3 +661,13 @@ def test_local_scripts_do_not_share_ports():
     used = [set(p.values()) - {p["RAY_AGENT_PORT"]} for p in ports]
     assert not used[0] & used[1]
     assert abs(agents[0] - agents[1]) >= 3  # one agent port per node: agent, agent+1, agent+2
+
+
+def test_the_regions_rehearsal_gives_each_region_a_token_of_its_own_and_sets_only_config_fields():
+    from diloco_ray.config.fields import FIELD_NAMES
+
+    text = _read("local_regions_rehearsal.sh")
+    keys = re.findall(r'--set "?([a-z_]+)=', text)
+    assert {"regions", "channel_tokens_file", "channel_tls_cert", "channel_tls_key"} <= set(keys)
+    assert set(keys) <= set(FIELD_NAMES)
+    assert "umask 077" in text and "--token-file" in text and "DILOCO_CHANNEL_TOKEN" not in text

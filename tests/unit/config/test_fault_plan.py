@@ -33,6 +33,9 @@ def test_parse_keeps_every_field_and_defaults_the_rest():
         ({"kind": "slow", "round": 1, "seconds": -1}, "fault_plan[0].seconds"),
         ({"kind": "slowdown", "round": 0}, "fault_plan[0].factor"),
         ({"kind": "slowdown", "round": 0, "factor": 1.0}, "fault_plan[0].factor"),
+        ({"kind": "scale", "round": 0}, "fault_plan[0].factor"),
+        ({"kind": "scale", "round": 0, "factor": 1}, "fault_plan[0].factor"),
+        ({"kind": "scale", "round": 0, "factor": float("inf")}, "fault_plan[0].factor"),
     ],
 )
 def test_bad_entries_name_the_field(entry, field):

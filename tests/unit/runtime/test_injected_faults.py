@@ -41,6 +41,18 @@ def test_rank_faults_fire_once_and_last_one_period():
     assert slow.extra_seconds == 0.0
 
 
+@pytest.mark.parametrize("factor", [100.0, -1.0])
+def test_a_scale_fault_sends_that_period_s_pseudo_gradient_times_its_factor(factor):
+    faults = RankFaults.for_rank([{"kind": "scale", "replica": 0, "round": 1, "step": 2, "factor": factor}], 0, 0)
+    anchor, local = {"w": torch.tensor([1.0, 2.0])}, {"w": torch.tensor([0.5, 2.5])}
+    faults.before_step(1, 2)
+    sent = faults.scaled(local, anchor)
+    assert torch.equal(anchor["w"] - sent["w"], factor * (anchor["w"] - local["w"]))
+    assert torch.equal(local["w"], torch.tensor([0.5, 2.5]))  # the replica's own weights untouched
+    faults.start_period()
+    assert faults.scaled(local, anchor) is local  # that period only
+
+
 def test_a_dropped_link_holds_the_period_until_the_driver_gives_up():
     quiet = RankFaults.for_rank(PLAN, 0, 0)
     assert quiet.hold_link(lambda: pytest.fail("no fault: nothing to wait for")) is False
