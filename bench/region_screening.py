@@ -8,10 +8,11 @@ of its own, one replica), per mode and seed, in four variants:
 * ``unscreened``: screening off (``region_screen_norm: null``): what screening costs an
   honest run (the acceptance: the medians within 1.005x);
 * ``x1e30``: eu's pseudo-gradient leaves 1e30 times what it is every round from round 1
-  (the fault plan's ``scale``): screened out, the run goes on with the home's replica
-  (the acceptance: the medians within 1.02x of ``honest``);
+  (the fault plan's ``scale``): screened out, the run goes on with the home's replica;
 * ``flip``: eu's leaves sign-flipped every round from round 1: of an honest norm, which
-  the rule cannot tell from an honest update (what it misses, measured).
+  the rule cannot tell from an honest update (what it misses, measured);
+* ``alone``: the home's replica without eu: the run of the others, the best a screened-out
+  region leaves (the acceptance: ``x1e30`` within 1.02x of it on the median).
 
 Prints each run's final eval loss, the rounds in which eu was screened out, and per mode
 the median and max over seeds with the ratios on the median. Usage: ``python
@@ -52,6 +53,7 @@ VARIANTS = {
     "unscreened": {"region_screen_norm": None},
     "x1e30": {"fault_plan": [{"kind": "scale", "region": "eu", "round": r, "factor": 1e30} for r in range(1, ROUNDS)]},
     "flip": {"fault_plan": [{"kind": "scale", "region": "eu", "round": r, "factor": -1} for r in range(1, ROUNDS)]},
+    "alone": None,  # no region at all
 }
 HONEST_BOUND = 1.005
 ATTACKED_BOUND = 1.02
@@ -79,6 +81,24 @@ def start_region(folder: str, port: int, tls: dict, token: str) -> subprocess.Po
 
 
 def one_run(mode: str, seed: int, variant: str) -> dict:
+    started = time.monotonic()
+    if VARIANTS[variant] is None:
+        rounds = train(config(seed=seed, sync_mode=mode, num_replicas=1))
+    else:
+        rounds = across_regions(mode, seed, VARIANTS[variant])
+    screened = [r["round"] for r in rounds if str(REGION_ID_BASE) in r.get("rejected", {})]
+    return {
+        "mode": mode,
+        "seed": seed,
+        "variant": variant,
+        "final_eval_loss": final_eval_loss(rounds),
+        "screened_rounds": screened,
+        "seconds": round(time.monotonic() - started, 1),
+    }
+
+
+def across_regions(mode: str, seed: int, extra: dict) -> list[dict]:
+    """One run of the home's replica beside region eu's; its round records."""
     folder = tempfile.mkdtemp(prefix="screening-")
     tls, port, token = make_tls(folder), free_port(), secrets.token_hex(32)
     tokens = os.path.join(folder, "tokens")
@@ -94,25 +114,16 @@ def one_run(mode: str, seed: int, variant: str) -> dict:
         channel_tls_cert=tls["home.pem"],
         channel_tls_key=tls["home.key"],
         channel_tokens_file=tokens,
-        round_timeout_s=300,
-        **VARIANTS[variant],
+        **({"round_timeout_s": 300} if mode == "sync" else {}),  # decoupled mode has no round deadline
+        **extra,
     )
     agent = start_region(folder, port, tls, token)
-    started = time.monotonic()
     try:
         rounds = train(config(**fields))
         agent.wait(timeout=120)
     finally:
         agent.kill()
-    screened = [r["round"] for r in rounds if str(REGION_ID_BASE) in r.get("rejected", {})]
-    return {
-        "mode": mode,
-        "seed": seed,
-        "variant": variant,
-        "final_eval_loss": final_eval_loss(rounds),
-        "screened_rounds": screened,
-        "seconds": round(time.monotonic() - started, 1),
-    }
+    return rounds
 
 
 def summary(runs: list[dict], modes: list[str], variants: list[str]) -> list[str]:
@@ -130,7 +141,8 @@ def summary(runs: list[dict], modes: list[str], variants: list[str]) -> list[str
         # (numerator, denominator, bound): what screening costs, then what an attack costs.
         for top, bottom, bound in (
             ("honest", "unscreened", HONEST_BOUND),
-            ("x1e30", "honest", ATTACKED_BOUND),
+            ("x1e30", "alone", ATTACKED_BOUND),
+            ("x1e30", "honest", None),
             ("flip", "honest", None),
         ):
             if top in medians and bottom in medians:

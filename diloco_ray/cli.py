@@ -305,7 +305,10 @@ class _ShowProgress:
         c = self.config
         resumed = f", resumed at round {trainer.round_index + 1}" if trainer.round_index else ""
         where = "" if self.verbose else f"; Ray's output: {os.path.join(trainer.run_dir.local, 'logs', 'ray.log')}"
-        regions = "".join(f" + region {r['name']} ({r['replicas']} replicas, one member)" for r in c.regions or ())
+        regions = "".join(
+            f" + region {r['name']} ({r['replicas']} replica{'s' if r['replicas'] != 1 else ''}, one member)"
+            for r in c.regions or ()
+        )
         print(
             f"diloco-ray: {c.num_replicas} replicas{regions}, {c.diloco_loops} rounds of {c.max_steps} inner steps, "
             f"{c.sync_mode} mode{resumed}{where}",

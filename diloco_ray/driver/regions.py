@@ -143,7 +143,7 @@ class RegionGateway:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
                 buffers, stats = self._checked_reply(region, job, payload)
-                if not stats.aborted:  # its replicas completed the period: they hold job.version
+                if not stats.aborted and "refused" not in stats.region:  # its replicas hold job.version
                     self.held[region] = (self.channel.instance_of(region), job.version)
                 self._note_reloads(region, stats.region or {})
                 return (*buffers, self._with_traffic(region, stats, before))
@@ -228,9 +228,10 @@ class RegionGateway:
     def _checked_reply(self, region: str, job: SyncPeriod, payload: bytes) -> tuple[list, RoundStats]:
         """A region's reply to ``job``, its claims checked against what the home planned
         for it (:func:`wire.refused_claim`). A reply that is not well formed, claims more
-        than its plan or brings other than one buffer per server is refused: the region
-        sent nothing this period (its plan goes back to the cursor, its send gets a False
-        verdict), and the home's log says why."""
+        than its plan or brings other than one buffer per server is refused: it stands in
+        the sync as a message every server rejects with the reason (in the round record's
+        ``rejected``), claiming nothing (its plan goes back to the cursor, its send gets a
+        False verdict)."""
         try:
             buffers, stats = wire.reply_of(payload, self.max_bytes)
             why = wire.refused_claim(stats, job.plan, self.seq_len)
@@ -240,9 +241,10 @@ class RegionGateway:
             why = f"{len(buffers)} buffers where the home has {self.servers} servers"
         if why is None:
             return (buffers if not stats.aborted else [b""] * self.servers), stats
-        log.warning("channel: region %r's reply to launch %d was refused: %s", region, job.attempt, why)
-        refused = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True, unused=list(job.plan), region={"refused": why})
-        return [b""] * self.servers, refused
+        why = f"its reply was refused: {why}"
+        log.warning("channel: region %r's reply to launch %d: %s", region, job.attempt, why)
+        refused = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, region={"replica_ids": [], "refused": why})
+        return [wire.refusal_message(why)] * self.servers, refused
 
     def _note_reloads(self, region: str, facts: dict) -> None:
         """What a region's reply says its replicas will load: everything at its next period

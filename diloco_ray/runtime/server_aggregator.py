@@ -39,7 +39,7 @@ from diloco_ray.algo.aggregate import (
 )
 from diloco_ray.algo.screening import NormScreen
 from diloco_ray.algo.slice_layout import SliceLayout
-from diloco_ray.runtime import transport
+from diloco_ray.runtime import region_wire, transport
 from diloco_ray.runtime.messages import Contribution, Prepared, Reduced
 from diloco_ray.runtime.server_codec import SliceCodec
 
@@ -223,7 +223,11 @@ class Aggregator:
         import ray
 
         try:
-            self._accumulate(acc, transport.receive(c.refs), target, c, scale)
+            buffers = transport.receive(c.refs)
+            refused = region_wire.refused_in(buffers)
+            if refused is not None:  # the home refused a region's reply: it stands for nothing
+                return Rejected(Rejection.MALFORMED, refused)
+            self._accumulate(acc, buffers, target, c, scale)
         except ValueError as e:  # non-finite values, or rows and shapes this sync does not take
             return rejection_of(e)
         except ray.exceptions.RayError as e:  # its node went down after it reported

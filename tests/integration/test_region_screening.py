@@ -41,7 +41,7 @@ def test_a_region_sending_a_hundred_times_its_update_is_screened_out_and_the_run
     eu = str(REGION_ID_BASE)
     for r in result.rounds:
         if r["round"] in ATTACKED:
-            assert r["applied"] and sorted(r["replica_ids"]) == [0, 1], r
+            assert sorted(r["replica_ids"]) == [0, 1], r
             assert r["rejected"][eu].startswith("screened out: its norm"), r["rejected"]
         else:
             assert eu not in r["rejected"] and r["regions"]["eu"]["applied"], r

@@ -95,3 +95,36 @@ def test_a_rejected_norm_does_not_join_the_history():
     screen.judge({9: 1.0}, [9])
     screen.judge({0: 1.0, 9: 500.0}, [9])
     assert list(screen.history[9]) == [1.0] and torch.tensor(1.0)  # (torch imported for Sim's sake)
+
+
+def test_a_reply_the_home_refused_is_rejected_by_every_server_with_its_reason():
+    from diloco_ray.runtime import region_wire as wire
+
+    refused, clean = with_region(2, 1), with_region(2, 1)
+    real = refused.outgoing
+    message = wire.refusal_message("its reply was refused: 1000000000000 tokens claimed; its plan holds 48")
+    refused.outgoing = lambda rid, f: [[message] for _ in refused.servers] if rid == REGION else real(rid, f)
+    applied, _ = refused.sync(0, 0, plans_of(refused))
+    clean.sync(0, 0, plans_of(clean), skip={REGION})
+    for a in applied:
+        assert a.accepted == [0, 1] and str(a.rejected[REGION]).endswith(
+            "1000000000000 tokens claimed; its plan holds 48"
+        )
+    assert max_diff(refused.global_weights(), clean.global_weights()) == 0.0
+
+
+def test_the_gateway_turns_a_reply_claiming_more_than_its_plan_into_a_refusal_every_server_rejects():
+    from diloco_ray.driver.regions import RegionGateway
+    from diloco_ray.runtime import region_wire as wire
+    from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+
+    gateway = RegionGateway.__new__(RegionGateway)
+    gateway.max_bytes, gateway.seq_len, gateway.servers = 1 << 20, 8, 2
+    job = SyncPeriod(round=0, fragment=0, attempt=1, full=False, version=0, plan=[(0, 6)], messages=[], servers=[])
+    greedy = RoundStats(0, 5, 10**12, 1.0, 1.0, 0.0, 0, loss_tokens=10**12, region={"replica_ids": [0]})
+    buffers, stats = gateway._checked_reply("eu", job, wire.reply_payload([np.zeros(4, np.uint8)] * 2, greedy))
+    assert (stats.tokens, stats.loss_tokens, stats.aborted) == (0, 0, False)
+    assert wire.refused_in(buffers[:1]) == "its reply was refused: 1000000000000 tokens claimed; its plan holds 48"
+    honest = RoundStats(0, 5, 40, 1.0, 1.0, 0.0, 0, loss_tokens=40, region={"replica_ids": [0]})
+    buffers, stats = gateway._checked_reply("eu", job, wire.reply_payload([np.zeros(4, np.uint8)] * 2, honest))
+    assert stats == honest and wire.refused_in([compression.pack({}, "none")]) is None
