@@ -29,7 +29,7 @@ round: 0}``):
   the driver gives up on it (the round's deadline, then ``abort_grace_s``).
 * ``scale``: that period's pseudo-gradient leaves ``factor`` times what it is (a faulty or
   hostile party's update: 100, or -1 for a sign flip), to rehearse the screening of
-  regions' contributions (docs/security.md).
+  regions' contributions (docs/security.md); on a home replica it is applied as it is.
 
 A ``server`` fault (``kill``; ``index`` picks the server actor) and a ``driver`` fault
 (``kill``: SIGKILL, or ``term``: SIGTERM) fire on the driver while round ``round`` runs,
@@ -54,6 +54,9 @@ from typing import Optional
 
 from diloco_ray.errors import ConfigError
 
+# Replica kinds that rehearse what a region sends (a home trusts its own replicas: a scaled
+# home replica's update is applied as it is); tests/integration/test_region_screening.py.
+REGION_REHEARSALS = ("scale",)
 KINDS = {
     "replica": ("kill", "freeze", "slow", "slowdown", "nan", "drop_link", "scale"),
     "server": ("kill",),

@@ -33,6 +33,7 @@ from tests.integration.test_regions import (
     free_port,
     home_config,
     start_region,
+    train_beside_region,
     wait_for_line,
 )
 from tests.unit.channel.tls_files import make_tls
@@ -59,16 +60,7 @@ def test_a_poisoned_replica_and_a_frozen_one_inside_a_region_are_handled_there(r
         stall_timeout_s=8,
         fault_plan=FAULTS,
     )
-    agent = start_region("eu", port, tls, tmp_path)
-    try:
-        wait_for_line(tmp_path / "eu.log", "Ray is up", agent)
-        result = DilocoFSDPTrainer(cfg).train()
-        agent.wait(timeout=120)
-    finally:
-        agent.kill()
-    log = open(tmp_path / "eu.log").read()
-    assert agent.returncode == 0, log[-3000:]
-    assert log.count("joined;") == 1  # never restarted
+    result, log = train_beside_region(cfg, port, tls, tmp_path)
     eu = [r["regions"]["eu"] for r in result.rounds]
     assert [r["round"] for r in result.rounds] == [0, 1, 2, 3, 4]
     assert eu[0]["replica_ids"] == [0] and eu[0]["applied"]  # replica 1 left out (NaN) inside the region

@@ -81,6 +81,22 @@ def start_region(name: str, port: int, tls: dict, tmp_path):
     )
 
 
+def train_beside_region(cfg, port: int, tls: dict, tmp_path, name: str = "eu"):
+    """Start region ``name``'s agent, train the home's ``cfg`` once its Ray is up, and wait
+    for the agent to leave: (the home's result, the agent's log). The agent exited 0 and
+    joined once, or the test fails with its log."""
+    agent = start_region(name, port, tls, tmp_path)
+    try:
+        wait_for_line(tmp_path / f"{name}.log", "Ray is up", agent)
+        result = DilocoFSDPTrainer(cfg).train()
+        agent.wait(timeout=120)
+    finally:
+        agent.kill()
+    log = open(tmp_path / f"{name}.log").read()
+    assert agent.returncode == 0 and log.count("joined;") == 1, log[-3000:]  # never restarted
+    return result, log
+
+
 # Plain rounds, and streaming syncs with overlap (a region's replicas start each period
 # before its weights have crossed, and merge them at its end, as the home's do).
 SYNCS = {"plain": {}, "overlap": dict(sync_fragments=2, overlap_communication=True, max_steps=4)}
