@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 MAX_WAIT_S = 30.0  # the longest a Wait or a Get is held open (the region calls again)
 MAX_COUNT = (1 << 63) - 1
-_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9/_.-]{0,199}")
+_KEY = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9/_.-]{0,199}")  # a name, never a path up
 _HEX = re.compile(r"[0-9a-f]{1,64}")
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _TEXT = re.compile(r"[A-Za-z0-9_.-]{1,64}")

@@ -132,9 +132,10 @@ def test_a_partial_upload_left_alone_is_let_go(home):
         ("Get", {"key": "w/0", "offset": "abc", "wait_s": 0}, "offset must be a whole number"),
         ("Wait", {"after": True, "wait_s": 1}, "after must be a whole number"),
         ("Put", {"key": "../x", "offset": 0, "total": 1, "digest": "0" * 64}, "key must be a key"),
+        ("Get", {"key": "r/../x", "offset": 0, "wait_s": 0}, "key must be a key"),
         ("Beat", {"extra": 1}, "Beat carries no field 'extra'"),
     ],
-    ids=["nan-wait", "inf-after", "text-offset", "bool-after", "bad-key", "unknown-field"],
+    ids=["nan-wait", "inf-after", "text-offset", "bool-after", "bad-key", "key-up", "unknown-field"],
 )
 def test_every_header_field_is_typed_finite_and_in_range(home, method, fields, why):
     eu = region(home)
