@@ -5,14 +5,29 @@ home's ``fault_plan``, ``scale``; decoupled: its first periods at or after merge
 Sync: each of those rounds is applied without eu, its rejection and why in the round's
 record, and eu is applied again in round 4. Decoupled: every merge that met a scaled
 period of eu's rejects it as screened out, and eu is applied in the others. No agent exits
-on it."""
+on it.
+
+And a region that is no agent at all, speaking the channel with its own token: every round
+it answers a 1e30 pseudo-gradient claiming 1e12 tokens. Each reply is refused for its claim
+(the reason in the round's record), nothing of it is counted, and the home's replicas end
+where they end without it."""
 
 from __future__ import annotations
 
-import pytest
+import threading
 
+import pytest
+import torch
+from conftest import tiny_config
+
+from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.algo import compression
+from diloco_ray.channel.client import ChannelClient
+from diloco_ray.channel.credentials import Token
 from diloco_ray.config.fields import REGION_ID_BASE
-from tests.integration.test_regions import free_port, home_config, train_beside_region
+from diloco_ray.runtime import region_wire as wire
+from diloco_ray.runtime.messages import RoundStats
+from tests.integration.test_regions import free_port, home_config, region_token, train_beside_region
 from tests.unit.channel.tls_files import make_tls
 
 ATTACKED = (1, 2, 3)
@@ -47,3 +62,48 @@ def test_a_region_sending_a_hundred_times_its_update_is_screened_out_and_the_run
             assert r["rejected"][eu].startswith("screened out: its norm"), r["rejected"]
         else:
             assert eu not in r["rejected"] and r["regions"]["eu"]["applied"], r
+
+
+class GreedyRegion(threading.Thread):
+    """A region that speaks the channel but trains nothing: to every job it answers a
+    pseudo-gradient of 1e30 everywhere and claims 1e12 tokens, until the home says stop."""
+
+    def __init__(self, port: int, tls: dict, token: str, servers: int = 1):
+        super().__init__(daemon=True)
+        self.client = ChannelClient(
+            f"127.0.0.1:{port}", "eu", Token(token, "$TEST"), open(tls["ca.pem"], "rb").read(), server_name="localhost"
+        )
+        self.client.ready, self.servers, self.answered = True, servers, 0
+
+    def run(self) -> None:
+        self.client.join(give_up_after_s=120)
+        seq = 0
+        while True:
+            seq, notice = self.client.wait(seq, wait_s=1.0)
+            self.client.beat(timeout_s=5)
+            if notice is None or "job" not in notice:
+                if notice is not None and notice.get("stop"):
+                    return
+                continue
+            job = notice["job"]
+            huge = compression.pack({"x": torch.full((64,), 1e30)}, "none")
+            greedy = RoundStats(0, 3, 10**12, 1.0, 1.0, 0.0, 0, loss_tokens=10**12, region={"replica_ids": [0]})
+            self.client.upload(job["reply"], wire.reply_payload([huge] * self.servers, greedy))
+            self.answered += 1
+
+
+def test_a_region_claiming_1e12_tokens_for_1e30_every_round_is_refused_and_the_others_train_on(ray_local, tmp_path):
+    tls = make_tls(str(tmp_path))
+    port = free_port()
+    shape = dict(num_replicas=2, diloco_loops=4, max_steps=3, seed=5)
+    alone = DilocoFSDPTrainer(tiny_config(tmp_path / "alone", **shape)).train()
+    cfg = home_config(tmp_path / "home", port, tls, [{"name": "eu", "replicas": 1}], round_timeout_s=180, **shape)
+    greedy = GreedyRegion(port, tls, region_token("eu"))
+    greedy.start()
+    result = DilocoFSDPTrainer(cfg).train()
+    greedy.join(timeout=60)
+    eu = str(REGION_ID_BASE)
+    assert greedy.answered == 4 and all(eu in r["rejected"] for r in result.rounds)
+    assert all("1000000000000 tokens claimed" in r["rejected"][eu] for r in result.rounds)
+    assert [r["tokens"] for r in result.rounds] == [r["tokens"] for r in alone.rounds]  # nothing of eu's counted
+    assert result.rounds[-1]["eval_loss"] <= 1.02 * alone.rounds[-1]["eval_loss"]
