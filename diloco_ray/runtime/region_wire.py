@@ -270,13 +270,17 @@ def refused_claim(stats: RoundStats, plan: Sequence[Range], seq_len: int) -> Opt
         why = f"{max(stats.tokens, stats.loss_tokens)} tokens claimed; its plan holds {positions * seq_len}"
     if why is None and stats.inner_steps > positions:
         why = f"{stats.inner_steps} steps claimed on a plan of {positions} sequences"
-    facts = stats.region if isinstance(stats.region, dict) else {"": None}
-    typed = all(isinstance(facts.get(k, t()), t) for k, t in REGION_FACTS.items()) and not set(facts) - set(
-        REGION_FACTS
-    )
-    if why is None and not (typed and all(type(i) is int for i in facts.get("replica_ids", []))):
+    if why is None and not _known_facts(stats.region):
         why = "its facts are not {replica_ids, reload, reload_at_round}"
     return why or _outside(stats.unused, plan)
+
+
+def _known_facts(facts) -> bool:
+    """Whether a region's facts are only the ones the home reads, each of its type."""
+    if not isinstance(facts, dict) or set(facts) - set(REGION_FACTS):
+        return False
+    typed = all(isinstance(facts.get(k, t()), t) for k, t in REGION_FACTS.items())
+    return typed and all(type(i) is int for i in facts.get("replica_ids", []))
 
 
 def _bad_numbers(stats: RoundStats) -> Optional[str]:

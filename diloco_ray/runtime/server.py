@@ -145,7 +145,7 @@ class ParameterServer:
             momentum_of=self._momentum_of if correct else None,
             cycle_of=self._cycle_of if by_cycle else None,
             screen=self.screen,
-            screened=lambda replica_id: replica_id >= REGION_ID_BASE,
+            from_region=lambda replica_id: replica_id >= REGION_ID_BASE,
         )
 
     def _hold(self, params: dict) -> OuterOptimizer:

@@ -168,9 +168,11 @@ class Aggregator:
             server's rows of it (or None before the first merge): each merge's
             ``cycle_sumsq`` then holds the squared norms of that plus the mean (decoupled,
             delayed, ``outer_grad_clip``: clipped by the cycle); None: no such parts.
-        screen: screens the contributions ``screened`` says are another party's (a
-            region's) by their norm over every server's rows (:mod:`diloco_ray.algo.screening`);
-            None: no screening, and no norm is computed.
+        screen: screens the contributions of another party (a region's: ``from_region``)
+            by their norm over every server's rows (:mod:`diloco_ray.algo.screening`); None:
+            no screening, and no norm is computed.
+        from_region: whether a replica id is a region's member (only a region's reply can
+            be one the home refused: :func:`region_wire.refused_in`).
     """
 
     def __init__(
@@ -180,10 +182,10 @@ class Aggregator:
         momentum_of: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
         cycle_of: Optional[Callable[[str], Optional[torch.Tensor]]] = None,
         screen: Optional[NormScreen] = None,
-        screened: Callable[[int], bool] = lambda replica_id: False,
+        from_region: Callable[[int], bool] = lambda replica_id: False,
     ):
         self.layout, self.codec, self.momentum_of = layout, codec, momentum_of
-        self.cycle_of, self.screen, self.screened = cycle_of, screen, screened
+        self.cycle_of, self.screen, self.from_region = cycle_of, screen, from_region
         self.sumsq: dict[int, float] = {}  # this sync's: replica id -> squared norm of its rows here
         self.pending: Optional[PendingSync] = None
         self.space = SumSpace(codec.device)  # the sum lives where the pieces are decoded
@@ -224,7 +226,7 @@ class Aggregator:
 
         try:
             buffers = transport.receive(c.refs)
-            refused = region_wire.refused_in(buffers)
+            refused = region_wire.refused_in(buffers) if self.from_region(c.replica_id) else None
             if refused is not None:  # the home refused a region's reply: it stands for nothing
                 return Rejected(Rejection.MALFORMED, refused)
             self._accumulate(acc, buffers, target, c, scale)
@@ -269,7 +271,7 @@ class Aggregator:
         if self.screen is not None:  # every server the same norms (its rows' squares, in server order)
             norms = {rid: math.sqrt(sum(p.sumsq.get(rid, 0.0) for p in prepared)) for rid in prepared[0].order}
             norms = {rid: n for rid, n in norms.items() if rid not in reasons}
-            reasons.update(self.screen.judge(norms, [rid for rid in norms if self.screened(rid)]))
+            reasons.update(self.screen.judge(norms, [rid for rid in norms if self.from_region(rid)]))
         accepted, total = accepted_of(prepared[0].order, prepared[0].weights, reasons, pending.divisor)
         target = self.layout.target(pending.fragment)
         if accepted != pending.valid:  # another server rejected one this server summed
