@@ -12,7 +12,12 @@ of its own, one replica), per mode and seed, in four variants:
 * ``flip``: eu's leaves sign-flipped every round from round 1: of an honest norm, which
   the rule cannot tell from an honest update (what it misses, measured);
 * ``alone``: the home's replica without eu: the run of the others, the best a screened-out
-  region leaves (the acceptance: ``x1e30`` within 1.02x of it on the median).
+  region leaves (the acceptance: ``x1e30`` within 1.02x of it on the median);
+* ``held-out``: ``honest`` with the held-out check on (``region_holdout_margin``
+  :data:`MARGIN`; sync mode only): what the check costs an honest run (within 1.005x of
+  ``honest`` on the median), and how often it refuses an honest update;
+* ``held-out-flip``: ``flip`` with the check on: each flipped update refused, the run
+  within 1.02x of ``alone``.
 
 Prints each run's final eval loss, the rounds in which eu was screened out, and per mode
 the median and max over seeds with the ratios on the median. Usage: ``python
@@ -55,6 +60,11 @@ VARIANTS = {
     "flip": {"fault_plan": [{"kind": "scale", "region": "eu", "round": r, "factor": -1} for r in range(1, ROUNDS)]},
     "alone": None,  # no region at all
 }
+MARGIN = 0.02
+FLIPPED = VARIANTS["flip"]["fault_plan"]
+VARIANTS["held-out"] = {"region_holdout_margin": MARGIN}
+VARIANTS["held-out-flip"] = {"region_holdout_margin": MARGIN, "fault_plan": FLIPPED}
+SYNC_ONLY = ("held-out", "held-out-flip")  # the check runs while the home's replicas wait for a round
 HONEST_BOUND = 1.005
 ATTACKED_BOUND = 1.02
 
@@ -144,6 +154,8 @@ def summary(runs: list[dict], modes: list[str], variants: list[str]) -> list[str
             ("x1e30", "alone", ATTACKED_BOUND),
             ("x1e30", "honest", None),
             ("flip", "honest", None),
+            ("held-out", "honest", HONEST_BOUND),
+            ("held-out-flip", "alone", ATTACKED_BOUND),
         ):
             if top in medians and bottom in medians:
                 ratio = medians[top] / medians[bottom]
@@ -165,11 +177,13 @@ def main(argv=None) -> int:
     for mode in modes:
         for seed in seeds:
             for variant in variants:
+                if mode != "sync" and variant in SYNC_ONLY:
+                    continue
                 runs.append(one_run(mode, seed, variant))
                 r = runs[-1]
                 print(
                     f"# {mode} seed {seed} {variant}: {r['final_eval_loss']:.4f}, "
-                    f"screened in rounds {r['screened_rounds']} ({r['seconds']:.0f} s)",
+                    f"left out in rounds {r['screened_rounds']} ({r['seconds']:.0f} s)",
                     flush=True,
                 )
     lines = ["| mode | variant | per seed | median | max |", "|---|---|---|---|---|", *summary(runs, modes, variants)]

@@ -46,6 +46,7 @@ class Rejection(enum.Enum):
     MALFORMED = "malformed"  # a missing or unexpected key, not a tensor, a wrong shape, an unreadable message
     LOST_IN_TRANSIT = "lost in transit"  # its node went down after it reported
     SCREENED = "screened out"  # a region's contribution far outside the others (algo/screening.py)
+    REFUSED = "refused"  # a region's reply the home refused before the sync: its claims, the held-out check
 
 
 @dataclass(frozen=True)

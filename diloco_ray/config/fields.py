@@ -245,7 +245,8 @@ class ConfigFields(DerivedValues):
     channel_timeout_s: float = _f(CHANNEL, 20.0, "with regions: a region not heard from for this long (its agent beats five times as often) is cut off: the round in flight goes on without it, and it takes part again once it is heard from", ge=2.0)
     home_region: str = _f(MEMBERSHIP, "home", "with regions: this region's name in the round records' regions")
     min_regions: int = _f(MEMBERSHIP, 1, "with regions, sync mode: a round is applied only when replicas of at least this many regions (the home counted) reported; else it runs again", ge=1)
-    region_screen_norm: Optional[float] = _f(CHANNEL, 10.0, "with regions: a region's contribution whose L2 norm is over this many times the median of the sync's other contributions' (alone: of its own last 8 accepted) is rejected as screened out (null: off); see docs/security.md", gt=1.0)
+    region_screen_norm: Optional[float] = _f(CHANNEL, 10.0, "with regions: a region's contribution whose L2 norm is over this many times the median of the sync's other contributions' (alone: of the last 8 accepted in syncs of its rows; none yet: rejected) is rejected as screened out (null: off); see docs/security.md", gt=1.0)
+    region_holdout_margin: Optional[float] = _f(CHANNEL, None, "with regions, sync mode, whole rounds: each region's contribution is tried before it is applied (the round's weights minus it, evaluated on the eval batches on a home replica) and refused when that eval loss is more than this many nats above the round's weights' own (null: off); see docs/security.md", ge=0.0)
     channel_max_frame_mb: float = _f(CHANNEL, 8.0, "with regions: the largest message the channel accepts, in MiB (transfers go in 1 MiB chunks)", ge=2.0)
     # --- PEFT ------------------------------------------------------------------------
     use_peft: bool = _f(PEFT, False, "train a PEFT adapter instead of all weights")

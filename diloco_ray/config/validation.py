@@ -16,6 +16,7 @@ from typing import Any, Callable, Literal, Union
 
 from diloco_ray.config import fault_plan as faults
 from diloco_ray.config.fields import BUILTIN_MAX_DIGITS, BUILTIN_MAX_SAMPLES, FIELD_TYPES, FIELDS, ConfigFields
+from diloco_ray.config.region_rules import check_regions
 from diloco_ray.errors import ConfigError
 
 
@@ -376,49 +377,6 @@ def _check_decoupled(cfg: ConfigFields, streamed: bool) -> None:
             )
 
 
-# The rules between fields, in order: the first problem is the one reported.
-def _check_regions(cfg: ConfigFields) -> None:
-    """``regions``: a list of ``{name, replicas}``, names unique; what runs across regions
-    today, the home's name and ``min_regions``, and the channel's TLS files."""
-    if cfg.regions is None:
-        return
-    names = []
-    for i, region in enumerate(cfg.regions):
-        ok = isinstance(region, dict) and set(region) == {"name", "replicas"}
-        name, replicas = (region.get("name"), region.get("replicas")) if ok else (None, None)
-        if not (
-            isinstance(name, str) and name.strip() and isinstance(replicas, int) and not isinstance(replicas, bool)
-        ):
-            ok = False
-        if not ok or replicas < 1 or name in names:
-            raise ConfigError(
-                f"regions[{i}]: {region!r} is not allowed; expected {{name: a region name not used before, "
-                "replicas: a whole number >= 1}"
-            )
-        names.append(name)
-    if not names:
-        raise ConfigError("regions: [] names no region; leave regions null for one cluster")
-    if cfg.home_region in names:
-        raise ConfigError(f"home_region: {cfg.home_region!r} is also in regions; give the home a name of its own")
-    if cfg.min_regions > len(names) + 1:
-        raise ConfigError(
-            f"min_regions: {cfg.min_regions} is more than the run's {len(names) + 1} regions (the home and "
-            f"{', '.join(names)}); allowed: 1 to {len(names) + 1}"
-        )
-    if cfg.min_regions > 1 and cfg.sync_fragments > 1:
-        raise ConfigError(
-            f"min_regions: {cfg.min_regions} needs whole rounds (sync_fragments: 1); with fragments each sync "
-            "commits with whoever reported, as it does for min_replicas"
-        )
-    if isinstance(cfg.ranks_per_replica, list):
-        raise ConfigError("regions: ranks_per_replica must be one number (a region's replicas have the same ranks)")
-    missing = [f for f in ("channel_tls_cert", "channel_tls_key") if not getattr(cfg, f)]
-    if missing:
-        raise ConfigError(f"regions: the channel needs {' and '.join(missing)} (PEM files of the home's certificate)")
-    if not cfg.channel_tokens_file:
-        raise ConfigError("regions: the channel needs channel_tokens_file (each region's token: one `NAME TOKEN` line)")
-
-
 RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _choose_sources,
     _check_replica_count,
@@ -434,6 +392,6 @@ RULES: tuple[Callable[[ConfigFields], None], ...] = (
     _check_sync_mode,
     _check_placement,
     _check_links,
-    _check_regions,
+    check_regions,
     _check_fault_plan,  # after the regions it may name
 )

@@ -21,6 +21,7 @@ from typing import Optional, Protocol
 
 from diloco_ray.config.sections import Sections
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
+from diloco_ray.driver.holdout import HoldoutCheck
 from diloco_ray.driver.host import Host, Recovery
 from diloco_ray.driver.period_jobs import PeriodJobs
 from diloco_ray.driver.policies import Action, RoundOutcome, give_up_after
@@ -74,7 +75,9 @@ def loop_for(sections: Sections, inflight_root: str, calls=None) -> OuterLoop:
     shared = dict(run=s.run, sync_codec=s.sync_codec, membership=s.membership, evaluation=s.evaluation, calls=calls)
     if s.run.sync_mode == "decoupled":
         return DecoupledLoop(**shared, decoupled=s.decoupled)
-    return SyncLoop(**shared, checkpointing=s.checkpointing, inflight_root=inflight_root)
+    margin = s.channel.region_holdout_margin
+    holdout = HoldoutCheck(margin) if margin is not None else None
+    return SyncLoop(**shared, checkpointing=s.checkpointing, inflight_root=inflight_root, holdout=holdout)
 
 
 def apply_next_update(loop: OuterLoop, host: Recovery) -> RoundRecord:

@@ -33,6 +33,7 @@ from diloco_ray.config.sections import (
     SyncCodecSection,
 )
 from diloco_ray.driver.calls import RayCalls, ServerLost, server_call
+from diloco_ray.driver.holdout import HoldoutCheck, carries_update, refused
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
 from diloco_ray.driver.policies import (
@@ -90,6 +91,8 @@ class SyncLoop:
         inflight_root: the run's in-flight snapshot folder (for snapshot plans).
         calls: how refs are waited on (Ray's by default).
         steps: the step feed (``poll``, ``beats``, ``last_beats``), or None.
+        holdout: the held-out check of the regions' contributions
+            (``region_holdout_margin``), or None.
     """
 
     def __init__(
@@ -103,12 +106,13 @@ class SyncLoop:
         inflight_root: str = "",
         calls=None,
         steps=None,
+        holdout: Optional[HoldoutCheck] = None,
     ):
         self.run, self.sync_codec, self.membership = run, sync_codec, membership
         self.evaluation, self.checkpointing = evaluation, checkpointing
         self.inflight_root = inflight_root
         self.calls = calls or RayCalls()
-        self.steps = steps
+        self.steps, self.holdout = steps, holdout
         self.round_index = 0  # the next round (the servers' round index between rounds)
         self.jobs = PeriodJobs(sync_codec)
         self.reset = False  # replicas must reload everything (the servers were restored)
@@ -231,7 +235,7 @@ class SyncLoop:
             if run.verdict is not None:
                 self.wasted_steps += wasted(poll.reported, poll.reported)
                 return run
-            run.periods.append(self._sync(host.server, fragment, launched, poll.reported, plans))
+            run.periods.append(self._sync(host, fragment, launched, poll.reported, plans))
             active = [rep for rep in active if rep.id in poll.reported]  # one that missed a sync sits out the round
         return run
 
@@ -273,10 +277,15 @@ class SyncLoop:
         self.wasted_steps += poll.wasted_steps
         return result
 
-    def _sync(self, server, fragment: int, launched: dict, reported: dict, plans: dict) -> Period:
-        """Hand the reports to the servers; the handout moves on to the sync's message."""
+    def _sync(self, host: Host, fragment: int, launched: dict, reported: dict, plans: dict) -> Period:
+        """Hand the reports to the servers (a region's contribution tried first, with the
+        held-out check); the handout moves on to the sync's message."""
+        server = host.server
         buffers = {rid: launched[rid].buffers for rid in reported}
         contributions = per_server(buffers, token_weights(reported), len(server))
+        if self.holdout is not None:
+            tried = [rid for rid, stats in reported.items() if carries_update(rid, stats[0])]
+            contributions = refused(contributions, self.holdout.refusals(host, contributions, tried))
         refs = server.sync(fragment, contributions, plans, unused_ranges(reported))
         # A streaming sync's message is a new version whatever its commit says; a plain
         # sync's becomes one only once its commit says it applied (attempt_round).

@@ -22,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray.config.schema import TrainerConfig, redacted, without_secrets
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
+from diloco_ray.driver.holdout import eval_loss
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
@@ -320,15 +321,9 @@ class DilocoFSDPTrainer:
         return Evaluation(loss, time.perf_counter() - started, bytes_down)
 
     def _eval_loss(self, among: Optional[list]) -> tuple[Optional[float], int]:
-        """The eval loss, and the bytes of global weights it fetched to a replica."""
-        results = self.members.first_answer(lambda rep: rep.evaluate(self._current_globals()), among)
-        if results is None:
-            return None, 0  # every replica died since the update; the next boundary replaces them
-        # The eval replica's ranks share its node's object store: the weights crossed once.
-        # (Evaluating the next round's weights message instead saves nothing over a star of
-        # links: the other replicas then pull it from the eval replica, up its link.)
-        total, count = sum(r[0] for r in results), sum(r[1] for r in results)
-        return (total / count if count else None), max(r[2] for r in results)
+        """The eval loss, and the bytes of global weights it fetched to a replica (None:
+        every replica died since the update; the next boundary replaces them)."""
+        return eval_loss(self.members, self._current_globals(), among)
 
     def inject_faults(self) -> None:
         """Carry out the fault plan's server and driver faults due in this round."""

@@ -214,6 +214,17 @@ class ParameterServer:
         """This slice of the exact fp32 global weights, packed (for eval and final/)."""
         return self.outbox.exact()
 
+    def trial_weights(self, contribution: Contribution) -> np.ndarray:
+        """This slice of the global weights minus one contribution's pseudo-gradient, packed
+        as :meth:`global_weights`: the weights the held-out check scores
+        (:mod:`diloco_ray.driver.holdout`). One that does not decode leaves them as they are:
+        its sync rejects it anyway. Changes nothing."""
+        try:
+            delta = self.codec.receive(resolve(contribution.refs), self.layout.owned)
+        except ValueError:
+            return self.outbox.exact()
+        return self.outbox.minus(delta)
+
     def rows_of(self, name: str) -> tuple[int, np.ndarray] | None:
         """(first row, fp32 rows) of the global weights of ``name`` that this server
         holds, or None: what the final save streams, one tensor at a time. The rows are

@@ -228,7 +228,7 @@ class Aggregator:
             buffers = transport.receive(c.refs)
             refused = region_wire.refused_in(buffers) if self.from_region(c.replica_id) else None
             if refused is not None:  # the home refused a region's reply: it stands for nothing
-                return Rejected(Rejection.MALFORMED, refused)
+                return Rejected(Rejection.REFUSED, refused)
             self._accumulate(acc, buffers, target, c, scale)
         except ValueError as e:  # non-finite values, or rows and shapes this sync does not take
             return rejection_of(e)
@@ -271,7 +271,8 @@ class Aggregator:
         if self.screen is not None:  # every server the same norms (its rows' squares, in server order)
             norms = {rid: math.sqrt(sum(p.sumsq.get(rid, 0.0) for p in prepared)) for rid in prepared[0].order}
             norms = {rid: n for rid, n in norms.items() if rid not in reasons}
-            reasons.update(self.screen.judge(norms, [rid for rid in norms if self.from_region(rid)]))
+            screened = [rid for rid in norms if self.from_region(rid)]
+            reasons.update(self.screen.judge(norms, screened, pending.fragment))
         accepted, total = accepted_of(prepared[0].order, prepared[0].weights, reasons, pending.divisor)
         target = self.layout.target(pending.fragment)
         if accepted != pending.valid:  # another server rejected one this server summed

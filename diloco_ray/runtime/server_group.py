@@ -135,6 +135,11 @@ class ServerGroup:
         """Refs to the exact fp32 global weights, packed per server (eval, final/)."""
         return [a.global_weights.remote() for a in self.actors]
 
+    def trial_weights(self, contributions: list[Contribution]) -> list:
+        """Refs to the global weights minus one contribution (``contributions``: its part
+        for each server), packed per server."""
+        return [a.trial_weights.remote(c) for a, c in zip(self.actors, contributions)]
+
     def tensor(self, name: str, shape) -> np.ndarray:
         """The full fp32 values of one parameter, gathered from the servers holding it."""
         from diloco_ray.persist.final_save import assemble_rows

@@ -55,6 +55,15 @@ class WeightsOutbox:
         store = self.store
         return self.codec.pack(store.params, store.layout.owned, "none", {"version": store.version})
 
+    def minus(self, delta: Mapping) -> np.ndarray:
+        """This slice's exact fp32 weights minus ``delta`` (name -> the rows of it this
+        server owns), packed as :meth:`exact`: where one update alone would take them at
+        learning rate 1. Changes nothing."""
+        store = self.store
+        owned = store.layout.owned
+        trial = {n: store.layout.rows(store.params, n, iv) - delta[n] for n, iv in owned.items()}
+        return self.codec.encode(trial, owned, "none", {"version": store.version})
+
     def full(self) -> np.ndarray:
         """Every parameter of this slice as replicas hold it, packed fp32. Changes nothing."""
         store = self.store

@@ -25,6 +25,7 @@ from diloco_ray.algo import compression
 from diloco_ray.channel.client import ChannelClient
 from diloco_ray.channel.credentials import Token
 from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.driver import holdout
 from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import RoundStats
 from tests.integration.test_regions import free_port, home_config, region_token, train_beside_region
@@ -47,7 +48,8 @@ def test_a_region_sending_a_hundred_times_its_update_is_screened_out_and_the_run
         diloco_loops=5,
         max_steps=3,
         fault_plan=faults,
-        **({"round_timeout_s": 180} if mode == "sync" else {"sync_mode": "decoupled"}),
+        # decoupled: every merge waits for eu too, so its scaled periods are merged before the run ends
+        **({"round_timeout_s": 180} if mode == "sync" else {"sync_mode": "decoupled", "min_quorum": 3}),
     )
     result, _ = train_beside_region(cfg, port, tls, tmp_path)
     eu = str(REGION_ID_BASE)
@@ -62,6 +64,43 @@ def test_a_region_sending_a_hundred_times_its_update_is_screened_out_and_the_run
             assert r["rejected"][eu].startswith("screened out: its norm"), r["rejected"]
         else:
             assert eu not in r["rejected"] and r["regions"]["eu"]["applied"], r
+
+
+def test_a_sign_flipped_region_passes_the_norm_screen_and_is_refused_by_the_held_out_check(
+    ray_local, tmp_path, monkeypatch
+):
+    """The same region, its update sign-flipped (``scale`` -1) in rounds 1-3, with
+    ``region_holdout_margin`` on: its norm is honest, so screening passes it; the home's
+    replica scores the round's weights minus it worse than the round's own, and refuses it.
+    Every other round it is scored better and applied."""
+    scored = []
+    real = holdout.worse_than_margin
+    monkeypatch.setattr(holdout, "worse_than_margin", lambda t, b, m: scored.append((t, b)) or real(t, b, m))
+    tls = make_tls(str(tmp_path))
+    port = free_port()
+    faults = [{"kind": "scale", "region": "eu", "replica": 0, "round": r, "factor": -1} for r in ATTACKED]
+    cfg = home_config(
+        tmp_path / "home",
+        port,
+        tls,
+        [{"name": "eu", "replicas": 1}],
+        num_replicas=2,
+        diloco_loops=5,
+        max_steps=3,
+        fault_plan=faults,
+        round_timeout_s=180,
+        region_holdout_margin=0.01,
+    )
+    result, _ = train_beside_region(cfg, port, tls, tmp_path)
+    eu = str(REGION_ID_BASE)
+    print("held-out scores (trial, base):", scored)
+    assert len(scored) == 5
+    for r, (trial, base) in zip(result.rounds, scored):
+        if r["round"] in ATTACKED:
+            assert r["rejected"][eu].startswith("held-out check: the round's weights minus its update"), r
+            assert trial > base + 0.01 and sorted(r["replica_ids"]) == [0, 1]
+        else:
+            assert eu not in r["rejected"] and r["regions"]["eu"]["applied"] and trial < base, r
 
 
 class GreedyRegion(threading.Thread):

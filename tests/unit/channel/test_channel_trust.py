@@ -4,6 +4,7 @@ keeps serving the honest regions (its threads, memory and CPU its own)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -108,6 +109,26 @@ def test_an_upload_nobody_asked_for_or_over_the_limit_holds_nothing(home):
             raw(home, "Put", frames.encode({**header, "key": key, "total": total}, b"z" * 100))
         assert refused.value.code() is code
     assert home.held_upload_bytes() == 0
+
+
+def test_a_replayed_message_is_refused_by_its_key(home):
+    """A reply taken once reaches no sync again: its key (the home's run, the launch, the
+    fragment) is asked for once. The same bytes again under it are let go (answered as
+    whole, as a resend whose last reply was lost is, and held nowhere); under the next
+    launch's key before the home asks for it, refused."""
+    eu = region(home)
+    eu.join()
+    home.expect("eu", "r/eu/4/0")
+    eu.upload("r/eu/4/0", b"honest")
+    assert home.take("r/eu/4/0", timeout_s=5) == b"honest"
+    header = {"offset": 0, "total": 6, "digest": hashlib.sha256(b"honest").hexdigest(), "region": "eu"}
+    raw(home, "Put", frames.encode({**header, "key": "r/eu/4/0", "session": eu.session}, b"honest"))
+    assert home.take("r/eu/4/0", timeout_s=0.2) is None and home.held_upload_bytes() == 0
+    with pytest.raises(grpc.RpcError) as refused:
+        raw(home, "Put", frames.encode({**header, "key": "r/eu/5/0", "session": eu.session}, b"honest"))
+    assert refused.value.code() is grpc.StatusCode.NOT_FOUND and home.held_upload_bytes() == 0
+    home.expect("eu", "r/eu/5/0")
+    assert home.take("r/eu/5/0", timeout_s=0.2) is None  # the replay did not wait there for the ask
 
 
 def test_a_partial_upload_left_alone_is_let_go(home):

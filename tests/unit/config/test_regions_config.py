@@ -33,6 +33,18 @@ def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
             dict(regions=[{"name": "eu", "replicas": 1}], min_regions=2, sync_fragments=2, **CHANNEL),
             "min_regions: 2 needs whole rounds",
         ),
+        (dict(region_holdout_margin=0.01), "region_holdout_margin: tries a region's contribution; this run has no"),
+        *(
+            (dict(regions=[{"name": "eu", "replicas": 1}], region_holdout_margin=0.01, **other, **CHANNEL), needs)
+            for needs in ["region_holdout_margin: 0.01 needs sync_mode: sync, sync_fragments: 1 and eval_batches > 0"]
+            for other in (
+                dict(sync_mode="decoupled"),
+                dict(sync_fragments=2),
+                dict(sync_fragments=2, overlap_communication=True),
+                dict(eval_batches=0),
+            )
+        ),
+        (dict(regions=[{"name": "eu", "replicas": 1}], region_holdout_margin=-1.0, **CHANNEL), "region_holdout_margin"),
     ],
 )
 def test_what_a_run_across_regions_may_not_say_is_one_line(tmp_path, fields, message):
@@ -51,10 +63,11 @@ def test_a_region_s_own_view_of_the_home_s_job_is_a_valid_one_cluster_config(tmp
         pseudo_grad_compression="topk",
         sync_mode=mode,
         **({"min_quorum": 4} if mode == "decoupled" else {"min_regions": 3, "round_timeout_s": 60}),
+        **({} if mode == "decoupled" else {"region_holdout_margin": 0.02}),  # the home's alone
         **CHANNEL,
     )
     for region in home.regions:
         own = in_region_config(home.to_dict(), region, str(tmp_path / region["name"]))
-        assert own.num_replicas == region["replicas"] and own.regions is None
+        assert own.num_replicas == region["replicas"] and own.regions is None and own.region_holdout_margin is None
         assert own.pseudo_grad_compression == "none" and not own.error_feedback  # the leg inside is plain
         assert own.sync_mode == mode and own.seed == home.seed and own.output_dir == str(tmp_path / region["name"])

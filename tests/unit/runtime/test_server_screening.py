@@ -76,8 +76,9 @@ def test_screening_is_off_when_its_threshold_is_null():
     [
         ({0: 1.0, 1: 1.2, 9: 11.5}, [], {9}),  # 11.5 > 10 x median(1.0, 1.2) = 11
         ({0: 1.0, 1: 1.2, 9: 10.5}, [], set()),
-        ({9: 50.0}, [1.0, 2.0, 3.0], {9}),  # alone: against its own history (median 2)
-        ({9: 50.0}, [], set()),  # alone, no history: nothing to compare with
+        ({9: 50.0}, [1.0, 2.0, 3.0], {9}),  # alone: against the accepted history (median 2)
+        ({9: 15.0}, [1.0, 2.0, 3.0], set()),
+        ({9: 50.0}, [], {9}),  # alone, no history: nothing to hold it against, so not applied
         ({0: 1.0, 9: float("inf")}, [], {9}),
         ({0: 0.0, 9: 1.0}, [], set()),  # nothing to scale a bar from
         ({0: 1.0, 8: 100.0, 9: 100.0}, [], set()),  # two regions: the median of the others
@@ -86,15 +87,28 @@ def test_screening_is_off_when_its_threshold_is_null():
 def test_the_rule_against_the_others_median_or_its_own_history(norms, history, rejected):
     screen = NormScreen(10.0)
     for n in history:
-        screen.judge({9: n}, [9])
+        screen.judge({0: n}, [])  # the home's, accepted unscreened
     assert set(screen.judge(norms, [r for r in norms if r >= 8])) == rejected
 
 
-def test_a_rejected_norm_does_not_join_the_history():
+def test_the_history_holds_every_accepted_norm_per_fragment_and_no_rejected_one():
     screen = NormScreen(10.0)
-    screen.judge({9: 1.0}, [9])
+    screen.judge({0: 1.0, 9: 2.0}, [9])
     screen.judge({0: 1.0, 9: 500.0}, [9])
-    assert list(screen.history[9]) == [1.0] and torch.tensor(1.0)  # (torch imported for Sim's sake)
+    screen.judge({0: 7.0}, [], fragment=1)
+    assert list(screen.history[0]) == [1.0, 2.0, 1.0] and list(screen.history[1]) == [7.0]
+    assert screen.judge({9: 25.0}, [9]) and not screen.judge({9: 25.0}, [9], fragment=1)
+    assert torch.tensor(1.0)  # (torch imported for Sim's sake)
+
+
+def test_a_region_alone_whose_first_contribution_is_already_scaled_is_held_against_the_homes():
+    """Decoupled merges take whoever arrived: a region's first message, scaled and alone,
+    has no honest history of its own; the home's recent norms are its bar."""
+    screen = NormScreen(10.0)
+    for _ in range(3):
+        screen.judge({0: 1.0}, [])
+    why = screen.judge({9: 100.0}, [9])[9]
+    assert why.reason is Rejection.SCREENED and "100x the median 1 of the last 3 accepted ones" in str(why)
 
 
 def test_a_reply_the_home_refused_is_rejected_by_every_server_with_its_reason():
