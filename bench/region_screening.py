@@ -19,7 +19,9 @@ of its own, one replica), per mode and seed, in four variants:
 * ``held-out-flip``: ``flip`` with the check on: each flipped update refused, the run
   within 1.02x of ``alone``.
 
-Prints each run's final eval loss, the rounds in which eu was screened out, and per mode
+Prints each run's final eval loss, the rounds in which eu was left out (and, with the
+held-out check, each round's score: the eval loss of the round's weights minus eu's update
+less the round's weights' own), and per mode
 the median and max over seeds with the ratios on the median. Usage: ``python
 bench/region_screening.py [--seeds 1,2,3] [--modes sync,decoupled] [--variants ...]
 [--out FILE.json]``; about a minute a run on 2 cores.
@@ -50,6 +52,7 @@ from quality import final_eval_loss  # noqa: E402
 from run import config, train  # noqa: E402
 
 from diloco_ray.config.fields import REGION_ID_BASE  # noqa: E402
+from diloco_ray.driver import holdout  # noqa: E402
 from tests.unit.channel.tls_files import make_tls  # noqa: E402
 
 ROUNDS = 10  # the default's
@@ -60,7 +63,7 @@ VARIANTS = {
     "flip": {"fault_plan": [{"kind": "scale", "region": "eu", "round": r, "factor": -1} for r in range(1, ROUNDS)]},
     "alone": None,  # no region at all
 }
-MARGIN = 0.02
+MARGIN = 0.0  # a positive margin lets a late flip pass (docs/results.md, Screening regions)
 FLIPPED = VARIANTS["flip"]["fault_plan"]
 VARIANTS["held-out"] = {"region_holdout_margin": MARGIN}
 VARIANTS["held-out-flip"] = {"region_holdout_margin": MARGIN, "fault_plan": FLIPPED}
@@ -92,10 +95,16 @@ def start_region(folder: str, port: int, tls: dict, token: str) -> subprocess.Po
 
 def one_run(mode: str, seed: int, variant: str) -> dict:
     started = time.monotonic()
-    if VARIANTS[variant] is None:
-        rounds = train(config(seed=seed, sync_mode=mode, num_replicas=1))
-    else:
-        rounds = across_regions(mode, seed, VARIANTS[variant])
+    scores: list = []  # the held-out check's (eval loss of the weights minus eu's update) - (the round's)
+    check = holdout.worse_than_margin
+    holdout.worse_than_margin = lambda t, b, m: scores.append(round(t - b, 4)) or check(t, b, m)
+    try:
+        if VARIANTS[variant] is None:
+            rounds = train(config(seed=seed, sync_mode=mode, num_replicas=1))
+        else:
+            rounds = across_regions(mode, seed, VARIANTS[variant])
+    finally:
+        holdout.worse_than_margin = check
     screened = [r["round"] for r in rounds if str(REGION_ID_BASE) in r.get("rejected", {})]
     return {
         "mode": mode,
@@ -103,6 +112,7 @@ def one_run(mode: str, seed: int, variant: str) -> dict:
         "variant": variant,
         "final_eval_loss": final_eval_loss(rounds),
         "screened_rounds": screened,
+        "held_out_scores": scores,
         "seconds": round(time.monotonic() - started, 1),
     }
 
@@ -170,7 +180,10 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="sync,decoupled")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", default=None)
+    parser.add_argument("--margin", type=float, default=MARGIN, help="the held-out variants' region_holdout_margin")
     args = parser.parse_args(argv)
+    for variant in SYNC_ONLY:
+        VARIANTS[variant]["region_holdout_margin"] = args.margin
     seeds, modes, variants = [int(s) for s in args.seeds.split(",")], args.modes.split(","), args.variants.split(",")
     ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
     runs = []
@@ -183,7 +196,8 @@ def main(argv=None) -> int:
                 r = runs[-1]
                 print(
                     f"# {mode} seed {seed} {variant}: {r['final_eval_loss']:.4f}, "
-                    f"left out in rounds {r['screened_rounds']} ({r['seconds']:.0f} s)",
+                    f"left out in rounds {r['screened_rounds']} ({r['seconds']:.0f} s)"
+                    + (f"; held-out scores {r['held_out_scores']}" if r["held_out_scores"] else ""),
                     flush=True,
                 )
     lines = ["| mode | variant | per seed | median | max |", "|---|---|---|---|---|", *summary(runs, modes, variants)]
