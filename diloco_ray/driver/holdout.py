@@ -12,8 +12,9 @@ sync as a message every server rejects with the reason, which the round record's
 ``rejected`` shows.
 
 An honest region's update is the mean of its replicas' inner steps: while the model learns
-it lowers the held-out loss, and a sign-flipped copy raises it by about as much, so a small
-margin tells them apart (measured in docs/results.md, Screening regions). It runs only where
+it lowers the held-out loss, and a sign-flipped copy raises it by about as much, so a margin
+of 0 tells them apart (late in a run both move the loss little, and a larger margin lets a
+flip through: docs/results.md, Screening regions). It runs only where
 the home's replicas wait anyway, between reporting and the round's weights: sync mode, whole
 rounds (config validation says so). Its cost, per round with a region in it: one eval of the
 round's weights and one per region, each moving the fp32 weights to the eval replica.
