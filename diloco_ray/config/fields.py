@@ -54,6 +54,12 @@ SECTION_NAMES = (
 REGION_ID_BASE = 1_000_000
 
 
+def is_region_member(replica_id: int) -> bool:
+    """Whether ``replica_id`` stands for a region (its one member in the home's round), not
+    a replica: what the servers screen and the held-out check tries."""
+    return replica_id >= REGION_ID_BASE
+
+
 def _f(sections: str | tuple[str, ...], default: Any, help: str, **rules: Any) -> Any:
     """A dataclass field with the section(s) that carry it, a one-line description and
     validation rules.

@@ -1,5 +1,4 @@
-"""The held-out check: a region's update may not make the home's held-out loss worse; and
-:func:`eval_loss`, the scoring of weights on a home replica, which the round's eval shares.
+"""The held-out check: a region's update may not make the home's held-out loss worse.
 
 Screening by norm (:mod:`diloco_ray.algo.screening`) cannot tell a sign flip, or any wrong
 update of an honest size, from an honest one. With ``region_holdout_margin`` set, each
@@ -25,23 +24,10 @@ from __future__ import annotations
 import math
 from typing import Optional
 
-from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.config.fields import is_region_member
+from diloco_ray.driver.round_parts import eval_loss
 from diloco_ray.runtime import region_wire
 from diloco_ray.runtime.messages import Contribution, RoundStats
-
-
-def eval_loss(members, weight_refs: list, among: Optional[list] = None) -> tuple[Optional[float], int]:
-    """The per-token eval loss of the weights ``weight_refs`` (one packed ref per server) on
-    the first home replica that answers (``among`` first), and the bytes it read; (None, 0)
-    when no replica is left."""
-    results = members.first_answer(lambda rep: rep.evaluate(weight_refs), among)
-    if results is None:
-        return None, 0
-    # The eval replica's ranks share its node's object store: the weights crossed once.
-    # (Evaluating the next round's weights message instead saves nothing over a star of
-    # links: the other replicas then pull it from the eval replica, up its link.)
-    total, count = sum(r[0] for r in results), sum(r[1] for r in results)
-    return (total / count if count else None), max(r[2] for r in results)
 
 
 def worse_than_margin(trial: Optional[float], base: float, margin: float) -> Optional[str]:
@@ -88,9 +74,9 @@ class HoldoutCheck:
 
 def carries_update(replica_id: int, stats: RoundStats) -> bool:
     """Whether a report is a region's contribution to try: a region's member (as the servers
-    tell, :data:`~diloco_ray.config.fields.REGION_ID_BASE`) whose reply was neither told to
+    tell: :func:`~diloco_ray.config.fields.is_region_member`) whose reply was neither told to
     stop nor refused already."""
-    return replica_id >= REGION_ID_BASE and not stats.aborted and "refused" not in (stats.region or {})
+    return is_region_member(replica_id) and not stats.aborted and "refused" not in (stats.region or {})
 
 
 def refused(contributions: list[list[Contribution]], why: dict[int, str]) -> list[list[Contribution]]:

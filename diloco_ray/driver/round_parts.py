@@ -4,8 +4,10 @@ A synchronous round (:class:`~diloco_ray.driver.sync_loop.SyncLoop`) and a decou
 (:class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`) differ in who is waited for and
 how each contribution is weighted, not in what they send: every replica's pseudo-gradient
 buffers by server, weighted by the tokens that carried loss; the stream ranges it had no
-time for; and, once the update is applied, one record evaluated on the new weights. Those
-are built here, once, as plain functions over the periods' stats.
+time for; and, once the update is applied, one record evaluated on the new weights (the
+scoring of weights on a home replica, :func:`eval_loss`, which the held-out check of
+:mod:`diloco_ray.driver.holdout` shares). Those are built here, once, as plain functions
+over the periods' stats.
 """
 
 from __future__ import annotations
@@ -90,3 +92,17 @@ def evaluate_and_record(
     evaluation = host.evaluate(among=among, due=due)
     timing = Timing(round_seconds=time.perf_counter() - started, until_applied=applied_at - started)
     return RoundRecord.build(syncs, wasted_steps, evaluation, timing, **shape, **facts())
+
+
+def eval_loss(members, weight_refs: list, among: Optional[list] = None) -> tuple[Optional[float], int]:
+    """The per-token eval loss of the weights ``weight_refs`` (one packed ref per server) on
+    the first home replica that answers (``among`` first), and the bytes it read; (None, 0)
+    when no replica is left."""
+    results = members.first_answer(lambda rep: rep.evaluate(weight_refs), among)
+    if results is None:
+        return None, 0
+    # The eval replica's ranks share its node's object store: the weights crossed once.
+    # (Evaluating the next round's weights message instead saves nothing over a star of
+    # links: the other replicas then pull it from the eval replica, up its link.)
+    total, count = sum(r[0] for r in results), sum(r[1] for r in results)
+    return (total / count if count else None), max(r[2] for r in results)

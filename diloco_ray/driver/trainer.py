@@ -22,12 +22,12 @@ from ray.exceptions import RayActorError, RayTaskError
 from diloco_ray.config.schema import TrainerConfig, redacted, without_secrets
 from diloco_ray.driver import preflight, ray_connection
 from diloco_ray.driver.checkpointer import Checkpointer
-from diloco_ray.driver.holdout import eval_loss
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
 from diloco_ray.driver.regions import open_channel
 from diloco_ray.driver.result import TrainResult
+from diloco_ray.driver.round_parts import eval_loss
 from diloco_ray.driver.run_events import RunEvents
 from diloco_ray.errors import ConfigError, Stopped, UserInputError, unwrap
 from diloco_ray.logs import log

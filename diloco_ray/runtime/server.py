@@ -44,7 +44,7 @@ from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.algo.screening import NormScreen
 from diloco_ray.algo.slice_layout import SliceLayout
-from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.config.fields import is_region_member
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DecoupledSection, OuterOptimSection, SyncCodecSection
 from diloco_ray.data import plan as data
@@ -145,7 +145,7 @@ class ParameterServer:
             momentum_of=self._momentum_of if correct else None,
             cycle_of=self._cycle_of if by_cycle else None,
             screen=self.screen,
-            from_region=lambda replica_id: replica_id >= REGION_ID_BASE,
+            from_region=is_region_member,
         )
 
     def _hold(self, params: dict) -> OuterOptimizer:
