@@ -39,6 +39,17 @@ BASE = dict(diloco_loops=3, max_steps=4, eval_batches=1, stall_timeout_s=4.0, ab
 # late) is paced: a tiny period takes milliseconds, so every step of it takes 20x as long,
 # over more rounds' worth. A pacing fault is not itself checked (``slowdown`` is, below).
 PACE = {"kind": "slowdown", "round": 0, "factor": 20, "pace": True}
+
+
+def paced_by_rounds(replica: int, first_round: int, seconds: float = 0.3, rounds: int = 40) -> list[dict]:
+    """Pacing by a fixed time a step: a ``slow`` fault lasts one period, so one per round
+    (a replica that starts late fires the ones it missed at once: first_round near its start)."""
+    return [
+        {"kind": "slow", "replica": replica, "round": r, "step": 0, "seconds": seconds, "pace": True}
+        for r in range(first_round, first_round + rounds)
+    ]
+
+
 LONGER = {"diloco_loops": 10}
 
 # Each mode's runs: (extra fields, faults). Faults that do not interfere share a run, each
@@ -87,14 +98,16 @@ RUNS = {
             ],
         ),
         "drop_link": (LONGER, [{**PACE, "replica": 0}, {"kind": "drop_link", "replica": 1, "round": 1}]),
-        # Replica 2's replacement (id 3) is paced too, or it would end the run before the
-        # frozen one is found stalled (>= stall_timeout_s + abort_grace_s after it froze). At
-        # 20x the run once ended first in a full suite: 40x leaves twice the time.
+        # Replica 0 and replica 2's replacement (id 3) are paced, or they would end the run
+        # before the frozen one is found stalled (>= stall_timeout_s + abort_grace_s after it
+        # froze): by a fixed time a step, which no load changes, and not by a multiple of the
+        # step's own time (40x a step, with two suites on the machine, was once longer than
+        # stall_timeout_s, and replica 0 was dropped as frozen).
         "freeze-kill": (
             {**LONGER, "num_replicas": 3},
             [
-                {**PACE, "replica": 0, "factor": 40},
-                {**PACE, "replica": 3, "factor": 40},
+                *paced_by_rounds(replica=0, first_round=0),
+                *paced_by_rounds(replica=3, first_round=2),
                 {"kind": "freeze", "replica": 1, "round": 1, "step": 1},
                 {"kind": "kill", "replica": 2, "round": 1, "step": 1},
             ],
