@@ -130,21 +130,15 @@ def ray_local():
 OWN_RAY_ENVIRONMENT = ("test_cloud_output.py",)
 
 
-# Modules that must not run beside each other (xdist): the network rehearsals build their
-# namespaces and links under one lock, and each checks that nothing of theirs is left behind.
-ONE_AT_A_TIME = {"test_wan.py": "rehearsals", "test_wan_regions.py": "rehearsals"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(session, config, items):
     """One process: integration modules that use the shared Ray run one after another,
     before the ones that start a Ray of their own or none: one start and stop (~5 s here)
     for all of them instead of one per run of such modules. Unit tests stay first; order is
     otherwise kept.
 
-    Under xdist (``-n``): each module is one group (its tests share one worker, and so its
-    Ray), and the groups go out longest first: the modules with Ray clusters of their own
-    (the regions), then those on the shared Ray, then the unit tests, which fill in at the end."""
+    Under xdist (``-n``, ``--dist loadfile``: a module's tests share one worker, and so its
+    Ray), integration modules go first, those that start Ray clusters of their own (the
+    rehearsals, the CLI's) before those on the shared Ray, and the unit tests fill in at the end."""
 
     _shared_ray["modules"] = {item.path for item in items if "ray_local" in item.fixturenames}
     parallel = hasattr(config, "workerinput")
@@ -157,9 +151,6 @@ def pytest_collection_modifyitems(session, config, items):
         return 2 if item.path.name in OWN_RAY_ENVIRONMENT else 1
 
     items.sort(key=place)
-    if parallel:
-        for item in items:
-            item.add_marker(pytest.mark.xdist_group(ONE_AT_A_TIME.get(item.path.name, str(item.path))))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -1,0 +1,166 @@
+"""Which outer step to default to: ``python bench/outer_step.py --setting text4 --codecs none``.
+
+Sweeps the outer step (``outer_lr`` x ``outer_momentum``, Nesterov with SGD) with
+:func:`diloco_ray.sweep.runner.sweep` (Ray Tune, one trial at a time) for each codec, in
+one of these settings:
+
+* ``tiny``: the embedded default (``configs/tiny.yaml``: 2 replicas, 10 rounds of H = 30);
+* ``text4``: ``bench/decoupled.py``'s model still learning English text, 4 replicas, 16
+  rounds of H = 25, synchronous; ``text4-64``: the same over 64 rounds; ``text8``: 8 replicas.
+
+Two passes, as the sweep's cost asks on 2 cores:
+
+* ``--screen`` (seed ``--seeds``' first): every step of the grid, with ASHA stopping a trial
+  behind the others after ``--grace-rounds`` rounds;
+* ``--confirm lr/momentum,...``: the named steps over every seed, to the last round.
+
+Each trial's row (setting, codec, step, seed, status, final eval loss, its curve) is
+appended to ``--log`` (JSON lines; a step already there for the same setting, codec and
+seed is not run again), and the summary per (setting, codec, step) over the finished
+seeds (median, max, and the ratios to the best median and the best max) is printed. The
+codec's other fields keep what naming the codec gives (``topk``: 1/64 of each block and a
+residual decay of 0.95, SparseLoCo's), whatever step the trial takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from diloco_ray import TrainerConfig  # noqa: E402
+from diloco_ray.config.fields import CODEC_DEFAULTS  # noqa: E402
+from diloco_ray.sweep.runner import sweep  # noqa: E402
+
+TINY = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
+LRS = [0.5, 0.7, 1.0, 1.3]
+MOMENTA = [0.0, 0.5, 0.9]
+# What the codec brings beside its outer step (kept when a trial sets the step).
+CODEC_FIELDS = {
+    "none": {"pseudo_grad_compression": "none"},
+    "int8": {"pseudo_grad_compression": "int8", "weights_compression": "int8"},
+    "topk": {
+        "pseudo_grad_compression": "topk",
+        "weights_compression": "int8",
+        "topk_fraction": CODEC_DEFAULTS["topk"]["topk_fraction"],
+        "error_feedback_decay": CODEC_DEFAULTS["topk"]["error_feedback_decay"],
+    },
+}
+
+
+def setting_values(setting: str, seed: int) -> dict:
+    """The setting's config values for one seed (its output_dir a fresh folder)."""
+    out = tempfile.mkdtemp(prefix=f"outer-step-{setting}-")
+    if setting == "tiny":
+        return TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "seed": seed}).to_dict()
+    import decoupled  # the text model and corpus of bench/decoupled.py
+
+    replicas, rounds = {"text4": (4, 16), "text4-64": (4, 64), "text8": (8, 16)}[setting]
+    cfg = decoupled.config(seed, "sync", "equal", rounds, {"num_replicas": replicas, "output_dir": out})
+    return cfg.to_dict()
+
+
+def step_name(lr: float, momentum: float) -> str:
+    return f"{lr:g}/{momentum:g}"
+
+
+def done_rows(log: str) -> list[dict]:
+    if not os.path.exists(log):
+        return []
+    with open(log) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def run(setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: int, log: str) -> None:
+    """Sweep ``lrs`` x ``momenta`` for one setting, codec and seed; append a row a trial."""
+    have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log)}
+    if all((setting, codec, step_name(lr, m), seed) in have for lr in lrs for m in momenta):
+        return
+    values = {**setting_values(setting, seed), **CODEC_FIELDS[codec]}
+    grace = min(grace, values["diloco_loops"])  # (the whole run: no early stop)
+    swept = sweep(
+        values,
+        {"outer_lr": lrs, "outer_momentum": momenta},
+        grace_rounds=grace,
+        max_concurrent=1,  # each trial judged against the ones before it: reproducible stops
+        ray_output_to_file=True,
+    )
+    with open(log, "a") as f:
+        for t in swept.trials:
+            step = step_name(t.overrides["outer_lr"], t.overrides["outer_momentum"])
+            row = {
+                "setting": setting,
+                "codec": codec,
+                "step": step,
+                "seed": seed,
+                "status": t.status,
+                "rounds": t.rounds,
+                "final_eval_loss": t.eval_loss,
+                "eval_curve": t.eval_curve,
+            }
+            f.write(json.dumps(row) + "\n")
+            print(f"{setting} {codec} {step} seed {seed}: {t.status} {t.rounds}/{t.planned_rounds} {t.eval_loss}")
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per (setting, codec, step) over its finished seeds: median, max, and each against the
+    best median and the best max of the same setting and codec (1.0: the best)."""
+    groups: dict = {}
+    for r in rows:
+        if r["status"] == "finished":
+            groups.setdefault((r["setting"], r["codec"], r["step"]), []).append(r["final_eval_loss"])
+    out = []
+    for (setting, codec, step), losses in groups.items():
+        out.append(
+            {
+                "setting": setting,
+                "codec": codec,
+                "step": step,
+                "seeds": len(losses),
+                "median": statistics.median(losses),
+                "max": max(losses),
+            }
+        )
+    for row in out:
+        peers = [
+            o for o in out if (o["setting"], o["codec"], o["seeds"]) == (row["setting"], row["codec"], row["seeds"])
+        ]
+        row["median_vs_best"] = row["median"] / min(o["median"] for o in peers)
+        row["max_vs_best"] = row["max"] / min(o["max"] for o in peers)
+    return sorted(out, key=lambda o: (o["setting"], o["codec"], -o["seeds"], o["median"]))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setting", choices=["tiny", "text4", "text4-64", "text8"], default="text4")
+    parser.add_argument("--codecs", default="none,int8,topk")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--screen", action="store_true", help="every step of the grid on the first seed, ASHA on")
+    parser.add_argument("--confirm", default="", help="steps LR/MOMENTUM,... over every seed, to the last round")
+    parser.add_argument("--grace-rounds", type=int, default=4)
+    parser.add_argument("--log", default=os.path.join(HERE, "outer_step.jsonl"))
+    args = parser.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    for codec in args.codecs.split(","):
+        if args.screen:
+            run(args.setting, codec, seeds[0], LRS, MOMENTA, args.grace_rounds, args.log)
+        for step in filter(None, args.confirm.split(",")):
+            lr, momentum = (float(x) for x in step.split("/"))
+            for seed in seeds:
+                run(args.setting, codec, seed, [lr], [momentum], 10**6, args.log)
+    for row in summary(done_rows(args.log)):
+        if row["setting"] == args.setting:
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
