@@ -131,23 +131,18 @@ OWN_RAY_ENVIRONMENT = ("test_cloud_output.py",)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """One process: integration modules that use the shared Ray run one after another,
-    before the ones that start a Ray of their own or none: one start and stop (~5 s here)
-    for all of them instead of one per run of such modules. Unit tests stay first; order is
-    otherwise kept.
-
-    Under xdist (``-n``, ``--dist loadfile``: a module's tests share one worker, and so its
-    Ray), integration modules go first, those that start Ray clusters of their own (the
-    rehearsals, the CLI's) before those on the shared Ray, and the unit tests fill in at the end."""
+    """Integration modules that use the shared Ray run one after another, before the ones
+    that start a Ray of their own or none: one start and stop (~5 s here) for all of them
+    instead of one per run of such modules. Unit tests stay first; order is otherwise kept.
+    Under xdist (``--dist loadfile``) each worker takes whole modules in this order."""
 
     _shared_ray["modules"] = {item.path for item in items if "ray_local" in item.fixturenames}
-    parallel = hasattr(config, "workerinput")
 
     def place(item) -> int:  # per module, so modules stay whole
         if "integration" not in item.path.parts:
-            return 4 if parallel else 0
+            return 0
         if item.path not in _shared_ray["modules"]:
-            return 0 if parallel else 3
+            return 3
         return 2 if item.path.name in OWN_RAY_ENVIRONMENT else 1
 
     items.sort(key=place)
