@@ -30,6 +30,7 @@ import os
 import statistics
 import sys
 import tempfile
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
@@ -79,17 +80,22 @@ def done_rows(log: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: int, log: str) -> None:
-    """Sweep ``lrs`` x ``momenta`` for one setting, codec and seed; append a row a trial."""
-    have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log)}
+def run(setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: Optional[int], log: str) -> None:
+    """Sweep ``lrs`` x ``momenta`` for one setting, codec and seed; append a row a trial.
+    ``grace``: rounds before ASHA may stop a trial (None: every trial runs to the end).
+
+    A step already in the log for this setting, codec and seed is not run again if it
+    finished, or if it was stopped early and early stops are allowed now: a confirmation
+    runs a step the screen stopped to the end."""
+    done = {"finished"} if grace is None else {"finished", "stopped"}
+    have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log) if r["status"] in done}
     if all((setting, codec, step_name(lr, m), seed) in have for lr in lrs for m in momenta):
         return
     values = {**setting_values(setting, seed), **CODEC_FIELDS[codec]}
-    grace = min(grace, values["diloco_loops"])  # (the whole run: no early stop)
     swept = sweep(
         values,
         {"outer_lr": lrs, "outer_momentum": momenta},
-        grace_rounds=grace,
+        grace_rounds=values["diloco_loops"] if grace is None else min(grace, values["diloco_loops"]),
         max_concurrent=1,  # each trial judged against the ones before it: reproducible stops
         ray_output_to_file=True,
     )
@@ -155,7 +161,7 @@ def main(argv=None) -> int:
         for step in filter(None, args.confirm.split(",")):
             lr, momentum = (float(x) for x in step.split("/"))
             for seed in seeds:
-                run(args.setting, codec, seed, [lr], [momentum], 10**6, args.log)
+                run(args.setting, codec, seed, [lr], [momentum], None, args.log)
     for row in summary(done_rows(args.log)):
         if row["setting"] == args.setting:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))

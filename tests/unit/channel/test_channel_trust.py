@@ -283,8 +283,8 @@ def test_unauthenticated_bodies_and_declared_gigabytes_leave_the_home_s_memory_a
         for _ in range(3):
             attack_the_home(channel, eu.session)
             grown.append(held_mb(proc) - before)
-        # Nothing of the bodies is kept once their calls are refused (buffering them was
-        # hundreds of MB), and a second and a third attack add nothing.
+        # Nothing of the bodies or of the declared uploads is kept once their calls are
+        # refused, and a second and a third attack add nothing.
         assert max(grown) <= 32, f"the home holds {max(grown):.0f} MB more after the attacks: {grown}"
         channel.close()
     finally:
