@@ -7,8 +7,8 @@ docstrings of Python's standard library and of ``transformers``, a byte-level BP
 tokens), seq 128, batch 8 per replica, H = 25 (periods of 8 s or more on 2 shared cores),
 16 rounds (inner lr 3e-3: eval loss falls from ~6.8 after the first round and is still
 falling at the end; with 1e-3 it rose 0.30 at the second round even in sync mode), with
-the project's defaults for everything else (outer Nesterov lr 0.7, momentum 0.9,
-``min_quorum`` 1, the grace window, ``decoupled_momentum``).
+the project's defaults for everything else (the plain outer step, ``min_quorum`` 1, the
+grace window, ``decoupled_momentum``).
 
 For each seed (default 0-2) and each speed (``equal``; ``slow``: replica 1 2x slower, a
 ``slowdown`` in the fault plan) it runs the synchronous and the decoupled mode and prints

@@ -14,6 +14,9 @@ Two passes, as the sweep's cost asks on 2 cores:
   behind the others after ``--grace-rounds`` rounds;
 * ``--confirm lr/momentum,...``: the named steps over every seed, to the last round.
 
+``--outer-lr-schedule`` runs either pass under that outer lr schedule (its rows' step names
+end in it).
+
 Each trial's row (setting, codec, step, seed, status, final eval loss, its curve) is
 appended to ``--log`` (JSON lines; a step already there for the same setting, codec and
 seed is not run again), and the summary per (setting, codec, step) over the finished
@@ -69,8 +72,8 @@ def setting_values(setting: str, seed: int) -> dict:
     return cfg.to_dict()
 
 
-def step_name(lr: float, momentum: float) -> str:
-    return f"{lr:g}/{momentum:g}"
+def step_name(lr: float, momentum: float, schedule: Optional[str] = None) -> str:
+    return f"{lr:g}/{momentum:g}" + (f" {schedule}" if schedule else "")
 
 
 def done_rows(log: str) -> list[dict]:
@@ -80,18 +83,21 @@ def done_rows(log: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def run(setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: Optional[int], log: str) -> None:
+def run(
+    setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: Optional[int], log: str, schedule=None
+) -> None:
     """Sweep ``lrs`` x ``momenta`` for one setting, codec and seed; append a row a trial.
-    ``grace``: rounds before ASHA may stop a trial (None: every trial runs to the end).
+    ``grace``: rounds before ASHA may stop a trial (None: every trial runs to the end);
+    ``schedule``: the trials' ``outer_lr_schedule`` (None: constant), part of the step's name.
 
     A step already in the log for this setting, codec and seed is not run again if it
     finished, or if it was stopped early and early stops are allowed now: a confirmation
     runs a step the screen stopped to the end."""
     done = {"finished"} if grace is None else {"finished", "stopped"}
     have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log) if r["status"] in done}
-    if all((setting, codec, step_name(lr, m), seed) in have for lr in lrs for m in momenta):
+    if all((setting, codec, step_name(lr, m, schedule), seed) in have for lr in lrs for m in momenta):
         return
-    values = {**setting_values(setting, seed), **CODEC_FIELDS[codec]}
+    values = {**setting_values(setting, seed), **CODEC_FIELDS[codec], "outer_lr_schedule": schedule}
     swept = sweep(
         values,
         {"outer_lr": lrs, "outer_momentum": momenta},
@@ -101,7 +107,7 @@ def run(setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: Op
     )
     with open(log, "a") as f:
         for t in swept.trials:
-            step = step_name(t.overrides["outer_lr"], t.overrides["outer_momentum"])
+            step = step_name(t.overrides["outer_lr"], t.overrides["outer_momentum"], schedule)
             row = {
                 "setting": setting,
                 "codec": codec,
@@ -152,16 +158,17 @@ def main(argv=None) -> int:
     parser.add_argument("--screen", action="store_true", help="every step of the grid on the first seed, ASHA on")
     parser.add_argument("--confirm", default="", help="steps LR/MOMENTUM,... over every seed, to the last round")
     parser.add_argument("--grace-rounds", type=int, default=4)
+    parser.add_argument("--outer-lr-schedule", choices=["cosine", "linear", "polynomial"], default=None)
     parser.add_argument("--log", default=os.path.join(HERE, "outer_step.jsonl"))
     args = parser.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     for codec in args.codecs.split(","):
         if args.screen:
-            run(args.setting, codec, seeds[0], LRS, MOMENTA, args.grace_rounds, args.log)
+            run(args.setting, codec, seeds[0], LRS, MOMENTA, args.grace_rounds, args.log, args.outer_lr_schedule)
         for step in filter(None, args.confirm.split(",")):
             lr, momentum = (float(x) for x in step.split("/"))
             for seed in seeds:
-                run(args.setting, codec, seed, [lr], [momentum], None, args.log)
+                run(args.setting, codec, seed, [lr], [momentum], None, args.log, args.outer_lr_schedule)
     for row in summary(done_rows(args.log)):
         if row["setting"] == args.setting:
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))

@@ -192,8 +192,8 @@ class ConfigFields(DerivedValues):
     diloco_loops: int = _f((RUN, INNER_OPTIM, OUTER_OPTIM), 10, "outer rounds to run", ge=1)
     outer_opt: str = _f(OUTER_OPTIM, "SGD", "outer optimizer: a torch.optim class name")
     outer_opt_kwargs: dict = _f(OUTER_OPTIM, {}, "extra keyword arguments for the outer optimizer (SGD: nesterov defaults to true)")
-    outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.7; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings SparseLoCo's whole outer step)", gt=0.0)
-    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.9; 0 when pseudo_grad_compression: topk and outer_lr is null too, the decayed residual standing in for it)", ge=0.0, lt=1.0)
+    outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.5; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings SparseLoCo's whole outer step; see docs/results.md, Outer step)", gt=0.0)
+    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5; 0 when pseudo_grad_compression: topk and outer_lr is null too, the decayed residual standing in for it; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(OUTER_OPTIM, None, "outer lr schedule over diloco_loops (null: constant)")
     outer_grad_clip: Optional[float] = _f(OUTER_OPTIM, None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
     # --- decoupled mode ----------------------------------------------------------------
@@ -291,16 +291,19 @@ class ConfigFields(DerivedValues):
 
 # The null outer-step fields take the pseudo-gradient codec's defaults: ``topk`` brings
 # SparseLoCo's outer step (no outer momentum, the decayed error-feedback residual standing in
-# for it, and 1/64 of each block), every other codec plain DiLoCo's. The outer step comes as
-# a whole: a config that sets outer_lr or outer_momentum has chosen its own, and the fields it
-# leaves null take plain DiLoCo's values, the ones that go with such a step. A value the
-# user sets always wins.
+# for it, and 1/64 of each block), every other codec the plain step. The plain step is lr 0.5
+# under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
+# round: the DiLoCo paper's lr 0.7 under Nesterov 0.9 is tuned for hundreds of rounds and
+# overshoots in the tens of rounds a fine-tune or a short run has (docs/results.md, Outer
+# step, holds the sweep behind both). The outer step comes as a whole: a config that sets
+# outer_lr or outer_momentum has chosen its own, and the fields it leaves null take the plain
+# values. A value the user sets always wins.
 CODEC_DEFAULTS: dict[str, dict[str, float]] = {
     "topk": {"outer_lr": 1.3, "outer_momentum": 0.0, "error_feedback_decay": 0.95, "topk_fraction": 1 / 64},
 }
 PLAIN_DEFAULTS: dict[str, float] = {
-    "outer_lr": 0.7,
-    "outer_momentum": 0.9,
+    "outer_lr": 0.5,
+    "outer_momentum": 0.5,
     "error_feedback_decay": 1.0,
     "topk_fraction": 1 / 16,
 }
@@ -310,7 +313,7 @@ CODEC_FIELDS = ("pseudo_grad_compression", *PLAIN_DEFAULTS)  # what codec_defaul
 
 def codec_defaults(values: dict) -> dict[str, float]:
     """What the null codec-defaulted fields of ``values`` (field -> value) become: the
-    codec's bundle when the outer step is left to it, else plain DiLoCo's."""
+    codec's bundle when the outer step is left to it, else the plain step's."""
     codec = values.get("pseudo_grad_compression")
     own_step = any(values.get(name) is not None for name in OWN_OUTER_STEP)
     bundle = {} if own_step or not isinstance(codec, str) else CODEC_DEFAULTS.get(codec, {})

@@ -76,8 +76,8 @@ def test_tiny_yaml_values():
 def test_direct_construction_and_defaults():
     cfg = TrainerConfig(**BASE)
     assert cfg.outer_opt == "SGD"
-    assert cfg.outer_lr == 0.7
-    assert cfg.outer_momentum == 0.9
+    assert cfg.outer_lr == 0.5
+    assert cfg.outer_momentum == 0.5
     assert cfg.inner_opt == "AdamW"
     assert cfg.model_config == {"model_type": "llama", "hidden_size": 32}
     assert cfg.num_replicas == 2 and cfg.ranks_per_replica == 1
@@ -528,7 +528,7 @@ def test_to_yaml_round_trip_of_defaults(tmp_path):
 def test_to_dict_has_every_field():
     d = make().to_dict()
     assert list(d) == FIELD_NAMES
-    assert d["outer_lr"] == 0.7
+    assert d["outer_lr"] == 0.5
 
 
 # --- help ---------------------------------------------------------------------------------
@@ -617,8 +617,8 @@ def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
     base = dict(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic")
     plain = TrainerConfig(**base)
     assert (plain.outer_lr, plain.outer_momentum, plain.error_feedback_decay, plain.topk_fraction) == (
-        0.7,
-        0.9,
+        0.5,
+        0.5,
         1.0,
         1 / 16,
     )
@@ -636,9 +636,12 @@ def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
         0.95,
         1 / 32,
     )
-    # The outer step comes as a whole: a config that chose its own keeps plain DiLoCo's fraction and decay.
-    own = TrainerConfig(**base, pseudo_grad_compression="topk", outer_momentum=0.5)
-    assert (own.outer_lr, own.outer_momentum, own.error_feedback_decay, own.topk_fraction) == (0.7, 0.5, 1.0, 1 / 16)
+    # The outer step comes as a whole: a config that chose its own keeps the plain step's lr, fraction and decay.
+    own = TrainerConfig(**base, pseudo_grad_compression="topk", outer_momentum=0.2)
+    assert (own.outer_lr, own.outer_momentum, own.error_feedback_decay, own.topk_fraction) == (0.5, 0.2, 1.0, 1 / 16)
+    # A value set by hand is kept whatever the defaults: the DiLoCo paper's step, for long runs.
+    paper = TrainerConfig(**base, outer_lr=0.7, outer_momentum=0.9)
+    assert (paper.outer_lr, paper.outer_momentum) == (0.7, 0.9)
     # What the run used is what config.yaml holds, so a resume uses it again.
     assert TrainerConfig.from_dict(sparse.to_dict()).to_dict() == sparse.to_dict()
 

@@ -4,6 +4,8 @@ network)."""
 
 import logging
 
+import pytest
+
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.driver import preflight
 
@@ -58,3 +60,39 @@ def test_the_preflight_warns_before_it_touches_the_bucket(monkeypatch, caplog):
         "output_dir: 's3://bucket/run?tls_verify_certificates=0' turns TLS certificate checks off "
         "(tls_verify_certificates=0) (a config is code: run only configs whose author you trust)"
     ]
+
+
+def drift(**fields):
+    sections = config(**fields).sections()
+    return preflight.drifting_outer_step(sections.outer_optim, sections.sync_codec)
+
+
+def test_topk_under_nesterov_momentum_set_by_hand_gets_one_line_saying_what_to_set():
+    line = drift(pseudo_grad_compression="topk", outer_momentum=0.9)
+    assert line.startswith("outer_momentum: 0.9 with pseudo_grad_compression: topk drifts: ")
+    assert line.endswith(
+        "leave outer_lr and outer_momentum null for topk's own step (lr 1.3, momentum 0), or set outer_momentum: 0"
+    )
+    assert drift(pseudo_grad_compression="topk", outer_lr=0.7, outer_momentum=0.95).startswith("outer_momentum: 0.95 ")
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        dict(pseudo_grad_compression="topk"),  # topk's own step
+        dict(pseudo_grad_compression="topk", outer_lr=0.7),  # the plain default's momentum
+        dict(pseudo_grad_compression="topk", outer_momentum=0.5),
+        dict(pseudo_grad_compression="int8", outer_momentum=0.9),
+        dict(),
+        dict(pseudo_grad_compression="topk", outer_opt="Adam", outer_momentum=0.9),  # no Nesterov to drift
+    ],
+)
+def test_every_other_step_is_left_alone(fields):
+    assert drift(**fields) is None
+
+
+def test_the_preflight_logs_the_drift_once(tmp_path, caplog):
+    cfg = config(output_dir=str(tmp_path / "run"), pseudo_grad_compression="topk", outer_momentum=0.9)
+    with caplog.at_level(logging.WARNING, logger="diloco_ray"):
+        preflight.check(cfg, resuming=False)
+    assert [r.getMessage() for r in caplog.records] == [drift(pseudo_grad_compression="topk", outer_momentum=0.9)]

@@ -1,0 +1,82 @@
+"""bench/outer_step.py's bookkeeping: which rows count as done, and the summary over seeds
+(no Ray: the sweep is replaced where a test would reach it)."""
+
+import json
+import os
+import sys
+import types
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench"))
+import outer_step  # noqa: E402
+
+
+def row(step, seed, loss, status="finished", setting="text4", codec="none"):
+    return {"setting": setting, "codec": codec, "step": step, "seed": seed, "status": status, "final_eval_loss": loss}
+
+
+def test_the_summary_takes_finished_seeds_and_compares_like_with_like():
+    rows = [
+        row("0.5/0.5", 0, 4.0),
+        row("0.5/0.5", 1, 4.4),
+        row("0.5/0.5", 2, 4.2),
+        row("1/0", 0, 4.1),
+        row("1/0", 1, 4.3),
+        row("1/0", 2, 4.6),
+        row("0.7/0.9", 0, 6.0, status="stopped"),  # a screen's early stop is not a result
+        row("0.7/0", 0, 3.0),  # one seed: compared only with other one-seed steps
+        row("0.5/0.5", 0, 9.0, codec="int8"),  # another codec: its own best
+    ]
+    summary = {(r["codec"], r["step"]): r for r in outer_step.summary(rows)}
+    assert ("none", "0.7/0.9") not in summary
+    best, other = summary[("none", "0.5/0.5")], summary[("none", "1/0")]
+    assert (best["median"], best["max"], best["median_vs_best"]) == (4.2, 4.4, 1.0)
+    assert other["median"] == 4.3 and other["median_vs_best"] == pytest.approx(4.3 / 4.2)
+    assert other["max_vs_best"] == pytest.approx(4.6 / 4.4)
+    assert summary[("none", "0.7/0")]["median_vs_best"] == 1.0
+    assert summary[("int8", "0.5/0.5")]["median_vs_best"] == 1.0
+
+
+def test_a_step_is_named_with_its_schedule():
+    assert outer_step.step_name(0.5, 0.5) == "0.5/0.5"
+    assert outer_step.step_name(1.0, 0.0, "cosine") == "1/0 cosine"
+
+
+@pytest.fixture
+def sweeps(monkeypatch):
+    calls = []
+
+    def fake_sweep(values, grid, **kwargs):
+        calls.append((values, grid, kwargs))
+        return types.SimpleNamespace(trials=[])
+
+    monkeypatch.setattr(outer_step, "sweep", fake_sweep)
+    return calls
+
+
+def write(log, *rows):
+    with open(log, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_a_screened_step_is_not_run_again_but_a_confirmation_runs_a_stopped_one(tmp_path, sweeps):
+    log = str(tmp_path / "log.jsonl")
+    write(log, row("0.7/0.9", 0, 6.0, status="stopped", setting="tiny"))
+    outer_step.run("tiny", "none", 0, [0.7], [0.9], 4, log)  # a screen: the early stop stands
+    assert sweeps == []
+    outer_step.run("tiny", "none", 0, [0.7], [0.9], None, log)  # a confirmation: to the end
+    ((values, grid, kwargs),) = sweeps
+    assert grid == {"outer_lr": [0.7], "outer_momentum": [0.9]}
+    assert kwargs["grace_rounds"] == values["diloco_loops"]  # no trial can be stopped early
+    assert values["outer_lr_schedule"] is None
+
+
+def test_a_schedule_is_a_step_of_its_own(tmp_path, sweeps):
+    log = str(tmp_path / "log.jsonl")
+    write(log, row("0.5/0.5", 0, 0.75, setting="tiny"))
+    outer_step.run("tiny", "none", 0, [0.5], [0.5], None, log)
+    assert sweeps == []
+    outer_step.run("tiny", "none", 0, [0.5], [0.5], None, log, schedule="cosine")
+    ((values, _, _),) = sweeps
+    assert values["outer_lr_schedule"] == "cosine"
