@@ -150,6 +150,22 @@ def summary(rows: list[dict]) -> list[dict]:
     return sorted(out, key=lambda o: (o["setting"], o["codec"], -o["seeds"], o["median"]))
 
 
+def markdown(rows: list[dict]) -> str:
+    """The summary as a Markdown table (docs/results.md, Outer step), seeds listed per step."""
+    seeds: dict = {}
+    for r in rows:
+        if r["status"] == "finished":
+            seeds.setdefault((r["setting"], r["codec"], r["step"]), {})[r["seed"]] = r["final_eval_loss"]
+    lines = ["| setting | codec | step | per seed | median | max | median / best | max / best |", "|---" * 8 + "|"]
+    for o in summary(rows):
+        each = " / ".join(f"{loss:.4f}" for _, loss in sorted(seeds[(o["setting"], o["codec"], o["step"])].items()))
+        lines.append(
+            f"| {o['setting']} | {o['codec']} | {o['step']} | {each} | {o['median']:.4f} | {o['max']:.4f} "
+            f"| {o['median_vs_best']:.3f} | {o['max_vs_best']:.3f} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--setting", choices=["tiny", "text4", "text4-64", "text8"], default="text4")
@@ -160,7 +176,13 @@ def main(argv=None) -> int:
     parser.add_argument("--grace-rounds", type=int, default=4)
     parser.add_argument("--outer-lr-schedule", choices=["cosine", "linear", "polynomial"], default=None)
     parser.add_argument("--log", default=os.path.join(HERE, "outer_step.jsonl"))
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the summary of every setting as a table, run nothing"
+    )
     args = parser.parse_args(argv)
+    if args.markdown:
+        print(markdown(done_rows(args.log)))
+        return 0
     seeds = [int(s) for s in args.seeds.split(",")]
     for codec in args.codecs.split(","):
         if args.screen:

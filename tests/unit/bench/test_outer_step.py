@@ -80,3 +80,10 @@ def test_a_schedule_is_a_step_of_its_own(tmp_path, sweeps):
     outer_step.run("tiny", "none", 0, [0.5], [0.5], None, log, schedule="cosine")
     ((values, _, _),) = sweeps
     assert values["outer_lr_schedule"] == "cosine"
+
+
+def test_the_markdown_table_lists_each_seed_under_its_step():
+    table = outer_step.markdown([row("1/0", 1, 4.3), row("1/0", 0, 4.1), row("1/0", 2, 4.6, status="stopped")])
+    header, rule, line = table.splitlines()
+    assert rule == "|---" * 8 + "|"
+    assert line == "| text4 | none | 1/0 | 4.1000 / 4.3000 | 4.2000 | 4.3000 | 1.000 | 1.000 |"
