@@ -206,13 +206,13 @@ def loosened_settings(checkpointing: CheckpointSection, data: DataSection) -> li
 def drifting_outer_step(outer: OuterOptimSection, codec: SyncCodecSection) -> Optional[str]:
     """One line when the outer step is one that drifts with its codec: ``topk`` under Nesterov
     momentum of 0.9 or more, which only a config that sets it gets (topk's own step has none,
-    and the plain default is below it). The measurement it cites is docs/results.md's."""
+    and the plain default is below it). The measurement it cites is docs/slow-links.md's."""
     if codec.pseudo_grad_compression != "topk" or outer.outer_opt != "SGD" or outer.outer_momentum < 0.9:
         return None
     return (
         f"outer_momentum: {outer.outer_momentum:g} with pseudo_grad_compression: topk drifts: on the text "
-        "benchmark (4 replicas, 16 rounds, 3 seeds) topk under Nesterov 0.9 ended 12-18% above topk's own "
-        "step, and rose late in a held-out run (docs/results.md, Outer step); leave outer_lr and "
+        "benchmark (4 replicas, 16 rounds, 3 seeds) topk at 1/16 under Nesterov 0.9 ended 12-18% above the "
+        "same topk under its own step (docs/slow-links.md, Codec frontier); leave outer_lr and "
         "outer_momentum null for topk's own step (lr 1.3, momentum 0), or set outer_momentum: 0"
     )
 
