@@ -123,20 +123,23 @@ def run(
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (setting, codec, step) over its finished seeds: median, max, and each against the
-    best median and the best max of the same setting and codec (1.0: the best)."""
+    """Per (setting, codec, step) over its finished seeds: each seed's loss (``per_seed``, in
+    seed order), median, max, and each against the best median and the best max of the same
+    setting and codec (1.0: the best)."""
     groups: dict = {}
     for r in rows:
         if r["status"] == "finished":
-            groups.setdefault((r["setting"], r["codec"], r["step"]), []).append(r["final_eval_loss"])
+            groups.setdefault((r["setting"], r["codec"], r["step"]), {})[r["seed"]] = r["final_eval_loss"]
     out = []
-    for (setting, codec, step), losses in groups.items():
+    for (setting, codec, step), by_seed in groups.items():
+        losses = [by_seed[seed] for seed in sorted(by_seed)]
         out.append(
             {
                 "setting": setting,
                 "codec": codec,
                 "step": step,
                 "seeds": len(losses),
+                "per_seed": losses,
                 "median": statistics.median(losses),
                 "max": max(losses),
             }
@@ -152,13 +155,9 @@ def summary(rows: list[dict]) -> list[dict]:
 
 def markdown(rows: list[dict]) -> str:
     """The summary as a Markdown table (docs/results.md, Outer step), seeds listed per step."""
-    seeds: dict = {}
-    for r in rows:
-        if r["status"] == "finished":
-            seeds.setdefault((r["setting"], r["codec"], r["step"]), {})[r["seed"]] = r["final_eval_loss"]
     lines = ["| setting | codec | step | per seed | median | max | median / best | max / best |", "|---" * 8 + "|"]
     for o in summary(rows):
-        each = " / ".join(f"{loss:.4f}" for _, loss in sorted(seeds[(o["setting"], o["codec"], o["step"])].items()))
+        each = " / ".join(f"{loss:.4f}" for loss in o["per_seed"])
         lines.append(
             f"| {o['setting']} | {o['codec']} | {o['step']} | {each} | {o['median']:.4f} | {o['max']:.4f} "
             f"| {o['median_vs_best']:.3f} | {o['max_vs_best']:.3f} |"
@@ -193,7 +192,9 @@ def main(argv=None) -> int:
                 run(args.setting, codec, seed, [lr], [momentum], None, args.log, args.outer_lr_schedule)
     for row in summary(done_rows(args.log)):
         if row["setting"] == args.setting:
-            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
+            print(
+                json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items() if k != "per_seed"})
+            )
     return 0
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from diloco_ray.config.fields import CODEC_DEFAULTS
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import (
     ChannelSection,
@@ -209,11 +210,13 @@ def drifting_outer_step(outer: OuterOptimSection, codec: SyncCodecSection) -> Op
     and the plain default is below it). The measurement it cites is docs/slow-links.md's."""
     if codec.pseudo_grad_compression != "topk" or outer.outer_opt != "SGD" or outer.outer_momentum < 0.9:
         return None
+    own = CODEC_DEFAULTS["topk"]
     return (
         f"outer_momentum: {outer.outer_momentum:g} with pseudo_grad_compression: topk drifts: on the text "
         "benchmark (4 replicas, 16 rounds, 3 seeds) topk at 1/16 under Nesterov 0.9 ended 12-18% above the "
         "same topk under its own step (docs/slow-links.md, Codec frontier); leave outer_lr and "
-        "outer_momentum null for topk's own step (lr 1.3, momentum 0), or set outer_momentum: 0"
+        f"outer_momentum null for topk's own step (lr {own['outer_lr']:g}, momentum {own['outer_momentum']:g}), "
+        "or set outer_momentum: 0"
     )
 
 
