@@ -85,10 +85,12 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
     rounds = DilocoFSDPTrainer(cfg).train().rounds
     fast, slow = merged(rounds, 0), merged(rounds, 1)
     assert len(fast) >= 2 * len(slow) >= 2
-    # The first merge waits for replica 1 (nothing is known of its pace: replica 0's stands
-    # in, and it is expected within the window); after that replica 0 was merged while it trained.
-    assert sorted(rounds[0]["replica_ids"]) == [0, 1]
-    assert all(r["staleness"]["1"] >= 1 for r in slow[1:])
+    # Whether the first merge also holds replica 1 (replica 0's pace stands in for its own, so
+    # it is waited for a quarter of a period) turns on how long a step takes on this machine:
+    # tests/unit/algo/test_merge_timing.py checks that rule. Every later merge of replica 1's
+    # work is stale: replica 0 was merged while it trained.
+    assert 0 in rounds[0]["replica_ids"]
+    assert all(r["staleness"]["1"] >= 1 for r in slow if r is not rounds[0])
     assert rounds[-1]["work"] >= 4.0 - 1e-9
     assert no_position_twice(rounds)
     steps = read_events(str(tmp_path / "run"), "step")

@@ -35,15 +35,15 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 MODES = {"sync": {}, "decoupled": {"sync_mode": "decoupled"}}
 # Short periods; a stall is judged after 4 s without a step (ranks beat every BEAT_S = 2 s).
 BASE = dict(diloco_loops=3, max_steps=4, eval_batches=1, stall_timeout_s=4.0, abort_grace_s=2.0, logging_steps=1)
-# Decoupled: a replica that must still be merging while another is found stalled (or arrives
-# late) is paced: a tiny period takes milliseconds, so every step of it takes 20x as long,
-# over more rounds' worth. A pacing fault is not itself checked (``slowdown`` is, below).
-PACE = {"kind": "slowdown", "round": 0, "factor": 20, "pace": True}
 
 
 def paced_by_rounds(replica: int, first_round: int, seconds: float = 0.3, rounds: int = 40) -> list[dict]:
-    """Pacing by a fixed time a step: a ``slow`` fault lasts one period, so one per round
-    (a replica that starts late fires the ones it missed at once: first_round near its start)."""
+    """Decoupled: a replica that must still be merging while another is found stalled (or
+    arrives late) is paced, over more rounds' worth: a tiny period takes milliseconds. By a
+    fixed time a step, which no load changes (a multiple of the step's own time is a second on
+    a busy machine and milliseconds on a quiet one). A ``slow`` fault lasts one period, so one
+    per round (a replica that starts late fires the ones it missed at once: first_round near
+    its start). A pacing fault is not itself checked (``slowdown`` is, below)."""
     return [
         {"kind": "slow", "replica": replica, "round": r, "step": 0, "seconds": seconds, "pace": True}
         for r in range(first_round, first_round + rounds)
@@ -85,24 +85,29 @@ RUNS = {
                 {"kind": "nan", "replica": 0, "round": 1, "step": 1},
             ],
         ),
-        # Replica 1's steps 0.2 s longer: behind replica 0, paced to 5x its own step time s, whose
-        # first arrival is merged alone and which keeps merging until the slow one arrives. That
-        # holds for 4*s < 0.2 s < 99*s (replica 0 needs 20 periods of 4 paced steps for the run):
-        # s is 4 ms on a quiet machine and ~25 ms on a busy one, 2x inside each bound. At 0.5 s a
-        # quiet machine's replica 0 once finished the run before replica 1 arrived (2.16 s).
+        # Replica 1's first period 4 x 0.45 s longer than replica 0's, both paced by a fixed time
+        # a step (no load changes the gap, where a multiple of the step's own time does): replica
+        # 0 arrives first and the first merge's wait for replica 1 (replica 0's period standing in
+        # for its pace, plus max(0.25 s, a quarter of a period)) ends before replica 1 arrives
+        # unless a period takes 7 s; replica 0 needs 20 periods of at least 0.2 s for the run, so
+        # it is still merging when replica 1 arrives, about 2 s and one period in.
         "slow": (
             LONGER,
             [
-                {**PACE, "replica": 0, "factor": 5},
-                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.2},
+                *paced_by_rounds(replica=0, first_round=0, seconds=0.05),
+                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.5},
             ],
         ),
-        "drop_link": (LONGER, [{**PACE, "replica": 0}, {"kind": "drop_link", "replica": 1, "round": 1}]),
+        # Replica 0 runs 20 periods of at least 0.8 s: replica 1's dropped link is found (no step
+        # for stall_timeout_s, then abort_grace_s) and it is merged again long before the end.
+        "drop_link": (
+            LONGER,
+            [*paced_by_rounds(replica=0, first_round=0, seconds=0.2), {"kind": "drop_link", "replica": 1, "round": 1}],
+        ),
         # Replica 0 and replica 2's replacement (id 3) are paced, or they would end the run
         # before the frozen one is found stalled (>= stall_timeout_s + abort_grace_s after it
-        # froze): by a fixed time a step, which no load changes, and not by a multiple of the
-        # step's own time, which on a busy machine can outlast stall_timeout_s (the paced
-        # replica is then dropped as frozen).
+        # froze); by a fixed time, as a multiple of a busy machine's step can outlast
+        # stall_timeout_s (the paced replica is then dropped as frozen).
         "freeze-kill": (
             {**LONGER, "num_replicas": 3},
             [
@@ -158,14 +163,13 @@ def check_slow(mode, out, rounds, fault):
     if mode == "sync":  # the round waits for all: each of its steps from ``step`` on is longer
         assert slow in rounds[0]["replica_ids"] and not rounds[0]["dropped"] and not rounds[0]["late"]
         assert rounds[0]["round_seconds"] >= (BASE["max_steps"] - fault["step"]) * fault["seconds"]
-    else:  # nobody waits for the straggler: the first arrival is merged alone (which one comes
-        # first depends on the pacing of the other, see PACE), the other later, as stale as the
-        # rule says: delayed momentum (the default) counts the whole rounds' worth merged since
-        # it started (at work 0), the cycles the first one's merges completed before.
-        assert len(rounds[0]["replica_ids"]) == 1
-        other = 1 - rounds[0]["replica_ids"][0]
-        at = next(i for i, r in enumerate(rounds) if other in r["replica_ids"])
-        assert at >= 1 and rounds[at]["staleness"][str(other)] == math.floor(rounds[at - 1]["work"] + 1e-9)
+    else:  # nobody waits for the straggler: the paced replica's first arrival is merged alone,
+        # the slow one later, as stale as the rule says: delayed momentum (the default) counts
+        # the whole rounds' worth merged since it started (at work 0), the cycles the first
+        # one's merges completed before.
+        assert rounds[0]["replica_ids"] == [1 - slow]
+        at = next(i for i, r in enumerate(rounds) if slow in r["replica_ids"])
+        assert at >= 1 and rounds[at]["staleness"][str(slow)] == math.floor(rounds[at - 1]["work"] + 1e-9)
 
 
 def check_slowdown(mode, out, rounds, fault):
