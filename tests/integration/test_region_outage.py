@@ -5,7 +5,7 @@ two syncs. No stream position is applied twice, and none below the furthest appl
 lost. Both modes; in sync mode a server is also killed later, and the region goes on
 through its restore.
 
-The link is a relay on the channel's one port (``bench/wan_relay.py``) that the test cuts:
+The link is a relay on the channel's one port (``bench/wanlab/relay.py``) that the test cuts:
 in sync mode every connection through it is reset and new ones are refused until it is
 restored; in decoupled mode it goes silent (nothing crosses, nothing is reset).
 """
@@ -26,7 +26,7 @@ from tests.integration.test_regions import free_port, home_config, start_region,
 from tests.unit.channel.tls_files import make_tls
 
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-from wan_relay import Relay  # noqa: E402
+from wanlab.relay import Relay  # noqa: E402
 
 REGION = 1_000_000  # the region's member id (REGION_ID_BASE + its index)
 ROUNDS_BEFORE_CUT = 2

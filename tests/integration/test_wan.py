@@ -23,10 +23,11 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
-import wan_links  # noqa: E402
-import wan_regions  # noqa: E402
+from wanlab import netns  # noqa: E402
+from wanlab.bridge import BridgedCluster  # noqa: E402
+from wanlab.router import RegionNet  # noqa: E402
 
-REASON = wan_links.why_not_available()
+REASON = netns.why_not_available()
 # The suite's time: 3 rounds of 25 steps, not 10 of 30. Rounds 1-2 are the steady state the
 # ratios read: over round 1 alone topk's net up read 1.39 (what crosses at a window's edges
 # weighs more against one round's 285 kB), over two 1.17. 25 steps still hide topk's sync.
@@ -73,21 +74,19 @@ def test_quick_rehearsal_counts_the_bytes_and_hides_topk_sync(tmp_path):
     # (the merged message prefetched beside the steps) at most 10% of its wall time is sync.
     assert topk["reported_bytes_up"] < 0.04 * none["reported_bytes_up"]
     assert topk["exposed_sync_fraction"] <= 0.10 < none["exposed_sync_fraction"]
-    assert wan_links.leftovers() == []
+    assert BridgedCluster.leftovers() == []
 
 
 def ranks_running() -> bool:
     """Whether a rank actor of a job runs in one of the rehearsal's regions."""
-    for line in wan_links.sh("ip", "netns", "list", check=False).splitlines():
-        netns = line.split()[0] if line.strip() else ""
-        if netns.startswith(f"{wan_links.PREFIX}-"):
-            for pid in wan_links.sh("ip", "netns", "pids", netns, check=False).split():
-                try:
-                    with open(f"/proc/{pid}/cmdline") as f:
-                        if f.read().startswith("ray::RankWorker"):
-                            return True
-                except OSError:
-                    pass
+    for name in netns.namespaces(BridgedCluster.prefix):
+        for pid in netns.pids_in(name):
+            try:
+                with open(f"/proc/{pid}/cmdline") as f:
+                    if f.read().startswith("ray::RankWorker"):
+                        return True
+            except OSError:
+                pass
     return False
 
 
@@ -108,7 +107,7 @@ def test_ctrl_c_tears_everything_down(tmp_path):
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=120)
     assert proc.returncode != 0
-    assert wan_links.leftovers() == []
+    assert BridgedCluster.leftovers() == []
 
 
 # The suite's size: the home and one region of two replicas each, fp32 only (its bytes
@@ -167,4 +166,4 @@ def test_regions_rehearsal_counts_the_bytes_and_matches_the_flat_run(tmp_path):
     assert result["equivalence"]["max_abs_diff"] <= 1e-5
     assert abs(regions["final_eval_loss"] - rows["flat"]["final_eval_loss"]) <= 1e-4
     assert result["outage"] is None
-    assert wan_regions.leftovers() == [] and wan_links.leftovers() == []
+    assert RegionNet.leftovers() == [] and BridgedCluster.leftovers() == []

@@ -1,7 +1,7 @@
 """One region's link down in the middle of a run, then up (``bench/wan.py --regions``' outage run).
 
 :func:`cut_link` runs beside the home: once the home has written ``after_rounds`` records it
-takes the link of a region down (:meth:`wan_regions.RegionNet.link`: frames dropped both
+takes the link of a region down (:meth:`wanlab.router.RegionNet.link`: frames dropped both
 ways) for ``seconds``, brings it back, and notes the region's lasting processes (its agent,
 its Ray's GCS and raylet, its rank actors) before the cut and once a record lists the
 region again. :func:`outage_facts` reads the run's records: how many processes were

@@ -1,4 +1,4 @@
-"""bench/wan_relay.py on real sockets: it adds its delay each way, keeps the bytes in order,
+"""bench/wanlab/relay.py on real sockets: it adds its delay each way, keeps the bytes in order,
 counts them, and an outage (cut) drops connections and refuses new ones until restored."""
 
 import os
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from wan_relay import Relay  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench"))
+from wanlab.relay import Relay  # noqa: E402
 
 
 class Echo:

@@ -1,4 +1,4 @@
-"""Regions on one machine, joined by real rate-limited links (used by ``bench/wan.py``).
+"""The flat layout: one Ray cluster over namespaces joined by real rate-limited links (``bench/wan.py``).
 
 Each region is a Linux network namespace joined to one bridge by a veth pair. Both
 directions of each pair are shaped with ``tc`` ``tbf`` to the region's rate: the root end's
@@ -12,29 +12,26 @@ listens on the same fixed ports, so a frame's port tells which service it is for
 
 Bytes are read from the root ends' interface counters (``/sys/class/net/*/statistics``):
 ``rx`` there is what the region sent, ``tx`` what it received. Everything built is torn
-down by :meth:`Regions.close` (namespaces and their processes, the bridge, this cluster's
-Ray processes and temp dir), which ``with Regions(...)`` calls on any exit; SIGINT, SIGTERM
-and SIGHUP are turned into exceptions so they take the same path. Needs root and ``ip``/``tc``.
+down by :meth:`BridgedCluster.close` (namespaces and their processes, the bridge, this
+cluster's Ray processes and temp dir) on any exit of ``with`` (:class:`wanlab.netns.Lab`).
+Needs root and ``ip``/``tc``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass
+
+from .netns import Lab, Site, kill, namespaces, pids_in, sh, shape
 
 PREFIX = "dlw"  # every namespace, link and bridge this module makes starts with it
 BRIDGE = f"{PREFIX}br0"
 SUBNET = "10.213.7"
 HEAD_PORT = 6397
-LOCK = f"/tmp/{PREFIX}-wan.lock"
 # Every region's Ray listens on the same fixed ports (each region has its own addresses),
 # so a frame's port says which service the connection is to (:data:`SERVICES`).
 NODE_MANAGER_PORT, OBJECT_MANAGER_PORT, METRICS_PORT = 6380, 6381, 6382
@@ -60,80 +57,8 @@ SERVICES = {
 PULL_TIMEOUT_MS = 300_000
 
 
-def sh(*cmd: str, check: bool = True) -> str:
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if check and out.returncode:
-        raise RuntimeError(f"{' '.join(cmd)} failed ({out.returncode}): {out.stderr.strip()}")
-    return out.stdout
-
-
-def why_not_available() -> str | None:
-    """None when regions can be built here, else the reason (for a skip message)."""
-    if not sys.platform.startswith("linux"):
-        return "needs Linux network namespaces"
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, veth pairs and tc)"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"needs the {tool!r} command"
-    probe = f"{PREFIX}-probe-{os.getpid()}"  # root in a container may still lack CAP_NET_ADMIN
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    if made.returncode:
-        return f"cannot make a network namespace here ({made.stderr.strip() or made.returncode})"
-    return None
-
-
-@dataclass(frozen=True)
-class Region:
-    """One region: its namespace, the two ends of its veth pair and its address."""
-
-    name: str
-    index: int
-
-    @property
-    def netns(self) -> str:
-        return f"{PREFIX}-{self.name}"
-
-    @property
-    def host_end(self) -> str:
-        return f"{PREFIX}{self.index}h"
-
-    @property
-    def ns_end(self) -> str:
-        return f"{PREFIX}{self.index}n"
-
-    @property
-    def ip(self) -> str:
-        return f"{SUBNET}.{10 + self.index}"
-
-    @property
-    def resource(self) -> str:
-        return f"region-{self.name}"
-
-
-def leftovers() -> list[str]:
-    """Namespaces, links and Ray processes of this module still on the machine."""
-    names = [line.split()[0] for line in sh("ip", "netns", "list", check=False).splitlines() if line.strip()]
-    found = [f"netns {n}" for n in names if n.startswith(f"{PREFIX}-")]
-    for line in sh("ip", "-o", "link", "show", check=False).splitlines():
-        link = line.split(":")[1].strip().split("@")[0]
-        if link.startswith(PREFIX):
-            found.append(f"link {link}")
-    procs = sh("pgrep", "-af", f"/tmp/{PREFIX}ray", check=False).splitlines()
-    return found + [f"process {p[:80]}" for p in procs if "pgrep" not in p]
-
-
-class _Interrupted(BaseException):
-    """SIGTERM/SIGHUP, raised so ``finally`` blocks run as they do for Ctrl-C."""
-
-
-def _raise_interrupted(signum, frame):
-    raise _Interrupted(f"signal {signum}")
-
-
-class Regions:
-    """A Ray cluster of regions joined by shaped links; a context manager.
+class BridgedCluster(Lab):
+    """A Ray cluster of regions joined through one bridge by shaped links; a context manager.
 
     Args:
         replicas: replica regions to make (``r0``, ``r1``, ...), besides ``srv``.
@@ -141,47 +66,26 @@ class Regions:
         head_cpus: logical CPUs of the head (servers and driver region).
     """
 
+    prefix = PREFIX
+
     def __init__(self, replicas: int, cpus: float = 2, head_cpus: float = 2):
-        self.regions = [Region("srv", 0)] + [Region(f"r{i}", i + 1) for i in range(replicas)]
+        names = ["srv"] + [f"r{i}" for i in range(replicas)]
+        self.regions = [Site(name, i, PREFIX, f"{SUBNET}.{10 + i}") for i, name in enumerate(names)]
         self.cpus, self.head_cpus = cpus, head_cpus
         self.temp = ""
         self.rate_mbit: float | None = None
 
     @property
-    def head(self) -> Region:
+    def head(self) -> Site:
         return self.regions[0]
 
     @property
     def address(self) -> str:
         return f"{self.head.ip}:{HEAD_PORT}"
 
-    def __enter__(self) -> "Regions":
-        # One rehearsal at a time: the names are fixed, and set-up clears what a killed run left.
-        self._lock = open(LOCK, "w")
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            self._lock.close()
-            raise RuntimeError(f"another bench/wan.py holds {LOCK}; wait for it to finish") from None
-        self._old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
-        # A background job of a non-interactive shell starts with SIGINT ignored: take it back.
-        self._old[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
-        try:
-            self.close()  # what an earlier, killed run may have left
-            self._build_links()
-            self._start_ray()
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        try:
-            self.close()
-        finally:
-            for sig, handler in self._old.items():
-                signal.signal(sig, handler)
-            self._lock.close()  # releases the lock
+    def build(self) -> None:
+        self._build_links()
+        self._start_ray()
 
     # ---- links ------------------------------------------------------------------------
     def _build_links(self) -> None:
@@ -203,9 +107,7 @@ class Regions:
         """Every link, both directions, to ``rate_mbit`` Mbit/s (tbf: rate, no delay)."""
         burst = max(16_000, int(rate_mbit * 1e6 / 8 / 100))  # >= 10 ms of traffic
         for r in self.regions:
-            spec = ("root", "tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "latency", "200ms")
-            sh("tc", "qdisc", "replace", "dev", r.host_end, *spec)
-            sh("ip", "netns", "exec", r.netns, "tc", "qdisc", "replace", "dev", r.ns_end, *spec)
+            shape(r, rate_mbit, burst)
         self.rate_mbit = rate_mbit
 
     def counters(self) -> dict[str, dict[str, int]]:
@@ -219,7 +121,7 @@ class Regions:
         }
 
     # ---- Ray -----------------------------------------------------------------------------
-    def in_region(self, region: Region, *cmd: str) -> list[str]:
+    def in_region(self, region: Site, *cmd: str) -> list[str]:
         return ["ip", "netns", "exec", region.netns, *cmd]
 
     def env(self) -> dict:
@@ -249,7 +151,7 @@ class Regions:
                 if proc.returncode:
                     raise RuntimeError(f"ray start in {r.netns} failed: {err.strip()[-2000:]}")
 
-    def _ray_start(self, region: Region, *args: str, env: dict) -> subprocess.Popen:
+    def _ray_start(self, region: Site, *args: str, env: dict) -> subprocess.Popen:
         """``ray start`` in ``region``, its node's address and region resource added."""
         resources = json.dumps({region.resource: 1})
         cmd = [sys.executable, "-m", "ray.scripts.scripts", "start", *args, "--node-ip-address", region.ip]
@@ -273,54 +175,21 @@ class Regions:
     def close(self) -> None:
         """Stop this cluster's processes and remove every namespace and link it made."""
         # Every region's processes at once: one wait for them all, not one per region.
-        pids = [p for r in self.regions for p in sh("ip", "netns", "pids", r.netns, check=False).split()]
+        pids = [p for r in self.regions for p in pids_in(r.netns)]
         if self.temp:
             pids += sh("pgrep", "-f", self.temp, check=False).split()
-        _kill(pids)
+        kill(pids)
         if self.temp:
             shutil.rmtree(self.temp, ignore_errors=True)
-        _kill([p.split()[0] for p in sh("pgrep", "-af", f"/tmp/{PREFIX}ray", check=False).splitlines()])
+        kill([p.split()[0] for p in sh("pgrep", "-af", f"/tmp/{PREFIX}ray", check=False).splitlines()])
         for r in self.regions:
             sh("ip", "netns", "del", r.netns, check=False)
             sh("ip", "link", "del", r.host_end, check=False)
         sh("ip", "link", "del", BRIDGE, check=False)
-        for name in sh("ip", "netns", "list", check=False).split():
-            if name.startswith(f"{PREFIX}-"):
-                sh("ip", "netns", "del", name, check=False)
+        for name in namespaces(PREFIX):
+            sh("ip", "netns", "del", name, check=False)
 
 
 def _read_int(path: str) -> int:
     with open(path) as f:
         return int(f.read())
-
-
-def _kill(pids: list[str], grace_s: float = 2.0) -> None:
-    """SIGTERM, up to ``grace_s`` to exit, then SIGKILL. What stops on SIGTERM does so within
-    0.2 s here; a GCS, raylet or runtime-env agent whose cluster is going down with it still
-    runs 10 s later, so a longer wait only delays its SIGKILL (every worker is in ``pids``)."""
-    pids = [int(p) for p in pids if p.isdigit() and int(p) != os.getpid()]
-    for pid in pids:
-        _signal(pid, signal.SIGTERM)
-    deadline = time.monotonic() + grace_s
-    while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if _alive(p)]
-        time.sleep(0.2)
-    for pid in pids:
-        _signal(pid, signal.SIGKILL)
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs. A zombie does not: it has exited, and here (a container
-    whose init does not reap orphans) it may never be reaped, which made every wait 10 s."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _signal(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
-    except ProcessLookupError:
-        pass

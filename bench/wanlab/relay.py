@@ -22,7 +22,7 @@ What it does not model:
 * a chunk (what one ``recv`` returned, up to ``CHUNK_BYTES``) is delayed as a whole, not
   each packet; no loss, no reordering, no jitter.
 
-Run as a process: ``python bench/wan_relay.py --listen IP:PORT --to IP:PORT --delay-ms N``
+Run as a process: ``python bench/wanlab/relay.py --listen IP:PORT --to IP:PORT --delay-ms N``
 (SIGUSR1 cuts, SIGUSR2 restores, SIGINT/SIGTERM stop it).
 """
 

@@ -1,4 +1,4 @@
-"""bench/wan_capture.py sorts frames: TCP payload bytes, pure acknowledgements, the rest."""
+"""bench/wanlab/capture.py sorts frames: TCP payload bytes, pure acknowledgements, the rest."""
 
 import os
 import struct
@@ -7,7 +7,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench"))
-import wan_capture  # noqa: E402
+from wanlab import capture  # noqa: E402
 
 ACK, PSH, SYN, FIN = 0x10, 0x08, 0x02, 0x01
 
@@ -34,15 +34,15 @@ def frame(payload: int, flags: int, tcp_options: int = 12, ip_proto: int = 6, et
     ],
 )
 def test_classify_sorts_payload_and_pure_acknowledgements(raw, want):
-    payload, ack = wan_capture.classify(raw)
+    payload, ack = capture.classify(raw)
     assert (payload, ack) == want
 
 
 def test_tcp_ports_name_the_connection_a_frame_belongs_to():
     # frame() sends from port 1 to port 2; anything but TCP over IPv4 has no ports.
-    assert wan_capture.tcp_ports(frame(0, ACK)) == (1, 2)
-    assert wan_capture.tcp_ports(frame(100, 0, ip_proto=17)) is None
-    assert wan_capture.tcp_ports(frame(0, ACK, ethertype=b"\x08\x06")) is None
-    capture = wan_capture.Capture({}, {2: "gcs"})
-    assert capture._label(frame(0, ACK)) == "gcs"
-    assert wan_capture.Capture({}, {3: "gcs"})._label(frame(0, ACK)) is None
+    assert capture.tcp_ports(frame(0, ACK)) == (1, 2)
+    assert capture.tcp_ports(frame(100, 0, ip_proto=17)) is None
+    assert capture.tcp_ports(frame(0, ACK, ethertype=b"\x08\x06")) is None
+    labelled = capture.Capture({}, {2: "gcs"})
+    assert labelled._label(frame(0, ACK)) == "gcs"
+    assert capture.Capture({}, {3: "gcs"})._label(frame(0, ACK)) is None
