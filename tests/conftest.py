@@ -185,6 +185,14 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
+def whole_period(worker, job) -> tuple[list, object]:
+    """An in-process RankWorker's sync period as the replica drives it: its stats from
+    ``run_period``, then its messages from ``message`` (one buffer per server)."""
+    stats = worker.run_period(job)
+    sent = worker.message(job.attempt)
+    return (sent if isinstance(sent, list) else [sent]), stats
+
+
 def first_round(worker, plan, round_index=0):
     """Run sync period 0 of ``round_index`` on an in-process RankWorker, starting from
     the weights it built; returns (pseudo-gradient name -> fp32 tensor, RoundStats)."""
@@ -201,7 +209,7 @@ def first_round(worker, plan, round_index=0):
         full=True,
         version=0,
     )
-    *buffers, stats = worker.run_period(job)
+    buffers, stats = whole_period(worker, job)
     grads = {}
     for buf in buffers:
         grads.update({n: t for n, (_, t) in compression.unpack_pieces(buf, worker.sync.names)[0].items()})

@@ -13,9 +13,9 @@ set-up, each with only what it needs:
 * ``faults`` (:mod:`~diloco_ray.runtime.faults`): the fault plan's hook points.
 
 Each sync period it loads its rows of the global weights, runs its inner steps, and returns
-its rows of the pseudo-gradient ``global - local``, one packed buffer per server (with
-``overlap_communication`` by a second call, :meth:`RankWorker.message`, so the next period
-starts while they come down: :mod:`~diloco_ray.runtime.rank_outbox`). With
+its stats; its rows of the pseudo-gradient ``global - local``, one packed buffer per server,
+leave by a second call, :meth:`RankWorker.message` (with ``overlap_communication`` the next
+period starts while they come down: :mod:`~diloco_ray.runtime.rank_outbox`). With
 ``sync_fragments`` > 1 one call covers one fragment's sync period. It is a plain class: the
 replica wraps it with ``ray.remote`` at creation, and tests can drive it in-process. It keeps
 the whole config (for tests and tools) but reads it by section (``sections``).
@@ -42,7 +42,7 @@ from diloco_ray.runtime.faults import RankFaults
 from diloco_ray.runtime.messages import SnapshotPlan, SyncPeriod
 from diloco_ray.runtime.placement import RankPlacement
 from diloco_ray.runtime.rank_batches import RankBatches, load_tokens
-from diloco_ray.runtime.rank_outbox import Outbox, messages_apart
+from diloco_ray.runtime.rank_outbox import Outbox
 from diloco_ray.runtime.rank_output import RankOutput
 from diloco_ray.runtime.rank_period import BoardReports, PeriodTally
 from diloco_ray.runtime.rank_state import RankState, local_rows
@@ -79,7 +79,7 @@ class RankWorker:
         self.faults = RankFaults.for_rank(self.sections.faults.fault_plan, replica_id, rank, at_or_after=decoupled)
         self.reports = BoardReports(replica_id, rank, world_size)
         # Where run_period leaves its messages for message() when they leave apart.
-        self.outbox = Outbox() if messages_apart(self.sections.sync_codec) else None
+        self.outbox = Outbox()
 
     # ---- set-up -----------------------------------------------------------------------
     def where(self) -> tuple[str, list]:
@@ -179,10 +179,9 @@ class RankWorker:
     # ---- one sync period --------------------------------------------------------------
     def run_period(self, job: SyncPeriod):
         """Run one sync period: take in the server's latest weights, run this period's
-        inner steps, and return ``(*buffers, RoundStats)``: this rank's pseudo-gradient
-        for the period's fragment, one packed buffer per server. With
-        ``overlap_communication`` it returns the stats alone as soon as the buffers are on
-        their way to the host, and :meth:`message` returns them (see
+        inner steps, and return its RoundStats as soon as its messages (this rank's
+        pseudo-gradient for the period's fragment, one packed buffer per server) are on
+        their way to the host; :meth:`message` returns them (see
         :mod:`~diloco_ray.runtime.rank_outbox`).
 
         Args:
@@ -191,19 +190,16 @@ class RankWorker:
         try:
             sent, stats = self._period(job)
         except BaseException as e:
-            if self.outbox is not None:
-                self.outbox.fail(job.attempt, f"{type(e).__name__}: {e}")
+            self.outbox.fail(job.attempt, f"{type(e).__name__}: {e}")
             raise
-        if self.outbox is not None:
-            self.outbox.post(job.attempt, sent)
-            return stats
-        return (*self._buffers(sent), stats)
+        self.outbox.post(job.attempt, sent)
+        return stats
 
     def message(self, attempt: int):
         """The buffers of the period of launch ``attempt``, one per server (bare for one
         server, as ``num_returns=1`` expects), once they are on the host. Called with
-        :meth:`run_period` when its messages leave apart, in the "messages" concurrency
-        group, so it waits for the copy while the next period runs."""
+        :meth:`run_period`, in the "messages" concurrency group, so it waits for the copy
+        while the next period runs."""
         buffers = self._buffers(self.outbox.take(attempt))
         return buffers[0] if len(buffers) == 1 else buffers
 

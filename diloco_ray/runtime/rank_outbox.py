@@ -1,16 +1,14 @@
 """A rank's pseudo-gradient between the end of its sync period and Ray.
 
-With ``overlap_communication`` a rank's period (:meth:`RankWorker.run_period
-<diloco_ray.runtime.rank.RankWorker.run_period>`) returns its stats as soon as its messages
-are on their way down from the device, and the messages leave by a second call,
-:meth:`RankWorker.message <diloco_ray.runtime.rank.RankWorker.message>`, which runs in a
-concurrency group of its own and waits for the copy. So the next period's inner steps start
-while the bytes come down, and the driver, which waits on the stats only, hands the servers
-refs that are filled a moment later. An :class:`Outbox` passes each period's messages from
-the one call to the other, by the driver's launch attempt.
-
-Without overlap the next period cannot start before the servers have the messages anyway:
-the period returns its messages with its stats, in one call, as before.
+A rank's period (:meth:`RankWorker.run_period <diloco_ray.runtime.rank.RankWorker.run_period>`)
+returns its stats as soon as its messages are on their way down from the device, and the
+messages leave by a second call, :meth:`RankWorker.message
+<diloco_ray.runtime.rank.RankWorker.message>`, which runs in a concurrency group of its own
+and waits for the copy: one protocol with or without ``overlap_communication``. With
+overlap the next period's inner steps start while the bytes come down, and the driver,
+which waits on the stats only, hands the servers refs that are filled a moment later;
+without, the next period waits for the sync as it must. An :class:`Outbox` passes each
+period's messages from the one call to the other, by the driver's launch attempt.
 """
 
 from __future__ import annotations
@@ -20,12 +18,6 @@ import threading
 from typing import Optional
 
 from diloco_ray.algo.device_message import DownCopy
-from diloco_ray.config.sections import SyncCodecSection
-
-
-def messages_apart(sync_codec: SyncCodecSection) -> bool:
-    """Whether a period's messages leave by their own call (see the module docstring)."""
-    return bool(sync_codec.overlap_communication)
 
 
 class PeriodFailed(RuntimeError):

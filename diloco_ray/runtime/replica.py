@@ -24,7 +24,6 @@ from diloco_ray.data import samples, sources
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.placement import place_ranks, replica_layout
 from diloco_ray.runtime.rank import RankWorker
-from diloco_ray.runtime.rank_outbox import messages_apart
 
 
 def start_token_data(data: DataSection, model: ModelSection) -> list | None:
@@ -108,7 +107,6 @@ class Replica:
         # "control" lets abort() reach a rank while run_period() is busy; "messages" lets a
         # period's messages leave while the next period runs; every other call stays in the
         # default group and runs in order.
-        self.messages_apart = messages_apart(sections.sync_codec)
         remote_cls = ray.remote(concurrency_groups={"control": 1, "messages": 1})(worker_cls)
         self.ranks = [
             remote_cls.options(
@@ -154,13 +152,10 @@ class Replica:
 
     def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:
         """Start one sync period on every rank: (per server, the ranks' pseudo-gradient
-        buffer refs; the ranks' stats refs)."""
+        buffer refs; the ranks' stats refs). The stats come as soon as the messages are on
+        their way to the host; the messages by their own call, which waits for the copy
+        (while the next period runs, with overlap: rank_outbox)."""
         servers = self.placement.num_param_servers
-        if not self.messages_apart:
-            outs = [r.run_period.options(num_returns=servers + 1).remote(job) for r in self.ranks]
-            return [[o[s] for o in outs] for s in range(servers)], [o[-1] for o in outs]
-        # The stats come as soon as the messages are on their way down; the messages by their
-        # own call, which waits for the copy while the next period runs (rank_outbox).
         stats = [r.run_period.remote(job) for r in self.ranks]
         group = "messages"
         sends = [

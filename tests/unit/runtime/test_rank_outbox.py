@@ -1,6 +1,6 @@
-"""A period's messages leaving by their own call (``overlap_communication``): the outbox
-between the two calls, and one in-process rank whose period returns its stats alone while
-its messages come by :meth:`RankWorker.message`, the same bytes as in one call."""
+"""A period's messages leaving by their own call: the outbox between the two calls, and an
+in-process rank whose period returns its stats alone while its messages come by
+:meth:`RankWorker.message`, with and without ``overlap_communication`` (one protocol)."""
 
 import dataclasses
 import threading
@@ -65,17 +65,18 @@ def worker(tmp_path, overlap: bool) -> RankWorker:
     return w
 
 
-def test_with_overlap_the_period_returns_its_stats_and_the_send_its_bytes(tmp_path):
+def test_the_period_returns_its_stats_and_the_send_its_bytes_with_or_without_overlap(tmp_path):
     apart, together = worker(tmp_path / "a", overlap=True), worker(tmp_path / "b", overlap=False)
     start = together.seed_pieces()
     job = SyncPeriod(round=0, fragment=0, plan=[(0, 16)], attempt=3, messages=[start], full=True, version=0)
-    *expected, stats = together.run_period(job)
+    without = together.run_period(job)
     returned = apart.run_period(job)
-    assert isinstance(returned, RoundStats)  # the stats alone
+    assert isinstance(returned, RoundStats) and isinstance(without, RoundStats)  # the stats alone
     sent = apart.message(3)  # one server: one bare buffer
-    assert np.array_equal(sent, expected[0]) and returned.bytes_up == sent.nbytes == stats.bytes_up
+    # A full load merges at once with overlap too: the same period, the same bytes.
+    assert np.array_equal(sent, together.message(3)) and returned.bytes_up == sent.nbytes == without.bytes_up
 
-    apart.abort(4)  # a stopped period: an empty buffer, as in one call
+    apart.abort(4)  # a stopped period: an empty buffer per server (the return count is fixed)
     assert apart.run_period(dataclasses.replace(job, attempt=4, full=False, messages=[])).aborted
     assert apart.message(4).nbytes == 0
 
