@@ -52,12 +52,12 @@ from diloco_ray.config.sections import (
     RunShapeSection,
     SyncCodecSection,
 )
-from diloco_ray.driver.calls import RayCalls, ServerLost, server_call
+from diloco_ray.control.calls import RayCalls, ServerLost, server_call
+from diloco_ray.control.poll import STEP_POLL_S
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
 from diloco_ray.driver.policies import Action, RoundOutcome
-from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.driver.round_parts import (
     evaluate_and_record,
     per_server,

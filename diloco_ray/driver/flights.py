@@ -8,7 +8,7 @@ not answer the stop). A replica that shows no step beat for ``stall_timeout_s`` 
 to stop: one that answers (a message that never left, ``drop_link``) comes back done with
 an aborted period; one that does not within ``abort_grace_s`` (frozen) is lost. What to do
 with either is :class:`~diloco_ray.driver.decoupled_loop.DecoupledLoop`'s decision; the
-waiting goes through :class:`~diloco_ray.driver.calls.RayCalls` (or a test's fake).
+waiting goes through :class:`~diloco_ray.control.calls.RayCalls` (or a test's fake).
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from typing import Optional
 
 from diloco_ray.config.fields import is_region_member
 from diloco_ray.driver.round_parts import eval_loss
-from diloco_ray.runtime import region_wire
 from diloco_ray.runtime.messages import Contribution, RoundStats
+from diloco_ray.runtime.server_aggregator import refusal_message
 
 
 def worse_than_margin(trial: Optional[float], base: float, margin: float) -> Optional[str]:
@@ -84,7 +84,7 @@ def refused(contributions: list[list[Contribution]], why: dict[int, str]) -> lis
     message that every server rejects with its reason."""
     if not why:
         return contributions
-    message = {rid: region_wire.refusal_message(reason) for rid, reason in why.items()}
+    message = {rid: refusal_message(reason) for rid, reason in why.items()}
     return [
         [Contribution(c.replica_id, [message[c.replica_id]], c.weight) if c.replica_id in why else c for c in per]
         for per in contributions

@@ -20,12 +20,12 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 from diloco_ray.config.sections import Sections
+from diloco_ray.control.step_feed import StepFeed
 from diloco_ray.driver.decoupled_loop import DecoupledLoop
 from diloco_ray.driver.holdout import HoldoutCheck
 from diloco_ray.driver.host import Host, Recovery
 from diloco_ray.driver.period_jobs import PeriodJobs
 from diloco_ray.driver.policies import Action, RoundOutcome, give_up_after
-from diloco_ray.driver.step_feed import StepFeed
 from diloco_ray.driver.sync_loop import SyncLoop
 from diloco_ray.observe.records import RoundRecord
 

@@ -4,7 +4,7 @@
 :class:`~diloco_ray.observe.events.Event`, or a round record's dict) becomes a line of
 metrics.jsonl (and a point in TensorBoard or W&B), round figures and step losses go to the
 Ray dashboard, and callbacks are called with the trainer. The ranks' step events and
-heartbeats come in through its :class:`~diloco_ray.driver.step_feed.StepFeed`.
+heartbeats come in through its :class:`~diloco_ray.control.step_feed.StepFeed`.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 from diloco_ray.config.sections import ObservabilitySection
-from diloco_ray.driver.step_feed import StepFeed
+from diloco_ray.control.step_feed import StepFeed
 from diloco_ray.logs import log
 from diloco_ray.observe.events import Event, WarningEvent
 from diloco_ray.observe.metrics import MetricsLogger, logger_for

@@ -4,7 +4,7 @@
 it shares in kind with the decoupled loop (:class:`~diloco_ray.driver.period_jobs.PeriodJobs`:
 what replicas load next, the launch counter), and the work lost to faults. It asks the
 trainer for things only through the :class:`~diloco_ray.driver.host.Host` protocol, and
-waits on refs only through ``calls`` (:class:`~diloco_ray.driver.calls.RayCalls`). It
+waits on refs only through ``calls`` (:class:`~diloco_ray.control.calls.RayCalls`). It
 decides and the trainer acts: :meth:`SyncLoop.run_round` runs one attempt at a round and
 returns how it ended (:class:`~diloco_ray.driver.policies.RoundOutcome`: proceed with the
 record, run again, or recover the servers first), and the trainer carries that out
@@ -32,7 +32,8 @@ from diloco_ray.config.sections import (
     RunShapeSection,
     SyncCodecSection,
 )
-from diloco_ray.driver.calls import RayCalls, ServerLost, server_call
+from diloco_ray.control.calls import RayCalls, ServerLost, server_call
+from diloco_ray.control.poll import PeriodPoll
 from diloco_ray.driver.holdout import HoldoutCheck, carries_update, refused
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
@@ -42,7 +43,6 @@ from diloco_ray.driver.policies import (
     attempt_verdict,
     too_few_reported,
 )
-from diloco_ray.driver.poll import PeriodPoll
 from diloco_ray.driver.round_parts import (
     evaluate_and_record,
     per_server,

@@ -20,12 +20,12 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray.config.schema import TrainerConfig, redacted, without_secrets
-from diloco_ray.driver import preflight, ray_connection
+from diloco_ray.control import ray_connection
+from diloco_ray.driver import preflight
 from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.membership import Membership
 from diloco_ray.driver.policies import early_stop
-from diloco_ray.driver.regions import open_channel
 from diloco_ray.driver.result import TrainResult
 from diloco_ray.driver.round_parts import eval_loss
 from diloco_ray.driver.run_events import RunEvents
@@ -41,6 +41,7 @@ from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.persist import final_save
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
+from diloco_ray.regions.gateway import open_channel
 from diloco_ray.runtime.faults import DriverFaults
 from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.replica import Replica, start_token_data

@@ -24,7 +24,7 @@ When the home checkpoints, it asks the region between periods for its part (its 
 inner state and its residual, in its own ``output_dir``) and keeps what the region answers.
 
 With overlap, a round's next period is known before its notice comes
-(:func:`~diloco_ray.runtime.region_wire.next_in_round`): the replicas start it as soon as
+(:func:`~diloco_ray.regions.wire.next_in_round`): the replicas start it as soon as
 they end a period, while the agent merges and uploads, so neither the reply's crossing nor
 the notice's holds them up. The notice, when it comes, is the one expected and the period
 goes on; any other (the region dropped, the round run again, the home restarted) stops it
@@ -51,12 +51,12 @@ from diloco_ray.config.fault_plan import for_region
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import first_line
 from diloco_ray.logs import log
+from diloco_ray.regions import wire
 from diloco_ray.regions.books import PeriodStart, RegionBooks
 from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
+from diloco_ray.regions.merge import RegionalMerge
 from diloco_ray.regions.replicas import RegionReplicas, job_for
-from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import Contribution, RoundStats
-from diloco_ray.runtime.regional_merge import RegionalMerge
 
 LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
 START_TRIES = 3  # starts of a private Ray before the agent gives up
@@ -215,7 +215,7 @@ class RegionAgent:
     def _start(self, home: TrainerConfig, run: str) -> None:
         import ray
 
-        from diloco_ray.driver import ray_connection
+        from diloco_ray.control import ray_connection
         from diloco_ray.runtime.rank import RankWorker
         from diloco_ray.runtime.replica import Replica, start_token_data
 

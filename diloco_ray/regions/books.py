@@ -1,7 +1,7 @@
 """A region's books between syncs, kept by the rank's rules with the rank's code: :class:`RegionBooks`.
 
 A region sends the home one message per sync, the merge of its replicas
-(:class:`~diloco_ray.runtime.regional_merge.RegionalMerge`), and with a lossy codec it owes
+(:class:`~diloco_ray.regions.merge.RegionalMerge`), and with a lossy codec it owes
 the home what those messages did not carry yet. The books keep that debt exactly as a
 rank keeps its own: the same ledger (:class:`~diloco_ray.algo.error_feedback.FeedbackLedger`)
 over every row, the same period-start rule for its flags and verdicts, the same round-start
@@ -36,8 +36,8 @@ from diloco_ray import files
 from diloco_ray.algo.aggregate import poisoned
 from diloco_ray.errors import DataError
 from diloco_ray.persist import checkpoint, manifest, state_files
+from diloco_ray.regions.merge import RegionalMerge, RegionalMessage
 from diloco_ray.runtime.messages import Contribution
-from diloco_ray.runtime.regional_merge import RegionalMerge, RegionalMessage
 from diloco_ray.runtime.round_start import at_period_start
 
 # Each state is NAME.json, written last, naming its NAME-XXXXXXXX.safetensors (replaced whole, never torn).

@@ -3,7 +3,7 @@
 The region's agent runs one sync period of every replica per notice. Each replica is a
 :class:`~diloco_ray.runtime.replica.Replica` in a slot of its own (the slot fixes its share of
 the region's data plan), and a period is collected by the home's own
-:class:`~diloco_ray.driver.poll.PeriodPoll`: the replicas beat on a step board of the
+:class:`~diloco_ray.control.poll.PeriodPoll`: the replicas beat on a step board of the
 region's cluster, so one frozen past ``stall_timeout_s`` is dropped as unresponsive, one
 still running at the period's deadline (``round_timeout_s`` over the fragments, as at
 home) is told to stop and dropped when it cannot, and one whose process died is dropped at
@@ -20,10 +20,10 @@ from typing import Callable, Mapping, Sequence
 import ray
 
 from diloco_ray.config.sections import MembershipSection, SyncCodecSection
-from diloco_ray.driver.calls import RayCalls
-from diloco_ray.driver.poll import PeriodPoll
-from diloco_ray.driver.step_feed import StepFeed
-from diloco_ray.runtime import region_wire as wire
+from diloco_ray.control.calls import RayCalls
+from diloco_ray.control.poll import PeriodPoll
+from diloco_ray.control.step_feed import StepFeed
+from diloco_ray.regions import wire
 from diloco_ray.runtime.messages import Launch, RoundPoll, SyncPeriod
 from diloco_ray.runtime.replica import Replica
 
@@ -66,7 +66,7 @@ class RegionReplicas:
 
     def plans(self, plan: Sequence) -> dict[int, list]:
         """Replica id -> its share of the region's ``plan``, in slot order
-        (:func:`~diloco_ray.runtime.region_wire.split_plan`)."""
+        (:func:`~diloco_ray.regions.wire.split_plan`)."""
         return dict(zip(self.ids, wire.split_plan(plan, self.sizes)))
 
     @property

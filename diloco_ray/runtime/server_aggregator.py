@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import decoupled, partition
+from diloco_ray.algo import compression, decoupled, partition
 from diloco_ray.algo.aggregate import (
     Rejected,
     Rejection,
@@ -39,7 +39,7 @@ from diloco_ray.algo.aggregate import (
 )
 from diloco_ray.algo.screening import NormScreen
 from diloco_ray.algo.slice_layout import SliceLayout
-from diloco_ray.runtime import region_wire, transport
+from diloco_ray.runtime import transport
 from diloco_ray.runtime.messages import Contribution, Prepared, Reduced
 from diloco_ray.runtime.server_codec import SliceCodec
 
@@ -172,7 +172,7 @@ class Aggregator:
             by their norm over every server's rows (:mod:`diloco_ray.algo.screening`); None:
             no screening, and no norm is computed.
         from_region: whether a replica id is a region's member (only a region's reply can
-            be one the home refused: :func:`region_wire.refused_in`).
+            be one the home refused: :func:`refused_in`).
     """
 
     def __init__(
@@ -226,7 +226,7 @@ class Aggregator:
 
         try:
             buffers = transport.receive(c.refs)
-            refused = region_wire.refused_in(buffers) if self.from_region(c.replica_id) else None
+            refused = refused_in(buffers) if self.from_region(c.replica_id) else None
             if refused is not None:  # the home refused a region's reply: it stands for nothing
                 return Rejected(Rejection.REFUSED, refused)
             self._accumulate(acc, buffers, target, c, scale)
@@ -309,3 +309,20 @@ class Aggregator:
         if self.pending is not None or self.space.device.type != "cpu":
             return np.empty(nbytes, dtype=np.uint8)
         return self.space.as_bytes(nbytes)
+
+
+def refusal_message(why: str) -> np.ndarray:
+    """A message that holds nothing and says why the home refused the reply it stands for:
+    every server rejects it with that reason (:func:`refused_in`), so the reason reaches the
+    round record's ``rejected`` as any rejection's does."""
+    return compression.pack({}, "none", {"refused": str(why)})
+
+
+def refused_in(buffers: Sequence) -> Optional[str]:
+    """Why the home refused the reply ``buffers`` stand for (:func:`refusal_message`);
+    None: they are a contribution."""
+    for buf in buffers:
+        why = compression.packed_meta(buf).get("refused")
+        if why is not None:
+            return str(why)
+    return None

@@ -21,7 +21,7 @@ import yaml
 
 from diloco_ray.config.fields import FIELD_NAMES
 from diloco_ray.config.schema import TrainerConfig, apply_override
-from diloco_ray.driver.ray_connection import cpus_needed
+from diloco_ray.control.ray_connection import cpus_needed
 from diloco_ray.errors import ConfigError
 
 SWEEP_FOLDER = "sweep"

@@ -82,7 +82,7 @@ def _ray_session(trials: list, folder: str, ray_output_to_file: bool):
     :class:`RayOutputFile` that holds Ray's output when asked for one, else None."""
     import ray
 
-    from diloco_ray.driver import ray_connection
+    from diloco_ray.control import ray_connection
     from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
 
     def connect() -> bool:  # whether it started a private Ray

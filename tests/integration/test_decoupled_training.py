@@ -35,7 +35,7 @@ def test_a_poll_collects_every_report_that_is_ready(ray_local):
     """Once one report is ready, every report ready by then comes back in the same poll (bug:
     one per poll, so a replica that finished with another missed the merge and was merged
     one outer step stale, at half weight)."""
-    from diloco_ray.driver.calls import RayCalls
+    from diloco_ray.control.calls import RayCalls
 
     ready = [ray.put(i) for i in range(3)]
     never = ray.remote(num_cpus=0)(lambda: __import__("time").sleep(600)).remote()

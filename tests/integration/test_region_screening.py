@@ -26,7 +26,7 @@ from diloco_ray.channel.client import ChannelClient
 from diloco_ray.channel.credentials import Token
 from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.driver import holdout
-from diloco_ray.runtime import region_wire as wire
+from diloco_ray.regions import wire
 from diloco_ray.runtime.messages import RoundStats
 from tests.integration.test_regions import free_port, home_config, region_token, train_beside_region
 from tests.unit.channel.tls_files import make_tls

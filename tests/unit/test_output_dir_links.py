@@ -60,7 +60,7 @@ def test_a_link_at_the_lock_is_refused_and_the_victim_untouched(out, victim):
 
 
 def test_train_on_a_folder_with_a_planted_lock_link_is_one_line_exit_2(out, victim, capsys, monkeypatch):
-    from diloco_ray.driver import ray_connection
+    from diloco_ray.control import ray_connection
 
     def no_ray(*args, **kwargs):
         raise AssertionError("the run went on past its lock")

@@ -9,8 +9,8 @@ import pytest
 from diloco_ray.algo.aggregate import Rejection
 from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.driver.holdout import HoldoutCheck, carries_update, refused, worse_than_margin
-from diloco_ray.runtime import region_wire as wire
 from diloco_ray.runtime.messages import Contribution, RoundStats
+from diloco_ray.runtime.server_aggregator import refusal_message
 from diloco_ray.runtime.server_group import assemble_weights
 from tests.unit.runtime.test_server_screening import REGION, plans_of, with_region
 from tests.unit.runtime.test_server_shards import max_diff
@@ -119,5 +119,5 @@ def test_the_trial_weights_are_the_global_weights_minus_the_contribution_on_ever
     delta = assemble_weights([b for per_server in bufs for b in per_server], sim.shapes)
     expected = {n: w - delta[n] for n, w in sim.global_weights().items()}
     assert max_diff(trial, expected) < 1e-6 and max_diff(trial, sim.global_weights()) > 1e-4
-    broken = [srv.trial_weights(Contribution(REGION, [wire.refusal_message("no")], 1.0)) for srv in sim.servers]
+    broken = [srv.trial_weights(Contribution(REGION, [refusal_message("no")], 1.0)) for srv in sim.servers]
     assert max_diff(assemble_weights(broken, sim.shapes), sim.global_weights()) == 0.0

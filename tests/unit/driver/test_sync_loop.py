@@ -22,10 +22,10 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config import fault_plan
+from diloco_ray.control.poll import STEP_POLL_S
 from diloco_ray.driver.loop import apply_next_update, loop_for
-from diloco_ray.driver.poll import STEP_POLL_S
 from diloco_ray.observe.records import Evaluation
-from diloco_ray.runtime import region_wire as wire
+from diloco_ray.regions import wire
 from diloco_ray.runtime.messages import AppliedRound, RoundStats
 from diloco_ray.runtime.server_group import SyncRefs
 

@@ -15,8 +15,8 @@ import torch
 from diloco_ray.algo import compression, partition
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.regions.books import RegionBooks
+from diloco_ray.regions.merge import RegionalMerge
 from diloco_ray.runtime.messages import Contribution
-from diloco_ray.runtime.regional_merge import RegionalMerge
 from tests.unit.runtime.test_server_shards import make_config
 
 SHAPES = {"embed": (40, 8), "norm": (8,), "up": (12, 8), "head": (36, 8)}  # fragments cut embed, up and head

@@ -11,7 +11,7 @@ import pytest
 
 from diloco_ray.channel import frames
 from diloco_ray.data import plan as data
-from diloco_ray.runtime import region_wire as wire
+from diloco_ray.regions import wire
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 
 

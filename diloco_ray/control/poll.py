@@ -7,7 +7,7 @@ FSDP collective forever. So does a replica whose ranks show no progress for
 ``stall_timeout_s`` (a frozen process answers nothing, and Ray cannot tell it from a slow
 one). Replicas still running at the deadline are told to stop and get ``abort_grace_s`` to
 do so; one that does not is dropped as unresponsive. The waiting goes through
-:class:`~diloco_ray.driver.calls.RayCalls` (or a test's fake), never Ray directly.
+:class:`~diloco_ray.control.calls.RayCalls` (or a test's fake), never Ray directly.
 """
 
 from __future__ import annotations

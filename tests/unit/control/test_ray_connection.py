@@ -7,8 +7,8 @@ import socket
 import pytest
 
 from diloco_ray.config.schema import TrainerConfig
-from diloco_ray.driver import ray_connection
-from diloco_ray.driver.ray_connection import answers, decide, foreign_owner, logical_cpus
+from diloco_ray.control import ray_connection
+from diloco_ray.control.ray_connection import answers, decide, foreign_owner, logical_cpus
 
 
 @pytest.mark.parametrize(

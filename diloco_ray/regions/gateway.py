@@ -4,7 +4,7 @@
 cluster: it owns the :class:`~diloco_ray.channel.server.ChannelServer` and carries one sync
 period of a region at a time. Its :meth:`~RegionGateway.run_period` publishes the weights
 messages the period starts from (and the full weights, for a region that must load
-everything), sends the region its job as a notice (:mod:`~diloco_ray.runtime.region_wire`), waits
+everything), sends the region its job as a notice (:mod:`~diloco_ray.regions.wire`), waits
 for the region's one reply and returns it as a replica's period returns (one buffer per
 server, then the stats), so its results are object refs the loops wait on like any other.
 
@@ -43,8 +43,9 @@ from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.config.sections import ChannelSection
 from diloco_ray.logs import log
 from diloco_ray.observe.events import MembershipEvent
-from diloco_ray.runtime import region_wire as wire
+from diloco_ray.regions import wire
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+from diloco_ray.runtime.server_aggregator import refusal_message
 
 POLL_S = 0.5  # how often a waiting period checks whether it was told to stop, or its region went silent
 
@@ -244,7 +245,7 @@ class RegionGateway:
         why = f"its reply was refused: {why}"
         log.warning("channel: region %r's reply to launch %d: %s", region, job.attempt, why)
         refused = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, region={"replica_ids": [], "refused": why})
-        return [wire.refusal_message(why)] * self.servers, refused
+        return [refusal_message(why)] * self.servers, refused
 
     def _note_reloads(self, region: str, facts: dict) -> None:
         """What a region's reply says its replicas will load: everything at its next period
@@ -263,7 +264,7 @@ class RegionGateway:
 
     def _publish(self, version: int, full: bool, fetch: Callable[[], list]) -> list[str]:
         """The channel keys of weights ``version``'s messages (``full``: its full weights), one
-        per server (:func:`~diloco_ray.runtime.region_wire.message_keys`), at once: the
+        per server (:func:`~diloco_ray.regions.wire.message_keys`), at once: the
         messages are fetched and published by a thread of their own the first time, so a
         notice goes out while the servers still make its weights (with overlap a
         region's replicas start their steps and merge those weights at the period's end; the

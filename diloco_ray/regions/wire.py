@@ -34,7 +34,6 @@ from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from diloco_ray.algo import compression
 from diloco_ray.channel import frames
 from diloco_ray.data.plan import take_from
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
@@ -234,23 +233,6 @@ def reply_of(payload: bytes, max_bytes: int) -> tuple[list[np.ndarray], RoundSta
             f"malformed: the buffers' sizes do not add up to the payload's {len(frame.payload)} bytes"
         )
     return buffers, summary
-
-
-def refusal_message(why: str) -> np.ndarray:
-    """A message that holds nothing and says why the home refused the reply it stands for:
-    every server rejects it with that reason (:func:`refused_in`), so the reason reaches the
-    round record's ``rejected`` as any rejection's does."""
-    return compression.pack({}, "none", {"refused": str(why)})
-
-
-def refused_in(buffers: Sequence) -> Optional[str]:
-    """Why the home refused the reply ``buffers`` stand for (:func:`refusal_message`);
-    None: they are a contribution."""
-    for buf in buffers:
-        why = compression.packed_meta(buf).get("refused")
-        if why is not None:
-            return str(why)
-    return None
 
 
 COUNTS = ("rank", "inner_steps", "tokens", "bytes_up", "bytes_down", "loss_tokens", "resumed_step")

@@ -10,8 +10,8 @@ import torch
 
 from diloco_ray.algo import compression
 from diloco_ray.regions.books import RegionBooks
+from diloco_ray.regions.merge import RegionalMerge
 from diloco_ray.runtime.messages import Contribution
-from diloco_ray.runtime.regional_merge import RegionalMerge
 from diloco_ray.runtime.server import ParameterServer
 from diloco_ray.runtime.server_group import assemble_weights
 from tests.unit.runtime.test_server_shards import SHAPES, Rank, ThroughRay, initial_weights, make_config, noise
