@@ -78,7 +78,7 @@ class RankWorker:
         decoupled = self.sections.run.sync_mode == "decoupled"
         self.faults = RankFaults.for_rank(self.sections.faults.fault_plan, replica_id, rank, at_or_after=decoupled)
         self.reports = BoardReports(replica_id, rank, world_size)
-        # Where run_period leaves its messages for message() when they leave apart.
+        # Where run_period leaves its messages for message() to send.
         self.outbox = Outbox()
 
     # ---- set-up -----------------------------------------------------------------------
