@@ -107,7 +107,7 @@ def capacity_shortfall(placement: PlacementSection, num_replicas: int, device: s
 class Membership:
     """The active replicas (in slot order), the ready spares (``spare_replicas``) and the
     ones still starting; with regions, the regions that take part in the round after this
-    cluster's own replicas (:class:`~diloco_ray.regions.gateway.RegionMembers`).
+    cluster's own replicas (:class:`~diloco_ray.regions.members.RegionMembers`).
 
     Args:
         membership: how many replicas, spares, and the deadlines for placing and asking them.

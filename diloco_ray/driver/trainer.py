@@ -41,7 +41,7 @@ from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.persist import final_save
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
-from diloco_ray.regions.gateway import open_channel
+from diloco_ray.regions.members import open_channel
 from diloco_ray.runtime.faults import DriverFaults
 from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.replica import Replica, start_token_data

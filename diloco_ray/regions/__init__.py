@@ -1,5 +1,6 @@
 """Runs across regions, both sides of the channel: the home's gateway to its regions
-(:mod:`~diloco_ray.regions.gateway`), what crosses the channel for a sync
+(:mod:`~diloco_ray.regions.gateway`) and the members that stand for them in its rounds
+(:mod:`~diloco_ray.regions.members`), what crosses the channel for a sync
 (:mod:`~diloco_ray.regions.wire`), and a region's side: the agent that ``diloco-ray region``
 runs on the region's own Ray cluster (:mod:`~diloco_ray.regions.agent`), its replicas
 (:mod:`~diloco_ray.regions.replicas`), its merge of their pseudo-gradients into one message

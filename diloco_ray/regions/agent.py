@@ -23,10 +23,10 @@ cluster), and for every job notice:
 When the home checkpoints, it asks the region between periods for its part (its replicas'
 inner state and its residual, in its own ``output_dir``) and keeps what the region answers.
 
-With overlap, a round's next period is known before its notice comes
-(:func:`~diloco_ray.regions.wire.next_in_round`): the replicas start it as soon as
-they end a period, while the agent merges and uploads, so neither the reply's crossing nor
-the notice's holds them up. The notice, when it comes, is the one expected and the period
+With overlap, a round's next period is known before its notice comes: the home sends it
+ahead with the last one (:attr:`~diloco_ray.regions.wire.Notice.ahead`), and the replicas
+start it as soon as they end a period, while the agent merges and uploads, so neither the
+reply's crossing nor the notice's holds them up. The notice, when it comes, is the one expected and the period
 goes on; any other (the region dropped, the round run again, the home restarted) stops it
 first, as a period the home stops.
 
@@ -68,7 +68,7 @@ class Ahead:
     """A period the replicas started before its notice came: the notice expected, the
     replicas' launches, and their data plans."""
 
-    notice: dict
+    notice: wire.Notice
     launched: dict
     plans: dict
 
@@ -192,10 +192,12 @@ class RegionAgent:
         if not self.inbox:
             return None
         notice = self.inbox.pop(0)
+        if "job" in notice:
+            notice = {**notice, "job": wire.Notice.from_wire(notice["job"])}
         dropped = {n["abort"] for n in self.inbox if "abort" in n}
-        if "job" in notice and notice["job"]["attempt"] in dropped:
-            self.log(f"region: passed over job {notice['job']['attempt']}, which the home has dropped")
-            self.books.settle(_verdicts(notice["job"]))
+        if "job" in notice and notice["job"].attempt in dropped:
+            self.log(f"region: passed over job {notice['job'].attempt}, which the home has dropped")
+            self.books.settle(notice["job"].verdicts)
             if self.ahead is not None and self.ahead.notice == notice["job"]:
                 self._drop_ahead()
             return None
@@ -231,7 +233,6 @@ class RegionAgent:
         self.mailbox = ray.remote(Mailbox).options(num_cpus=0, max_concurrency=MAILBOX_THREADS).remote()
         self.servers = [FullWeightsOf(self.mailbox, i) for i in range(servers)]
         self.overlap = s.sync_codec.overlap_communication
-        self.fragments = s.sync_codec.sync_fragments
         merge = RegionalMerge(self.replicas.shapes, home.sections().sync_codec, servers)
         keep = s.checkpointing.save_total_limit
         self.books = RegionBooks(merge, self.output_dir, run, s.membership.restore_on_retry, keep)
@@ -262,10 +263,10 @@ class RegionAgent:
                 time.sleep(2.0 * attempt)
         self.started_ray = True
 
-    def _sync(self, notice: dict) -> None:
+    def _sync(self, notice: wire.Notice) -> None:
         """One sync period of every replica, merged into the region's one reply (the
         period started ahead of this notice, when it is the one expected)."""
-        keys, full = list(notice["messages"]), list(notice["full_keys"])
+        keys, full = list(notice.messages), list(notice.full_keys)
         start = self.books.begin(notice, self.replicas.ids)
         if start.note:
             self.log(f"region: {start.note}")
@@ -277,25 +278,25 @@ class RegionAgent:
         else:
             # With overlap the replicas merge this period's message at its end: they start now
             # and the download rides under their steps. Else, and for a full load, it comes first.
-            early = self.overlap and not (notice["full"] or notice["reset"] or full or start.reload)
+            early = self.overlap and not (notice.full or notice.reset or full or start.reload)
             launch, plans = self._launcher(notice, start)
             launched = launch() if early else None
         try:
             self._deliver(keys, full)
         except ChannelRefused:  # the home moved past this job: the replicas started on it stop
-            self._stop(notice["attempt"], launched or {})
+            self._stop(notice.attempt, launched or {})
             raise
         self._reply(notice, launched if launched is not None else launch(), plans)
 
-    def _launcher(self, notice: dict, start: PeriodStart) -> tuple[Callable[[], dict], dict]:
+    def _launcher(self, notice: wire.Notice, start: PeriodStart) -> tuple[Callable[[], dict], dict]:
         """How to launch ``notice``'s period on every replica (the takes of its messages
         made, what the last period held void), and the replicas' data plans."""
         import ray
 
-        keys = list(notice["messages"])
+        keys = list(notice.messages)
         ray.get(self.mailbox.keep.remote(keys))  # the last period's messages and full weights are void
         messages = [self.mailbox.take.remote(key) for key in keys]
-        plans = self.replicas.plans(notice["plan"])
+        plans = self.replicas.plans(notice.plan)
         board = self.replicas.board
 
         def launch() -> dict:
@@ -304,10 +305,11 @@ class RegionAgent:
 
         return launch, plans
 
-    def _start_ahead(self, notice: dict) -> None:
+    def _start_ahead(self, notice: wire.Notice) -> None:
         """With overlap, start the round's next period on the replicas now (they have just
-        ended ``notice``'s): its notice is known before it comes."""
-        expected = wire.next_in_round(notice, self.client.region, self.fragments) if self.overlap else None
+        ended ``notice``'s): the home sent it ahead, as it will hand it if the round goes on
+        as planned."""
+        expected = notice.ahead if self.overlap else None
         if expected is None:
             return
         launch, plans = self._launcher(expected, PeriodStart())
@@ -316,8 +318,8 @@ class RegionAgent:
     def _drop_ahead(self) -> None:
         """Stop the period started ahead: its notice will not come."""
         ahead, self.ahead = self.ahead, None
-        self.log(f"region: stopped job {ahead.notice['attempt']}, started ahead: the home went another way")
-        self._stop(ahead.notice["attempt"], ahead.launched)
+        self.log(f"region: stopped job {ahead.notice.attempt}, started ahead: the home went another way")
+        self._stop(ahead.notice.attempt, ahead.launched)
 
     def _stop(self, attempt: int, launched: dict) -> None:
         """Stop the replicas' period of launch ``attempt``, letting go of a replica that
@@ -325,13 +327,13 @@ class RegionAgent:
         self.mailbox.keep.remote([])
         self.replicas.stop_period(attempt, launched)
 
-    def _decline(self, notice: dict) -> None:
+    def _decline(self, notice: wire.Notice) -> None:
         """Answer a job this region did not run, so the home does not wait for it: nothing
         merged, and its whole plan handed back to the cursor."""
-        plan = [tuple(r) for r in notice["plan"]]
+        plan = list(notice.plan)
         declined = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True, unused=plan, region={"replica_ids": []})
         empty = [np.zeros(0, dtype=np.uint8)] * len(self.servers)
-        self.client.upload(notice["reply"], wire.reply_payload(empty, declined), give_up_after_s=self.give_up_after_s)
+        self.client.upload(notice.reply, wire.reply_payload(empty, declined), give_up_after_s=self.give_up_after_s)
 
     def _deliver(self, keys: list, full: list) -> None:
         """Download the period's messages (and the full weights, when sent: the replicas
@@ -341,11 +343,11 @@ class RegionAgent:
         for index, key in enumerate(full):
             self.mailbox.put.remote(full_key(index), self._download(key))
 
-    def _reply(self, notice: dict, launched: dict, plans: dict) -> None:
+    def _reply(self, notice: wire.Notice, launched: dict, plans: dict) -> None:
         """Collect the replicas' periods, merge them into one message and upload it; then
         refill the slots of replicas that were dropped (their successors load everything
         next period, so the reply asks for the full weights)."""
-        poll = self.replicas.collect(launched, notice["attempt"])
+        poll = self.replicas.collect(launched, notice.attempt)
         stats = poll.reported
         if len(stats) == len(launched):
             self._start_ahead(notice)  # the replicas go on while their sends are merged and cross
@@ -354,14 +356,14 @@ class RegionAgent:
         contributions = [
             [Contribution(rid, launched[rid].buffers[s], weights[rid]) for rid in stats] for s in range(servers)
         ]
-        message = self.books.merge_period(notice["fragment"], contributions, notice["attempt"])
+        message = self.books.merge_period(notice.fragment, contributions, notice.attempt)
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         # What the home publishes for this region next: a refilled slot loads everything at once,
         # a replica rejected as non-finite at its next round's start.
         summary.region.update(reload=bool(self.replicas.lost), reload_at_round=self.books.resets_at_round_start)
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
         self.books.save()  # before the upload: what it carries is in the books
-        self.client.upload(notice["reply"], wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)
+        self.client.upload(notice.reply, wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)
         self.replicas.refill()
 
     def _save_checkpoint(self, request: dict) -> None:
@@ -397,5 +399,6 @@ class RegionAgent:
         self.client.close()
 
 
-def _verdicts(notice: dict) -> dict[int, bool]:
-    return {int(a): bool(ok) for a, ok in notice.get("sent_verdicts", notice.get("verdicts", ()))}
+def _verdicts(request: dict) -> dict[int, bool]:
+    """A save request's verdicts on the region's sends the home has not delivered yet."""
+    return {int(a): bool(ok) for a, ok in request.get("verdicts", ())}

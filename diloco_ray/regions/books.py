@@ -37,6 +37,7 @@ from diloco_ray.algo.aggregate import poisoned
 from diloco_ray.errors import DataError
 from diloco_ray.persist import checkpoint, manifest, state_files
 from diloco_ray.regions.merge import RegionalMerge, RegionalMessage
+from diloco_ray.regions.wire import Notice
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.round_start import at_period_start
 
@@ -92,23 +93,23 @@ class RegionBooks:
         os.chmod(folder, 0o700)  # the books are the region's own: nobody else reads or plants them
 
     # ---- a period ----------------------------------------------------------------------
-    def begin(self, notice: Mapping, replica_ids: Sequence[int]) -> PeriodStart:
+    def begin(self, notice: Notice, replica_ids: Sequence[int]) -> PeriodStart:
         """Apply a job notice's flags and verdicts to the books, as a rank applies its
         job's (see the module docstring); what the region's replicas start with."""
         self._written()
-        start = self._follow(notice.get("restore"), replica_ids)
-        verdicts = {int(a): bool(ok) for a, ok in notice.get("sent_verdicts", ())}
+        start = self._follow(notice.restore, replica_ids)
+        verdicts = notice.verdicts
         self._hear(verdicts)
-        flags = {k: bool(notice[k]) for k in ("reset_inner", "reset", "restart")}
+        flags = {"reset_inner": notice.reset_inner, "reset": notice.reset, "restart": notice.restart}
         self.ledger.start_period(**flags, verdicts=verdicts, read=self.merge.read)
-        action = at_period_start(int(notice["fragment"]), flags["restart"], self.restore_on_retry)
+        action = at_period_start(notice.fragment, notice.restart, self.restore_on_retry)
         if action == "rewind":
-            self._rewind(int(notice["round"]))
+            self._rewind(notice.round)
         elif action == "note":
-            self._note_round_start(int(notice["round"]))
-        if flags["reset_inner"]:  # the home rejected the region's own message as non-finite
+            self._note_round_start(notice.round)
+        if notice.reset_inner:  # the home rejected the region's own message as non-finite
             start.reset_inner |= set(replica_ids)
-        if int(notice["fragment"]) == 0:  # a rejected replica starts its next round fresh, as at home
+        if notice.fragment == 0:  # a rejected replica starts its next round fresh, as at home
             start.reset_inner |= self.poisoned & set(replica_ids)
             self.poisoned = set()
         return start

@@ -141,15 +141,16 @@ class RegionReplicas:
         return [ray.get(rep.setup())[0] for rep in replicas][0]
 
 
-def job_for(notice: Mapping, replica_id: int, plan: list, messages: list, servers: list, start, **extra) -> SyncPeriod:
+def job_for(
+    notice: wire.Notice, replica_id: int, plan: list, messages: list, servers: list, start, **extra
+) -> SyncPeriod:
     """Replica ``replica_id``'s job for ``notice``'s period: the home's flags, and what the
     region's books add (``start``: a reload for every replica, a fresh inner state for some)."""
-    return wire.job_of(
-        notice,
+    return notice.job(
         plan,
         messages,
         servers,
-        reset=bool(notice["reset"]) or start.reload,
-        reset_inner=bool(notice["reset_inner"]) or replica_id in start.reset_inner,
+        reset=notice.reset or start.reload,
+        reset_inner=notice.reset_inner or replica_id in start.reset_inner,
         **extra,
     )

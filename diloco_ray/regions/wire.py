@@ -1,15 +1,17 @@
 """What crosses the channel for one sync, and how a region shares it among its replicas.
 
-The home hands a region one job per sync period, as a *notice* (a small JSON object: the
-round, fragment, launch attempt, the region's data plan, which weights version to load and
-under which keys the channel holds those messages), and the region answers with one *reply*
+The home hands a region one job per sync period, as a *notice* (:class:`Notice`, a small
+JSON object: the round, fragment, launch attempt, the region's data plan, which weights
+version to load and under which keys the channel holds those messages), and the region
+answers with one *reply*
 (its merged pseudo-gradient, one buffer per home server, and one summary of its replicas'
 stats). Actor handles and object refs never cross: each side turns a notice into its own
 :class:`~diloco_ray.runtime.messages.SyncPeriod` with refs into its own object store.
 
 The channel keys of a period's messages and reply follow one rule (:func:`message_keys`,
-:func:`reply_key`), so with overlap a region can tell the next period of a round before
-its notice arrives (:func:`next_in_round`) and start its replicas on it at once. Every key
+:func:`reply_key`), by which the home works out the round's next period
+(:func:`next_in_round`) and sends it with each notice (``Notice.ahead``), so that with
+overlap a region starts its replicas on it before its notice comes. Every key
 names the home's run (``home``, one per start of the home: a resumed home counts its
 launches and versions from its checkpoint again), so an upload or a download of the last
 home's that crosses late is never taken for one of the new home's.
@@ -30,6 +32,7 @@ Pure functions over plain values; no Ray, no sockets.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import numpy as np
@@ -40,31 +43,114 @@ from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 
 Range = tuple[int, int]
 
-# The SyncPeriod fields a notice carries as they are (JSON-safe values).
-PLAIN_FIELDS = ("round", "fragment", "attempt", "full", "version", "reset", "restart", "reset_inner")
-OPTIONAL_FIELDS = ("schedule_step", "time_budget_s")
+
+@dataclass(frozen=True)
+class Notice:
+    """One sync period of a region as the home hands it over the channel: the job's own
+    fields (the round, fragment, launch attempt, the region's data plan, the weights version
+    and the flags), under which keys the channel holds the weights messages (``messages``,
+    one per home server, and the full weights ``full_keys`` for a load after a gap), where
+    the region uploads its reply, the home's restore directive (what the region's state
+    starts from in this home's run: its id, carried out once, and the region's saved part of
+    the checkpoint the servers started from, or None), and the home's run (``home``) that
+    the keys name.
+
+    ``ahead``: the round's next period as the home will hand it when the round goes on as
+    planned (:func:`next_in_round`; None for a round's last period), so that with overlap a
+    region starts it before its notice comes. The home works it out, by its own counters; a
+    notice that then differs from it means the home went another way. It is not part of the
+    period: two notices of one period are equal whatever they expect next.
+    """
+
+    round: int
+    fragment: int
+    attempt: int
+    full: bool
+    version: int
+    plan: tuple[Range, ...]
+    messages: tuple[str, ...]
+    reply: str
+    home: str
+    full_keys: tuple[str, ...] = ()
+    reset: bool = False
+    restart: bool = False
+    reset_inner: bool = False
+    schedule_step: Optional[int] = None
+    time_budget_s: Optional[float] = None
+    sent_verdicts: tuple[tuple[int, bool], ...] = ()
+    restore: Mapping = dataclasses.field(default_factory=dict)
+    ahead: Optional[Notice] = dataclasses.field(default=None, compare=False)
+
+    @property
+    def verdicts(self) -> dict[int, bool]:
+        """The home's verdicts on the region's earlier sends, by launch attempt."""
+        return dict(self.sent_verdicts)
+
+    def to_wire(self) -> dict:
+        """The notice as the JSON object that crosses the channel."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ahead"}
+        out.update(plan=[list(r) for r in self.plan], sent_verdicts=[list(v) for v in self.sent_verdicts])
+        out.update(messages=list(self.messages), full_keys=list(self.full_keys), restore=dict(self.restore))
+        out["ahead"] = None if self.ahead is None else self.ahead.to_wire()
+        return out
+
+    @classmethod
+    def from_wire(cls, data: Mapping) -> Notice:
+        """The notice the home sent (:meth:`to_wire`), each field as its type."""
+        ahead = data.get("ahead")
+        return cls(
+            **{name: int(data[name]) for name in ("round", "fragment", "attempt", "version")},
+            **{name: bool(data.get(name, False)) for name in ("full", "reset", "restart", "reset_inner")},
+            plan=tuple((int(s), int(c)) for s, c in data["plan"]),
+            messages=tuple(str(k) for k in data["messages"]),
+            reply=str(data["reply"]),
+            home=str(data["home"]),
+            full_keys=tuple(str(k) for k in data.get("full_keys", ())),
+            schedule_step=None if data.get("schedule_step") is None else int(data["schedule_step"]),
+            time_budget_s=None if data.get("time_budget_s") is None else float(data["time_budget_s"]),
+            sent_verdicts=tuple((int(a), bool(ok)) for a, ok in data.get("sent_verdicts", ())),
+            restore=dict(data.get("restore") or {}),
+            ahead=None if ahead is None else cls.from_wire(ahead),
+        )
+
+    def job(self, plan: Sequence[Range], messages: Sequence, servers: Sequence, **extra) -> SyncPeriod:
+        """A replica's :class:`SyncPeriod` inside the region: its own ``plan``
+        (:func:`split_plan`), the weights ``messages`` as refs in the region's store, the
+        region's ``servers`` for a full load; ``extra``: the region's own fields (its step
+        board, and flags of its own beside the home's: a reload, a replica's fresh start)."""
+        fields = {name: getattr(self, name) for name in PERIOD_FIELDS}
+        fields.update(plan=[(int(s), int(c)) for s, c in plan], messages=list(messages), servers=list(servers))
+        return SyncPeriod(**{**fields, "sent_verdicts": self.sent_verdicts, **extra})
+
+
+# The SyncPeriod fields a notice carries as they are.
+PERIOD_FIELDS = ("round", "fragment", "attempt", "full", "version", "reset", "restart", "reset_inner")
+PERIOD_FIELDS += ("schedule_step", "time_budget_s")
 
 
 def notice_of(
-    job: SyncPeriod, message_keys: Sequence[str], full_keys: Sequence[str], reply_key: str, restore: Mapping, home: str
-) -> dict:
-    """The notice of ``job`` for a region: where the channel holds the weights messages
-    (``message_keys``, one per home server, and the full weights ``full_keys`` for a load
-    after a gap), under which key the region uploads its reply, and the home's restore
-    directive (what the region's state starts from in this home's run: its id, carried out
-    once, and the region's saved part of the checkpoint the servers started from, or None),
-    and the home's run (``home``) that the keys name."""
-    notice = {name: getattr(job, name) for name in PLAIN_FIELDS + OPTIONAL_FIELDS}
-    notice.update(
-        plan=[[int(s), int(c)] for s, c in job.plan],
-        sent_verdicts=[[int(a), bool(ok)] for a, ok in job.sent_verdicts],
-        messages=list(message_keys),
-        full_keys=list(full_keys),
+    job: SyncPeriod,
+    message_keys: Sequence[str],
+    full_keys: Sequence[str],
+    reply_key: str,
+    restore: Mapping,
+    home: str,
+    fragments: int,
+    region: str,
+) -> Notice:
+    """The notice of ``job`` for ``region`` (see :class:`Notice`), with the round's next
+    period ahead of it (a round of ``fragments`` sync periods)."""
+    notice = Notice(
+        **{name: getattr(job, name) for name in PERIOD_FIELDS},
+        plan=tuple((int(s), int(c)) for s, c in job.plan),
+        messages=tuple(message_keys),
         reply=reply_key,
-        restore=dict(restore),
         home=home,
+        full_keys=tuple(full_keys),
+        sent_verdicts=tuple((int(a), bool(ok)) for a, ok in job.sent_verdicts),
+        restore=dict(restore),
     )
-    return notice
+    return dataclasses.replace(notice, ahead=next_in_round(notice, region, fragments))
 
 
 def message_keys(home: str, version: int, servers: int, full: bool = False) -> list[str]:
@@ -79,35 +165,34 @@ def reply_key(home: str, region: str, attempt: int, fragment: int) -> str:
     return f"r/{home}/{region}/{attempt}/{fragment}"
 
 
-def next_in_round(notice: Mapping, region: str, fragments: int) -> Optional[dict]:
+def next_in_round(notice: Notice, region: str, fragments: int) -> Optional[Notice]:
     """The notice the home sends ``region`` for the next sync period of ``notice``'s round
     when the round goes on as planned (None: ``notice`` is the round's last period).
 
     Inside a round the next period is the next launch (``attempt`` + 1) of the next
     fragment on the same data plan, handed the message of this period's sync (the next
     ``version``, never a full load), with nothing to reset and no verdicts yet (the
-    servers' commits are read at the round's end). A notice that differs from this one
-    means the home went another way: the region was dropped, the round is run again, or
-    the home restarted.
+    servers' commits are read at the round's end).
     """
-    fragment = int(notice["fragment"]) + 1
+    fragment = notice.fragment + 1
     if fragment >= fragments:
         return None
-    attempt, version = int(notice["attempt"]) + 1, int(notice["version"]) + 1
-    return {
-        **notice,
-        "fragment": fragment,
-        "attempt": attempt,
-        "version": version,
-        "full": False,
-        "reset": False,
-        "restart": False,
-        "reset_inner": False,
-        "sent_verdicts": [],
-        "messages": message_keys(notice["home"], version, len(notice["messages"])),
-        "full_keys": [],
-        "reply": reply_key(notice["home"], region, attempt, fragment),
-    }
+    attempt, version = notice.attempt + 1, notice.version + 1
+    return dataclasses.replace(
+        notice,
+        fragment=fragment,
+        attempt=attempt,
+        version=version,
+        full=False,
+        reset=False,
+        restart=False,
+        reset_inner=False,
+        sent_verdicts=(),
+        messages=tuple(message_keys(notice.home, version, len(notice.messages))),
+        full_keys=(),
+        reply=reply_key(notice.home, region, attempt, fragment),
+        ahead=None,
+    )
 
 
 def needs_full(job: SyncPeriod, held: Optional[int]) -> bool:
@@ -118,19 +203,6 @@ def needs_full(job: SyncPeriod, held: Optional[int]) -> bool:
     if job.full:
         return False
     return held is None or job.version > held + 1 or job.reset or job.reset_inner
-
-
-def job_of(notice: Mapping, plan: Sequence[Range], messages: Sequence, servers: Sequence, **extra) -> SyncPeriod:
-    """A replica's :class:`SyncPeriod` inside the region, from the home's ``notice``: its own
-    ``plan`` (:func:`split_plan`), the weights ``messages`` as refs in the region's store,
-    the region's ``servers`` for a full load; ``extra``: the region's own fields (its step
-    board, and flags of its own beside the home's: a reload, a replica's fresh start)."""
-    fields = {name: notice[name] for name in PLAIN_FIELDS}
-    fields.update({name: notice.get(name) for name in OPTIONAL_FIELDS})
-    verdicts = tuple((int(a), bool(ok)) for a, ok in notice.get("sent_verdicts", ()))
-    plan = [(int(s), int(c)) for s, c in plan]
-    fields.update(plan=plan, messages=list(messages), servers=list(servers), sent_verdicts=verdicts)
-    return SyncPeriod(**{**fields, **extra})
 
 
 def split_plan(plan: Sequence[Range], sizes: Sequence[int]) -> list[list[Range]]:

@@ -333,27 +333,25 @@ def test_a_lost_board_judges_nobody(tmp_path):
 
 
 def test_a_regions_next_notice_in_a_round_is_the_one_the_home_sends(tmp_path):
-    # With overlap a region starts a round's next period before its notice comes; the
-    # notice it expects must be the one the loop's next launch makes, and never the
-    # next round's (a new data plan) or a re-run's.
+    # With overlap a region starts a round's next period before its notice comes, from the
+    # one the home sent ahead with the last notice; it must be the one the loop's next
+    # launch makes, and never the next round's (a new data plan) or a re-run's.
     loop, host, reps = make(tmp_path, sync_fragments=2, overlap_communication=True, diloco_loops=2)
     for _ in range(2):
         apply_next_update(loop, host)
 
-    def notice(job):
+    def notice(job, region="eu"):
         keys = wire.message_keys("h1", job.version, 1)
         restore = {"id": "d1", "save": None}
-        return json.loads(
-            json.dumps(
-                wire.notice_of(job, keys, [], wire.reply_key("h1", "eu", job.attempt, job.fragment), restore, "h1")
-            )
-        )
+        reply = wire.reply_key("h1", region, job.attempt, job.fragment)
+        sent = wire.notice_of(job, keys, [], reply, restore, "h1", 2, region)
+        return wire.Notice.from_wire(json.loads(json.dumps(sent.to_wire())))  # as it crosses
 
     sent = [notice(job) for job in reps[0].jobs]
-    assert [(n["round"], n["fragment"]) for n in sent] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert wire.next_in_round(sent[0], "eu", 2) == sent[1] and wire.next_in_round(sent[2], "eu", 2) == sent[3]
-    assert wire.next_in_round(sent[1], "eu", 2) is None  # the round's last period: the next plan is not known
-    assert wire.next_in_round(sent[0], "us", 2) != sent[1]  # another region's reply key
+    assert [(n.round, n.fragment) for n in sent] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert sent[0].ahead == sent[1] and sent[2].ahead == sent[3]
+    assert sent[1].ahead is None  # the round's last period: the next plan is not known
+    assert notice(reps[0].jobs[0], "us").ahead != sent[1]  # another region's reply key
 
 
 @pytest.mark.parametrize("fragments", [1, 2])

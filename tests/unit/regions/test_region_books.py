@@ -14,6 +14,7 @@ import torch
 
 from diloco_ray.algo import compression, partition
 from diloco_ray.algo.slice_layout import SliceLayout
+from diloco_ray.regions import wire
 from diloco_ray.regions.books import RegionBooks
 from diloco_ray.regions.merge import RegionalMerge
 from diloco_ray.runtime.messages import Contribution
@@ -78,16 +79,22 @@ def add_mean(into: dict, grads: dict, accepted: list, fragment: int, fragments: 
 
 
 def notice(round_index, fragment, attempt, verdicts=(), restart=False, reset=False, reset_inner=False, restore=FRESH):
-    return {
-        "round": round_index,
-        "fragment": fragment,
-        "attempt": attempt,
-        "reset": reset,
-        "restart": restart,
-        "reset_inner": reset_inner,
-        "sent_verdicts": [[a, ok] for a, ok in verdicts],
-        "restore": restore,
-    }
+    return wire.Notice(
+        round=round_index,
+        fragment=fragment,
+        attempt=attempt,
+        full=False,
+        version=attempt,
+        plan=(),
+        messages=(),
+        reply="",
+        home="h",
+        reset=reset,
+        restart=restart,
+        reset_inner=reset_inner,
+        sent_verdicts=tuple((a, ok) for a, ok in verdicts),
+        restore=restore,
+    )
 
 
 def grads_for(step: int, nan: tuple = ()) -> dict:
@@ -119,21 +126,21 @@ class Region:
         self.sent: dict[int, list] = {}  # attempt -> buffers (what the home would apply)
         self.step = 0
 
-    def begin(self, note: dict):
+    def begin(self, note: wire.Notice):
         return self.books.begin(note, list(WEIGHTS))
 
-    def merge(self, note: dict, nan: tuple = ()):
+    def merge(self, note: wire.Notice, nan: tuple = ()):
         """The replicas' pseudo-gradients of the notice's period, merged into the region's message."""
         grads = grads_for(self.step, nan)
         self.step += 1
-        fragment = note["fragment"]
-        message = self.books.merge_period(fragment, packed(grads, fragment, self.cfg), note["attempt"])
+        fragment = note.fragment
+        message = self.books.merge_period(fragment, packed(grads, fragment, self.cfg), note.attempt)
         if message.accepted:
             add_mean(self.merged, grads, message.accepted, fragment, self.cfg.sync_fragments)
-            self.sent[note["attempt"]] = message.buffers
+            self.sent[note.attempt] = message.buffers
         return message
 
-    def period(self, note: dict, nan: tuple = ()) -> tuple:
+    def period(self, note: wire.Notice, nan: tuple = ()) -> tuple:
         """One period: the notice's rules, then the merge; (start, message)."""
         return self.begin(note), self.merge(note, nan)
 
@@ -291,8 +298,9 @@ def test_applied_plus_held_is_every_merged_pseudo_gradient_through_every_fault(t
         for fragment in range(fragments):
             home["attempt"] += 1
             attempt, first = home["attempt"], fragment == 0
-            note = notice(round_index, fragment, attempt, sorted(home["verdicts"].items()), restart and first)
-            note["reset"], home["verdicts"] = note["restart"], {}
+            verdicts, again = sorted(home["verdicts"].items()), restart and first
+            note = notice(round_index, fragment, attempt, verdicts, restart=again, reset=again)
+            home["verdicts"] = {}
             starts.append(region.begin(note))
             if first and agent_restarts:  # it dies having taken the notice in; a new one takes up the books
                 region.books = books_of(region.cfg, tmp_path)

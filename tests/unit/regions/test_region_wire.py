@@ -81,11 +81,13 @@ def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
         sent_verdicts=((8, True), (6, False)),
         schedule_step=90,
     )
-    notice = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1", {"id": "d1", "save": None}, "h1")
-    notice = json.loads(json.dumps(notice))  # it crosses as JSON
-    assert notice["messages"] == ["w/7/0", "w/7/1"] and notice["reply"] == "eu/a9/f1"
-    share = wire.split_plan(notice["plan"], [12, 12])[1]
-    rebuilt = wire.job_of(notice, share, ["local-a", "local-b"], ["regional"], board="board")
+    directive = {"id": "d1", "save": None}
+    sent = wire.notice_of(job, ["w/7/0", "w/7/1"], ["f/7/0", "f/7/1"], "eu/a9/f1", directive, "h1", 2, "eu")
+    notice = wire.Notice.from_wire(json.loads(json.dumps(sent.to_wire())))  # it crosses as JSON
+    assert notice == sent and notice.messages == ("w/7/0", "w/7/1") and notice.reply == "eu/a9/f1"
+    assert notice.ahead is None  # fragment 1 of 2: the round's last period
+    share = wire.split_plan(notice.plan, [12, 12])[1]
+    rebuilt = notice.job(share, ["local-a", "local-b"], ["regional"], board="board")
     assert (rebuilt.round, rebuilt.fragment, rebuilt.attempt, rebuilt.version) == (3, 1, 9, 7)
     assert rebuilt.plan == [(12, 12)] and rebuilt.messages == ["local-a", "local-b"]
     assert rebuilt.reset_inner and rebuilt.sent_verdicts == ((8, True), (6, False)) and rebuilt.schedule_step == 90
@@ -111,10 +113,15 @@ def test_a_resumed_homes_keys_never_meet_the_last_homes():
     assert set(wire.message_keys("h1", 3, 2)).isdisjoint(wire.message_keys("h2", 3, 2))
     job = SyncPeriod(round=0, fragment=0, plan=[(0, 8)], attempt=4, messages=[], full=False, version=3)
     keys, reply = wire.message_keys("h2", 3, 1), wire.reply_key("h2", "eu", 4, 0)
-    notice = wire.notice_of(job, keys, [], reply, {"id": "d1", "save": None}, "h2")
-    expected = wire.next_in_round(notice, "eu", fragments=2)
-    assert expected["reply"] == wire.reply_key("h2", "eu", 5, 1)  # the next period's keys, in this home's run
-    assert expected["messages"] == wire.message_keys("h2", 4, 1) and expected["restore"] == notice["restore"]
+    notice = wire.notice_of(job, keys, [], reply, {"id": "d1", "save": None}, "h2", 2, "eu")
+    expected = notice.ahead  # the home works the round's next period out and sends it along
+    assert expected.reply == wire.reply_key("h2", "eu", 5, 1)  # the next period's keys, in this home's run
+    assert expected.messages == tuple(wire.message_keys("h2", 4, 1)) and expected.restore == notice.restore
+    assert (expected.fragment, expected.attempt, expected.version, expected.ahead) == (1, 5, 4, None)
+    # The notice the home then sends for that period is the one expected, whatever it expects next.
+    job = dataclasses.replace(job, fragment=1, attempt=5, version=4)
+    keys, reply = wire.message_keys("h2", 4, 1), wire.reply_key("h2", "eu", 5, 1)
+    assert wire.notice_of(job, keys, [], reply, {"id": "d1", "save": None}, "h2", 3, "eu") == expected
 
 
 PLAN = [(100, 4), (200, 2)]  # 6 sequences
