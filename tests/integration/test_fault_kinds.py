@@ -98,8 +98,9 @@ RUNS = {
                 {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.5},
             ],
         ),
-        # Replica 0 runs 20 periods of at least 0.8 s: replica 1's dropped link is found (no step
-        # for stall_timeout_s, then abort_grace_s) and it is merged again long before the end.
+        # Replica 0's periods take at least 0.8 s, so the run's 10 rounds' worth outlast the time
+        # replica 1's dropped link takes to be found (no step for stall_timeout_s, then
+        # abort_grace_s), and replica 1 is merged again before the end.
         "drop_link": (
             LONGER,
             [*paced_by_rounds(replica=0, first_round=0, seconds=0.2), {"kind": "drop_link", "replica": 1, "round": 1}],
