@@ -102,7 +102,7 @@ class PeriodPoll:
         now, stalled = time.time(), set()
         for ref in self.pending:
             rid, rank = self.owner[ref]
-            if not getattr(self.launched[rid].replica, "judged_by_steps", True):
+            if not self.launched[rid].replica.judged_by_steps:
                 continue  # a region: its channel says whether it is alive
             attempt, _, at = beats.get((rid, rank), (None, 0, 0.0))
             last = at if attempt == self.attempt else launched_at

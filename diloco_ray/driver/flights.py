@@ -136,7 +136,7 @@ class FlightPoll:
             return []
         out = []
         for rid, f in flights.items():
-            if not getattr(f.launch.replica, "judged_by_steps", True):
+            if not f.launch.replica.judged_by_steps:
                 continue  # a region: its channel says whether it is alive
             last = max(
                 [at for (r, _), (attempt, _, at) in beats.items() if r == rid and attempt == f.attempt]

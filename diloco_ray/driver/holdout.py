@@ -76,7 +76,7 @@ def carries_update(replica_id: int, stats: RoundStats) -> bool:
     """Whether a report is a region's contribution to try: a region's member (as the servers
     tell: :func:`~diloco_ray.config.fields.is_region_member`) whose reply was neither told to
     stop nor refused already."""
-    return is_region_member(replica_id) and not stats.aborted and "refused" not in (stats.region or {})
+    return is_region_member(replica_id) and not stats.aborted and (stats.region is None or stats.region.refused is None)
 
 
 def refused(contributions: list[list[Contribution]], why: dict[int, str]) -> list[list[Contribution]]:

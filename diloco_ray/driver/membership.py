@@ -19,6 +19,7 @@ import ray
 from diloco_ray.config.sections import MembershipSection, PlacementSection
 from diloco_ray.errors import first_line
 from diloco_ray.observe.events import MembershipEvent
+from diloco_ray.regions.members import RegionMember
 from diloco_ray.runtime.replica import Replica, resources_for_replica
 
 
@@ -314,10 +315,10 @@ class Membership:
         reason = first_line(error)[:200]
         self.on_event(MembershipEvent("failed_start", self.round_of(), replica_id=rep.id, reason=reason))
 
-    def remove(self, rep: Replica, reason: str) -> None:
+    def remove(self, rep: Replica | RegionMember, reason: str) -> None:
         """Stop ``rep`` and forget it (its placement group is released); a region leaves
         the round until it is connected again at a later boundary."""
-        if self.regions is not None and self.regions.owns(rep):
+        if isinstance(rep, RegionMember):
             self.regions.drop(rep, reason)
             return
         rep.stop()

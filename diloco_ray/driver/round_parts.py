@@ -53,7 +53,7 @@ def reported_counts(reported: Mapping[int, list]) -> tuple[int, int]:
     """(replicas, regions) behind the periods that reported: a region's member counts the
     replicas its message merged, and the home's replicas count as one region."""
     facts = [stats[0].region for stats in reported.values()]
-    replicas = sum(len(f.get("replica_ids", ())) if f else 1 for f in facts)
+    replicas = sum(len(f.replica_ids) if f else 1 for f in facts)
     regions = sum(1 for f in facts if f) + any(f is None for f in facts)
     return replicas, regions
 

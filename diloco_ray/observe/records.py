@@ -293,13 +293,13 @@ def _regions(reported: list[dict], accepted: list[int], home_region: str) -> dic
     for period in reported:
         for rid, ranks in period.items():
             facts = ranks[0].region
-            name = facts["name"] if facts else home_region
+            name = facts.name if facts else home_region
             entry = out.setdefault(name, {"replica_ids": [], "applied": False, "bytes_up": 0, "bytes_down": 0})
             entry["bytes_up"] += sum(s.bytes_up for s in ranks)
             entry["bytes_down"] += max(s.bytes_down for s in ranks)
             if rid in accepted:
                 entry["applied"] = True
-                ids = facts.get("replica_ids", []) if facts else [rid]
+                ids = facts.replica_ids if facts else [rid]
                 entry["replica_ids"] = sorted(set(entry["replica_ids"]) | set(ids))
     return out
 

@@ -40,7 +40,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import numpy as np
@@ -56,7 +56,7 @@ from diloco_ray.regions.books import PeriodStart, RegionBooks
 from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
 from diloco_ray.regions.merge import RegionalMerge
 from diloco_ray.regions.replicas import RegionReplicas, job_for
-from diloco_ray.runtime.messages import Contribution, RoundStats
+from diloco_ray.runtime.messages import Contribution, RegionFacts, RoundStats
 
 LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
 START_TRIES = 3  # starts of a private Ray before the agent gives up
@@ -331,7 +331,7 @@ class RegionAgent:
         """Answer a job this region did not run, so the home does not wait for it: nothing
         merged, and its whole plan handed back to the cursor."""
         plan = list(notice.plan)
-        declined = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True, unused=plan, region={"replica_ids": []})
+        declined = RoundStats.empty(aborted=True, unused=plan, region=RegionFacts())
         empty = [np.zeros(0, dtype=np.uint8)] * len(self.servers)
         self.client.upload(notice.reply, wire.reply_payload(empty, declined), give_up_after_s=self.give_up_after_s)
 
@@ -360,7 +360,8 @@ class RegionAgent:
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         # What the home publishes for this region next: a refilled slot loads everything at once,
         # a replica rejected as non-finite at its next round's start.
-        summary.region.update(reload=bool(self.replicas.lost), reload_at_round=self.books.resets_at_round_start)
+        reload = {"reload": bool(self.replicas.lost), "reload_at_round": self.books.resets_at_round_start}
+        summary = replace(summary, region=replace(summary.region, **reload))
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
         self.books.save()  # before the upload: what it carries is in the books
         self.client.upload(notice.reply, wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)

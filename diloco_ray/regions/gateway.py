@@ -37,7 +37,7 @@ from diloco_ray.channel.server import ChannelServer
 from diloco_ray.config.sections import ChannelSection
 from diloco_ray.logs import log
 from diloco_ray.regions import wire
-from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
 from diloco_ray.runtime.server_aggregator import refusal_message
 
 POLL_S = 0.5  # how often a waiting period checks whether it was told to stop, or its region went silent
@@ -142,13 +142,13 @@ class RegionGateway:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
                 buffers, stats = self._checked_reply(region, job, payload)
-                if not stats.aborted and "refused" not in stats.region:  # its replicas hold job.version
+                if not stats.aborted and stats.region.refused is None:  # its replicas hold job.version
                     self.held[region] = (self.channel.instance_of(region), job.version)
-                self._note_reloads(region, stats.region or {})
+                self._note_reloads(region, stats.region)
                 return (*buffers, self._with_traffic(region, stats, before))
             if self.aborted.get(region, -1) >= job.attempt:
                 self.channel.discard(reply)
-                aborted = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True)
+                aborted = RoundStats.empty(aborted=True, region=RegionFacts())
                 return (*[b"" for _ in range(self.servers)], self._with_traffic(region, aborted, before))
             if region not in self.channel.connected():
                 self.channel.discard(reply)
@@ -242,22 +242,23 @@ class RegionGateway:
             return (buffers if not stats.aborted else [b""] * self.servers), stats
         why = f"its reply was refused: {why}"
         log.warning("channel: region %r's reply to launch %d: %s", region, job.attempt, why)
-        refused = RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, region={"replica_ids": [], "refused": why})
+        refused = RoundStats.empty(region=RegionFacts(refused=why))
         return [refusal_message(why)] * self.servers, refused
 
-    def _note_reloads(self, region: str, facts: dict) -> None:
+    def _note_reloads(self, region: str, facts: RegionFacts) -> None:
         """What a region's reply says its replicas will load: everything at its next period
         (a replica replaced), or at its next round's start (a replica reset). Asking costs
         the region its own link's bytes, nothing more."""
-        if facts.get("reload"):
+        if facts.reload:
             self.held.pop(region, None)
-        if facts.get("reload_at_round"):
+        if facts.reload_at_round:
             self.reload_at_round.add(region)
 
     def _with_traffic(self, region: str, stats: RoundStats, before: tuple[int, int]) -> RoundStats:
-        """``stats`` with the channel bytes since ``before`` as the region's bytes both ways."""
+        """``stats`` named for ``region``, with the channel bytes since ``before`` as its
+        bytes both ways."""
         up, down = (now - then for now, then in zip(self.channel.traffic(region), before))
-        facts = {**(stats.region or {}), "name": region, "bytes_up": up, "bytes_down": down}
+        facts = dataclasses.replace(stats.region or RegionFacts(), name=region)
         return dataclasses.replace(stats, bytes_up=up, bytes_down=down, region=facts)
 
     def _publish(self, version: int, full: bool, fetch: Callable[[], list]) -> list[str]:

@@ -104,9 +104,6 @@ class RegionMembers:
             event = MembershipEvent("leave", self.round_of(), replica_id=member.id, reason=reason, region=member.name)
             self.on_event(event)
 
-    def owns(self, rep) -> bool:
-        return isinstance(rep, RegionMember)
-
     def restore(self, folder: Optional[str]) -> None:
         """The home's servers start from checkpoint ``folder`` behind what the regions hold
         (None: from nothing): every region takes up its part of it, or starts fresh."""

@@ -39,7 +39,7 @@ import numpy as np
 
 from diloco_ray.channel import frames
 from diloco_ray.data.plan import take_from
-from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
 
 Range = tuple[int, int]
 
@@ -245,14 +245,15 @@ def summarize(
         restarted=any(s.restarted for s in every),
         loss_tokens=int(round(weight)),
         unused=sorted(unused),
-        region={"replica_ids": sorted(merged)},
+        region=RegionFacts(replica_ids=tuple(sorted(merged))),
     )
 
 
 def reply_payload(buffers: Sequence[np.ndarray], summary: RoundStats) -> bytes:
     """A region's reply as one checked frame: the summary and the buffers' sizes in the
     header, the buffers one after another as its payload."""
-    header = {"stats": dataclasses.asdict(summary), "sizes": [int(len(b)) for b in buffers]}
+    stats = {**dataclasses.asdict(summary), "region": summary.region.claims() if summary.region else None}
+    header = {"stats": stats, "sizes": [int(len(b)) for b in buffers]}
     return frames.encode(header, b"".join(np.asarray(b, dtype=np.uint8).tobytes() for b in buffers))
 
 
@@ -291,9 +292,11 @@ def reply_of(payload: bytes, max_bytes: int) -> tuple[list[np.ndarray], RoundSta
         stats = dict(frame.header["stats"])
         stats["unused"] = [tuple(r) for r in stats.get("unused", [])]
         sizes = [int(size) for size in frame.header["sizes"]]
+        region = stats.pop("region", None)
         summary = RoundStats(**stats)
     except (KeyError, TypeError, ValueError):
         raise frames.BadFrame("malformed: a reply is {stats: the fields of RoundStats, sizes: [bytes, ...]}") from None
+    summary = dataclasses.replace(summary, region=facts_of(region))
     buffers, at = [], 0
     for size in sizes:
         if size < 0 or at + size > len(frame.payload):
@@ -309,7 +312,6 @@ def reply_of(payload: bytes, max_bytes: int) -> tuple[list[np.ndarray], RoundSta
 
 COUNTS = ("rank", "inner_steps", "tokens", "bytes_up", "bytes_down", "loss_tokens", "resumed_step")
 AMOUNTS = ("loss_sum", "compute_seconds", "load_seconds")
-REGION_FACTS = {"replica_ids": list, "reload": bool, "reload_at_round": bool}
 
 
 def refused_claim(stats: RoundStats, plan: Sequence[Range], seq_len: int) -> Optional[str]:
@@ -324,17 +326,21 @@ def refused_claim(stats: RoundStats, plan: Sequence[Range], seq_len: int) -> Opt
         why = f"{max(stats.tokens, stats.loss_tokens)} tokens claimed; its plan holds {positions * seq_len}"
     if why is None and stats.inner_steps > positions:
         why = f"{stats.inner_steps} steps claimed on a plan of {positions} sequences"
-    if why is None and not _known_facts(stats.region):
-        why = "its facts are not {replica_ids, reload, reload_at_round}"
     return why or _outside(stats.unused, plan)
 
 
-def _known_facts(facts) -> bool:
-    """Whether a region's facts are only the ones the home reads, each of its type."""
-    if not isinstance(facts, dict) or set(facts) - set(REGION_FACTS):
-        return False
-    typed = all(isinstance(facts.get(k, t()), t) for k, t in REGION_FACTS.items())
-    return typed and all(type(i) is int for i in facts.get("replica_ids", []))
+def facts_of(claims) -> RegionFacts:
+    """A region's facts from what it sent: only the claims the home reads, each of its type.
+
+    Raises:
+        frames.BadFrame: anything else.
+    """
+    known = RegionFacts.CLAIMS
+    ok = isinstance(claims, dict) and not set(claims) - set(known)
+    ok = ok and all(isinstance(claims.get(k, t()), t) for k, t in known.items())
+    if not ok or not all(type(i) is int for i in claims.get("replica_ids", [])):
+        raise frames.BadFrame(f"malformed: its facts are not {{{', '.join(known)}}} of their types")
+    return RegionFacts(**{**claims, "replica_ids": tuple(claims.get("replica_ids", []))})
 
 
 def _bad_numbers(stats: RoundStats) -> Optional[str]:

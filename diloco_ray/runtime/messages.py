@@ -12,7 +12,7 @@ Plain data, no Ray: the references and actor handles inside are opaque here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Optional, Sequence
 
 if TYPE_CHECKING:  # for annotations only: these messages import no torch
     from diloco_ray.algo.outer import Rejected
@@ -179,6 +179,35 @@ class AppliedRound:
 
 
 # ---- what a rank reports of its sync period -------------------------------------------
+@dataclass(frozen=True)
+class RegionFacts:
+    """What a region's one stats object says beyond what a replica's does: it stands for the
+    region's replicas.
+
+    The region's own claims, the only ones that cross the channel (``CLAIMS``), each checked
+    by the home (:func:`~diloco_ray.regions.wire.facts_of`):
+
+    Args:
+        replica_ids: the region's replicas its message merged.
+        reload: a replica of it was replaced: it loads the full weights at its next period.
+        reload_at_round: a replica was reset: it loads them at its next round's start.
+        name: the region's name (the home's gateway sets it).
+        refused: why the home refused the region's reply (None: it did not; the gateway sets it).
+    """
+
+    replica_ids: tuple[int, ...] = ()
+    reload: bool = False
+    reload_at_round: bool = False
+    name: str = ""
+    refused: Optional[str] = None
+
+    CLAIMS: ClassVar[dict[str, type]] = {"replica_ids": list, "reload": bool, "reload_at_round": bool}
+
+    def claims(self) -> dict:
+        """What the region sends of these facts: its claims, as JSON values."""
+        return {"replica_ids": list(self.replica_ids), "reload": self.reload, "reload_at_round": self.reload_at_round}
+
+
 @dataclass
 class RoundStats:
     """What a rank reports about its round (small; travels through the driver)."""
@@ -196,6 +225,11 @@ class RoundStats:
     loss_tokens: int = 0  # tokens that carried loss: the replica's weight in the outer mean
     resumed_step: int = 0  # inner steps restored from an in-flight snapshot
     unused: list = field(default_factory=list)  # plan ranges left untrained (inner_time_s ran out)
-    # A region's one stats object (it stands for the region's replicas): its name, the ids of
-    # the replicas its message merged, and the channel bytes of its sync both ways.
-    region: Optional[dict] = None
+    region: Optional[RegionFacts] = None  # a region's one stats object: what it says of its replicas
+
+    @classmethod
+    def empty(cls, **fields) -> RoundStats:
+        """The stats of a period that trained and sent nothing (told to stop, declined,
+        refused), with ``fields`` (``aborted``, ``unused``, ``region``) set."""
+        nothing = dict(rank=0, inner_steps=0, tokens=0, loss_sum=0.0, compute_seconds=0.0, load_seconds=0.0, bytes_up=0)
+        return cls(**nothing, **fields)

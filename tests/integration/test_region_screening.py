@@ -27,7 +27,7 @@ from diloco_ray.channel.credentials import Token
 from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.driver import holdout
 from diloco_ray.regions import wire
-from diloco_ray.runtime.messages import RoundStats
+from diloco_ray.runtime.messages import RegionFacts, RoundStats
 from tests.integration.test_regions import free_port, home_config, region_token, train_beside_region
 from tests.unit.channel.tls_files import make_tls
 
@@ -110,7 +110,8 @@ class GreedyRegion(threading.Thread):
                 continue
             job = notice["job"]
             huge = compression.pack({"x": torch.full((64,), 1e30)}, "none")
-            greedy = RoundStats(0, 3, 10**12, 1.0, 1.0, 0.0, 0, loss_tokens=10**12, region={"replica_ids": [0]})
+            claims = dict(tokens=10**12, loss_tokens=10**12, region=RegionFacts(replica_ids=(0,)))
+            greedy = RoundStats(0, 3, loss_sum=1.0, compute_seconds=1.0, load_seconds=0.0, bytes_up=0, **claims)
             self.client.upload(job["reply"], wire.reply_payload([huge] * self.servers, greedy))
             self.answered += 1
 

@@ -130,6 +130,8 @@ class Replica:
     position (so a period run again on the same data sends the same pseudo-gradient), and
     whose report arrives ``delays[k]`` polls after its k-th launch."""
 
+    judged_by_steps = True  # its ranks beat (the Beats below), as a real replica's
+
     def __init__(self, rid: int, cfg, calls: Calls, delays=(), steps: Optional[int] = None, never=()):
         self.id, self.cfg, self.calls = rid, cfg, calls
         self.world_size = cfg.ranks_of(rid)

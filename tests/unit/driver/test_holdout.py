@@ -9,7 +9,7 @@ import pytest
 from diloco_ray.algo.aggregate import Rejection
 from diloco_ray.config.fields import REGION_ID_BASE
 from diloco_ray.driver.holdout import HoldoutCheck, carries_update, refused, worse_than_margin
-from diloco_ray.runtime.messages import Contribution, RoundStats
+from diloco_ray.runtime.messages import Contribution, RegionFacts, RoundStats
 from diloco_ray.runtime.server_aggregator import refusal_message
 from diloco_ray.runtime.server_group import assemble_weights
 from tests.unit.runtime.test_server_screening import REGION, plans_of, with_region
@@ -79,10 +79,10 @@ def test_with_no_home_replica_to_score_on_no_region_is_applied():
 
 
 def test_only_a_regions_reply_that_carries_an_update_is_tried():
-    stats = RoundStats(0, 3, 24, 1.0, 1.0, 0.0, 0, region={"replica_ids": [0]})
+    stats = RoundStats(0, 3, 24, 1.0, 1.0, 0.0, 0, region=RegionFacts(replica_ids=(0,)))
     assert carries_update(EU, stats) and not carries_update(3, stats)
-    assert not carries_update(EU, RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, aborted=True))
-    assert not carries_update(EU, RoundStats(0, 0, 0, 0.0, 0.0, 0.0, 0, region={"refused": "its reply was refused"}))
+    assert not carries_update(EU, RoundStats.empty(aborted=True, region=RegionFacts()))
+    assert not carries_update(EU, RoundStats.empty(region=RegionFacts(refused="its reply was refused")))
 
 
 def test_a_refused_contribution_stands_for_a_refusal_every_server_rejects_with_its_reason():

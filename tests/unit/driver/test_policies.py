@@ -85,14 +85,14 @@ def test_a_round_run_again_past_the_retries_stops_the_run():
 
 def test_min_regions_counts_the_regions_whose_replicas_reported():
     from diloco_ray.driver.round_parts import reported_counts
-    from diloco_ray.runtime.messages import RoundStats
+    from diloco_ray.runtime.messages import RegionFacts, RoundStats
 
     def stats(region=None):
         return [RoundStats(0, 1, 1, 1.0, 0.0, 0.0, 0, region=region)]
 
-    home_and_eu = {0: stats(), 1: stats(), 1_000_000: stats({"name": "eu", "replica_ids": [0, 1, 2]})}
+    home_and_eu = {0: stats(), 1: stats(), 1_000_000: stats(RegionFacts(name="eu", replica_ids=(0, 1, 2)))}
     assert reported_counts(home_and_eu) == (5, 2)  # the region's three replicas; the home and eu
-    assert reported_counts({1_000_000: stats({"name": "eu", "replica_ids": [0]})}) == (1, 1)
+    assert reported_counts({1_000_000: stats(RegionFacts(name="eu", replica_ids=(0,)))}) == (1, 1)
     assert too_few_reported(5, min_replicas=1, streaming=False, regions=2, min_regions=3).action is Action.RUN_AGAIN
     assert "min_regions=3" in too_few_reported(5, 1, False, regions=2, min_regions=3).why
     assert too_few_reported(5, min_replicas=1, streaming=False, regions=3, min_regions=3) is None

@@ -59,6 +59,8 @@ class Calls:
 class Replica:
     """A replica of ``ranks`` ranks whose periods end as the fault plan says (each fault once)."""
 
+    judged_by_steps = True  # its ranks beat (the Beats below), as a real replica's
+
     def __init__(self, rid: int, plan: list, ranks: int = 1, steps: int = 4):
         self.id, self.plan, self.ranks, self.steps = rid, plan, ranks, steps
         self.world_size = ranks

@@ -12,7 +12,7 @@ import pytest
 from diloco_ray.channel import frames
 from diloco_ray.data import plan as data
 from diloco_ray.regions import wire
-from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
 
 
 @pytest.mark.parametrize("returned", [[], [(3, 5), (40, 2)], [(0, 100)]])
@@ -59,7 +59,7 @@ def test_the_summary_counts_the_merged_replicas_and_hands_back_every_range_not_m
 
 def test_a_reply_round_trips_and_a_damaged_one_is_refused():
     buffers = [np.arange(10, dtype=np.uint8), np.zeros(0, dtype=np.uint8), np.full(3, 7, dtype=np.uint8)]
-    summary = stats(unused=[(4, 2)])
+    summary = dataclasses.replace(stats(unused=[(4, 2)]), region=RegionFacts(replica_ids=(0, 1)))
     payload = wire.reply_payload(buffers, summary)
     got, back = wire.reply_of(payload, max_bytes=1 << 20)
     assert [b.tolist() for b in got] == [b.tolist() for b in buffers] and back == summary
@@ -136,21 +136,26 @@ PLAN = [(100, 4), (200, 2)]  # 6 sequences
         (dict(tokens=-1), "tokens -1 is not a count"),
         (dict(loss_sum=float("nan")), "loss_sum nan is not a finite amount"),
         (dict(inner_steps=7), "7 steps claimed on a plan of 6 sequences"),
-        (dict(region={"replica_ids": [0], "name": "us"}), "its facts are not"),
         (dict(loss_tokens=True), "loss_tokens True is not a count"),
     ],
-    ids=["cursor", "overlap", "weight", "negative", "nan", "steps", "facts", "bool"],
+    ids=["cursor", "overlap", "weight", "negative", "nan", "steps", "bool"],
 )
 def test_a_region_s_claims_are_checked_against_its_plan(claim, why):
     honest = stats(tokens=48, unused=[(103, 1), (200, 2)])
-    honest = dataclasses.replace(honest, loss_tokens=40, region={"replica_ids": [0, 1], "reload": False})
+    honest = dataclasses.replace(honest, loss_tokens=40, region=RegionFacts(replica_ids=(0, 1)))
     assert wire.refused_claim(honest, PLAN, seq_len=8) is None
     assert re.match(why, wire.refused_claim(dataclasses.replace(honest, **claim), PLAN, seq_len=8))
 
 
 def test_a_reply_whose_summary_or_sizes_do_not_fit_is_refused_as_malformed():
-    good = wire.reply_payload([np.zeros(4, dtype=np.uint8)], stats())
+    sent = dataclasses.replace(stats(), region=RegionFacts(replica_ids=(0, 2), reload=True))
+    good = wire.reply_payload([np.zeros(4, dtype=np.uint8)], sent)
+    assert wire.reply_of(good, max_bytes=1 << 20)[1] == sent
     head = frames.decode(good, 1 << 20).header
-    for header in ({**head, "stats": {**head["stats"], "extra": 1}}, {**head, "sizes": [5]}, {"sizes": [4]}):
+    bad = [{**head, "stats": {**head["stats"], "extra": 1}}, {**head, "sizes": [5]}, {"sizes": [4]}]
+    # A region's facts are its claims only, each of its type: never its name, nor a refusal.
+    for region in (None, {"replica_ids": [0], "name": "us"}, {"refused": "no"}, {"replica_ids": [True]}):
+        bad.append({**head, "stats": {**head["stats"], "region": region}})
+    for header in bad:
         with pytest.raises(frames.BadFrame, match="malformed"):
             wire.reply_of(frames.encode(header, b"\0" * 4), max_bytes=1 << 20)
