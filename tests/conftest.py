@@ -131,19 +131,23 @@ OWN_RAY_ENVIRONMENT = ("test_cloud_output.py",)
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Integration modules that use the shared Ray run one after another, before the ones
-    that start a Ray of their own or none: one start and stop (~5 s here) for all of them
-    instead of one per run of such modules. Unit tests stay first; order is otherwise kept.
-    Under xdist (``--dist loadfile``) each worker takes whole modules in this order."""
+    """Unit tests first; then the integration modules marked ``clusters`` (regions, WAN
+    rehearsals: the longest, so that under xdist the last modules to start, which decide
+    when the suite ends, are short ones); then those that use the shared Ray, one after
+    another, before the ones that start a Ray of their own or none: one start and stop
+    (~5 s here) for all of them instead of one per run of such modules. Order is otherwise
+    kept. Under xdist (``--dist loadfile``) each worker takes whole modules in this order."""
 
     _shared_ray["modules"] = {item.path for item in items if "ray_local" in item.fixturenames}
 
     def place(item) -> int:  # per module, so modules stay whole
         if "integration" not in item.path.parts:
             return 0
+        if item.get_closest_marker("clusters") is not None:
+            return 1
         if item.path not in _shared_ray["modules"]:
-            return 3
-        return 2 if item.path.name in OWN_RAY_ENVIRONMENT else 1
+            return 4
+        return 3 if item.path.name in OWN_RAY_ENVIRONMENT else 2
 
     items.sort(key=place)
 

@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from conftest import ROOT, max_abs_diff, subprocess_env, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
@@ -37,6 +38,8 @@ from tests.integration.test_regions import (
     wait_for_line,
 )
 from tests.unit.channel.tls_files import make_tls
+
+pytestmark = pytest.mark.clusters  # regions: each its own Ray cluster (started first: conftest)
 
 FAULTS = [
     {"kind": "nan", "region": "eu", "replica": 1, "round": 0},

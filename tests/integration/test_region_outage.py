@@ -28,6 +28,8 @@ from tests.unit.channel.tls_files import make_tls
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 from wanlab.relay import Relay  # noqa: E402
 
+pytestmark = pytest.mark.clusters  # regions: each its own Ray cluster (started first: conftest)
+
 REGION = 1_000_000  # the region's member id (REGION_ID_BASE + its index)
 ROUNDS_BEFORE_CUT = 2
 ROUNDS_CUT = 3  # rounds the home applies without the region while the link is down

@@ -31,6 +31,8 @@ from diloco_ray.runtime.messages import RegionFacts, RoundStats
 from tests.integration.test_regions import free_port, home_config, region_token, train_beside_region
 from tests.unit.channel.tls_files import make_tls
 
+pytestmark = pytest.mark.clusters  # regions: each its own Ray cluster (started first: conftest)
+
 ATTACKED = (1, 2, 3)
 
 

@@ -22,6 +22,8 @@ from conftest import ROOT, max_abs_diff, tiny_config
 from diloco_ray import DilocoFSDPTrainer
 from tests.unit.channel.tls_files import make_tls
 
+pytestmark = pytest.mark.clusters  # regions: each its own Ray cluster (started first: conftest)
+
 
 def region_token(name: str) -> str:
     """Region ``name``'s own channel token in these tests."""

@@ -38,7 +38,7 @@ REASON = netns.why_not_available()
 # topk keeps the 20 Mbit/s link and the 25 steps it must hide its sync in. About 51 s here.
 SHORT = ["--set", "diloco_loops=3", "--set", "max_steps=25", "--idle-seconds", "0"]
 SHORT += ["--quick-none-rate", "100", "--quick-none-steps", "10"]
-pytestmark = pytest.mark.skipif(REASON is not None, reason=f"bench/wan.py {REASON}")
+pytestmark = [pytest.mark.clusters, pytest.mark.skipif(REASON is not None, reason=f"bench/wan.py {REASON}")]
 
 
 def env():
