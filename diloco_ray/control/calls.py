@@ -1,7 +1,8 @@
 """How the driver waits on the actors' answers: the few Ray calls the round loop makes.
 
 The round loop holds object refs and asks three things of them: which are ready, their
-values, and all of a list within a deadline; the decoupled loop also asks the time.
+values, and all of a list within a deadline; and it asks the time (launch times, beats and
+deadlines are measured by it).
 :class:`RayCalls` does that with Ray and the wall clock; tests hand the loop an object
 with the same methods over plain values (and a fake clock), as Ray Train tests its
 controller with a dummy worker group, so the loop's decisions run without a cluster.

@@ -6,13 +6,13 @@ that fails takes its whole replica down at once: its partners would otherwise wa
 FSDP collective forever. So does a replica whose ranks show no progress for
 ``stall_timeout_s`` (a frozen process answers nothing, and Ray cannot tell it from a slow
 one). Replicas still running at the deadline are told to stop and get ``abort_grace_s`` to
-do so; one that does not is dropped as unresponsive. The waiting goes through
-:class:`~diloco_ray.control.calls.RayCalls` (or a test's fake), never Ray directly.
+do so; one that does not is dropped as unresponsive. The waiting and the time go through
+:class:`~diloco_ray.control.calls.RayCalls` (or a test's fake, with a clock of its own),
+never Ray or the wall clock directly.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 from ray.exceptions import RayActorError, RayTaskError
@@ -29,7 +29,7 @@ class PeriodPoll:
     Args:
         launched: replica id -> its :class:`Launch`.
         attempt: the launch counter of this period (an abort names it; beats carry it).
-        calls: the driver's calls (``ready``, ``all_ready``, ``get``).
+        calls: the driver's calls (``ready``, ``all_ready``, ``get``, ``now``).
         steps: the step feed (``poll()`` passes step events on, ``beats()`` reads heartbeats),
             or None.
         stall_timeout_s: a replica whose running ranks have not beaten for this long is dropped.
@@ -55,10 +55,10 @@ class PeriodPoll:
 
     def collect(self, timeout_s: Optional[float]) -> RoundPoll:
         """Wait for the ranks until ``timeout_s`` (None: no deadline); then stop the late ones."""
-        launched_at = time.time()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        launched_at = self.calls.now()
+        deadline = None if timeout_s is None else launched_at + timeout_s
         while self.pending:
-            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            remaining = None if deadline is None else max(0.0, deadline - self.calls.now())
             # Wake at least every STEP_POLL_S to pass the ranks' step events on.
             wait = STEP_POLL_S if remaining is None else min(remaining, STEP_POLL_S)
             ready = self.calls.ready(list(self.pending), wait)
@@ -99,7 +99,7 @@ class PeriodPoll:
         beats = self.steps.beats()
         if beats is None:
             return set()  # no word from the board this time: nobody is judged on it
-        now, stalled = time.time(), set()
+        now, stalled = self.calls.now(), set()
         for ref in self.pending:
             rid, rank = self.owner[ref]
             if not self.launched[rid].replica.judged_by_steps:

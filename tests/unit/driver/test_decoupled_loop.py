@@ -10,7 +10,6 @@ checks the global weights against a reference computed by hand (a synchronous ro
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -44,24 +43,25 @@ class Ref:
 
 
 class Calls:
-    """The loop's calls over fake refs; each ``ready`` is one poll of the clock."""
+    """The loop's calls over fake refs, on a clock of their own; each ``ready`` is one poll,
+    and takes 2 ms of it (so stall and abort deadlines pass as polls go by)."""
 
     def __init__(self):
-        self.polls = 0
+        self.polls, self.clock = 0, 1000.0
 
     def ready(self, refs, timeout_s):
         self.polls += 1
-        time.sleep(0.002)  # a poll takes a little time, so stall and abort deadlines can pass
+        self.clock += 0.002
         return [r for r in refs if r.ready_at <= self.polls and not r.held]
 
     def all_ready(self, refs, timeout_s):
         return self.ready(refs, timeout_s)
 
     def now(self):
-        return time.time()
+        return self.clock
 
     def sleep(self, seconds):
-        time.sleep(seconds)
+        self.clock += max(0.0, seconds)
 
     def get(self, refs, timeout_s=None):
         if isinstance(refs, list):
@@ -451,7 +451,8 @@ class Beats:
 
     def beats(self):
         flights = self.loop.flights.items()
-        self.last_beats = {(rid, 0): (f.attempt, 1, time.time()) for rid, f in flights if rid not in self.silent}
+        now = self.loop.calls.now()
+        self.last_beats = {(rid, 0): (f.attempt, 1, now) for rid, f in flights if rid not in self.silent}
         return self.last_beats
 
 

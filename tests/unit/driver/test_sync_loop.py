@@ -12,7 +12,6 @@ applied, who is dropped and why, what version replicas are handed, what is run a
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -40,13 +39,24 @@ class Ref:
 
 
 class Calls:
-    """The loop's calls over fake refs (no time passes but the loop's own short waits)."""
+    """The loop's calls over fake refs, on a clock of their own: a wait that finds nothing
+    new lasts its whole timeout (an unbounded one a second), one that does a millisecond."""
+
+    def __init__(self):
+        self.clock = 1000.0
 
     def ready(self, refs, timeout_s):
-        return [r for r in refs if r.ready]
+        ready = [r for r in refs if r.ready]
+        self.clock += 0.001 if ready else (1.0 if timeout_s is None else timeout_s)
+        return ready
 
     def all_ready(self, refs, timeout_s):
-        return [r for r in refs if r.ready]
+        ready = [r for r in refs if r.ready]
+        self.clock += 0.001 if len(ready) == len(refs) else (1.0 if timeout_s is None else timeout_s)
+        return ready
+
+    def now(self):
+        return self.clock
 
     def get(self, refs, timeout_s=None):
         if isinstance(refs, list):
@@ -302,10 +312,12 @@ def test_each_replica_hears_with_its_next_period_whether_what_it_sent_was_applie
 
 
 class Beats:
-    """A step feed whose board heard only from the ranks in ``alive`` (None: the board is lost)."""
+    """A step feed whose board heard only from the ranks in ``alive`` (None: the board is
+    lost), each of them just now by ``calls``' clock."""
 
-    def __init__(self, alive, board_lost=False):
-        self.alive, self.board_lost, self.last_beats, self.board, self.polls = alive, board_lost, {}, None, 0
+    def __init__(self, alive, calls, board_lost=False):
+        self.alive, self.calls, self.board_lost, self.last_beats, self.board = alive, calls, board_lost, {}, None
+        self.polls = 0
 
     def poll(self):
         self.polls += 1
@@ -313,22 +325,25 @@ class Beats:
     def beats(self):
         if self.board_lost:
             return None
-        self.last_beats = {(rid, 0): (1, 3, time.time()) for rid in self.alive}  # attempt 1, step 3, now
+        self.last_beats = {(rid, 0): (1, 3, self.calls.now()) for rid in self.alive}  # attempt 1, step 3, now
         return self.last_beats
 
 
 def test_a_frozen_replica_is_dropped_by_its_silence_without_a_deadline(tmp_path):
-    loop, host, reps = make(tmp_path, faults=[{"kind": "freeze", "replica": 1, "round": 0}], stall_timeout_s=0.05)
-    loop.steps = Beats(alive={0})  # replica 0 beats; replica 1 says nothing
+    loop, host, reps = make(tmp_path, faults=[{"kind": "freeze", "replica": 1, "round": 0}], stall_timeout_s=2.5)
+    loop.steps = Beats(alive={0}, calls=loop.calls)  # replica 0 beats; replica 1 says nothing
+    started = loop.calls.now()
     record = apply_next_update(loop, host).to_record()
     assert host.members.removed == [(1, "unresponsive")] and record["replica_ids"] == [0]
+    # Judged at the first poll (one a STEP_POLL_S) past stall_timeout_s since the launch, not before.
+    assert 2.5 < loop.calls.now() - started <= 2.5 + STEP_POLL_S + 0.1
     assert loop.steps.polls >= 1  # step events were passed on while waiting
 
 
 def test_a_lost_board_judges_nobody(tmp_path):
     faults = [{"kind": "freeze", "replica": 1, "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults, stall_timeout_s=0.01, round_timeout_s=0.2, abort_grace_s=0.01)
-    loop.steps = Beats(alive=set(), board_lost=True)
+    loop.steps = Beats(alive=set(), calls=loop.calls, board_lost=True)
     record = apply_next_update(loop, host).to_record()
     assert record["dropped"] == [1]  # by the deadline, not by silence the lost board cannot vouch for
     assert reps[1].aborted == [1]
