@@ -134,8 +134,8 @@ def pytest_collection_modifyitems(session, config, items):
     """Unit tests first; then the integration modules marked ``clusters`` (regions, WAN
     rehearsals: the longest, so that under xdist the last modules to start, which decide
     when the suite ends, are short ones); then those that use the shared Ray, one after
-    another, before the ones that start a Ray of their own or none: one start and stop
-    (~5 s here) for all of them instead of one per run of such modules. Order is otherwise
+    another, before the ones that start a Ray of their own or none: one start and stop of
+    Ray for all of them instead of one per run of such modules. Order is otherwise
     kept. Under xdist (``--dist loadfile``) each worker takes whole modules in this order."""
 
     _shared_ray["modules"] = {item.path for item in items if "ray_local" in item.fixturenames}

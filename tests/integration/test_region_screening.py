@@ -112,8 +112,9 @@ class GreedyRegion(threading.Thread):
                 continue
             job = notice["job"]
             huge = compression.pack({"x": torch.full((64,), 1e30)}, "none")
-            claims = dict(tokens=10**12, loss_tokens=10**12, region=RegionFacts(replica_ids=(0,)))
-            greedy = RoundStats(0, 3, loss_sum=1.0, compute_seconds=1.0, load_seconds=0.0, bytes_up=0, **claims)
+            greedy = RoundStats(
+                0, 3, 10**12, 1.0, 1.0, 0.0, 0, loss_tokens=10**12, region=RegionFacts(replica_ids=(0,))
+            )
             self.client.upload(job["reply"], wire.reply_payload([huge] * self.servers, greedy))
             self.answered += 1
 
