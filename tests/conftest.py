@@ -35,6 +35,17 @@ EXACT_JOB = dict(diloco_loops=5, max_steps=4, checkpoint_steps=8, eval_batches=1
 TWO_SERVERS = dict(num_param_servers=2)
 
 
+def paced(replica: int, rounds: range, seconds: float, region: str = "") -> list[dict]:
+    """``slow`` faults that pace replica ``replica`` (of ``region``, if named) by a fixed
+    ``seconds`` a step in each of ``rounds``: a round of a known length that costs no CPU,
+    which a test of timing rules needs and no load changes (a multiple of a computed step
+    is a second on a busy machine and milliseconds on a quiet one). A ``slow`` fault lasts
+    one period, so one per round; a replica that starts late fires the ones it missed at
+    once."""
+    where = {"region": region} if region else {}
+    return [{"kind": "slow", **where, "replica": replica, "round": r, "step": 0, "seconds": seconds} for r in rounds]
+
+
 def seal(folder, round: int = 0) -> str:
     """Write the manifest of every file in ``folder`` (states saved straight into it), as a
     checkpoint commit would: an actor loads only what a manifest vouches for."""

@@ -111,6 +111,7 @@ class ChannelServer:
         self._lock = threading.Condition()
         self._sessions: dict[str, Session] = {}  # region -> its live session
         self._published: dict[str, bytes] = {}
+        self._void: set[str] = set()  # keys that will not be published: a Get of one ends at once
         self._uploads = Uploads(max_frame_bytes, stale_s=session_timeout_s)
         self._traffic: dict[str, list[int]] = {}  # region -> [frame bytes it sent, frame bytes it was sent]
         self._notices: dict[str, list] = {}
@@ -168,11 +169,24 @@ class ChannelServer:
         """Make ``payload`` downloadable by any region as ``key``."""
         with self._lock:
             self._published[key] = bytes(payload)
+            self._void.discard(key)
             self._lock.notify_all()
 
     def unpublish(self, key: str) -> None:
         with self._lock:
             self._published.pop(key, None)
+
+    def void(self, key: str, void: bool = True) -> None:
+        """``key`` will not be published (the weights it names died with a server): a
+        region waiting for it hears so now, not when its Get's wait runs out. With
+        ``void=False`` (the home makes it again) a Get waits for it again; publishing it
+        does that too."""
+        with self._lock:
+            if void:
+                self._void.add(key)
+            else:
+                self._void.discard(key)
+            self._lock.notify_all()
 
     def notify(self, region: str, notice: dict) -> int:
         """Queue ``notice`` for ``region``'s next Wait (kept across its reconnects); its seq."""
@@ -299,7 +313,7 @@ class ChannelServer:
         # the home still makes the weights it merges at the end): wait for it a while.
         deadline = time.monotonic() + h["wait_s"]
         with self._lock:
-            while key not in self._published and self._server is not None:
+            while key not in self._published and key not in self._void and self._server is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break

@@ -9,7 +9,9 @@ controller with a dummy worker group, so the loop's decisions run without a clus
 
 Both loops call the parameter servers through :func:`server_call`: a dead server raises
 :class:`ServerLost`, which each loop's ``run_round`` turns into the one outcome that asks
-the trainer to restore the servers (``Action.RECOVER_SERVER``).
+the trainer to restore the servers (``Action.RECOVER_SERVER``). Both ask the servers
+first when a period fails (:func:`check_servers`), so that a replica is never dropped for
+a server's death.
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ def server_call(call: Callable[[], T], when: str) -> T:
     except RayActorError as e:
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ServerLost(f"a server died {when} ({first})") from e
+
+
+def check_servers(server, when: str) -> None:
+    """Raise :class:`ServerLost` if a server of ``server`` (a server group) is dead. Asked
+    before a failed period's replica is blamed: a period that failed because a server died
+    (its weights could not be fetched, its message had nowhere to go) costs its replica
+    nothing, and the round is restored as a unit instead."""
+    server_call(server.ping, when)
 
 
 class RayCalls:

@@ -13,10 +13,11 @@ never Ray or the wall clock directly.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 from ray.exceptions import RayActorError, RayTaskError
 
+from diloco_ray.control.calls import ServerLost
 from diloco_ray.errors import UserInputError, unwrap
 from diloco_ray.runtime.messages import Launch, RoundPoll
 
@@ -34,6 +35,10 @@ class PeriodPoll:
             or None.
         stall_timeout_s: a replica whose running ranks have not beaten for this long is dropped.
         abort_grace_s: how long a replica told to stop at the deadline may take.
+        check_servers: called before a failed replica is dropped; raises
+            :class:`~diloco_ray.control.calls.ServerLost` when a server died (the period
+            failed for that, not for its replica), which ends the collection: the replicas
+            still running are told to stop, and none is dropped.
     """
 
     def __init__(
@@ -44,8 +49,10 @@ class PeriodPoll:
         steps,
         stall_timeout_s: float,
         abort_grace_s: float,
+        check_servers: Optional[Callable[[], None]] = None,
     ):
         self.launched, self.attempt, self.calls, self.steps = launched, attempt, calls, steps
+        self.check_servers = check_servers
         self.stall_timeout_s, self.abort_grace_s = stall_timeout_s, abort_grace_s
         self.owner = {ref: (rid, r) for rid, launch in launched.items() for r, ref in enumerate(launch.stats)}
         self.results: dict[int, list] = {rid: [] for rid in launched}
@@ -57,6 +64,16 @@ class PeriodPoll:
         """Wait for the ranks until ``timeout_s`` (None: no deadline); then stop the late ones."""
         launched_at = self.calls.now()
         deadline = None if timeout_s is None else launched_at + timeout_s
+        try:
+            self._wait(launched_at, deadline)
+        except ServerLost:
+            for rid in sorted({self.owner[r][0] for r in self.pending}):
+                self.launched[rid].replica.abort(self.attempt)
+            raise
+        self._stop_late()
+        return self._sorted()
+
+    def _wait(self, launched_at: float, deadline: Optional[float]) -> None:
         while self.pending:
             remaining = None if deadline is None else max(0.0, deadline - self.calls.now())
             # Wake at least every STEP_POLL_S to pass the ranks' step events on.
@@ -72,8 +89,6 @@ class PeriodPoll:
                 self._drop(rid, "unresponsive")
             if not ready and remaining is not None and remaining <= STEP_POLL_S:
                 break  # the deadline passed
-        self._stop_late()
-        return self._sorted()
 
     def _take(self, ref, strict: bool) -> None:
         rid = self.owner[ref][0]
@@ -83,6 +98,8 @@ class PeriodPoll:
             if isinstance(e, RayTaskError) and isinstance(unwrap(e), UserInputError):
                 raise  # bad data or config: the user's to fix, not a fault to ride out
             if strict:
+                if self.check_servers is not None:
+                    self.check_servers()
                 self._drop(rid, "failed")
 
     def _drop(self, rid: int, why: str) -> None:

@@ -52,7 +52,7 @@ from diloco_ray.config.sections import (
     RunShapeSection,
     SyncCodecSection,
 )
-from diloco_ray.control.calls import RayCalls, ServerLost, server_call
+from diloco_ray.control.calls import RayCalls, ServerLost, check_servers, server_call
 from diloco_ray.control.poll import STEP_POLL_S
 from diloco_ray.driver.flights import Flight, FlightPoll, Lost
 from diloco_ray.driver.host import Host
@@ -321,6 +321,7 @@ class DecoupledLoop:
         replaces it at once (a spare, or a new replica, cut to land with the others)."""
         poll = self._flight_poll()
         done, lost = poll.poll(self.flights, wait)
+        self._blame_servers_first(host, poll, done, lost)
         for gone in lost:
             self._lose(host, gone)
         stopped = False
@@ -338,6 +339,22 @@ class DecoupledLoop:
         if stopped:
             self._launch_idle(host)
         return None
+
+    def _blame_servers_first(self, host: Host, poll: FlightPoll, done: list, lost: list[Lost]) -> None:
+        """A failed period may have failed because a server died: if so, raise ServerLost
+        before any replica is blamed (the one that failed stays, idle, and is launched
+        again on the restored servers); the periods this poll took are thrown away."""
+        failed = [gone.flight for gone in lost if gone.why == "failed"]
+        if not failed:
+            return
+        try:
+            check_servers(host.server, "during the merge")
+        except ServerLost:
+            self.wasted_steps += sum(poll.steps_run(flight) for flight in [f for _, f in done] + failed)
+            for gone in lost:
+                if gone.why != "failed":
+                    self._lose(host, gone, server_alive=False)
+            raise
 
     @staticmethod
     def _why_lost(gone: Lost) -> str:

@@ -32,7 +32,7 @@ from diloco_ray.config.sections import (
     RunShapeSection,
     SyncCodecSection,
 )
-from diloco_ray.control.calls import RayCalls, ServerLost, server_call
+from diloco_ray.control.calls import RayCalls, ServerLost, check_servers, server_call
 from diloco_ray.control.poll import PeriodPoll
 from diloco_ray.driver.holdout import HoldoutCheck, carries_update, refused
 from diloco_ray.driver.host import Host
@@ -220,7 +220,7 @@ class SyncLoop:
         run, active = Periods(), members
         for fragment in range(self.sync_codec.sync_fragments):
             launched = self._launch(host, active, slots, plans, fragment)
-            poll = self._collect(launched)
+            poll = self._collect(host, launched)
             for rep, why in poll.failed:
                 host.members.remove(rep, why)
             run.late |= set(poll.late)
@@ -267,11 +267,17 @@ class SyncLoop:
             snapshots=self._snapshot_plan(slot) if fragment == 0 else None,
         )
 
-    def _collect(self, launched: dict[int, Launch]) -> RoundPoll:
+    def _collect(self, host: Host, launched: dict[int, Launch]) -> RoundPoll:
         deadlines, fragments = self.membership, self.sync_codec.sync_fragments
         timeout = None if deadlines.round_timeout_s is None else deadlines.round_timeout_s / fragments
         poll = PeriodPoll(
-            launched, self.jobs.attempt, self.calls, self.steps, deadlines.stall_timeout_s, deadlines.abort_grace_s
+            launched,
+            self.jobs.attempt,
+            self.calls,
+            self.steps,
+            deadlines.stall_timeout_s,
+            deadlines.abort_grace_s,
+            check_servers=lambda: check_servers(host.server, "during the round"),
         )
         result = poll.collect(timeout)
         self.wasted_steps += poll.wasted_steps

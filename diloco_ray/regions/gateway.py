@@ -47,6 +47,13 @@ class RegionLost(Exception):
     """A region went silent in the middle of a period (see :meth:`RegionGateway.run_period`)."""
 
 
+class WeightsLost(Exception):
+    """The weights a region's period needs could not be fetched from the servers (a server
+    died): the period fails at once rather than leave the region waiting for them. The
+    driver then finds the dead server (:func:`~diloco_ray.control.calls.check_servers`)
+    and restores it, and the region is not blamed."""
+
+
 class RegionGateway:
     """The channel's end at the home, as a Ray actor (threaded: one period per region at a time).
 
@@ -94,6 +101,7 @@ class RegionGateway:
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
         self.held: dict[str, tuple] = {}  # region -> (its agent's instance, the version of its last period)
         self.published: dict[tuple, object] = {}  # (full, version) published or being published -> its token
+        self.unfetched: dict[tuple, str] = {}  # (full, version) whose weights the servers could not give -> why
         self.lock = threading.Lock()
         self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
         self.reload_at_round: set[str] = set()  # regions a replica of which starts its next round fresh
@@ -118,6 +126,7 @@ class RegionGateway:
         Raises:
             RegionLost: the region was not heard from for ``channel_timeout_s`` (its link
                 is down, or its agent died): the round goes on without it.
+            WeightsLost: the weights the period needs died with a server.
         """
         import ray
 
@@ -125,6 +134,7 @@ class RegionGateway:
             self.reset_attempts.add(job.attempt)
             self._unpublish_all()
         messages = self._publish(job.version, False, lambda: ray.get(list(job.messages)))
+        needed = [(False, job.version)]
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
         held = self._held(region)
         if job.fragment == 0 and region in self.reload_at_round:  # a replica of it starts this round fresh
@@ -132,12 +142,18 @@ class RegionGateway:
             held = None
         if wire.needs_full(job, held):
             full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
+            needed.append((True, job.version))
         reply = wire.reply_key(self.home, region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
         directive = self.directives[region]
         notice = wire.notice_of(job, messages, full, reply, directive, self.home, self.fragments, region)
         self.channel.expect(region, reply)
         self.channel.notify(region, {"job": notice.to_wire()})
+        return self._await_reply(region, job, reply, needed, before)
+
+    def _await_reply(self, region: str, job: SyncPeriod, reply: str, needed: list, before: tuple) -> tuple:
+        """``run_period``'s wait for ``region``'s ``reply``, until it comes, the period is
+        aborted, the weights it ``needed`` turn out lost, or the region goes silent."""
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
@@ -150,9 +166,12 @@ class RegionGateway:
                 self.channel.discard(reply)
                 aborted = RoundStats.empty(aborted=True, region=RegionFacts())
                 return (*[b"" for _ in range(self.servers)], self._with_traffic(region, aborted, before))
-            if region not in self.channel.connected():
+            lost = [self.unfetched[p] for p in needed if p in self.unfetched]
+            if lost or region not in self.channel.connected():
                 self.channel.discard(reply)
                 self.channel.notify(region, {"abort": job.attempt})  # what it finds when it is back
+                if lost:
+                    raise WeightsLost(f"the weights of version {job.version} could not be fetched ({lost[0]})")
                 raise RegionLost(f"region {region!r} not heard from for {self.timeout_s:g}s (channel_timeout_s)")
 
     def abort(self, region: str, attempt: int) -> None:
@@ -275,15 +294,21 @@ class RegionGateway:
             if publication in self.published:
                 return keys
             self.published[publication] = token = object()  # this publication (a restore starts new ones)
+            self.unfetched.pop(publication, None)
+            for key in keys:
+                self.channel.void(key, False)  # made again (after a restore, the same version's keys)
 
         def publish() -> None:
             try:
                 buffers = fetch()
-            except Exception as e:  # a server lost: the loop recovers it; the region's download times out
+            except Exception as e:  # a server lost: the periods waiting for these weights fail (WeightsLost)
                 log.warning("channel: could not fetch %s (%s)", keys[0], type(e).__name__)
                 with self.lock:
                     if self.published.get(publication) is token:
                         del self.published[publication]
+                        for key in keys:
+                            self.channel.void(key)  # a region waiting for them goes on to its next notice
+                        self.unfetched[publication] = type(e).__name__
                 return
             with self.lock:
                 if self.published.get(publication) is not token:
@@ -303,6 +328,7 @@ class RegionGateway:
     def _unpublish_all(self) -> None:
         with self.lock:
             gone, self.published = self.published, {}
+            self.unfetched.clear()
         for full, version in gone:
             for key in wire.message_keys(self.home, version, self.servers, full):
                 self.channel.unpublish(key)

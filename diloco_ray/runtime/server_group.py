@@ -78,6 +78,10 @@ class ServerGroup:
     def round_index(self) -> int:
         return ray.get(self.actors[0].round_index.remote())
 
+    def ping(self) -> None:
+        """Every server answers; a dead one raises ``RayActorError``."""
+        ray.get([a.round_index.remote() for a in self.actors])
+
     def version(self) -> int:
         return ray.get(self.actors[0].sync_version.remote())
 

@@ -21,7 +21,16 @@ import sys
 import numpy as np
 import pytest
 import ray
-from conftest import EXACT_JOB, ROOT, TWO_SERVERS, applied_positions, max_abs_diff, subprocess_env, tiny_config
+from conftest import (
+    EXACT_JOB,
+    ROOT,
+    TWO_SERVERS,
+    applied_positions,
+    max_abs_diff,
+    paced,
+    subprocess_env,
+    tiny_config,
+)
 
 from diloco_ray import DilocoFSDPTrainer, TrainerConfig
 from diloco_ray.config.fault_plan import KINDS, REGION_REHEARSALS
@@ -39,15 +48,9 @@ BASE = dict(diloco_loops=3, max_steps=4, eval_batches=1, stall_timeout_s=4.0, ab
 
 def paced_by_rounds(replica: int, first_round: int, seconds: float = 0.3, rounds: int = 40) -> list[dict]:
     """Decoupled: a replica that must still be merging while another is found stalled (or
-    arrives late) is paced, over more rounds' worth: a tiny period takes milliseconds. By a
-    fixed time a step, which no load changes (a multiple of the step's own time is a second on
-    a busy machine and milliseconds on a quiet one). A ``slow`` fault lasts one period, so one
-    per round (a replica that starts late fires the ones it missed at once: first_round near
-    its start). A pacing fault is not itself checked (``slowdown`` is, below)."""
-    return [
-        {"kind": "slow", "replica": replica, "round": r, "step": 0, "seconds": seconds, "pace": True}
-        for r in range(first_round, first_round + rounds)
-    ]
+    arrives late) is paced (conftest.paced), over more rounds' worth: a tiny period takes
+    milliseconds. A pacing fault is not itself checked (``slowdown`` is, below)."""
+    return [{**f, "pace": True} for f in paced(replica, range(first_round, first_round + rounds), seconds)]
 
 
 LONGER = {"diloco_loops": 10}

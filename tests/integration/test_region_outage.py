@@ -19,7 +19,7 @@ import threading
 import time
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, applied_positions, paced
 
 from diloco_ray import DilocoFSDPTrainer
 from tests.integration.test_regions import free_port, home_config, start_region, wait_for_line
@@ -33,7 +33,16 @@ pytestmark = pytest.mark.clusters  # regions: each its own Ray cluster (started 
 REGION = 1_000_000  # the region's member id (REGION_ID_BASE + its index)
 ROUNDS_BEFORE_CUT = 2
 ROUNDS_CUT = 3  # rounds the home applies without the region while the link is down
+ROUNDS = ROUNDS_BEFORE_CUT + ROUNDS_CUT + 5
 CUT_S = 8.0  # and for at least this long: past channel_timeout_s, and a few of the client's backoffs
+# Rounds of a known length, ~2 s, that cost no CPU: every replica sleeps a fixed time a step
+# (conftest.paced), so the link's return is seen within a round or two on any machine.
+STEPS, STEP_S = 8, 0.25
+PACED = [
+    *paced(0, range(ROUNDS), STEP_S),
+    *paced(1, range(ROUNDS), STEP_S),  # the home replica that replaces one lost with the server
+    *paced(0, range(ROUNDS), STEP_S, region="eu"),
+]
 
 
 # Sync mode streams its syncs with overlap, the path where a region starts a round's next
@@ -47,10 +56,11 @@ SYNC_EXTRA = dict(
     sync_fragments=2,
     overlap_communication=True,
     round_timeout_s=120,
-    checkpoint_steps=500,  # every round: max_steps
+    checkpoint_steps=STEPS,  # every round
     fault_plan=[
         {"kind": "kill", "target": "server", "round": SERVER_KILLED_AT},
         {"kind": "nan", "region": "eu", "replica": 0, "round": 0},
+        *PACED,
     ],
 )
 
@@ -75,10 +85,6 @@ def cut_then_restore(relay: Relay, metrics: str, done: threading.Event, times: d
     times["restored"] = time.time()
 
 
-def applied_positions(rounds: list) -> list:
-    return sorted(p for r in rounds for ranges in r["data_ranges"].values() for s, c in ranges for p in range(s, s + c))
-
-
 @pytest.mark.parametrize("mode", ["sync", "decoupled"])
 def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mode):
     tls = make_tls(str(tmp_path))
@@ -92,9 +98,9 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
         [{"name": "eu", "replicas": 1}],
         num_replicas=1,
         channel_timeout_s=3,
-        **(SYNC_EXTRA if mode == "sync" else {}),
-        diloco_loops=ROUNDS_BEFORE_CUT + ROUNDS_CUT + 5,
-        max_steps=500,  # rounds of a second or more: the link's return is seen within a round or two
+        **(SYNC_EXTRA if mode == "sync" else {"fault_plan": PACED}),
+        diloco_loops=ROUNDS,
+        max_steps=STEPS,
         sync_mode=mode,
         # Error feedback's path: the message the region merged when its link was cut is put
         # back once the home's verdict reaches it (the region's books, tests/unit/regions).

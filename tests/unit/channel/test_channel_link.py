@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import grpc
 import pytest
@@ -40,6 +41,20 @@ def test_a_region_joins_gets_its_config_waits_for_a_notice_and_moves_messages_bo
     eu.upload("eu/grads/0", grads)
     assert home.take("eu/grads/0", timeout_s=5) == grads
     assert home.take("eu/grads/0", timeout_s=0.1) is None  # taken once
+
+
+def test_a_download_of_a_message_that_will_never_come_ends_when_the_home_says_so(home):
+    """A region waiting for weights that died with a server hears so at once (the home
+    voids the key), not when its wait runs out; publishing the key later serves it."""
+    eu = region(home)
+    eu.join()
+    threading.Timer(0.3, home.void, args=("w/7/0",)).start()
+    started = time.monotonic()
+    with pytest.raises(ChannelRefused, match="no message 'w/7/0' is published"):
+        eu.download("w/7/0", wait_s=20.0)
+    assert time.monotonic() - started < 10.0
+    home.publish("w/7/0", b"restored")
+    assert eu.download("w/7/0", wait_s=1.0) == b"restored"
 
 
 def test_a_notice_sent_while_a_region_was_away_reaches_it_after_it_reconnects(home):

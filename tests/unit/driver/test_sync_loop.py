@@ -126,9 +126,12 @@ class Servers:
     def __len__(self):
         return 1
 
-    def data_plan(self, replica_ids):
+    def ping(self):
         if self.dead:
             raise RayActorError()
+
+    def data_plan(self, replica_ids):
+        self.ping()
         return [[(10 * i, 10)] for i in range(len(replica_ids))]
 
     def sync(self, fragment, contributions, plans, unused=None):
@@ -261,6 +264,21 @@ def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
     assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
     assert record["round"] == 0 and loop.round_index == 1
     assert [j.restart for j in reps[0].jobs] == [False, True]  # the re-run starts from the global weights
+
+
+def test_a_period_failed_by_a_dead_server_restores_the_servers_and_keeps_its_replica(tmp_path):
+    """Replica 0's period fails because the server it fetches from died (as a rank's does
+    when the weights' ref is lost with its server): the servers are asked before the replica
+    is blamed, so the round is run again on restored servers with both replicas, and the
+    one still training is told to stop rather than dropped."""
+    faults = [{"kind": "kill", "target": "server", "round": 0}, {"kind": "kill", "replica": 0, "round": 0}]
+    loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=10.0)  # (on the fake clock)
+    reps[1].plan = fault_plan.parse([{"kind": "slow", "replica": 1, "round": 0, "seconds": 1}])
+    record = apply_next_update(loop, host).to_record()
+    assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
+    assert host.members.removed == [] and not reps[0].stopped and reps[1].aborted == [1]
+    assert record["replica_ids"] == [0, 1] and record["round"] == 0 and record["dropped"] == []
+    assert [j.restart for j in reps[0].jobs] == [False, True]
 
 
 def test_streaming_hands_each_period_the_next_version_before_its_commit(tmp_path):
