@@ -174,6 +174,10 @@ class ParameterServer:
         self._hold(self.layout.split(params))
         self.outbox.reset_held()
 
+    def alive(self) -> bool:
+        """Answers (the driver's liveness question, :meth:`ServerGroup.ping`)."""
+        return True
+
     def round_index(self) -> int:
         """The index of the next round to apply."""
         return self.store.round

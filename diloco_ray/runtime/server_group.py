@@ -22,6 +22,8 @@ from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.server import ParameterServer
 
+PING_TIMEOUT_S = 30.0  # a live server answers a ping at once, whatever it is doing
+
 
 @dataclass
 class SyncRefs:
@@ -50,7 +52,8 @@ class ServerGroup:
         count = placement.num_param_servers
         resources = placement.server_resources
         per_server = resources if isinstance(resources, list) else [resources] * count
-        remote_cls = ray.remote(server_cls)
+        # "control": a liveness question answered beside a sync in progress (see ping).
+        remote_cls = ray.remote(concurrency_groups={"control": 1})(server_cls)
         # A GPU only when asked for (server_gpus): Ray then shows the server that one GPU.
         gpus = {"num_gpus": placement.server_gpus} if placement.server_gpus else {}
         self.actors = [
@@ -78,9 +81,15 @@ class ServerGroup:
     def round_index(self) -> int:
         return ray.get(self.actors[0].round_index.remote())
 
-    def ping(self) -> None:
-        """Every server answers; a dead one raises ``RayActorError``."""
-        ray.get([a.round_index.remote() for a in self.actors])
+    def ping(self, timeout_s: float = PING_TIMEOUT_S) -> None:
+        """Whether every server is alive: a dead one raises ``RayActorError``. Answered in
+        the servers' control group, not behind a sync they are working on; one that does
+        not answer within ``timeout_s`` is taken as alive (busy, not dead)."""
+        refs = [a.alive.options(concurrency_group="control").remote() for a in self.actors]
+        try:
+            ray.get(refs, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            pass
 
     def version(self) -> int:
         return ray.get(self.actors[0].sync_version.remote())

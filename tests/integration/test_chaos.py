@@ -7,14 +7,18 @@ every case each stream position trained on exactly once.
 """
 
 import sys
+import time
 
 import numpy as np
 import pytest
 import ray
 from conftest import KillOnceTheSpareIsReady, applied_positions, final_weights, max_abs_diff, tiny_config
+from ray.exceptions import RayActorError
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.observe.metrics import read_events
+from diloco_ray.runtime.server import ParameterServer
+from diloco_ray.runtime.server_group import ServerGroup
 
 pytestmark = pytest.mark.integration
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -189,3 +193,29 @@ def test_a_hot_spare_takes_a_lost_replicas_place_at_the_next_boundary(ray_local,
     assert ready["time"] <= promoted["time"]
     positions = applied_positions(rounds)
     assert sorted(positions) == list(range(len(positions)))  # the lost round's data went back, once
+
+
+class SlowPlanServer(ParameterServer):
+    """A server whose data plan takes seconds: a sync in progress, as far as a ping goes."""
+
+    def data_plan(self, replica_ids):
+        import time
+
+        time.sleep(20)
+        return super().data_plan(replica_ids)
+
+
+def test_a_ping_finds_a_dead_server_at_once_and_a_busy_one_alive(ray_local, tmp_path):
+    """What a failed period is checked against (control.calls.check_servers): a server busy
+    with a long call answers beside it, and a dead one raises at once."""
+    servers = ServerGroup(tiny_config(tmp_path / "run"), SlowPlanServer)
+    servers.ping()  # started
+    busy = servers.actors[0].data_plan.remote([0])
+    started = time.monotonic()
+    servers.ping()
+    assert time.monotonic() - started < 10.0  # not behind the 20 s call
+    servers.kill()
+    with pytest.raises(RayActorError):
+        servers.ping()
+    with pytest.raises(RayActorError):
+        ray.get(busy)

@@ -108,7 +108,7 @@ class Servers:
         return self._call("round_index")
 
     def ping(self):
-        self._call("round_index")
+        self._call("alive")
 
     def last_weights(self):
         return [self._call("last_weights")]
