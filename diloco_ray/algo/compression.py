@@ -6,18 +6,8 @@ This module owns the encoding of a named set of tensors into one contiguous byte
 quantisation error does not accumulate as a bias. Pure functions over torch tensors and
 numpy arrays: no Ray, no I/O.
 
-Wire format (all integers little-endian)::
-
-    offset 0   4 bytes   magic b"DLZ1" (a new layout gets a new magic)
-    offset 4   u32       H = length of the JSON header in bytes
-    offset 8   H bytes   UTF-8 JSON: {"codec": str, "block": int, ["fraction": float,] "meta": {...},
-                          "tensors": [[name, shape, scales_off, scales_len,
-                                       payload_off, payload_len], ...]}
-    D = 8 + H rounded up to a multiple of 8: the data area, holding every section.
-
-Section offsets are relative to D and are multiples of 8, so each section can be viewed
-zero-copy as fp32 / int16 / int8. No padding follows the last section: ``len(buffer)``
-is exactly the bytes that travel. Per tensor, ``scales`` holds fp32 absmax scales (int8
+The wire format (a prefix, a JSON header, 8-byte-aligned sections) is
+:mod:`diloco_ray.algo.wire_layout`'s; per tensor, ``scales`` holds fp32 absmax scales (int8
 and int4 only, else empty) and ``payload`` the encoded values:
 
 * ``none``  fp32 (4 B/value)           * ``fp16``  IEEE half, finite values saturated
@@ -34,14 +24,13 @@ must not hide them (a block holding one gets a NaN scale).
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
+from diloco_ray.algo import wire_layout
 from diloco_ray.algo.codecs import (
     DEFAULT_BLOCK,
     DEFAULT_FRACTION,
@@ -52,14 +41,6 @@ from diloco_ray.algo.codecs import (
     chunk_step,
     sections,
 )
-
-MAGIC = b"DLZ1"
-_PREFIX = 8  # magic + u32 header length
-_ALIGN = 8
-
-
-def _align(n: int) -> int:
-    return -(-n // _ALIGN) * _ALIGN
 
 
 def pack(
@@ -121,8 +102,8 @@ def pack_filled(
     _check_codec(codec)
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    entries = _layout(shapes, codec, block, fraction)
-    buf, start = _start_message(entries, _header(entries, codec, block, meta, fraction), allocate)
+    entries = wire_layout.layout(shapes, codec, block, fraction)
+    buf, start = _start_message(entries, wire_layout.header(entries, codec, block, meta, fraction), allocate)
     body = buf[start:]
     if codec == "none":  # straight into the message, as fp32 (native little-endian)
         for name, shape, _, _, offset, length in entries:
@@ -139,45 +120,20 @@ def pack_filled(
     return buf, residual
 
 
-def _layout(shapes: Mapping[str, Sequence[int]], codec: str, block: int, fraction: float) -> list[list]:
-    """Each tensor's header entry ``[name, shape, scales_off, scales_len, payload_off,
-    payload_len]``: its sections laid one after the other, each at a multiple of 8."""
-    entries, offset = [], 0
-    for name, shape in shapes.items():
-        if not isinstance(name, str):
-            raise ValueError(f"tensor names must be str, got {name!r}")
-        numel = math.prod(shape)
-        scales_len, payload_len = sections(numel, codec, block, fraction)
-        payload_off = _align(offset + scales_len)
-        entries.append([name, list(shape), offset, scales_len, payload_off, payload_len])
-        offset = _align(payload_off + payload_len)
-    return entries
-
-
-def _header(entries: list[list], codec: str, block: int, meta: Optional[dict], fraction: float) -> bytes:
-    """The JSON header, UTF-8 and compact."""
-    head = {"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries}
-    if codec == "topk":
-        head["fraction"] = float(fraction)
-    return json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
 def _start_message(
     entries: list[list], header: bytes, allocate: Optional[Callable[[int], np.ndarray]]
 ) -> tuple[np.ndarray, int]:
     """``(buffer, start of its data area)``: the buffer holds the prefix and ``header``, and
     zeros wherever no section of ``entries`` will write."""
-    start = _align(_PREFIX + len(header))
-    end = max((e[4] + e[5] for e in entries), default=0)
+    head = wire_layout.prefix(header)
+    start, end = len(head), wire_layout.data_bytes(entries)
     if allocate is None:
         buf = np.zeros(start + end, dtype=np.uint8)  # zero pages cost nothing until written
-    else:  # memory in use before: zero what no section writes (the header's padding, gaps)
+    else:  # memory in use before: zero what no section writes (the gaps between sections)
         buf = allocate(start + end)
-        buf[:start] = 0
         written = sorted((e[2], e[3]) for e in entries) + sorted((e[4], e[5]) for e in entries)
         _zero_gaps(buf[start:], written)
-    buf[:_PREFIX] = np.frombuffer(MAGIC + struct.pack("<I", len(header)), dtype=np.uint8)
-    buf[_PREFIX : _PREFIX + len(header)] = np.frombuffer(header, dtype=np.uint8)
+    buf[:start] = head
     return buf, start
 
 
@@ -217,52 +173,6 @@ def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
     body[at:] = 0
 
 
-def _as_array(buf) -> np.ndarray:
-    if isinstance(buf, np.ndarray):
-        if buf.dtype != np.uint8:
-            raise ValueError(f"packed buffer must be np.uint8, got {buf.dtype}")
-        return buf.reshape(-1)
-    try:
-        return np.frombuffer(buf, dtype=np.uint8)
-    except TypeError as exc:
-        raise ValueError(f"not a packed buffer: {type(buf).__name__}") from exc
-
-
-def _parse_header(buf) -> tuple[np.ndarray, dict, int]:
-    """(the buffer as uint8 array, header dict, start of the data area); ValueError if bad."""
-    data = _as_array(buf)
-    head = data[:4].tobytes()
-    if len(head) < 4 or head != MAGIC:
-        raise ValueError(f"not a pack() buffer: bad magic {head!r} (expected {MAGIC!r}, {len(data)} bytes)")
-    if len(data) < _PREFIX:
-        raise ValueError(f"truncated pack() buffer: {len(data)} bytes, shorter than its {_PREFIX}-byte prefix")
-    length = struct.unpack("<I", data[4:_PREFIX].tobytes())[0]
-    if _PREFIX + length > len(data):
-        raise ValueError(f"truncated pack() buffer: header needs {_PREFIX + length} bytes, have {len(data)}")
-    try:
-        header = json.loads(data[_PREFIX : _PREFIX + length].tobytes().decode("utf-8"))
-        _check_codec(header["codec"])
-        if not isinstance(header["meta"], dict) or not isinstance(header["tensors"], list):
-            raise ValueError("bad field types")
-        if not isinstance(header["block"], int) or header["block"] < 1:
-            raise ValueError(f"bad block {header['block']!r}")
-        fraction = header.get("fraction", DEFAULT_FRACTION)
-        if not isinstance(fraction, float) or not 0.0 < fraction <= 1.0:
-            raise ValueError(f"bad fraction {fraction!r}")
-    except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"corrupt pack() header: {exc}") from exc
-    return data, header, _align(_PREFIX + length)
-
-
-def packed_meta(buf) -> dict:
-    """The meta dict of a packed buffer, parsing only the header.
-
-    Args:
-        buf: a :func:`pack` buffer (np.uint8 array, possibly read-only, or bytes-like).
-    """
-    return _parse_header(buf)[1]["meta"]
-
-
 class Encoded:
     """One tensor of a packed buffer, not yet decoded: its ``shape`` now, its fp32
     values from :meth:`decode` (so a reader can check a message's layout first and
@@ -297,7 +207,7 @@ def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
     Raises:
         ValueError: ``buf`` is not a pack() buffer (bad magic, corrupt header, truncated).
     """
-    data, header, start = _parse_header(buf)
+    data, header, start = wire_layout.parse_header(buf)
     codec, block, fraction = header["codec"], header["block"], header.get("fraction", DEFAULT_FRACTION)
     body = data[start:]
     out = {}
@@ -310,7 +220,7 @@ def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
             expected = sum(sections(numel, codec, block, fraction))
         except (ValueError, TypeError) as exc:
             raise ValueError(f"corrupt pack() header entry {entry!r}: {exc}") from exc
-        if scales_len + payload_len != expected or scales_off % _ALIGN or payload_off % _ALIGN:
+        if scales_len + payload_len != expected or scales_off % wire_layout.ALIGN or payload_off % wire_layout.ALIGN:
             raise ValueError(f"corrupt pack() header: tensor {name!r} sections do not match its shape")
         if max(scales_off + scales_len, payload_off + payload_len) > len(body):
             raise ValueError(f"truncated pack() buffer: tensor {name!r} ends past {len(data)} bytes")

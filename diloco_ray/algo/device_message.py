@@ -1,12 +1,13 @@
-"""Messages built and read on the device that holds the values: the wire format of
+"""Messages built and read on the device that holds the values: the messages of
 :mod:`diloco_ray.algo.compression`, byte for byte, as one uint8 tensor where the tensors
 live, and the one copy that moves a message between that device and the host.
 
-:func:`pack_filled` is :func:`compression.pack_filled <diloco_ray.algo.compression.pack_filled>`
-with the buffer on ``device``: the header is laid out on the host (it follows from the shapes
-alone) and copied up, each tensor is written by ``fill`` into device scratch and encoded there
-by :mod:`diloco_ray.algo.device_codec`, and error feedback's residual is updated in place on
-the device, so the pseudo-gradient never leaves it. :func:`to_host` then brings a sync's
+:func:`pack_filled` is :func:`compression.pack_filled
+<diloco_ray.algo.compression.pack_filled>` with the buffer on ``device``, in the same
+:mod:`~diloco_ray.algo.wire_layout`: the header is laid out on the host (it follows from the
+shapes alone) and copied up, each tensor is written by ``fill`` into device scratch and
+encoded there by :mod:`diloco_ray.algo.device_codec`, and error feedback's residual is
+updated in place on the device, so the pseudo-gradient never leaves it. :func:`to_host` then brings a sync's
 messages down in one pinned buffer by asynchronous copies on a stream of their own, waited on
 once (Ray must be handed host bytes); :class:`DownCopy` is that copy not yet waited for, so
 the next inner steps can run while it lasts. The way up is :func:`to_device` (one staged,
@@ -20,14 +21,13 @@ finite values' bytes are the same too; :mod:`diloco_ray.algo.device_codec` says 
 from __future__ import annotations
 
 import math
-import struct
 import warnings
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, device_codec
+from diloco_ray.algo import compression, device_codec, wire_layout
 from diloco_ray.algo.codecs import DEFAULT_BLOCK, DEFAULT_FRACTION, _check_codec
 
 
@@ -56,16 +56,12 @@ def pack_filled(
     device_codec.check_byte_order()
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"block must be a positive int, got {block!r}")
-    entries = compression._layout(shapes, codec, block, fraction)
-    header = compression._header(entries, codec, block, meta, fraction)
-    start = compression._align(compression._PREFIX + len(header))
-    end = max((e[4] + e[5] for e in entries), default=0)
-    # Zeros where no section writes (the header's padding, the gaps between sections): a
-    # device memset, cheap beside the encoding.
-    message = torch.zeros(start + end, dtype=torch.uint8, device=device)
-    prefix = np.zeros(start, dtype=np.uint8)
-    prefix[: compression._PREFIX] = np.frombuffer(compression.MAGIC + struct.pack("<I", len(header)), np.uint8)
-    prefix[compression._PREFIX : compression._PREFIX + len(header)] = np.frombuffer(header, np.uint8)
+    entries = wire_layout.layout(shapes, codec, block, fraction)
+    prefix = wire_layout.prefix(wire_layout.header(entries, codec, block, meta, fraction))
+    start = len(prefix)
+    # Zeros where no section writes (the gaps between sections): a device memset, cheap
+    # beside the encoding.
+    message = torch.zeros(start + wire_layout.data_bytes(entries), dtype=torch.uint8, device=device)
     message[:start].copy_(torch.from_numpy(prefix))
     body = message[start:]
     if codec == "none":  # straight into the message: its sections start on 8 bytes
@@ -197,7 +193,7 @@ def to_device(buf, device: torch.device) -> torch.Tensor:
     (read-only buffers, as Ray hands them out, are only read); on a GPU one copy into
     pinned memory (Ray's buffers are not pinned) and one asynchronous copy up, which the
     decoding kernels queue behind."""
-    array = compression._as_array(buf)
+    array = wire_layout.as_array(buf)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
         host = torch.from_numpy(array)
@@ -251,7 +247,7 @@ def unpack_pieces(
     """
     device_codec.check_byte_order()
     _, meta = compression.unpack_pieces(buf, names, lazy=True)  # checks the header and every section's bounds
-    _, header, start = compression._parse_header(buf)
+    _, header, start = wire_layout.parse_header(buf)
     codec, block = header["codec"], header["block"]
     fraction = header.get("fraction", DEFAULT_FRACTION)
     body = to_device(buf, device)[start:]

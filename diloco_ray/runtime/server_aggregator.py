@@ -23,7 +23,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, decoupled, partition
+from diloco_ray.algo import compression, decoupled, partition, wire_layout
 from diloco_ray.algo.aggregate import (
     Rejected,
     Rejection,
@@ -322,7 +322,7 @@ def refused_in(buffers: Sequence) -> Optional[str]:
     """Why the home refused the reply ``buffers`` stand for (:func:`refusal_message`);
     None: they are a contribution."""
     for buf in buffers:
-        why = compression.packed_meta(buf).get("refused")
+        why = wire_layout.packed_meta(buf).get("refused")
         if why is not None:
             return str(why)
     return None

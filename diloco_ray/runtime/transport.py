@@ -15,7 +15,7 @@ import threading
 from concurrent.futures import Future
 from typing import Optional
 
-from diloco_ray.algo import compression, links
+from diloco_ray.algo import links, wire_layout
 
 
 def resolve(items: list) -> list:
@@ -55,7 +55,7 @@ def receive(items, link: Optional[links.Link] = None) -> list:
     stamp, all of them over that one link), or else each sender's stamp (pseudo-gradients).
     Unstamped buffers on no link are returned at once."""
     buffers = items.result() if isinstance(items, Future) else resolve(items)
-    metas = [compression.packed_meta(b) for b in buffers]
+    metas = [wire_layout.packed_meta(b) for b in buffers]
     if link is not None:
         sent = max((m.get("sent_at", 0.0) for m in metas), default=0.0)
         links.wait_for([sent + link.seconds(sum(len(b) for b in buffers))])

@@ -10,8 +10,10 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression as cz
+from diloco_ray.algo import wire_layout
 from diloco_ray.algo.codecs import CODECS, DEFAULT_BLOCK, codec_nbytes
-from diloco_ray.algo.compression import compress, pack, packed_meta, unpack
+from diloco_ray.algo.compression import compress, pack, unpack
+from diloco_ray.algo.wire_layout import packed_meta
 
 SHAPES = [(1,), (7,), (2047,), (2049,), (4097,), (33, 65), (3, 5, 7), (), (0,), (3, 0)]
 EPS32 = 2.0**-24
@@ -25,7 +27,7 @@ def random_tensors(seed=0, shapes=SHAPES):
 def layout(buf):
     """Parse the wire format by hand: (header dict, start of the data area)."""
     raw = bytes(buf)
-    assert raw[:4] == cz.MAGIC
+    assert raw[:4] == wire_layout.MAGIC
     (length,) = struct.unpack("<I", raw[4:8])
     header = json.loads(raw[8 : 8 + length].decode("utf-8"))
     return header, -(-(8 + length) // 8) * 8

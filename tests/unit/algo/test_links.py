@@ -80,12 +80,12 @@ def test_stamp_without_link_is_empty():
 
 
 def test_stamp_survives_the_wire_format():
-    from diloco_ray.algo import compression
+    from diloco_ray.algo import compression, wire_layout
 
     clock = FakeClock(42.0)
     meta = stamp(Link(mbps=1.0, latency_ms=2.0), 1000, clock=clock)
     buf = compression.pack({}, "none", meta)
-    assert arrival(compression.packed_meta(buf)) == pytest.approx(42.0 + 0.002 + 0.008, abs=1e-12)
+    assert arrival(wire_layout.packed_meta(buf)) == pytest.approx(42.0 + 0.002 + 0.008, abs=1e-12)
 
 
 # ------------------------------------------------------------------------------ wait_for

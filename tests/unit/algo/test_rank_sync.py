@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diloco_ray.algo import compression, partition
+from diloco_ray.algo import compression, partition, wire_layout
 from diloco_ray.algo.rank_sync import NeedsFullLoad, RankSync
 from diloco_ray.algo.sharding import shard_rows
 
@@ -351,13 +351,13 @@ def test_outgoing_stamps_the_link():
     local = local_of(a, 2, 0)
     sync.apply([message(a, 0)] * 2, local)
     bufs = sync.outgoing(0, local, Link(mbps=10.0, latency_ms=5.0))
-    metas = [compression.packed_meta(b) for b in bufs]
+    metas = [wire_layout.packed_meta(b) for b in bufs]
     # Every rank of the replica shares the link: its bytes (both servers) times the ranks.
     total = 2 * 4 * partition.numel(partition.rank_rows(SHAPES, 2, 0), SHAPES)
     for meta in metas:
         assert meta["link_bytes"] == total
         assert meta["mbps"] == 10.0 and meta["latency_ms"] == 5.0 and "sent_at" in meta
-    assert "sent_at" not in compression.packed_meta(sync.outgoing(0, local)[0])
+    assert "sent_at" not in wire_layout.packed_meta(sync.outgoing(0, local)[0])
 
 
 # ------------------------------------------------------------------------- error feedback

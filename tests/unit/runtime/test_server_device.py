@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from diloco_ray.algo import compression, device_message, partition
+from diloco_ray.algo import compression, device_message, partition, wire_layout
 from diloco_ray.algo.aggregate import sum_of_squares
 from diloco_ray.algo.decoupled import cycle_sumsq, sumsq_there
 from diloco_ray.config.schema import TrainerConfig
@@ -89,7 +89,7 @@ def assert_same_message(a: np.ndarray, b: np.ndarray) -> None:
     (pa, ma), (pb, mb) = compression.unpack_pieces(a, NAMES), compression.unpack_pieces(b, NAMES)
     ma.pop("sent_at", None), mb.pop("sent_at", None)
     assert ma == mb and pa.keys() == pb.keys()
-    (_, head_a, start_a), (_, head_b, start_b) = compression._parse_header(a), compression._parse_header(b)
+    (_, head_a, start_a), (_, head_b, start_b) = wire_layout.parse_header(a), wire_layout.parse_header(b)
     assert head_a["tensors"] == head_b["tensors"] and len(a) - start_a == len(b) - start_b
     for name in pa:
         assert pa[name][0] == pb[name][0] and torch.equal(pa[name][1], pb[name][1]), name

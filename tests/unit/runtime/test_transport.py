@@ -5,7 +5,7 @@ import time
 import pytest
 import torch
 
-from diloco_ray.algo import compression, links
+from diloco_ray.algo import compression, links, wire_layout
 from diloco_ray.runtime import transport
 
 
@@ -65,6 +65,6 @@ def test_prefetch_fetches_in_another_thread_and_receive_takes_its_result(monkeyp
     ref = ray.ObjectRef(b"\x01" * 28)
     future = transport.prefetch([ref, msg])
     monkeypatch.setattr(transport, "resolve", lambda items: pytest.fail("receive fetched again"))
-    monkeypatch.setattr(compression, "packed_meta", lambda b: {})
+    monkeypatch.setattr(wire_layout, "packed_meta", lambda b: {})
     assert transport.receive(future) == [b"from \x01", msg]
     assert fetched_in == ["diloco-prefetch"]
