@@ -51,10 +51,11 @@ from diloco_ray.config.fault_plan import for_region
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import first_line
 from diloco_ray.logs import log
-from diloco_ray.regions import wire
+from diloco_ray.regions import notices, wire
 from diloco_ray.regions.books import PeriodStart, RegionBooks
 from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
 from diloco_ray.regions.merge import RegionalMerge
+from diloco_ray.regions.notices import Abort, HomeNotice, SaveRequest, Stop
 from diloco_ray.regions.replicas import RegionReplicas, job_for
 from diloco_ray.runtime.messages import Contribution, RegionFacts, RoundStats
 
@@ -157,48 +158,46 @@ class RegionAgent:
             notice = self._next_notice()
             if notice is None:
                 continue
-            if self.ahead is not None and notice.get("job") != self.ahead.notice:
+            if self.ahead is not None and notice != self.ahead.notice:
                 self._drop_ahead()  # the home went another way (a save comes between rounds: its round is over)
-            if "save" in notice:
-                self._save_checkpoint(notice["save"])
+            if isinstance(notice, SaveRequest):
+                self._save_checkpoint(notice)
                 continue
-            if "abort" in notice:
+            if isinstance(notice, Abort):
                 continue  # (a period told to stop has already ended here: they run one at a time)
-            if notice.get("stop"):
+            if isinstance(notice, Stop):
                 self.log(f"region {name!r}: the home says the run is over")
                 return synced
             try:
-                self._sync(notice["job"])
+                self._sync(notice)
             except ChannelRefused as stale:
                 if "is published" not in str(stale):
                     raise
                 # The home moved on while this region was behind: the next job brings it up.
                 self.log(f"region {name!r}: skipped a job the home has moved past ({stale})")
-                self._decline(notice["job"])
+                self._decline(notice)
                 continue
             synced += 1
 
-    def _next_notice(self) -> Optional[dict]:
+    def _next_notice(self) -> Optional[HomeNotice]:
         """The next notice to act on. Everything the home has queued is read first, so a
         job it has already told this region to drop (a region back from an outage finds
         its old job and that job's abort waiting) is passed over, not run: only the
         verdicts it carries are settled (the home tells each verdict once)."""
         if not self.inbox:
             self.seq, notice = self.client.wait(self.seq, give_up_after_s=self.give_up_after_s)
-            self.inbox += [notice] if notice is not None else []
+            self.inbox += [notices.from_wire(notice)] if notice is not None else []
             while notice is not None:
                 self.seq, notice = self.client.wait(self.seq, wait_s=0.0, give_up_after_s=self.give_up_after_s)
-                self.inbox += [notice] if notice is not None else []
+                self.inbox += [notices.from_wire(notice)] if notice is not None else []
         if not self.inbox:
             return None
         notice = self.inbox.pop(0)
-        if "job" in notice:
-            notice = {**notice, "job": wire.Notice.from_wire(notice["job"])}
-        dropped = {n["abort"] for n in self.inbox if "abort" in n}
-        if "job" in notice and notice["job"].attempt in dropped:
-            self.log(f"region: passed over job {notice['job'].attempt}, which the home has dropped")
-            self.books.settle(notice["job"].verdicts)
-            if self.ahead is not None and self.ahead.notice == notice["job"]:
+        dropped = {n.attempt for n in self.inbox if isinstance(n, Abort)}
+        if isinstance(notice, wire.Notice) and notice.attempt in dropped:
+            self.log(f"region: passed over job {notice.attempt}, which the home has dropped")
+            self.books.settle(notice.verdicts)
+            if self.ahead is not None and self.ahead.notice == notice:
                 self._drop_ahead()
             return None
         return notice
@@ -367,20 +366,20 @@ class RegionAgent:
         self.client.upload(notice.reply, wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)
         self.replicas.refill()
 
-    def _save_checkpoint(self, request: dict) -> None:
+    def _save_checkpoint(self, request: SaveRequest) -> None:
         """The region's part of the home's checkpoint: its replicas' inner state and its
         residual, with the verdicts the home has not delivered yet settled first; the home
         keeps the answer (an id and a digest) to name it on a restore."""
-        self.books.settle(_verdicts(request))
-        tmp = self.books.begin_checkpoint(int(request["round"]))
+        self.books.settle(dict(request.verdicts))
+        tmp = self.books.begin_checkpoint(request.round)
         try:
             self.replicas.save_inner_state(tmp)
         except Exception as e:  # a replica lost or frozen: no part this time (a restore starts the region fresh)
-            self.log(f"region: could not save its part of checkpoint {request['round']} ({first_line(e)})")
+            self.log(f"region: could not save its part of checkpoint {request.round} ({first_line(e)})")
             return
-        saved = self.books.commit_checkpoint(tmp, int(request["round"]))
-        self.client.upload(request["reply"], wire.saved_payload(saved), give_up_after_s=self.give_up_after_s)
-        self.log(f"region: saved its part of checkpoint {request['round']}")
+        saved = self.books.commit_checkpoint(tmp, request.round)
+        self.client.upload(request.reply, wire.saved_payload(saved), give_up_after_s=self.give_up_after_s)
+        self.log(f"region: saved its part of checkpoint {request.round}")
 
     def _download(self, key: str) -> np.ndarray:
         """A message the home published or is about to (its servers may still be making it)."""
@@ -398,8 +397,3 @@ class RegionAgent:
             ray.shutdown()
             self.started_ray = False
         self.client.close()
-
-
-def _verdicts(request: dict) -> dict[int, bool]:
-    """A save request's verdicts on the region's sends the home has not delivered yet."""
-    return {int(a): bool(ok) for a, ok in request.get("verdicts", ())}

@@ -36,7 +36,8 @@ from diloco_ray.channel.credentials import RegionTokens
 from diloco_ray.channel.server import ChannelServer
 from diloco_ray.config.sections import ChannelSection
 from diloco_ray.logs import log
-from diloco_ray.regions import wire
+from diloco_ray.regions import notices, wire
+from diloco_ray.regions.notices import Abort, SaveRequest, Stop
 from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
 from diloco_ray.runtime.server_aggregator import refusal_message
 
@@ -148,7 +149,7 @@ class RegionGateway:
         directive = self.directives[region]
         notice = wire.notice_of(job, messages, full, reply, directive, self.home, self.fragments, region)
         self.channel.expect(region, reply)
-        self.channel.notify(region, {"job": notice.to_wire()})
+        self.channel.notify(region, notices.to_wire(notice))
         return self._await_reply(region, job, reply, needed, before)
 
     def _await_reply(self, region: str, job: SyncPeriod, reply: str, needed: list, before: tuple) -> tuple:
@@ -169,7 +170,7 @@ class RegionGateway:
             lost = [self.unfetched[p] for p in needed if p in self.unfetched]
             if lost or region not in self.channel.connected():
                 self.channel.discard(reply)
-                self.channel.notify(region, {"abort": job.attempt})  # what it finds when it is back
+                self.channel.notify(region, notices.to_wire(Abort(job.attempt)))  # what it finds when it is back
                 if lost:
                     raise WeightsLost(f"the weights of version {job.version} could not be fetched ({lost[0]})")
                 raise RegionLost(f"region {region!r} not heard from for {self.timeout_s:g}s (channel_timeout_s)")
@@ -178,7 +179,7 @@ class RegionGateway:
         """Stop waiting for ``region``'s period of launch ``attempt`` (the round goes on
         without it); the region is told, and its reply, if it comes, is dropped."""
         self.aborted[region] = max(attempt, self.aborted.get(region, -1))  # its run_period returns, and drops the reply
-        self.channel.notify(region, {"abort": attempt})
+        self.channel.notify(region, notices.to_wire(Abort(attempt)))
 
     def save_region(self, region: str, folder: str, round_index: int, verdicts: tuple) -> dict:
         """Ask ``region`` (between its periods) to save its part of the home's checkpoint of
@@ -191,9 +192,9 @@ class RegionGateway:
         from diloco_ray.persist import staging
 
         reply = f"s/{region}/{uuid.uuid4().hex}"
-        request = {"round": int(round_index), "verdicts": [[int(a), bool(ok)] for a, ok in verdicts], "reply": reply}
+        request = SaveRequest(int(round_index), tuple((int(a), bool(ok)) for a, ok in verdicts), reply)
         self.channel.expect(region, reply)
-        self.channel.notify(region, {"save": request})
+        self.channel.notify(region, notices.to_wire(request))
         payload, deadline = None, time.monotonic() + self.save_timeout_s
         while payload is None and time.monotonic() < deadline and region in self.channel.connected():
             payload = self.channel.take(reply, timeout_s=POLL_S)
@@ -231,7 +232,7 @@ class RegionGateway:
     def stop(self) -> None:
         """Tell every region the run is over, give them a moment to hear it, and close."""
         for region in self.channel.regions:
-            self.channel.notify(region, {"stop": True})
+            self.channel.notify(region, notices.to_wire(Stop()))
         deadline = time.monotonic() + 5.0
         while self.channel.connected() and time.monotonic() < deadline:
             time.sleep(0.2)

@@ -159,3 +159,26 @@ def test_a_reply_whose_summary_or_sizes_do_not_fit_is_refused_as_malformed():
     for header in bad:
         with pytest.raises(frames.BadFrame, match="malformed"):
             wire.reply_of(frames.encode(header, b"\0" * 4), max_bytes=1 << 20)
+
+
+def test_every_notice_from_the_home_crosses_as_its_type_and_an_unknown_one_is_refused():
+    from diloco_ray.regions import notices
+    from diloco_ray.regions.notices import Abort, SaveRequest, Stop
+
+    job = wire.Notice(
+        round=2,
+        fragment=1,
+        attempt=5,
+        full=False,
+        version=3,
+        plan=((0, 4),),
+        messages=("w/h/3/0",),
+        reply="r",
+        home="h",
+    )
+    for notice in (job, Abort(5), SaveRequest(3, ((4, True), (5, False)), "s/eu/x"), Stop()):
+        payload = json.loads(json.dumps(notices.to_wire(notice)))  # as the channel carries it
+        assert notices.from_wire(payload) == notice
+    for bad in ({"resign": True}, {"abort": 1, "stop": True}, ["stop"]):
+        with pytest.raises(ValueError, match="notice"):
+            notices.from_wire(bad)
