@@ -125,14 +125,18 @@ def run(
 def summary(rows: list[dict]) -> list[dict]:
     """Per (setting, codec, step) over its finished seeds: each seed's loss (``per_seed``, in
     seed order), median, max, and each against the best median and the best max of the same
-    setting and codec (1.0: the best)."""
+    setting and codec on the same seeds (1.0: the best; a one-seed screen is held against
+    every step that ran that seed)."""
     groups: dict = {}
     for r in rows:
         if r["status"] == "finished":
             groups.setdefault((r["setting"], r["codec"], r["step"]), {})[r["seed"]] = r["final_eval_loss"]
     out = []
     for (setting, codec, step), by_seed in groups.items():
-        losses = [by_seed[seed] for seed in sorted(by_seed)]
+        seeds = sorted(by_seed)
+        peers = [g for (s, c, _), g in groups.items() if (s, c) == (setting, codec) and set(seeds) <= set(g)]
+        losses = [by_seed[seed] for seed in seeds]
+        median, worst = statistics.median(losses), max(losses)
         out.append(
             {
                 "setting": setting,
@@ -140,16 +144,12 @@ def summary(rows: list[dict]) -> list[dict]:
                 "step": step,
                 "seeds": len(losses),
                 "per_seed": losses,
-                "median": statistics.median(losses),
-                "max": max(losses),
+                "median": median,
+                "max": worst,
+                "median_vs_best": median / min(statistics.median([g[x] for x in seeds]) for g in peers),
+                "max_vs_best": worst / min(max(g[x] for x in seeds) for g in peers),
             }
         )
-    for row in out:
-        peers = [
-            o for o in out if (o["setting"], o["codec"], o["seeds"]) == (row["setting"], row["codec"], row["seeds"])
-        ]
-        row["median_vs_best"] = row["median"] / min(o["median"] for o in peers)
-        row["max_vs_best"] = row["max"] / min(o["max"] for o in peers)
     return sorted(out, key=lambda o: (o["setting"], o["codec"], -o["seeds"], o["median"]))
 
 

@@ -25,7 +25,8 @@ def test_the_summary_takes_finished_seeds_and_compares_like_with_like():
         row("1/0", 1, 4.3),
         row("1/0", 2, 4.6),
         row("0.7/0.9", 0, 6.0, status="stopped"),  # a screen's early stop is not a result
-        row("0.7/0", 0, 3.0),  # one seed: compared only with other one-seed steps
+        row("0.7/0", 0, 4.05),  # one seed: held against every step on that seed
+        row("1.3/0", 5, 3.0),  # a seed nobody else ran: its own best
         row("0.5/0.5", 0, 9.0, codec="int8"),  # another codec: its own best
     ]
     summary = {(r["codec"], r["step"]): r for r in outer_step.summary(rows)}
@@ -34,7 +35,8 @@ def test_the_summary_takes_finished_seeds_and_compares_like_with_like():
     assert (best["median"], best["max"], best["median_vs_best"]) == (4.2, 4.4, 1.0)
     assert other["median"] == 4.3 and other["median_vs_best"] == pytest.approx(4.3 / 4.2)
     assert other["max_vs_best"] == pytest.approx(4.6 / 4.4)
-    assert summary[("none", "0.7/0")]["median_vs_best"] == 1.0
+    assert summary[("none", "0.7/0")]["median_vs_best"] == pytest.approx(4.05 / 4.0)
+    assert summary[("none", "1.3/0")]["median_vs_best"] == 1.0
     assert summary[("int8", "0.5/0.5")]["median_vs_best"] == 1.0
 
 
