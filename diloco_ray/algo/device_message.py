@@ -7,10 +7,10 @@ live, and the one copy that moves a message between that device and the host.
 :mod:`~diloco_ray.algo.wire_layout`: the header is laid out on the host (it follows from the
 shapes alone) and copied up, each tensor is written by ``fill`` into device scratch and
 encoded there by :mod:`diloco_ray.algo.device_codec`, and error feedback's residual is
-updated in place on the device, so the pseudo-gradient never leaves it. :func:`to_host` then brings a sync's
-messages down in one pinned buffer by asynchronous copies on a stream of their own, waited on
-once (Ray must be handed host bytes); :class:`DownCopy` is that copy not yet waited for, so
-the next inner steps can run while it lasts. The way up is :func:`to_device` (one staged,
+updated in place on the device, so the pseudo-gradient never leaves it. :func:`to_host`
+then brings a sync's messages down in one pinned buffer by asynchronous copies on a stream
+of their own, waited on once (Ray must be handed host bytes); :class:`DownCopy` is that copy
+not yet waited for, so the next inner steps can run while it lasts. The way up is :func:`to_device` (one staged,
 asynchronous copy) and :func:`unpack_pieces`, which decodes on the device.
 
 On the host (a CPU ``device``) the same code runs with torch's CPU kernels and writes exactly

@@ -188,6 +188,11 @@ class ChannelServer:
                 self._void.discard(key)
             self._lock.notify_all()
 
+    def is_void(self, key: str) -> bool:
+        """Whether ``key`` was declared void (:meth:`void`) and not published since."""
+        with self._lock:
+            return key in self._void
+
     def notify(self, region: str, notice: dict) -> int:
         """Queue ``notice`` for ``region``'s next Wait (kept across its reconnects); its seq."""
         with self._lock:

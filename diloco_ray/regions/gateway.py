@@ -102,7 +102,6 @@ class RegionGateway:
         self.aborted: dict[str, int] = {}  # region -> the launch attempt it was told to stop
         self.held: dict[str, tuple] = {}  # region -> (its agent's instance, the version of its last period)
         self.published: dict[tuple, object] = {}  # (full, version) published or being published -> its token
-        self.unfetched: dict[tuple, str] = {}  # (full, version) whose weights the servers could not give -> why
         self.lock = threading.Lock()
         self.reset_attempts: set[int] = set()  # launches after a restore, whose versions start over
         self.reload_at_round: set[str] = set()  # regions a replica of which starts its next round fresh
@@ -135,7 +134,6 @@ class RegionGateway:
             self.reset_attempts.add(job.attempt)
             self._unpublish_all()
         messages = self._publish(job.version, False, lambda: ray.get(list(job.messages)))
-        needed = [(False, job.version)]
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
         held = self._held(region)
         if job.fragment == 0 and region in self.reload_at_round:  # a replica of it starts this round fresh
@@ -143,18 +141,18 @@ class RegionGateway:
             held = None
         if wire.needs_full(job, held):
             full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
-            needed.append((True, job.version))
         reply = wire.reply_key(self.home, region, job.attempt, job.fragment)
         before = self.channel.traffic(region)
         directive = self.directives[region]
         notice = wire.notice_of(job, messages, full, reply, directive, self.home, self.fragments, region)
         self.channel.expect(region, reply)
         self.channel.notify(region, notices.to_wire(notice))
-        return self._await_reply(region, job, reply, needed, before)
+        return self._await_reply(region, job, reply, [*messages, *full], before)
 
-    def _await_reply(self, region: str, job: SyncPeriod, reply: str, needed: list, before: tuple) -> tuple:
+    def _await_reply(self, region: str, job: SyncPeriod, reply: str, keys: list, before: tuple) -> tuple:
         """``run_period``'s wait for ``region``'s ``reply``, until it comes, the period is
-        aborted, the weights it ``needed`` turn out lost, or the region goes silent."""
+        aborted, the weights it needs (their channel ``keys``) turn out lost, or the region
+        goes silent."""
         while True:
             payload = self.channel.take(reply, timeout_s=POLL_S)
             if payload is not None:
@@ -167,12 +165,14 @@ class RegionGateway:
                 self.channel.discard(reply)
                 aborted = RoundStats.empty(aborted=True, region=RegionFacts())
                 return (*[b"" for _ in range(self.servers)], self._with_traffic(region, aborted, before))
-            lost = [self.unfetched[p] for p in needed if p in self.unfetched]
+            lost = any(self.channel.is_void(key) for key in keys)
             if lost or region not in self.channel.connected():
                 self.channel.discard(reply)
                 self.channel.notify(region, notices.to_wire(Abort(job.attempt)))  # what it finds when it is back
                 if lost:
-                    raise WeightsLost(f"the weights of version {job.version} could not be fetched ({lost[0]})")
+                    raise WeightsLost(
+                        f"the weights of version {job.version} died with a server before they were published"
+                    )
                 raise RegionLost(f"region {region!r} not heard from for {self.timeout_s:g}s (channel_timeout_s)")
 
     def abort(self, region: str, attempt: int) -> None:
@@ -295,7 +295,6 @@ class RegionGateway:
             if publication in self.published:
                 return keys
             self.published[publication] = token = object()  # this publication (a restore starts new ones)
-            self.unfetched.pop(publication, None)
             for key in keys:
                 self.channel.void(key, False)  # made again (after a restore, the same version's keys)
 
@@ -309,7 +308,6 @@ class RegionGateway:
                         del self.published[publication]
                         for key in keys:
                             self.channel.void(key)  # a region waiting for them goes on to its next notice
-                        self.unfetched[publication] = type(e).__name__
                 return
             with self.lock:
                 if self.published.get(publication) is not token:
@@ -329,7 +327,6 @@ class RegionGateway:
     def _unpublish_all(self) -> None:
         with self.lock:
             gone, self.published = self.published, {}
-            self.unfetched.clear()
         for full, version in gone:
             for key in wire.message_keys(self.home, version, self.servers, full):
                 self.channel.unpublish(key)

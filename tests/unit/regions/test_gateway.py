@@ -55,12 +55,15 @@ class Channel:
         elif key in self.voided:
             self.voided.remove(key)
 
+    def is_void(self, key):
+        return key in self.voided
+
 
 def bare_gateway(channel) -> RegionGateway:
     gateway = RegionGateway.__new__(RegionGateway)
     gateway.channel, gateway.servers, gateway.fragments, gateway.timeout_s = channel, 2, 1, 3.0
     gateway.home, gateway.lock = "home1", threading.Lock()
-    gateway.published, gateway.unfetched, gateway.held, gateway.aborted = {}, {}, {}, {}
+    gateway.published, gateway.held, gateway.aborted = {}, {}, {}
     gateway.reset_attempts, gateway.reload_at_round = set(), set()
     gateway.directives = {"eu": gateway_module._directive(None)}
     return gateway
@@ -80,12 +83,16 @@ def test_a_period_whose_weights_died_with_a_server_fails_at_once(monkeypatch):
     channel = Channel()
     gateway = bare_gateway(channel)
     job = SyncPeriod(round=1, fragment=0, attempt=7, full=False, version=3, plan=[(0, 6)], messages=["m"], servers=[])
-    with pytest.raises(WeightsLost, match="version 3 could not be fetched"):
+    with pytest.raises(WeightsLost, match="version 3 died with a server"):
         gateway.run_period("eu", job)
     assert channel.notified[-1] == ("eu", {"abort": 7}) and channel.published == []
     assert channel.discarded == ["r/home1/eu/7/0"]
     assert {"w/home1/3/0", "w/home1/3/1"} <= set(channel.voided)
-    # A new publication of those weights tries again; a restore forgets what failed.
-    assert (False, 3) in gateway.unfetched
-    gateway._unpublish_all()
-    assert gateway.unfetched == {}
+    # The restored servers publish those weights again: a download waits for them once more.
+    gateway._publish(3, False, lambda: [b"w0", b"w1"])
+    for _ in range(400):
+        if channel.published == ["w/home1/3/0", "w/home1/3/1"]:
+            break
+        threading.Event().wait(0.005)
+    assert channel.published == ["w/home1/3/0", "w/home1/3/1"]
+    assert not any(key.startswith("w/") for key in channel.voided)
