@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import RankSync  # noqa: E402
 from diloco_ray.config.schema import TrainerConfig  # noqa: E402
 from diloco_ray.data import tokenization
@@ -119,7 +120,7 @@ def time_pack(local: dict, n: int, codec: str, way: str) -> float:
     """Seconds of one ``RankSync.outgoing`` of ``local`` (against an anchor a little off,
     so there is a pseudo-gradient to encode) done ``way``, timed on its second call."""
     shapes = {k: tuple(p.shape) for k, p in local.items()}
-    sync = RankSync(shapes, 1, 0, codec=codec, anchor_on_host=way == "anchor_on_host")
+    sync = RankSync(shapes, 1, 0, codec=Codec(codec), anchor_on_host=way == "anchor_on_host")
     sync.on_device = None if way != "host path, anchor on the GPU" else False
     sync.anchor = {k: sync._new_anchor(p) for k, p in local.items()}
     for anchor in sync.anchor.values():

@@ -1,10 +1,18 @@
 """Message buffers for DiLoCo pseudo-gradients and weights sent between replicas and parameter servers.
 
 This module owns the encoding of a named set of tensors into one contiguous byte buffer
-(:func:`pack` / :func:`unpack`), with the codecs of :mod:`diloco_ray.algo.codecs`, and error feedback
-(:func:`compress`), which carries what a lossy codec dropped into the next round so the
-quantisation error does not accumulate as a bias. Pure functions over torch tensors and
-numpy arrays: no Ray, no I/O.
+(:func:`pack` / :func:`unpack`), with a :class:`~diloco_ray.algo.codecs.Codec`, and error
+feedback (:func:`compress`), which carries what a lossy codec dropped into the next round so
+the quantisation error does not accumulate as a bias. Pure functions over torch tensors: no
+Ray, no I/O.
+
+A message is built where its values live (:func:`pack_filled`'s ``device``): on the host, as
+a uint8 tensor over numpy memory that Ray is handed as it is; on a GPU, as a uint8 tensor
+there, so the values never leave it and only the message comes down
+(:mod:`diloco_ray.algo.device_copy`). It is read the same way (:func:`unpack`'s ``device``):
+the header is checked on the host, the message goes up once and is decoded there. The same
+code runs on every device, with the same bytes (:mod:`~diloco_ray.algo.codecs` says what a
+GPU may write otherwise).
 
 The wire format (a prefix, a JSON header, 8-byte-aligned sections) is
 :mod:`diloco_ray.algo.wire_layout`'s; per tensor, ``scales`` holds fp32 absmax scales (int8
@@ -25,145 +33,126 @@ must not hide them (a block holding one gets a NaN scale).
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
 
-from diloco_ray.algo import wire_layout
-from diloco_ray.algo.codecs import (
-    DEFAULT_BLOCK,
-    DEFAULT_FRACTION,
-    _check_codec,
-    _decode,
-    _decode_range,
-    _encode_into,
-    chunk_step,
-    sections,
-)
+from diloco_ray.algo import device_copy, wire_layout
+from diloco_ray.algo.codecs import Codec, check_byte_order
+
+HOST = torch.device("cpu")
 
 
-def pack(
-    tensors: Mapping[str, torch.Tensor],
-    codec: str,
-    meta: Optional[dict] = None,
-    block: int = DEFAULT_BLOCK,
-    fraction: float = DEFAULT_FRACTION,
-) -> np.ndarray:
+def pack(tensors: Mapping[str, torch.Tensor], codec: Codec, meta: Optional[dict] = None) -> np.ndarray:
     """Encode every tensor with ``codec`` into one contiguous ``np.uint8`` buffer.
 
     Args:
         tensors: name -> tensor; any float dtype, any shape (0-d and empty included),
             any device. Values are cast to fp32 first.
-        codec: one of :data:`CODECS`.
+        codec: the codec and its settings.
         meta: JSON-serialisable dict carried in the header (round, replica, ...).
-        block: values per absmax scale for int8/int4, per top-k selection for topk.
-        fraction: topk only: the share of each block's values sent.
 
     Returns:
         The buffer (see the module docstring); ``len`` is exactly the bytes that travel.
     """
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    buf, _ = pack_filled(shapes, _copy_from(tensors), codec, meta, block, fraction=fraction)
-    return buf
+    return pack_filled(shapes, _copy_from(tensors), codec, meta).numpy()
 
 
 def pack_filled(
     shapes: Mapping[str, Sequence[int]],
     fill: Callable[[str, torch.Tensor], object],
-    codec: str,
+    codec: Codec,
     meta: Optional[dict] = None,
-    block: int = DEFAULT_BLOCK,
     residual: Optional[Mapping[str, torch.Tensor]] = None,
     allocate: Optional[Callable[[int], np.ndarray]] = None,
-    fraction: float = DEFAULT_FRACTION,
-) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
-    """:func:`pack` whose values are written by ``fill``, with the buffer the only
-    full-size allocation: the layout follows from the shapes alone, so the buffer is
+    device: torch.device = HOST,
+) -> torch.Tensor:
+    """:func:`pack` whose values are written by ``fill``, with the message the only
+    full-size allocation: the layout follows from the shapes alone, so the message is
     allocated first and ``fill(name, out)`` writes each tensor's fp32 values into ``out``
-    -- its section of the buffer itself for codec ``none``, else one scratch tensor at a
+    -- its section of the message itself for codec ``none``, else one scratch tensor at a
     time, encoded into its section before the next is filled.
 
     Args:
         shapes: name -> shape of each tensor, in message order.
-        fill: ``fill(name, out)`` writes that tensor's values into the fp32 tensor ``out``.
-        codec, meta, block, fraction: as for :func:`pack`.
-        residual: error feedback (lossy codecs only): name -> fp32 tensor of that shape,
-            added to the values before encoding and overwritten in place with what the
-            codec dropped (zeros for a non-finite tensor, so NaN/Inf is never carried).
-            Names not in it get no feedback. None: no feedback, and no residual built.
-        allocate: ``allocate(nbytes)`` returns the uint8 array the message is written
-            into (any contents: every byte is written), so a caller can place it in
+        fill: ``fill(name, out)`` writes that tensor's values into the fp32 tensor ``out``
+            (on ``device``).
+        codec, meta: as for :func:`pack`.
+        residual: error feedback (lossy codecs only): name -> fp32 tensor of that shape on
+            ``device``, added to the values before encoding and overwritten in place with
+            what the codec dropped (zeros for a non-finite tensor, so NaN/Inf is never
+            carried). Names not in it get no feedback.
+        allocate: host only: ``allocate(nbytes)`` returns the uint8 array the message is
+            written into (any contents: every byte is written), so a caller can place it in
             memory it already holds. Default: a new array.
+        device: where the message is built, and the values and the residual are expected.
 
     Returns:
-        ``(buffer, residual)``: the residual mapping given (updated), or None.
+        The message, a uint8 tensor on ``device`` (on the host, ``.numpy()`` is its memory).
     """
-    _check_codec(codec)
-    if not isinstance(block, int) or block < 1:
-        raise ValueError(f"block must be a positive int, got {block!r}")
-    entries = wire_layout.layout(shapes, codec, block, fraction)
-    buf, start = _start_message(entries, wire_layout.header(entries, codec, block, meta, fraction), allocate)
-    body = buf[start:]
-    if codec == "none":  # straight into the message, as fp32 (native little-endian)
+    check_byte_order()
+    entries = wire_layout.layout(shapes, codec)
+    head = torch.from_numpy(wire_layout.prefix(wire_layout.header(entries, codec, meta)))
+    message = _allocate(len(head), entries, allocate, torch.device(device))
+    message[: len(head)].copy_(head)
+    body = message[len(head) :]
+    if codec.lossless:  # straight into the message: its sections start on 8 bytes
         for name, shape, _, _, offset, length in entries:
-            fill(name, torch.from_numpy(body[offset : offset + length].view("<f4")).view(tuple(shape)))
-        return buf, None
+            fill(name, body[offset : offset + length].view(torch.float32).view(tuple(shape)))
+        return message
     # One scratch tensor, reused: allocating one per tensor costs more, as freed blocks
     # are not always handed back to the OS.
-    scratch = torch.empty(max((math.prod(e[1]) for e in entries), default=0))
+    scratch = torch.empty(max((math.prod(e[1]) for e in entries), default=0), device=message.device)
     for entry in entries:
         flat = scratch[: math.prod(entry[1])]
         fill(entry[0], flat.view(tuple(entry[1])))
         feedback = residual.get(entry[0]) if residual is not None else None
-        _encode_entry(body, entry, flat, feedback, codec, block, fraction)
-    return buf, residual
+        _encode_entry(Encoded(body, entry, codec), flat, feedback)
+    return message
 
 
-def _start_message(
-    entries: list[list], header: bytes, allocate: Optional[Callable[[int], np.ndarray]]
-) -> tuple[np.ndarray, int]:
-    """``(buffer, start of its data area)``: the buffer holds the prefix and ``header``, and
-    zeros wherever no section of ``entries`` will write."""
-    head = wire_layout.prefix(header)
-    start, end = len(head), wire_layout.data_bytes(entries)
+def _allocate(
+    start: int, entries: list[list], allocate: Optional[Callable[[int], np.ndarray]], device: torch.device
+) -> torch.Tensor:
+    """A message of ``start`` bytes of prefix and ``entries``' data area, zero wherever no
+    section will write."""
+    nbytes = start + wire_layout.data_bytes(entries)
+    if device.type != "cpu":
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)  # a device memset, cheap
     if allocate is None:
-        buf = np.zeros(start + end, dtype=np.uint8)  # zero pages cost nothing until written
-    else:  # memory in use before: zero what no section writes (the gaps between sections)
-        buf = allocate(start + end)
-        written = sorted((e[2], e[3]) for e in entries) + sorted((e[4], e[5]) for e in entries)
-        _zero_gaps(buf[start:], written)
-    buf[:start] = head
-    return buf, start
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))  # zero pages cost nothing until written
+    message = torch.from_numpy(allocate(nbytes))  # memory in use before: zero the gaps between sections
+    written = sorted((e[2], e[3]) for e in entries) + sorted((e[4], e[5]) for e in entries)
+    _zero_gaps(message[start:], written)
+    return message
 
 
-def _encode_entry(
-    body: np.ndarray,
-    entry: list,
-    flat: torch.Tensor,
-    feedback: Optional[torch.Tensor],
-    codec: str,
-    block: int,
-    fraction: float,
-) -> None:
-    """Encode the fp32 values ``flat`` into ``entry``'s sections of ``body``; with
-    ``feedback``, add it first and overwrite it with what the codec dropped (zeros if
-    that is not finite). ``flat`` is scratch: it is left holding the dropped values."""
-    _, shape, scales_off, scales_len, payload_off, payload_len = entry
+def _encode_entry(encoded: Encoded, flat: torch.Tensor, feedback: Optional[torch.Tensor]) -> None:
+    """Encode the fp32 values ``flat`` into ``encoded``'s sections; with ``feedback``, add
+    it first and overwrite it with what the codec dropped (zeros if that is not finite,
+    judged on the values' device without waiting for it). ``flat`` is scratch: it is left
+    holding the dropped values."""
     if feedback is not None:
         flat.add_(feedback.reshape(-1))
-    scales, payload = body[scales_off : scales_off + scales_len], body[payload_off : payload_off + payload_len]
-    _encode_into(flat, codec, block, scales, payload, fraction)
+    encoded.codec.encode_into(flat, encoded.scales, encoded.payload)
     if feedback is None:
         return
-    finite = True
-    for lo, values in Encoded(body, entry, codec, block, fraction).chunks():  # a chunk at a time
+    finite = torch.ones((), dtype=torch.bool, device=flat.device)
+    for lo, values in encoded.chunks():  # a chunk at a time
         dropped = flat[lo : lo + values.numel()].sub_(values)
-        finite = finite and bool(torch.isfinite(dropped).all())
-    feedback.copy_(flat.view(feedback.shape) if finite else torch.zeros(()))
+        finite &= torch.isfinite(dropped).all()
+    feedback.copy_(flat.view(feedback.shape))
+    if flat.device.type == "cpu":  # known at once on the host; a GPU is not waited for
+        if not finite:
+            feedback.zero_()
+    else:
+        feedback.masked_fill_(~finite, 0.0)
 
 
-def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
+def _zero_gaps(body: torch.Tensor, sections: list[tuple[int, int]]) -> None:
     """Zero the bytes of ``body`` that no ``(offset, length)`` section covers."""
     at = 0
     for offset, length in sorted(sections):
@@ -174,76 +163,86 @@ def _zero_gaps(body: np.ndarray, sections: list[tuple[int, int]]) -> None:
 
 
 class Encoded:
-    """One tensor of a packed buffer, not yet decoded: its ``shape`` now, its fp32
-    values from :meth:`decode` (so a reader can check a message's layout first and
-    then decode one tensor at a time, never holding the whole message decoded)."""
+    """One tensor of a message, not yet decoded: its ``shape`` now, its fp32 values on the
+    message's device from :meth:`decode` or :meth:`chunks` (so a reader can check a
+    message's layout first and then decode one tensor at a time, never holding the whole
+    message decoded).
 
-    def __init__(self, body: np.ndarray, entry: list, codec: str, block: int, fraction: float = DEFAULT_FRACTION):
-        self._args = (body, entry, codec, block, fraction)
-        self.shape = torch.Size(entry[1])
+    Args:
+        body: the message's data area (a uint8 tensor).
+        entry: the tensor's header entry.
+        codec: the message's codec.
+    """
+
+    def __init__(self, body: torch.Tensor, entry: list, codec: Codec):
+        _, shape, scales_off, scales_len, payload_off, payload_len = entry
+        self.shape = torch.Size(shape)
+        self.numel = math.prod(shape)
+        self.scales = body[scales_off : scales_off + scales_len]
+        self.payload = body[payload_off : payload_off + payload_len]
+        self.codec = codec
+
+    def _range(self, lo: int, hi: int) -> torch.Tensor:
+        return self.codec.decode_range(self.scales, self.payload, self.numel, lo, hi)
 
     def decode(self) -> torch.Tensor:
-        return _decode(*self._args)
+        return self._range(0, self.numel).view(self.shape)
 
     def chunks(self) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first value, fp32 values)`` of the flattened tensor, a bounded chunk at a
-        time (whole blocks, an even count): a reader never holds the tensor decoded."""
-        body, entry, codec, block, fraction = self._args
-        n = math.prod(entry[1])
-        step = chunk_step(n, codec, block, fraction)
-        for lo in range(0, n, step):
-            yield lo, _decode_range(body, entry, codec, block, lo, min(n, lo + step), fraction)
+        time (:meth:`Codec.step <diloco_ray.algo.codecs.Codec.step>`): a reader never holds
+        the tensor decoded."""
+        step = self.codec.step(self.numel, self.payload.device)
+        for lo in range(0, self.numel, step):
+            yield lo, self._range(lo, min(self.numel, lo + step))
 
 
-def unpack(buf, lazy: bool = False) -> tuple[dict, dict]:
+def unpack(buf, lazy: bool = False, device: torch.device = HOST) -> tuple[dict, dict]:
     """Decode a :func:`pack` buffer into (name -> fp32 tensor of the original shape, meta).
 
     Args:
         buf: np.uint8 array (read-only is fine, as Ray's object store hands out) or
-            bytes-like. With codec ``none`` the returned tensors share memory with
-            ``buf``: treat them as read-only (``.clone()`` before editing in place).
+            bytes-like. On the host with codec ``none`` the returned tensors share memory
+            with ``buf``: treat them as read-only (``.clone()`` before editing in place).
         lazy: return :class:`Encoded` tensors, decoded on demand.
+        device: where the values are decoded: the header and every section's bounds are
+            checked on the host first, then the message goes up once.
 
     Raises:
         ValueError: ``buf`` is not a pack() buffer (bad magic, corrupt header, truncated).
     """
     data, header, start = wire_layout.parse_header(buf)
-    codec, block, fraction = header["codec"], header["block"], header.get("fraction", DEFAULT_FRACTION)
-    body = data[start:]
+    codec = wire_layout.codec_of(header)
+    for entry in header["tensors"]:
+        wire_layout.check_entry(entry, codec, len(data) - start)
+    if torch.device(device).type == "cpu":
+        with warnings.catch_warnings():
+            # Ray hands out read-only buffers; the decoded views are only read.
+            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
+            body = torch.from_numpy(data)[start:]
+    else:
+        check_byte_order()
+        body = device_copy.to_device(data, torch.device(device))[start:]
     out = {}
     for entry in header["tensors"]:
-        try:
-            name, shape, scales_off, scales_len, payload_off, payload_len = entry
-            if not all(isinstance(d, int) and d >= 0 for d in shape):
-                raise ValueError(f"bad shape {shape!r}")
-            numel = math.prod(shape)
-            expected = sum(sections(numel, codec, block, fraction))
-        except (ValueError, TypeError) as exc:
-            raise ValueError(f"corrupt pack() header entry {entry!r}: {exc}") from exc
-        if scales_len + payload_len != expected or scales_off % wire_layout.ALIGN or payload_off % wire_layout.ALIGN:
-            raise ValueError(f"corrupt pack() header: tensor {name!r} sections do not match its shape")
-        if max(scales_off + scales_len, payload_off + payload_len) > len(body):
-            raise ValueError(f"truncated pack() buffer: tensor {name!r} ends past {len(data)} bytes")
-        encoded = Encoded(body, entry, codec, block, fraction)
-        out[name] = encoded if lazy else encoded.decode()
+        encoded = Encoded(body, entry, codec)
+        out[entry[0]] = encoded if lazy else encoded.decode()
     return out, header["meta"]
 
 
 def compress(
     tensors: Mapping[str, torch.Tensor],
-    codec: str,
+    codec: Codec,
     residual: Optional[dict[str, torch.Tensor]],
     meta: Optional[dict] = None,
-    block: int = DEFAULT_BLOCK,
-    fraction: float = DEFAULT_FRACTION,
 ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """Pack with error feedback: what the codec drops this round is sent in the next one.
 
     Args:
         tensors: name -> tensor to send (any float dtype; see :func:`pack`).
-        codec: one of :data:`CODECS`.
+        codec: the codec and its settings.
         residual: the previous call's new residual, or None (a missing name counts as zeros).
-        meta, block, fraction: as for :func:`pack`.
+        meta: as for :func:`pack`.
 
     Returns:
         ``(buf, new_residual)`` where ``buf = pack(tensors + residual)`` and
@@ -251,7 +250,6 @@ def compress(
         ``tensors``. With codec ``none`` nothing is lost and the residual is None. A tensor
         whose sum is not finite gets a zero residual, so NaN/Inf is never carried forward.
     """
-    _check_codec(codec)
     residual = residual or {}
     for name, tensor in tensors.items():
         if name in residual and residual[name].shape != tensor.shape:
@@ -259,13 +257,13 @@ def compress(
                 f"residual {name!r} has shape {tuple(residual[name].shape)}, tensor has {tuple(tensor.shape)}"
             )
     new = None  # codec none is lossless: no residual to build
-    if codec != "none":
+    if not codec.lossless:
         new = {
             n: residual[n].detach().to(torch.float32, copy=True) if n in residual else torch.zeros(t.shape)
             for n, t in tensors.items()
         }
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    return pack_filled(shapes, _copy_from(tensors), codec, meta, block, new, fraction=fraction)
+    return pack_filled(shapes, _copy_from(tensors), codec, meta, new).numpy(), new
 
 
 def _copy_from(tensors: Mapping[str, torch.Tensor]) -> Callable[[str, torch.Tensor], object]:
@@ -283,11 +281,9 @@ def pack_pieces(
     pieces: Mapping[str, torch.Tensor],
     starts: Mapping[str, int],
     names: Sequence[str],
-    codec: str,
+    codec: Codec,
     meta: Optional[dict] = None,
     residual: Optional[dict[str, torch.Tensor]] = None,
-    block: int = DEFAULT_BLOCK,
-    fraction: float = DEFAULT_FRACTION,
 ) -> tuple[np.ndarray, Optional[dict[str, torch.Tensor]]]:
     """:func:`compress` of parameter row pieces: ``(buffer, new residual by name)``.
 
@@ -295,13 +291,12 @@ def pack_pieces(
         pieces: name -> rows of that parameter.
         starts: name -> the first row's index in the full parameter.
         names: every parameter name in model order (both ends use the same list).
-        codec, meta, residual, block, fraction: as for :func:`compress` (residual keyed by name).
+        codec, meta, residual: as for :func:`compress` (residual keyed by name).
     """
     index = {n: i for i, n in enumerate(names)}
     keyed = {str(index[n]): t for n, t in pieces.items()}
     res = {str(index[n]): r for n, r in residual.items() if n in pieces} if residual is not None else None
-    full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in pieces]}
-    buf, left = compress(keyed, codec, res, full_meta, block=block, fraction=fraction)
+    buf, left = compress(keyed, codec, res, _with_rows(meta, starts, pieces))
     by_name = {names[int(k)]: v for k, v in left.items()} if left is not None else None
     return buf, by_name
 
@@ -311,13 +306,12 @@ def pack_pieces_filled(
     starts: Mapping[str, int],
     names: Sequence[str],
     fill: Callable[[str, torch.Tensor], object],
-    codec: str,
+    codec: Codec,
     meta: Optional[dict] = None,
     residual: Optional[Mapping[str, torch.Tensor]] = None,
-    block: int = DEFAULT_BLOCK,
     allocate: Optional[Callable[[int], np.ndarray]] = None,
-    fraction: float = DEFAULT_FRACTION,
-) -> np.ndarray:
+    device: torch.device = HOST,
+) -> torch.Tensor:
     """:func:`pack_filled` of parameter row pieces (the message :func:`unpack_pieces` reads).
 
     Args:
@@ -325,24 +319,28 @@ def pack_pieces_filled(
         starts: name -> the first row's index in the full parameter.
         names: every parameter name in model order.
         fill: ``fill(name, out)`` writes those rows, fp32, into ``out``.
-        codec, meta, block, fraction: as for :func:`pack`.
+        codec, meta, allocate, device: as for :func:`pack_filled`.
         residual: name -> error-feedback residual of those rows, updated in place.
-        allocate: as for :func:`pack_filled`.
     """
     index = {n: i for i, n in enumerate(names)}
     keyed = {str(index[n]): tuple(s) for n, s in shapes.items()}
     res = {str(index[n]): r for n, r in residual.items() if n in shapes} if residual is not None else None
-    full_meta = {**(meta or {}), "rows": [int(starts[n]) for n in shapes]}
-    buf, _ = pack_filled(
-        keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, block, res, allocate, fraction
-    )
-    return buf
+    full_meta = _with_rows(meta, starts, shapes)
+    return pack_filled(keyed, lambda key, out: fill(names[int(key)], out), codec, full_meta, res, allocate, device)
 
 
-def unpack_pieces(buf, names: Sequence[str], lazy: bool = False) -> tuple[dict[str, tuple[int, torch.Tensor]], dict]:
-    """Inverse of :func:`pack_pieces`: (name -> (first row, fp32 rows), meta); with
-    ``lazy`` the rows are :class:`Encoded`, decoded on demand."""
-    tensors, meta = unpack(buf, lazy)
+def _with_rows(meta: Optional[dict], starts: Mapping[str, int], order: Mapping) -> dict:
+    """``meta`` with ``rows``, the first row of each piece in message order."""
+    return {**(meta or {}), "rows": [int(starts[n]) for n in order]}
+
+
+def unpack_pieces(
+    buf, names: Sequence[str], lazy: bool = False, device: torch.device = HOST
+) -> tuple[dict[str, tuple[int, torch.Tensor]], dict]:
+    """Inverse of :func:`pack_pieces`: (name -> (first row, fp32 rows), meta), decoded on
+    ``device`` (see :func:`unpack`); with ``lazy`` the rows are :class:`Encoded`, decoded
+    on demand."""
+    tensors, meta = unpack(buf, lazy, device)
     starts = meta.get("rows", [])
     if len(starts) != len(tensors):
         raise ValueError(f"message lists {len(starts)} row offsets for {len(tensors)} pieces")

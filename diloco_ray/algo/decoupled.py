@@ -63,7 +63,7 @@ from typing import Mapping, Optional
 
 import torch
 
-from diloco_ray.algo.device_codec import DEVICE_CHUNK
+from diloco_ray.algo.codecs import DEVICE_CHUNK
 
 CYCLE_EPS = 1e-9  # round-off allowance when fractions of a round add up to a whole one
 

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import partition
-from diloco_ray.algo.device_message import DownCopy
+from diloco_ray.algo.device_copy import DownCopy
 
 # A message's pieces as the servers decode it: name -> (first row, fp32 rows).
 Reader = Callable[[Any], Mapping[str, tuple[int, torch.Tensor]]]

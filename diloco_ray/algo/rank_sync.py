@@ -20,7 +20,7 @@ of each piece), ``version`` and, for fragment messages, ``fragment``; with
 ``weights_compression`` they hold a ``delta`` against the previous version instead of
 values.
 
-Where the work happens (:mod:`diloco_ray.algo.rank_codec`): on a GPU rank, unless
+Where the work happens (:mod:`diloco_ray.algo.rank_device`): on a GPU rank, unless
 ``anchor_on_host``, the anchor and the residuals live on the GPU, the pseudo-gradient is
 taken, encoded and fed back there, only the encoded messages come down, and a weights
 message goes up once and is decoded there; elsewhere all of it runs on the host.
@@ -34,8 +34,9 @@ from typing import Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from diloco_ray.algo import codecs, compression, links, partition, rank_codec
-from diloco_ray.algo.device_message import DownCopy
+from diloco_ray.algo import compression, links, partition, rank_device
+from diloco_ray.algo.codecs import Codec
+from diloco_ray.algo.device_copy import DownCopy
 from diloco_ray.algo.error_feedback import FeedbackLedger, keeps_residual
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.sections import SyncCodecSection
@@ -54,11 +55,10 @@ class RankSync:
         rank: this rank.
         servers: ``num_param_servers``.
         fragments: ``sync_fragments``.
-        codec: ``pseudo_grad_compression``.
+        codec: the pseudo-gradients' codec (:meth:`Codec.for_pseudo_grads
+            <diloco_ray.algo.codecs.Codec.for_pseudo_grads>`).
         error_feedback: keep residuals (always with ``topk``, which drops most values).
         alpha: ``fragment_alpha``, used by :meth:`apply` with ``merge=True``.
-        block: ``compression_block``.
-        fraction: ``topk_fraction``.
         anchor_on_host: keep the anchor in (pinned, when a GPU is there) host memory.
         overlap: ``overlap_communication``.
         decay: ``error_feedback_decay``.
@@ -77,22 +77,20 @@ class RankSync:
         rank: int,
         servers: int = 1,
         fragments: int = 1,
-        codec: str = "none",
+        codec: Codec = Codec(),
         error_feedback: bool = False,
         alpha: float = 0.5,
-        block: int = codecs.DEFAULT_BLOCK,
         anchor_on_host: bool = False,
-        fraction: float = codecs.DEFAULT_FRACTION,
         overlap: bool = False,
         decay: float = 1.0,
     ):
         self.shapes = {n: tuple(s) for n, s in shapes.items()}
         self.names = list(self.shapes)
         self.world_size, self.rank = world_size, rank
-        self.codec, self.alpha, self.block, self.fraction = codec, alpha, block, fraction
+        self.codec, self.alpha = codec, alpha
         self.anchor_on_host = anchor_on_host
         self.on_device: Optional[bool] = None
-        self.error_feedback = keeps_residual(codec, error_feedback)
+        self.error_feedback = keeps_residual(codec.name, error_feedback)
         # Rows this rank holds (0-d tensors: every rank) and the rows it sends (0-d: rank 0).
         self.held = {n: (0, 1) if not s else _span(shard_rows(s[0], world_size, rank)) for n, s in self.shapes.items()}
         mine = partition.rank_rows(self.shapes, world_size, rank)
@@ -119,12 +117,10 @@ class RankSync:
         (``num_param_servers``) servers."""
         return cls(
             *(shapes, world_size, rank, servers, sync_codec.sync_fragments),
-            codec=sync_codec.pseudo_grad_compression,
+            codec=Codec.for_pseudo_grads(sync_codec),
             error_feedback=sync_codec.error_feedback,
             alpha=sync_codec.fragment_alpha,
-            block=sync_codec.compression_block,
             anchor_on_host=sync_codec.anchor_on_host,
-            fraction=sync_codec.topk_fraction,
             overlap=sync_codec.overlap_communication,
             decay=sync_codec.error_feedback_decay,
         )
@@ -168,7 +164,7 @@ class RankSync:
             NeedsFullLoad: a fragment message does not follow the version held.
         """
         sent: dict = {}
-        device = rank_codec.device_of(local)
+        device = rank_device.device_of(local)
         for s, buf in enumerate(buffers):
             pieces, meta = self._decode(buf, device)
             full = meta.get("fragment") is None
@@ -233,11 +229,12 @@ class RankSync:
             rows.mul_(self.alpha).add_(anchor.to(rows.device, rows.dtype), alpha=1.0 - self.alpha)
 
     def _works_on_device(self, device: torch.device) -> bool:
-        return rank_codec.works_on_device(device, self.anchor_on_host, self.on_device)
+        return rank_device.works_on_device(device, self.anchor_on_host, self.on_device)
 
     def _decode(self, buf, device: torch.device) -> tuple[dict, dict]:
         """A message's pieces, decoded where the sync of rows on ``device`` works."""
-        return rank_codec.decode(buf, self.names, device, self._works_on_device(device))
+        where = device if self._works_on_device(device) else torch.device("cpu")
+        return compression.unpack_pieces(buf, self.names, device=where)
 
     def _new_anchor(self, local: torch.Tensor) -> torch.Tensor:
         """An fp32 copy of ``local`` where the anchor lives: beside it, or on the host."""
@@ -271,16 +268,13 @@ class RankSync:
 
         On a GPU the messages are built there and come down together through one pinned
         buffer by a copy on a stream of its own
-        (:class:`~diloco_ray.algo.device_message.DownCopy`): what is queued after this call
+        (:class:`~diloco_ray.algo.device_copy.DownCopy`): what is queued after this call
         (the next period's steps, with ``overlap_communication``) runs while the bytes come
         down; ``wait()`` gives them. On the host they are there when this returns. Either way
         ``local`` may change as soon as this returns: the difference is already taken."""
         plan = self.sends[fragment]
         # Every rank of the replica shares its link; assume they send equal shares.
-        link_bytes = self.world_size * sum(
-            codecs.codec_nbytes(partition.numel(rows, self.shapes), self.codec, self.block, self.fraction)
-            for rows in plan
-        )
+        link_bytes = self.world_size * sum(self.codec.nbytes(partition.numel(rows, self.shapes)) for rows in plan)
         stamp = links.stamp(link, link_bytes)
         if self.keeps_sent:
             held = partition.intersect(self.fragment_rows[fragment], self.held)
@@ -288,9 +282,9 @@ class RankSync:
                 n: (iv[0], partition.take(local[n], iv, self.held[n][0]).detach().float().clone())
                 for n, iv in held.items()
             }
-        device = rank_codec.device_of(local)
-        where = device if self._works_on_device(device) else None
-        copy = rank_codec.start_to_host([self._pack_difference(rows, local, stamp, where) for rows in plan])
+        device = rank_device.device_of(local)
+        where = device if self._works_on_device(device) else torch.device("cpu")
+        copy = DownCopy([self._pack_difference(rows, local, stamp, where) for rows in plan])
         if self.error_feedback:
             self.ledger.keep(attempt, copy)
         return copy
@@ -314,26 +308,28 @@ class RankSync:
 
     def _reader(self):
         """This rank's messages read as the servers read them, where its sync works."""
-        device = rank_codec.device_of(self.anchor)
+        device = rank_device.device_of(self.anchor)
         return lambda buf: self._decode(buf, device)[0]
 
     def _residual_device(self) -> torch.device:
         """Where the residual lives: beside the anchor when the sync works there, else on
         the host (a checkpoint's moves there when used)."""
-        device = rank_codec.device_of(self.anchor)
+        device = rank_device.device_of(self.anchor)
         return device if self._works_on_device(device) else torch.device("cpu")
 
     def _pack_difference(
-        self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict, device: Optional[torch.device]
-    ):
-        """``anchor - local`` of ``rows`` packed for one server (built on ``device``, or on
-        the host for None), with its residual decayed and fed back when error feedback is on."""
+        self, rows: partition.Rows, local: Mapping[str, torch.Tensor], meta: dict, device: torch.device
+    ) -> torch.Tensor:
+        """``anchor - local`` of ``rows`` packed for one server (a message built on
+        ``device``), with its residual decayed and fed back when error feedback is on."""
         residual = self.ledger.feed(rows, self._residual_device()) if self.error_feedback else None
         anchor = {n: partition.take(self.anchor[n], iv, self.held[n][0]) for n, iv in rows.items()}
         mine = {n: partition.take(local[n], iv, self.held[n][0]) for n, iv in rows.items()}
-        starts = {n: iv[0] for n, iv in rows.items()}
-        args = (self.names, self.codec, meta, residual, self.block, self.fraction)
-        return rank_codec.pack_difference(anchor, mine, starts, *args, device=device)
+        shapes, starts = {n: a.shape for n, a in anchor.items()}, {n: iv[0] for n, iv in rows.items()}
+        fill = rank_device.difference(anchor, mine)
+        return compression.pack_pieces_filled(
+            shapes, starts, self.names, fill, self.codec, meta, residual, device=device
+        )
 
     def seed(self, local: Mapping[str, torch.Tensor]) -> list[np.ndarray]:
         """This rank's rows of its current weights for each server, fp32 (to start the
@@ -344,7 +340,7 @@ class RankSync:
             send = partition.intersect(rows, mine)
             pieces = {n: partition.take(local[n].detach().float(), iv, self.held[n][0]) for n, iv in send.items()}
             buf, _ = compression.pack_pieces(
-                pieces, {n: iv[0] for n, iv in send.items()}, self.names, "none", {"version": 0}
+                pieces, {n: iv[0] for n, iv in send.items()}, self.names, Codec("none"), {"version": 0}
             )
             out.append(buf)
         return out

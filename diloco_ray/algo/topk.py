@@ -23,14 +23,17 @@ bits per value, with ``fraction`` 1/64 (the config's default for pseudo-gradient
 little on top. What a block does not send is what error feedback carries to the next round
 (:func:`diloco_ray.algo.compression.pack_filled`), which is why ``topk`` always runs with
 it. A block holding NaN/Inf gets NaN scales, so it never decodes finite.
+
+All of it is torch ops on the values' own device, so a tensor on a GPU is encoded and decoded
+without leaving it. There the kept entries are the host's (ties in magnitude aside), but
+``torch.topk(sorted=False)`` may list them in another order within a block: the bytes may
+differ in where each entry stands, never in what a block decodes to.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable
 
-import numpy as np
 import torch
 
 _FP16_MAX = float(torch.finfo(torch.float16).max)
@@ -78,16 +81,17 @@ def chunk_values(numel: int, block: int, fraction: float, chunk: int) -> int:
 
 
 def encode_into(
-    part: torch.Tensor, lo: int, numel: int, block: int, fraction: float, scales: np.ndarray, payload: np.ndarray
+    part: torch.Tensor, lo: int, numel: int, block: int, fraction: float, scales: torch.Tensor, payload: torch.Tensor
 ) -> None:
     """:func:`encode` of the chunk ``part`` (values ``lo...`` of the tensor; ``lo`` from
-    :func:`chunk_values`' steps), written where it belongs in the tensor's sections."""
+    :func:`chunk_values`' steps), written where it belongs in the tensor's sections (uint8
+    tensors on ``part``'s device)."""
     width, k, bits = shape_of(numel, block, fraction)
     first = lo // width
     s, p = encode(part, numel, block, fraction)
-    scales[_SCALE_BYTES * first : _SCALE_BYTES * first + s.nbytes] = s
+    scales[_SCALE_BYTES * first : _SCALE_BYTES * first + s.numel()] = s
     start = first * k * (bits + 2) // 8
-    payload[start : start + p.nbytes] = p
+    payload[start : start + p.numel()] = p
 
 
 def _bits(values: torch.Tensor, nbits: int) -> torch.Tensor:
@@ -109,8 +113,8 @@ def _levels(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _encode_rows(rows: torch.Tensor, k: int, nbits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept
-    (on the rows' device: the GPU path, :mod:`~diloco_ray.algo.device_topk`, runs it too)."""
+    """(fp16 ``(lo, hi)`` per row, the rows' bits) of blocks of equal length, ``k`` kept,
+    on the rows' device."""
     finite = torch.isfinite(rows).all(dim=1)
     clean = torch.where(torch.isfinite(rows), rows, torch.zeros((), device=rows.device))
     index = clean.abs().topk(k, dim=1, sorted=False).indices
@@ -135,8 +139,7 @@ def encoded_rows(
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(fp16 ``(lo, hi)`` per block, the blocks' bits) of whole blocks of a tensor of
     ``numel`` values, on ``flat``'s device: the whole blocks in one part, the tensor's
-    short tail block in another; the host and the device (:mod:`~diloco_ray.algo.device_topk`)
-    then pack the bits each their own way."""
+    short tail block in another."""
     width, k, nbits = shape_of(numel, block, fraction)
     whole = flat.numel() // width if width else 0
     parts = [_encode_rows(flat[: whole * width].reshape(whole, width), k, nbits)] if whole else []
@@ -146,8 +149,9 @@ def encoded_rows(
     return parts
 
 
-def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[np.ndarray, np.ndarray]:
-    """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values.
+def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales bytes, payload bytes) of whole blocks of a tensor of ``numel`` values, as
+    uint8 tensors on ``flat``'s device.
 
     Args:
         flat: fp32 values of some whole blocks (the tensor's last block may be short).
@@ -155,18 +159,38 @@ def encode(flat: torch.Tensor, numel: int, block: int, fraction: float) -> tuple
         block, fraction: ``compression_block`` and ``topk_fraction``.
     """
     parts = encoded_rows(flat, numel, block, fraction)
-    scales = torch.cat([s for s, _ in parts]) if parts else torch.zeros(0, 2, dtype=torch.float16)
-    stream = torch.cat([b for _, b in parts]).numpy() if parts else np.zeros(0, dtype=np.uint8)
-    scale_bytes = np.ascontiguousarray(scales.view(torch.int16).numpy().astype("<i2")).view(np.uint8)
-    return scale_bytes.reshape(-1), np.packbits(stream, bitorder="little")
+    if not parts:
+        empty = torch.zeros(0, dtype=torch.uint8, device=flat.device)
+        return empty, empty
+    scales = torch.cat([s for s, _ in parts]).reshape(-1).view(torch.uint8)
+    return scales, packbits(torch.cat([b for _, b in parts]))
 
 
-def _decode_rows(
-    payload, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int, unpackbits: Callable
-) -> torch.Tensor:
+def packbits(bits: torch.Tensor) -> torch.Tensor:
+    """A flat 0/1 uint8 stream as bytes, first bit in the least significant place, the last
+    byte padded with zeros (``np.packbits(bitorder="little")``)."""
+    pad = -bits.numel() % 8
+    if pad or bits.storage_offset() % 8 or not bits.is_contiguous():
+        bits = torch.cat([bits.reshape(-1), bits.new_zeros(pad)])
+    # Eight 0/1 bytes read as one little-endian int64 (byte i holds bit i): one multiply
+    # gathers them into its top byte, byte 7 (bit 8i lands on bit 56 + i, without carries).
+    return (bits.view(torch.int64) * _GATHER).view(torch.uint8)[7::8].contiguous()
+
+
+_GATHER = 0x0102040810204080
+
+
+def unpackbits(data: torch.Tensor) -> torch.Tensor:
+    """Bytes as a flat 0/1 uint8 stream, least significant bit first."""
+    # Each byte looks up its eight bits as one int64 of a 256-row table.
+    shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    table = ((torch.arange(256, dtype=torch.uint8, device=data.device)[:, None] >> shifts) & 1).view(torch.int64)
+    return table.view(-1)[data.long()].view(torch.uint8)
+
+
+def _decode_rows(payload: torch.Tensor, start: int, pairs: torch.Tensor, k: int, nbits: int, n: int) -> torch.Tensor:
     """``len(pairs)`` rows of ``n`` values, ``k`` entries each, whose bits start at bit
-    ``start`` of ``payload`` (``unpackbits``: bytes -> a flat 0/1 tensor, least significant
-    bit first)."""
+    ``start`` of ``payload``."""
     rows, per_row = pairs.shape[0], k * (nbits + 2)
     length = rows * per_row
     raw = unpackbits(payload[start // 8 : -(-(start + length) // 8)])
@@ -181,48 +205,25 @@ def _decode_rows(
     return out.scatter_(1, index.clamp_(0, n - 1), values).view(-1)
 
 
-def decode_with(
-    pairs_of: Callable[[int, int], torch.Tensor],
-    payload,
-    unpackbits: Callable,
-    numel: int,
-    block: int,
-    fraction: float,
-    lo: int,
-    hi: int,
-) -> torch.Tensor:
-    """Values ``[lo, hi)`` of the flattened tensor, fp32; ``lo`` must start a block. What
-    the host's :func:`decode` and the device's (:mod:`~diloco_ray.algo.device_topk`) share:
-    each gives ``pairs_of(first, last)``, the fp16 ``(lo, hi)`` pairs of those blocks read
-    from its scales section, and ``unpackbits`` for its payload section."""
-    width, k, nbits = shape_of(numel, block, fraction)
-    blocks, tail, k_tail = _tail(numel, width, fraction)
-    first, last = lo // width, -(-hi // width)
-    pairs = pairs_of(first, last)
-    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
-    per_block = k * (nbits + 2)
-    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width, unpackbits)]
-    if last == blocks:
-        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail, unpackbits))
-    return torch.cat(parts)[lo - first * width : hi - first * width]
-
-
 def decode(
-    scales: np.ndarray, payload: np.ndarray, numel: int, block: int, fraction: float, lo: int, hi: int
+    scales: torch.Tensor, payload: torch.Tensor, numel: int, block: int, fraction: float, lo: int, hi: int
 ) -> torch.Tensor:
-    """Values ``[lo, hi)`` of the flattened tensor, fp32; ``lo`` must start a block.
+    """Values ``[lo, hi)`` of the flattened tensor, fp32 on the sections' device; ``lo``
+    must start a block.
 
     Args:
         scales: the tensor's whole scales section (uint8, fp16 pairs).
         payload: the tensor's whole payload section (uint8 bits).
         numel, block, fraction: as for :func:`encode`.
     """
-
-    def pairs_of(first: int, last: int) -> torch.Tensor:
-        return torch.from_numpy(scales[4 * first : 4 * last].copy().view("<f2").astype(np.float16)).view(-1, 2)
-
-    return decode_with(pairs_of, payload, _host_unpackbits, numel, block, fraction, lo, hi)
-
-
-def _host_unpackbits(data: np.ndarray) -> torch.Tensor:
-    return torch.from_numpy(np.unpackbits(data, bitorder="little"))
+    width, k, nbits = shape_of(numel, block, fraction)
+    blocks, tail, k_tail = _tail(numel, width, fraction)
+    first, last = lo // width, -(-hi // width)
+    # A copy: the section's offset in its message need not suit a view as fp16.
+    pairs = scales[4 * first : 4 * last].clone().view(torch.float16).view(-1, 2)
+    whole = max(0, min(last, blocks - 1) - first)  # blocks before the tensor's last one
+    per_block = k * (nbits + 2)
+    parts = [_decode_rows(payload, first * per_block, pairs[:whole], k, nbits, width)]
+    if last == blocks:
+        parts.append(_decode_rows(payload, (blocks - 1) * per_block, pairs[whole:], k_tail, nbits, tail))
+    return torch.cat(parts)[lo - first * width : hi - first * width]

@@ -1,7 +1,6 @@
 """The layout of a message on the wire: where each tensor's sections lie, and the header
-that says so. The host's encoder (:mod:`diloco_ray.algo.compression`) and the device's
-(:mod:`diloco_ray.algo.device_message`) both build their messages on it and read them
-with it, so one layout holds for every message whatever built it.
+that says so. :mod:`diloco_ray.algo.compression` builds every message on it and reads it
+with it, on whatever device.
 
 Wire format (all integers little-endian)::
 
@@ -27,7 +26,7 @@ from typing import Mapping, Optional, Sequence
 
 import numpy as np
 
-from diloco_ray.algo.codecs import DEFAULT_FRACTION, _check_codec, sections
+from diloco_ray.algo.codecs import DEFAULT_FRACTION, Codec
 
 MAGIC = b"DLZ1"
 PREFIX_BYTES = 8  # magic + u32 header length
@@ -39,7 +38,7 @@ def align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def layout(shapes: Mapping[str, Sequence[int]], codec: str, block: int, fraction: float) -> list[list]:
+def layout(shapes: Mapping[str, Sequence[int]], codec: Codec) -> list[list]:
     """Each tensor's header entry ``[name, shape, scales_off, scales_len, payload_off,
     payload_len]``: its sections laid one after the other, each at a multiple of 8."""
     entries, offset = [], 0
@@ -47,7 +46,7 @@ def layout(shapes: Mapping[str, Sequence[int]], codec: str, block: int, fraction
         if not isinstance(name, str):
             raise ValueError(f"tensor names must be str, got {name!r}")
         numel = math.prod(shape)
-        scales_len, payload_len = sections(numel, codec, block, fraction)
+        scales_len, payload_len = codec.sections(numel)
         payload_off = align(offset + scales_len)
         entries.append([name, list(shape), offset, scales_len, payload_off, payload_len])
         offset = align(payload_off + payload_len)
@@ -59,11 +58,11 @@ def data_bytes(entries: list[list]) -> int:
     return max((e[4] + e[5] for e in entries), default=0)
 
 
-def header(entries: list[list], codec: str, block: int, meta: Optional[dict], fraction: float) -> bytes:
+def header(entries: list[list], codec: Codec, meta: Optional[dict]) -> bytes:
     """The JSON header, UTF-8 and compact."""
-    head = {"codec": codec, "block": block, "meta": dict(meta or {}), "tensors": entries}
-    if codec == "topk":
-        head["fraction"] = float(fraction)
+    head = {"codec": codec.name, "block": codec.block, "meta": dict(meta or {}), "tensors": entries}
+    if codec.name == "topk":
+        head["fraction"] = float(codec.fraction)
     return json.dumps(head, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
@@ -101,17 +100,37 @@ def parse_header(buf) -> tuple[np.ndarray, dict, int]:
         raise ValueError(f"truncated pack() buffer: header needs {PREFIX_BYTES + length} bytes, have {len(data)}")
     try:
         header = json.loads(data[PREFIX_BYTES : PREFIX_BYTES + length].tobytes().decode("utf-8"))
-        _check_codec(header["codec"])
         if not isinstance(header["meta"], dict) or not isinstance(header["tensors"], list):
             raise ValueError("bad field types")
-        if not isinstance(header["block"], int) or header["block"] < 1:
-            raise ValueError(f"bad block {header['block']!r}")
         fraction = header.get("fraction", DEFAULT_FRACTION)
-        if not isinstance(fraction, float) or not 0.0 < fraction <= 1.0:
+        if not isinstance(fraction, float):
             raise ValueError(f"bad fraction {fraction!r}")
+        codec_of(header)
     except (ValueError, KeyError, TypeError, UnicodeDecodeError) as exc:
         raise ValueError(f"corrupt pack() header: {exc}") from exc
     return data, header, align(PREFIX_BYTES + length)
+
+
+def codec_of(header: dict) -> Codec:
+    """The codec a parsed header names (ValueError: an unknown one, or bad settings)."""
+    return Codec(header["codec"], header["block"], header.get("fraction", DEFAULT_FRACTION))
+
+
+def check_entry(entry, codec: Codec, body_bytes: int) -> None:
+    """Raise ValueError unless a header's tensor ``entry`` is well formed: its shape, its
+    sections' lengths what ``codec`` writes for that shape, on 8 bytes, and within the
+    ``body_bytes`` of the data area."""
+    try:
+        name, shape, scales_off, scales_len, payload_off, payload_len = entry
+        if not all(isinstance(d, int) and d >= 0 for d in shape):
+            raise ValueError(f"bad shape {shape!r}")
+        expected = codec.nbytes(math.prod(shape))
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"corrupt pack() header entry {entry!r}: {exc}") from exc
+    if scales_len + payload_len != expected or scales_off % ALIGN or payload_off % ALIGN:
+        raise ValueError(f"corrupt pack() header: tensor {name!r} sections do not match its shape")
+    if max(scales_off + scales_len, payload_off + payload_len) > body_bytes:
+        raise ValueError(f"truncated pack() buffer: tensor {name!r} ends past its {body_bytes}-byte data area")
 
 
 def packed_meta(buf) -> dict:

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import compression, partition
-from diloco_ray.algo.device_message import DownCopy
+from diloco_ray.algo.codecs import Codec
+from diloco_ray.algo.device_copy import DownCopy
 from diloco_ray.algo.error_feedback import FeedbackLedger, keeps_residual
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.config.sections import SyncCodecSection
@@ -67,12 +68,11 @@ class RegionalMerge:
     """
 
     def __init__(self, shapes: Mapping[str, Sequence[int]], sync_codec: SyncCodecSection, num_servers: int):
-        self.codec_name = sync_codec.pseudo_grad_compression
-        self.error_feedback = keeps_residual(self.codec_name, sync_codec.error_feedback)
-        self.block, self.fraction = sync_codec.compression_block, sync_codec.topk_fraction
+        self.codec = Codec.for_pseudo_grads(sync_codec)
+        self.error_feedback = keeps_residual(self.codec.name, sync_codec.error_feedback)
         self.layouts = [SliceLayout(shapes, s, num_servers, sync_codec.sync_fragments) for s in range(num_servers)]
         self.names = self.layouts[0].names
-        self.codecs = [SliceCodec(layout, self.block, self.fraction) for layout in self.layouts]
+        self.codecs = [SliceCodec(layout) for layout in self.layouts]
         self.aggregators = [Aggregator(layout, codec) for layout, codec in zip(self.layouts, self.codecs)]
         every_row = {n: (0, partition.num_rows(s)) for n, s in self.layouts[0].shapes.items()}
         self.ledger = FeedbackLedger(every_row, self.layouts[0].shapes, sync_codec.error_feedback_decay)
@@ -111,9 +111,7 @@ class RegionalMerge:
             {n: target[n][0] for n in shapes},
             self.names,
             lambda name, out: out.copy_(mean[name].reshape(out.shape)),
-            self.codec_name,
+            self.codec,
             {},
             residual,
-            block=self.block,
-            fraction=self.fraction,
-        )
+        ).numpy()

@@ -17,7 +17,7 @@ import collections
 import threading
 from typing import Optional
 
-from diloco_ray.algo.device_message import DownCopy
+from diloco_ray.algo.device_copy import DownCopy
 
 
 class PeriodFailed(RuntimeError):

@@ -40,6 +40,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.optimizers import build_outer_optimizer
 from diloco_ray.algo.outer import OuterOptimizer
 from diloco_ray.algo.screening import NormScreen
@@ -128,11 +129,8 @@ class ParameterServer:
     # ---- the parts ---------------------------------------------------------------------
     def _lay_out(self, shapes: dict) -> None:
         """The parts that need only the rows: layout, codec and aggregator."""
-        links = self.sync_codec
-        self.layout = SliceLayout(shapes, self.index, self.num_servers, links.sync_fragments)
-        self.codec = SliceCodec(
-            self.layout, links.compression_block, links.topk_fraction, allocate=self._message_space, device=self.device
-        )
+        self.layout = SliceLayout(shapes, self.index, self.num_servers, self.sync_codec.sync_fragments)
+        self.codec = SliceCodec(self.layout, allocate=self._message_space, device=self.device)
         correct = self.merging.stale_correction == "momentum"
         by_cycle = (
             self.decoupled
@@ -153,7 +151,7 @@ class ParameterServer:
         ``params``, optimizer pieces by key) and the outbox, on the server's device."""
         optimizer = OuterOptimizer({k: t.to(self.device) for k, t in params.items()}, self.outer_optim)
         self.store = SliceStore(self.layout, optimizer, self.sync_codec.sync_fragments)
-        self.outbox = WeightsOutbox(self.store, self.codec, self.sync_codec.weights_compression)
+        self.outbox = WeightsOutbox(self.store, self.codec, Codec.for_weights(self.sync_codec))
         return optimizer
 
     def _message_space(self, nbytes: int) -> np.ndarray:

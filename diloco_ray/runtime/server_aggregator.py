@@ -37,6 +37,7 @@ from diloco_ray.algo.aggregate import (
     squares_by_part,
     weight_scale,
 )
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.screening import NormScreen
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.runtime import transport
@@ -315,7 +316,7 @@ def refusal_message(why: str) -> np.ndarray:
     """A message that holds nothing and says why the home refused the reply it stands for:
     every server rejects it with that reason (:func:`refused_in`), so the reason reaches the
     round record's ``rejected`` as any rejection's does."""
-    return compression.pack({}, "none", {"refused": str(why)})
+    return compression.pack({}, Codec("none"), {"refused": str(why)})
 
 
 def refused_in(buffers: Sequence) -> Optional[str]:

@@ -7,7 +7,7 @@ views into the buffers where the codec allows (nothing is copied), and an uncomp
 message is written into memory its caller lends (the server's sum space, once no sum is in
 it). On a server's GPU (``server_gpus``) each buffer goes up once and is decoded there, and
 a message is built there and comes down through pinned memory
-(:mod:`diloco_ray.algo.device_message`): the same bytes either way.
+(:mod:`diloco_ray.algo.device_copy`): the same code and the same bytes either way.
 """
 
 from __future__ import annotations
@@ -18,8 +18,9 @@ from typing import Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from diloco_ray.algo import compression, device_message, partition
+from diloco_ray.algo import compression, device_copy, partition
 from diloco_ray.algo.aggregate import check_finite
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.slice_layout import SliceLayout
 
 
@@ -28,38 +29,26 @@ class SliceCodec:
 
     Args:
         layout: the rows this server holds.
-        block: ``compression_block``, the values per scale of the block codecs.
-        topk_fraction: the share of values the ``topk`` codec keeps.
         allocate: ``nbytes -> np.uint8 array`` for an uncompressed message on the host
             (None: a fresh array).
         device: where the server's tensors live: pieces are decoded there and messages
             built there.
-
-    Attributes:
-        on_host: whether the host path runs (a host ``device``); tests set it False to run
-            the device path's code on the host, with CPU kernels, beside the host path.
     """
 
     def __init__(
         self,
         layout: SliceLayout,
-        block: int,
-        topk_fraction: float,
         allocate: Optional[Callable[[int], np.ndarray]] = None,
         device: torch.device = torch.device("cpu"),
     ):
         self.layout = layout
-        self.block, self.topk_fraction = block, topk_fraction
-        self.allocate = allocate
+        self.allocate = allocate if device.type == "cpu" else None
         self.device = device
-        self.on_host = device.type == "cpu"
 
     def unpack(self, buf, lazy: bool = False) -> tuple[dict, dict]:
         """A message's pieces (name -> (first row, rows)) and meta, decoded where the
         server's tensors live (with ``lazy``, still encoded)."""
-        if self.on_host:
-            return compression.unpack_pieces(buf, self.layout.names, lazy)
-        return device_message.unpack_pieces(buf, self.layout.names, self.device, lazy)
+        return compression.unpack_pieces(buf, self.layout.names, lazy, self.device)
 
     # ---- coming in ---------------------------------------------------------------------
     def decode(self, buffers: list, target: partition.Rows) -> list:
@@ -101,43 +90,33 @@ class SliceCodec:
         return out
 
     # ---- going out ---------------------------------------------------------------------
-    def pack(self, pieces: Mapping[str, torch.Tensor], target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
-        """Rows ``target`` of the optimizer ``pieces`` (by key) as a message, stamped with
-        its send time. Uncompressed on the host, it is written straight into :attr:`allocate`'s memory."""
-        if codec != "none":
-            return self.encode({n: self.layout.rows(pieces, n, iv) for n, iv in target.items()}, target, codec, meta)
+    def pack(self, pieces: Mapping[str, torch.Tensor], target: partition.Rows, meta: dict) -> np.ndarray:
+        """Rows ``target`` of the optimizer ``pieces`` (by key), exact fp32, as a message
+        stamped with its send time: on the host, written straight into :attr:`allocate`'s
+        memory."""
         layout = self.layout
-        args = (
+        message = compression.pack_pieces_filled(
             {n: layout.piece_shape(n, iv) for n, iv in target.items()},
             {n: iv[0] for n, iv in target.items()},
             layout.names,
             lambda n, out: out.copy_(layout.rows(pieces, n, target[n])),
-            "none",
+            Codec("none"),
             {**meta, "sent_at": time.time()},
-        )
-        if self.on_host:
-            return compression.pack_pieces_filled(*args, block=self.block, allocate=self.allocate)
-        return self._down(device_message.pack_pieces_filled(*args, block=self.block, device=self.device))
-
-    def encode(self, named: Mapping[str, torch.Tensor], target: partition.Rows, codec: str, meta: dict) -> np.ndarray:
-        """Tensors by name, each exactly rows ``target[name]``, as a ``codec`` message
-        stamped with its send time."""
-        starts, stamped = {n: iv[0] for n, iv in target.items()}, {**meta, "sent_at": time.time()}
-        if self.on_host:
-            buf, _ = compression.pack_pieces(
-                dict(named), starts, self.layout.names, codec, stamped, block=self.block, fraction=self.topk_fraction
-            )
-            return buf
-        shapes = {n: t.shape for n, t in named.items()}
-        message = device_message.pack_pieces_filled(
-            *(shapes, starts, self.layout.names, lambda n, out: out.copy_(named[n]), codec, stamped),
-            block=self.block,
-            fraction=self.topk_fraction,
+            allocate=self.allocate,
             device=self.device,
         )
-        return self._down(message)
+        return device_copy.to_host([message])[0]
 
-    @staticmethod
-    def _down(message: torch.Tensor) -> np.ndarray:
-        """A message built on the device, as the host array Ray is handed."""
-        return device_message.to_host([message])[0]
+    def encode(self, named: Mapping[str, torch.Tensor], target: partition.Rows, codec: Codec, meta: dict) -> np.ndarray:
+        """Tensors by name, each exactly rows ``target[name]``, as a ``codec`` message
+        stamped with its send time."""
+        message = compression.pack_pieces_filled(
+            {n: t.shape for n, t in named.items()},
+            {n: iv[0] for n, iv in target.items()},
+            self.layout.names,
+            lambda n, out: out.copy_(named[n]),
+            codec,
+            {**meta, "sent_at": time.time()},
+            device=self.device,
+        )
+        return device_copy.to_host([message])[0]

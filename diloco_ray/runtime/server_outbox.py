@@ -14,6 +14,7 @@ from typing import Mapping
 
 import numpy as np
 
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.runtime.server_codec import SliceCodec
 from diloco_ray.runtime.server_store import SliceStore
 
@@ -24,23 +25,23 @@ class WeightsOutbox:
     Args:
         store: the rows, version and fragment the messages carry.
         codec: packs them.
-        weights_compression: the codec of a sync's message (``none``: the weights themselves).
+        weights_codec: the codec of a sync's message (``none``: the weights themselves).
     """
 
-    def __init__(self, store: SliceStore, codec: SliceCodec, weights_compression: str):
-        self.store, self.codec, self.weights_compression = store, codec, weights_compression
+    def __init__(self, store: SliceStore, codec: SliceCodec, weights_codec: Codec):
+        self.store, self.codec, self.weights_codec = store, codec, weights_codec
         self.held: dict = {}  # what replicas hold, with weights_compression
         self.last_message = np.zeros(0, dtype=np.uint8)  # the latest sync's message, with weights_compression
         self.message_version = 0  # the version the latest message carries
 
     def reset_held(self) -> None:
         """Replicas hold the weights as they are (they were just seeded or loaded)."""
-        if self.weights_compression != "none":
+        if not self.weights_codec.lossless:
             self.held = {n: t.clone() for n, t in self.store.params.items()}
 
     def restore(self, outer: Mapping, version: int) -> None:
         """What a checkpoint kept (``held``, ``last_message``) of the messages up to ``version``."""
-        compressed = self.weights_compression != "none"
+        compressed = not self.weights_codec.lossless
         # `held` tracks what replicas hold only while weights go down compressed; it lives
         # beside the weights (a checkpoint's is read on the host).
         device = self.codec.device
@@ -53,7 +54,7 @@ class WeightsOutbox:
     def exact(self) -> np.ndarray:
         """This slice of the exact fp32 global weights, packed (for eval and final/)."""
         store = self.store
-        return self.codec.pack(store.params, store.layout.owned, "none", {"version": store.version})
+        return self.codec.pack(store.params, store.layout.owned, {"version": store.version})
 
     def minus(self, delta: Mapping) -> np.ndarray:
         """This slice's exact fp32 weights minus ``delta`` (name -> the rows of it this
@@ -62,12 +63,12 @@ class WeightsOutbox:
         store = self.store
         owned = store.layout.owned
         trial = {n: store.layout.rows(store.params, n, iv) - delta[n] for n, iv in owned.items()}
-        return self.codec.encode(trial, owned, "none", {"version": store.version})
+        return self.codec.encode(trial, owned, Codec("none"), {"version": store.version})
 
     def full(self) -> np.ndarray:
         """Every parameter of this slice as replicas hold it, packed fp32. Changes nothing."""
         store = self.store
-        return self.codec.pack(self.held or store.params, store.layout.owned, "none", {"version": store.version})
+        return self.codec.pack(self.held or store.params, store.layout.owned, {"version": store.version})
 
     def last(self) -> np.ndarray:
         """The latest sync's message again; before any sync, :meth:`full`. A delta message
@@ -75,7 +76,7 @@ class WeightsOutbox:
         store = self.store
         if store.version == 0:
             return self.full()
-        if self.weights_compression == "none":
+        if self.weights_codec.lossless:
             return self._weights_of((store.fragment - 1) % store.sync_fragments)
         return self.last_message
 
@@ -87,14 +88,14 @@ class WeightsOutbox:
             # so no new message, and `held` must not move (it tracks what replicas hold).
             return self.last()
         self.message_version = self.store.version
-        if self.weights_compression == "none":
+        if self.weights_codec.lossless:
             return self._weights_of(fragment)
         return self._delta(fragment)
 
     def _weights_of(self, fragment: int) -> np.ndarray:
         store = self.store
         meta = {"version": store.version, "fragment": fragment}
-        return self.codec.pack(store.params, store.layout.target(fragment), "none", meta)
+        return self.codec.pack(store.params, store.layout.target(fragment), meta)
 
     def _delta(self, fragment: int) -> np.ndarray:
         """The compressed change of ``fragment``'s rows since what replicas hold, which then
@@ -103,7 +104,7 @@ class WeightsOutbox:
         target = layout.target(fragment)
         delta = {n: layout.rows(store.params, n, iv) - layout.rows(self.held, n, iv) for n, iv in target.items()}
         meta = {"delta": True, "fragment": fragment, "version": store.version}
-        buf = self.codec.encode(delta, target, self.weights_compression, meta)
+        buf = self.codec.encode(delta, target, self.weights_codec, meta)
         decoded, _ = self.codec.unpack(buf)
         for n, iv in target.items():
             layout.rows(self.held, n, iv).add_(decoded[n][1])

@@ -1,5 +1,5 @@
-"""The sync on a GPU against the host path (tests/unit/algo/test_device_message.py and
-test_rank_sync_device.py on CUDA tensors): the same bytes for every codec (topk: the same
+"""The sync on a GPU against the host (the one codec path of tests/unit/algo/test_message_paths.py
+on CUDA tensors): the same bytes for every codec (topk: the same
 decoded values, its entries may stand in another order within a block), the same residuals,
 the same weights after a message is applied, and the messages brought down through pinned
 memory. Skipped without CUDA; no Ray.
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from diloco_ray.algo import compression, device_message, partition
-from diloco_ray.algo.codecs import CODECS
+from diloco_ray.algo import compression, device_copy, partition
+from diloco_ray.algo.codecs import CODECS, Codec
 from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.algo.sharding import shard_rows
 
@@ -54,17 +54,17 @@ def test_a_message_built_on_the_gpu_is_the_hosts(codec, feedback, bad):
     residual = {n: 0.1 * torch.randn(s, generator=g) for n, s in SHAPES.items()} if feedback else None
     res_host = {n: r.clone() for n, r in residual.items()} if feedback else None
     res_gpu = {n: r.to(GPU) for n, r in residual.items()} if feedback else None
-    host, _ = compression.pack_filled(
-        SHAPES, lambda n, out: out.copy_(host_values[n]), codec, {"v": 1}, BLOCK, res_host, fraction=FRACTION
-    )
-    message = device_message.pack_filled(
-        SHAPES, lambda n, out: out.copy_(gpu_values[n]), codec, {"v": 1}, GPU, BLOCK, res_gpu, FRACTION
+    settings = Codec(codec, BLOCK, FRACTION)
+    host = compression.pack_filled(SHAPES, lambda n, out: out.copy_(host_values[n]), settings, {"v": 1}, res_host)
+    host = host.numpy()
+    message = compression.pack_filled(
+        SHAPES, lambda n, out: out.copy_(gpu_values[n]), settings, {"v": 1}, res_gpu, device=GPU
     )
     assert message.device.type == "cuda"
-    (down,) = device_message.to_host([message])
+    (down,) = device_copy.to_host([message])
     assert torch.from_numpy(down).is_pinned()
     assert len(down) == len(host)
-    if codec != "topk" and bad is None:  # NaN's bits and topk's entry order may differ (device_codec)
+    if codec != "topk" and bad is None:  # NaN's bits and topk's entry order may differ (codecs)
         assert np.array_equal(down, host)
     assert_equal_values(decoded(down), decoded(host))
     if feedback:
@@ -74,9 +74,9 @@ def test_a_message_built_on_the_gpu_is_the_hosts(codec, feedback, bad):
 @pytest.mark.parametrize("codec", CODECS)
 def test_a_message_decoded_on_the_gpu_gives_the_hosts_values(codec):
     names = list(SHAPES)
-    buf, _ = compression.pack_pieces(values(3, "nan"), dict.fromkeys(names, 0), names, codec, {}, block=BLOCK)
+    buf, _ = compression.pack_pieces(values(3, "nan"), dict.fromkeys(names, 0), names, Codec(codec, BLOCK), {})
     host, _ = compression.unpack_pieces(buf, names)
-    gpu, _ = device_message.unpack_pieces(buf, names, GPU)
+    gpu, _ = compression.unpack_pieces(buf, names, device=GPU)
     assert all(t.device.type == "cuda" for _, t in gpu.values())
     assert_equal_values({n: t for n, (_, t) in gpu.items()}, {n: t for n, (_, t) in host.items()})
 
@@ -90,7 +90,7 @@ def _message(tensors: dict, version: int, fragment=None, codec="none") -> np.nda
     target = partition.whole(shapes) if fragment is None else partition.fragments(shapes, 2)[fragment]
     meta = {"version": version, **({} if fragment is None else {"fragment": fragment, "delta": codec != "none"})}
     pieces = {n: partition.take(tensors[n], iv) for n, iv in target.items()}
-    buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, list(shapes), codec, meta)
+    buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, list(shapes), Codec(codec), meta)
     return buf
 
 
@@ -102,7 +102,7 @@ def test_a_gpu_ranks_sync_sends_and_holds_what_the_host_path_does(codec):
     shapes = {"embed": (37, 64), "w": (19, 64), "norm": (64,), "scale": ()}
     g = torch.Generator().manual_seed(0)
     full = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-    args = dict(servers=2, fragments=2, codec=codec, error_feedback=True, block=16, fraction=0.25, overlap=True)
+    args = dict(servers=2, fragments=2, codec=Codec(codec, 16, 0.25), error_feedback=True, overlap=True)
     on_gpu, on_host = RankSync(shapes, 2, 1, **args), RankSync(shapes, 2, 1, **args)
     local = {"gpu": _mine(full, GPU), "host": _mine(full, "cpu")}
     on_gpu.apply([_message(full, 0)] * 2, local["gpu"])
@@ -155,7 +155,7 @@ def test_a_server_on_the_gpu_steps_as_the_host_server_does(codec, weights, tmp_p
         )
         g = torch.Generator().manual_seed(0)
         seed = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
-        buf, _ = compression.pack_pieces(seed, dict.fromkeys(names, 0), names, "none", {"version": 0})
+        buf, _ = compression.pack_pieces(seed, dict.fromkeys(names, 0), names, Codec("none"), {"version": 0})
         out = ParameterServer(cfg.to_dict())
         out.initialize([buf], shapes)
         return out
@@ -170,7 +170,9 @@ def test_a_server_on_the_gpu_steps_as_the_host_server_does(codec, weights, tmp_p
             contributions = []
             for rid in (0, 1):
                 pieces = {n: 0.05 * torch.randn(iv[1] - iv[0], *shapes[n][1:], generator=g) for n, iv in target.items()}
-                buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, names, codec, {})
+                buf, _ = compression.pack_pieces(
+                    pieces, {n: iv[0] for n, iv in target.items()}, names, Codec(codec), {}
+                )
                 contributions.append(Contribution(rid, [buf], 1.0 + rid))
             messages = []
             for srv in (on_gpu, on_host):
@@ -197,7 +199,7 @@ def test_a_message_comes_down_while_the_next_kernels_run():
     sent = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
     message = sent.to(GPU)
     torch.cuda.synchronize()
-    copy = device_message.DownCopy([message])
+    copy = device_copy.DownCopy([message])
     del message  # held by the copy until it ends (its memory is not handed out before)
     torch.cuda._sleep(2_000_000_000)  # about a second of the steps' stream, queued after the copy
     (down,) = copy.wait()

@@ -22,6 +22,7 @@ from conftest import tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo import compression
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.channel.client import ChannelClient
 from diloco_ray.channel.credentials import Token
 from diloco_ray.config.fields import REGION_ID_BASE
@@ -111,7 +112,7 @@ class GreedyRegion(threading.Thread):
                     return
                 continue
             job = notice["job"]
-            huge = compression.pack({"x": torch.full((64,), 1e30)}, "none")
+            huge = compression.pack({"x": torch.full((64,), 1e30)}, Codec("none"))
             greedy = RoundStats(
                 0, 3, 10**12, 1.0, 1.0, 0.0, 0, loss_tokens=10**12, region=RegionFacts(replica_ids=(0,))
             )

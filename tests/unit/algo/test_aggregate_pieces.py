@@ -8,6 +8,7 @@ import torch
 
 from diloco_ray.algo import compression, decoupled, partition
 from diloco_ray.algo.aggregate import add_corrected, add_pieces, mean_in_place, weight_scale
+from diloco_ray.algo.codecs import Codec
 
 NAMES = ["a", "b", "c"]
 SHAPES = {"a": (6, 3), "b": (5,), "c": ()}
@@ -32,7 +33,7 @@ def found_of(tensors: dict, codec: str = "none") -> list:
     starts0, starts1 = {"a": 2, "c": 0}, {"a": 4, "b": 0}
     out = []
     for pieces, starts in ((rank0, starts0), (rank1, starts1)):
-        buf, _ = compression.pack_pieces(pieces, starts, NAMES, codec, block=4)
+        buf, _ = compression.pack_pieces(pieces, starts, NAMES, Codec(codec, 4))
         for name, (start, piece) in compression.unpack_pieces(buf, NAMES, lazy=True)[0].items():
             out.append((name, (start, start + partition.num_rows(piece.shape)), piece))
     return out

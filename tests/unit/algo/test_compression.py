@@ -11,7 +11,7 @@ import torch
 
 from diloco_ray.algo import compression as cz
 from diloco_ray.algo import wire_layout
-from diloco_ray.algo.codecs import CODECS, DEFAULT_BLOCK, codec_nbytes
+from diloco_ray.algo.codecs import CODECS, DEFAULT_BLOCK, Codec
 from diloco_ray.algo.compression import compress, pack, unpack
 from diloco_ray.algo.wire_layout import packed_meta
 
@@ -47,7 +47,7 @@ def test_round_trip_preserves_names_shapes_meta(codec):
     meta = {"round": 3, "replica": "r1", "loss": 2.5}
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warnings, even for empty/0-d tensors
-        decoded, got_meta = unpack(pack(tensors, codec, meta))
+        decoded, got_meta = unpack(pack(tensors, Codec(codec), meta))
     assert got_meta == meta and list(decoded) == list(tensors)
     for name, x in tensors.items():
         assert decoded[name].shape == x.shape and decoded[name].dtype == torch.float32
@@ -55,7 +55,7 @@ def test_round_trip_preserves_names_shapes_meta(codec):
             assert torch.isfinite(decoded[name]).all()
     if codec == "none":
         assert all(torch.equal(decoded[n], x) for n, x in tensors.items())
-    assert packed_meta(pack(tensors, codec, meta)) == meta
+    assert packed_meta(pack(tensors, Codec(codec), meta)) == meta
 
 
 @pytest.mark.parametrize("codec,qmax", [("int8", 127), ("int4", 7)])
@@ -64,7 +64,7 @@ def test_integer_codecs_error_within_half_a_step_per_block(codec, qmax, block):
     tensors = random_tensors(seed=1)
     tensors["outlier"] = torch.randn(5000)
     tensors["outlier"][2100] = 1e3  # one block with a huge scale, the others unaffected
-    decoded, _ = unpack(pack(tensors, codec, block=block))
+    decoded, _ = unpack(pack(tensors, Codec(codec, block)))
     for name, x in tensors.items():
         if not x.numel():
             continue
@@ -82,7 +82,7 @@ def test_integer_codecs_error_within_half_a_step_per_block(codec, qmax, block):
 @pytest.mark.parametrize("codec,rel", [("fp16", 2.0**-11), ("bf16", 2.0**-8)])
 def test_half_codecs_relative_error(codec, rel):
     tensors = random_tensors(seed=2)
-    decoded, _ = unpack(pack(tensors, codec))
+    decoded, _ = unpack(pack(tensors, Codec(codec)))
     for name, x in tensors.items():
         x64, y64 = x.double(), decoded[name].double()
         normal = x64.abs() >= 2.0**-14  # fp16's smallest normal; bf16's is far smaller
@@ -91,7 +91,7 @@ def test_half_codecs_relative_error(codec, rel):
 
 def test_bf16_matches_torch_rounding():
     x = torch.randn(10_001)
-    decoded, _ = unpack(pack({"x": x}, "bf16"))
+    decoded, _ = unpack(pack({"x": x}, Codec("bf16")))
     assert torch.equal(decoded["x"], x.to(torch.bfloat16).float())
 
 
@@ -99,14 +99,14 @@ def test_bf16_matches_torch_rounding():
 @pytest.mark.parametrize("block", [DEFAULT_BLOCK, 100])
 def test_exact_sizes(codec, block):
     tensors = random_tensors(seed=3)
-    buf = pack(tensors, codec, {"round": 1}, block=block)
+    buf = pack(tensors, Codec(codec, block), {"round": 1})
     assert isinstance(buf, np.ndarray) and buf.dtype == np.uint8 and buf.ndim == 1
     header, start = layout(buf)
     assert header["codec"] == codec and header["block"] == block
     total = 0
     for (name, shape, s_off, s_len, p_off, p_len), x in zip(header["tensors"], tensors.values()):
         assert name in tensors and shape == list(x.shape)
-        assert s_len + p_len == codec_nbytes(x.numel(), codec, block)
+        assert s_len + p_len == Codec(codec, block).nbytes(x.numel())
         assert s_off % 8 == 0 and p_off % 8 == 0
         total += s_len + p_len
     sections = 2 * len(tensors)
@@ -114,25 +114,25 @@ def test_exact_sizes(codec, block):
 
 
 def test_codec_nbytes_formulas():
-    assert codec_nbytes(0, "int4") == 0 and codec_nbytes(1, "int4") == 1 + 4
-    assert codec_nbytes(4097, "int8") == 4097 + 4 * 3
-    assert codec_nbytes(4097, "int4") == 2049 + 4 * 3
-    assert codec_nbytes(5, "none") == 20 and codec_nbytes(5, "fp16") == codec_nbytes(5, "bf16") == 10
+    assert Codec("int4").nbytes(0) == 0 and Codec("int4").nbytes(1) == 1 + 4
+    assert Codec("int8").nbytes(4097) == 4097 + 4 * 3
+    assert Codec("int4").nbytes(4097) == 2049 + 4 * 3
+    assert Codec("none").nbytes(5) == 20 and Codec("fp16").nbytes(5) == Codec("bf16").nbytes(5) == 10
 
 
 def test_ratio_for_a_million_values():
     x = {"w": torch.randn(1 << 20)}
     fp32 = 4 * (1 << 20)
-    header = layout(pack(x, "none"))[1]
-    assert len(pack(x, "none")) == fp32 + header
-    assert len(pack(x, "int8")) <= 0.2505 * fp32 + header
-    assert len(pack(x, "int4")) <= 0.1255 * fp32 + header
-    assert len(pack(x, "fp16")) == len(pack(x, "bf16")) == fp32 // 2 + header
+    header = layout(pack(x, Codec("none")))[1]
+    assert len(pack(x, Codec("none"))) == fp32 + header
+    assert len(pack(x, Codec("int8"))) <= 0.2505 * fp32 + header
+    assert len(pack(x, Codec("int4"))) <= 0.1255 * fp32 + header
+    assert len(pack(x, Codec("fp16"))) == len(pack(x, Codec("bf16"))) == fp32 // 2 + header
 
 
 def test_header_is_small():
     tensors = {f"model.layers.{i}.mlp.down_proj.weight": torch.zeros(64, 128) for i in range(20)}
-    _, start = layout(pack(tensors, "int8", {"round": 12, "replica": 3}))
+    _, start = layout(pack(tensors, Codec("int8"), {"round": 12, "replica": 3}))
     assert start < 2048
 
 
@@ -140,7 +140,7 @@ def test_header_is_small():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs_equal_their_fp32_cast(codec, dtype):
     x = (torch.randn(3000) * 4).to(dtype)
-    assert np.array_equal(pack({"x": x}, codec), pack({"x": x.float()}, codec))
+    assert np.array_equal(pack({"x": x}, Codec(codec)), pack({"x": x.float()}, Codec(codec)))
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -148,7 +148,7 @@ def test_low_precision_inputs_equal_their_fp32_cast(codec, dtype):
 def test_non_finite_stays_non_finite(codec, bad):
     x = torch.randn(5000)
     x[4321] = bad
-    decoded, _ = unpack(pack({"x": x, "scalar": torch.tensor(bad)}, codec))
+    decoded, _ = unpack(pack({"x": x, "scalar": torch.tensor(bad)}, Codec(codec)))
     assert not torch.isfinite(decoded["x"]).all() and not torch.isfinite(decoded["scalar"]).all()
     if codec in ("int8", "int4"):  # the whole block is NaN, the other blocks decode normally
         assert torch.isnan(decoded["x"][4096:]).all() and torch.isfinite(decoded["x"][:4096]).all()
@@ -156,9 +156,9 @@ def test_non_finite_stays_non_finite(codec, bad):
 
 def test_fp16_saturates_large_finite_values():
     x = torch.tensor([1e6, -1e6, 65519.0, math.inf, 1.0])
-    y = unpack(pack({"x": x}, "fp16"))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("fp16")))[0]["x"]
     assert y.tolist() == [65504.0, -65504.0, 65504.0, math.inf, 1.0]
-    big = unpack(pack({"x": torch.tensor([3.4e38])}, "bf16"))[0]["x"]
+    big = unpack(pack({"x": torch.tensor([3.4e38])}, Codec("bf16")))[0]["x"]
     assert torch.isfinite(big).all()
 
 
@@ -168,7 +168,7 @@ def test_all_zero_blocks_decode_to_exact_zeros(codec):
     x[4500] = 3.0  # last block non-zero, the first two all zero
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        y = unpack(pack({"x": x, "z": torch.zeros(7, 3)}, codec))[0]
+        y = unpack(pack({"x": x, "z": torch.zeros(7, 3)}, Codec(codec)))[0]
     assert torch.equal(y["z"], torch.zeros(7, 3)) and torch.equal(y["x"][:4096], torch.zeros(4096))
     assert y["x"][4500] == 3.0
 
@@ -180,7 +180,7 @@ def test_error_feedback_removes_the_bias(codec, tolerance):
     rounds, residual = 200, None
     total = {n: torch.zeros_like(t) for n, t in g.items()}
     for step in range(1, rounds + 1):
-        buf, residual = compress(g, codec, residual, meta={"round": step})
+        buf, residual = compress(g, Codec(codec), residual, meta={"round": step})
         decoded, meta = unpack(buf)
         assert meta == {"round": step}
         for n in g:
@@ -189,7 +189,7 @@ def test_error_feedback_removes_the_bias(codec, tolerance):
         drift = (total["w"] - step * g["w"]).abs().max()
         assert drift <= absmax / (_qmax(codec) - 1) * 1.01
     with_feedback = (total["w"] / rounds - g["w"]).abs().max()
-    without = (unpack(pack(g, codec))[0]["w"] - g["w"]).abs().max()  # the same every round
+    without = (unpack(pack(g, Codec(codec)))[0]["w"] - g["w"]).abs().max()  # the same every round
     assert with_feedback < tolerance * absmax
     assert without > 10 * with_feedback and without > tolerance * absmax  # so the test can fail
     assert torch.allclose(total["s"] / rounds, g["s"], rtol=1e-4)
@@ -201,28 +201,28 @@ def _qmax(codec):
 
 def test_residual_none_for_lossless_and_never_non_finite():
     g = {"w": torch.randn(100)}
-    buf, residual = compress(g, "none", None)
+    buf, residual = compress(g, Codec("none"), None)
     assert residual is None and torch.equal(unpack(buf)[0]["w"], g["w"])
-    _, residual = compress(g, "int4", None)
+    _, residual = compress(g, Codec("int4"), None)
     bad = {"w": g["w"].clone()}
     bad["w"][3] = math.nan
     for codec in ("int4", "int8", "fp16", "bf16"):
-        buf, new = compress(bad, codec, residual)
+        buf, new = compress(bad, Codec(codec), residual)
         assert torch.equal(new["w"], torch.zeros(100))  # NaN is sent, never carried forward
         assert not torch.isfinite(unpack(buf)[0]["w"]).all()
-    _, new = compress({"w": torch.tensor([1e6, 1.0])}, "fp16", None)
+    _, new = compress({"w": torch.tensor([1000000.0, 1.0])}, Codec("fp16"), None)
     assert new["w"].tolist() == [1e6 - 65504.0, 0.0]  # saturation is made up next round
 
 
 def test_compress_residual_adds_and_missing_names_are_zero():
     g = {"a": torch.ones(4), "b": torch.full((2, 2), 2.0)}
     residual = {"a": torch.full((4,), 0.5)}
-    buf, new = compress(g, "fp16", residual)
+    buf, new = compress(g, Codec("fp16"), residual)
     decoded, _ = unpack(buf)
     assert torch.equal(decoded["a"], torch.full((4,), 1.5)) and torch.equal(decoded["b"], g["b"])
     assert set(new) == {"a", "b"}
     with pytest.raises(ValueError, match="shape"):
-        compress(g, "int8", {"a": torch.zeros(5)})
+        compress(g, Codec("int8"), {"a": torch.zeros(5)})
 
 
 @pytest.mark.parametrize("garbage", [b"", b"DLZ", b"hello world, not a buffer", bytes(64)])
@@ -235,7 +235,7 @@ def test_garbage_raises_value_error(garbage):
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_truncated_and_corrupt_buffers_raise_value_error(codec):
-    buf = bytes(pack(random_tensors(seed=5), codec))
+    buf = bytes(pack(random_tensors(seed=5), Codec(codec)))
     _, start = layout(buf)
     for cut in (6, 12, start - 1, start + 3, len(buf) - 1):
         with pytest.raises(ValueError, match="truncated|corrupt"):
@@ -248,17 +248,17 @@ def test_truncated_and_corrupt_buffers_raise_value_error(codec):
 
 def test_unknown_codec_is_named():
     with pytest.raises(ValueError, match=r"'zstd'.*none, fp16, bf16, int8, int4"):
-        pack({"x": torch.ones(2)}, "zstd")
+        pack({"x": torch.ones(2)}, Codec("zstd"))
     with pytest.raises(ValueError, match="'int2'"):
-        compress({"x": torch.ones(2)}, "int2", None)
+        compress({"x": torch.ones(2)}, Codec("int2"), None)
     with pytest.raises(ValueError, match="'fp8'"):
-        codec_nbytes(10, "fp8")
+        Codec("fp8").nbytes(10)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_read_only_buffer(codec):
     tensors = random_tensors(seed=6)
-    buf = pack(tensors, codec, {"k": [1, 2]})
+    buf = pack(tensors, Codec(codec), {"k": [1, 2]})
     frozen = np.frombuffer(bytes(buf), dtype=np.uint8)
     assert not frozen.flags.writeable
     with warnings.catch_warnings():
@@ -271,14 +271,14 @@ def test_read_only_buffer(codec):
 
 
 def test_none_decodes_zero_copy():
-    buf = pack({"x": torch.arange(10.0)}, "none")
+    buf = pack({"x": torch.arange(10.0)}, Codec("none"))
     y = unpack(buf)[0]["x"]
     assert y.data_ptr() >= buf.ctypes.data and y.data_ptr() < buf.ctypes.data + len(buf)
 
 
 @pytest.mark.parametrize("codec", CODECS)
 def test_a_message_written_into_used_memory_equals_a_fresh_one(codec):
-    # _start_message zeroes what no section writes (header padding, gaps between sections),
+    # pack_filled zeroes what no section writes (header padding, gaps between sections),
     # so a buffer handed in by ``allocate`` full of old bytes gives the very same message.
     tensors = random_tensors(3)
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
@@ -286,6 +286,7 @@ def test_a_message_written_into_used_memory_equals_a_fresh_one(codec):
     def fill(name, out):
         out.copy_(tensors[name].reshape(out.shape))
 
-    fresh, _ = cz.pack_filled(shapes, fill, codec, {"round": 1}, 64)
-    used, _ = cz.pack_filled(shapes, fill, codec, {"round": 1}, 64, allocate=lambda n: np.full(n, 0xAB, np.uint8))
-    assert used.tobytes() == fresh.tobytes() == pack(tensors, codec, {"round": 1}, 64).tobytes()
+    fresh = cz.pack_filled(shapes, fill, Codec(codec, 64), {"round": 1}).numpy()
+    used = cz.pack_filled(shapes, fill, Codec(codec, 64), {"round": 1}, allocate=lambda n: np.full(n, 0xAB, np.uint8))
+    used = used.numpy()
+    assert used.tobytes() == fresh.tobytes() == pack(tensors, Codec(codec, 64), {"round": 1}).tobytes()

@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import RankSync
 
 SHAPES = {"embed": (40, 24), "norm": (24,), "head": (40, 24)}
 
 
 def start(codec: str, fragments: int = 1, servers: int = 1) -> tuple[RankSync, dict]:
-    sync = RankSync(SHAPES, 1, 0, servers, fragments, codec, error_feedback=True, block=128, fraction=1 / 16)
+    sync = RankSync(SHAPES, 1, 0, servers, fragments, Codec(codec, 128, 1 / 16), error_feedback=True)
     g = torch.Generator().manual_seed(0)
     local = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
     sync.apply(sync.seed(local), local)  # version 0: the anchor is the model built
@@ -96,7 +97,7 @@ def test_a_checkpoint_written_with_a_send_unsettled_holds_what_it_carried(codec)
     buffers = sync.outgoing(0, local, attempt=4)
     carried = decoded(buffers, sync.names)
     saved = sync.state_dict(with_anchor=False)
-    other = RankSync(SHAPES, 1, 0, 1, 1, codec, error_feedback=True, block=128, fraction=1 / 16)
+    other = RankSync(SHAPES, 1, 0, 1, 1, Codec(codec, 128, 1 / 16), error_feedback=True)
     other.load_state_dict(saved)
     for name in SHAPES:
         want = sync.ledger.residual[name] + carried[name]

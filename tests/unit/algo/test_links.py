@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.links import Link, arrival, link_for_slot, stamp, wait_for
 
 
@@ -84,7 +85,7 @@ def test_stamp_survives_the_wire_format():
 
     clock = FakeClock(42.0)
     meta = stamp(Link(mbps=1.0, latency_ms=2.0), 1000, clock=clock)
-    buf = compression.pack({}, "none", meta)
+    buf = compression.pack({}, Codec("none"), meta)
     assert arrival(wire_layout.packed_meta(buf)) == pytest.approx(42.0 + 0.002 + 0.008, abs=1e-12)
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression, partition, wire_layout
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import NeedsFullLoad, RankSync
 from diloco_ray.algo.sharding import shard_rows
 
@@ -48,7 +49,7 @@ def message(tensors: dict, version: int, fragment=None, target=None, delta=False
     if delta:
         meta["delta"] = True
     pieces = {n: partition.take(tensors[n], iv) for n, iv in target.items()}
-    buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, names, "none", meta)
+    buf, _ = compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, names, Codec("none"), meta)
     return buf
 
 
@@ -171,7 +172,7 @@ def test_plan_looks_at_every_server():
 def test_a_rank_that_forgets_its_versions_loads_everything_before_the_next_fragment():
     """After a restored server or a rejected pseudo-gradient a rank holds no version: the next
     fragment message needs a full load first, while the anchor and what was sent stay."""
-    sync = RankSync(SHAPES, world_size=1, rank=0, servers=2, codec="int8", error_feedback=True, block=16)
+    sync = RankSync(SHAPES, codec=Codec("int8", 16), world_size=1, rank=0, servers=2, error_feedback=True)
     local = local_of(full(3), 1, 0)
     sync.apply([message(full(1), 0)] * 2, local)
     sync.apply([message(full(2), 1, fragment=0, target=fragment_rows(0))] * 2, local)
@@ -255,7 +256,7 @@ def test_with_error_feedback_a_returning_fragment_keeps_only_the_steps_since_its
     pseudo-gradient plus the residual counts it once (the alpha blend kept half of it in
     the rows as well: counted 1.5 times)."""
     shapes = WITH_SCALAR
-    sync = RankSync(shapes, world_size, rank, fragments=2, codec="topk", fraction=1 / 8, overlap=True)
+    sync = RankSync(shapes, world_size, rank, codec=Codec("topk", fraction=1 / 8), fragments=2, overlap=True)
     a, g = full(1, shapes), full(2, shapes)
     local = local_of(full(4, shapes), world_size, rank)
     sync.apply([message(a, 0)], local)
@@ -286,7 +287,7 @@ def test_with_error_feedback_a_returning_fragment_keeps_only_the_steps_since_its
 
 
 def test_without_error_feedback_overlap_keeps_the_alpha_blend():
-    sync = RankSync(SHAPES, 1, 0, fragments=2, codec="int8", overlap=True)
+    sync = RankSync(SHAPES, 1, 0, codec=Codec("int8"), fragments=2, overlap=True)
     assert not sync.keeps_sent  # int8 without error_feedback: nothing left out to count twice
     sync.apply([message(full(1), 0)], local := local_of(full(4), 1, 0))
     sync.outgoing(0, local)
@@ -368,7 +369,7 @@ def run_constant(codec: str, error_feedback: bool, rounds: int = 40):
     shapes = {"w": (8, 16)}
     g = full(7, shapes)["w"] * 0.1
     anchor = {"w": full(8, shapes)["w"]}
-    sync = RankSync(shapes, 1, 0, codec=codec, error_feedback=error_feedback, block=16)
+    sync = RankSync(shapes, 1, 0, codec=Codec(codec, 16), error_feedback=error_feedback)
     total = torch.zeros_like(g)
     for version in range(rounds):
         local = {"w": torch.zeros(8, 16)}
@@ -386,7 +387,7 @@ def test_error_feedback_decay_weighs_the_residual_in_each_sync(decay):
     shapes = {"w": (8, 16)}
     g = full(7, shapes)["w"] * 0.1
     anchor = {"w": full(8, shapes)["w"]}
-    sync = RankSync(shapes, 1, 0, codec="topk", fraction=1 / 8, block=16, decay=decay)
+    sync = RankSync(shapes, 1, 0, codec=Codec("topk", 16, 1 / 8), decay=decay)
     old = torch.zeros_like(g)
     for version in range(3):
         local = {"w": torch.zeros(8, 16)}
@@ -430,7 +431,7 @@ def test_error_feedback_is_off_for_a_lossless_codec():
 def test_error_feedback_carries_the_residual_by_rows(servers):
     # Two ranks and several servers: each rank keeps a residual of exactly its own rows.
     for rank in range(2):
-        sync = RankSync(SHAPES, 2, rank, servers=servers, codec="int4", error_feedback=True, block=16)
+        sync = RankSync(SHAPES, 2, rank, codec=Codec("int4", 16), servers=servers, error_feedback=True)
         a = full(1)
         local = local_of(a, 2, rank)
         sync.apply([message(a, 0)] * servers, local)
@@ -451,7 +452,7 @@ def test_error_feedback_carries_the_residual_by_rows(servers):
 
 
 def trained_sync(codec="int8"):
-    sync = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec=codec, error_feedback=True, block=16)
+    sync = RankSync(SHAPES, 2, 1, codec=Codec(codec, 16), servers=2, fragments=2, error_feedback=True)
     a = full(1)
     local = local_of(a, 2, 1)
     sync.apply([message(a, 0)] * 2, local)
@@ -466,7 +467,7 @@ def trained_sync(codec="int8"):
 def test_state_dict_round_trip_with_anchor():
     sync, local = trained_sync()
     state = sync.state_dict(with_anchor=True)
-    other = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, block=16)
+    other = RankSync(SHAPES, 2, 1, codec=Codec("int8", 16), servers=2, fragments=2, error_feedback=True)
     other.load_state_dict(state)
     assert other.versions == sync.versions == [1, 1]
     assert set(other.anchor) == set(SHAPES) and set(other.ledger.residual) == set(SHAPES)
@@ -480,7 +481,7 @@ def test_state_dict_round_trip_with_anchor():
     assert not torch.equal(other.ledger.residual["lm_head.weight"], sync.ledger.residual["lm_head.weight"])
     # And the next pseudo-gradient is the same from both.
     sync, local = trained_sync()
-    other = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, block=16)
+    other = RankSync(SHAPES, 2, 1, codec=Codec("int8", 16), servers=2, fragments=2, error_feedback=True)
     other.load_state_dict(sync.state_dict(with_anchor=True))
     for mine, theirs in zip(sync.outgoing(1, local), other.outgoing(1, local)):
         assert mine.tobytes() == theirs.tobytes()
@@ -489,11 +490,11 @@ def test_state_dict_round_trip_with_anchor():
 def test_state_dict_keeps_the_fragment_in_flight():
     """A checkpoint taken while a fragment travels (overlap + error feedback) keeps its rows as
     sent, so a resumed rank merges it by the same rule."""
-    sync = RankSync(SHAPES, 1, 0, fragments=2, codec="topk", overlap=True)
+    sync = RankSync(SHAPES, 1, 0, codec=Codec("topk"), fragments=2, overlap=True)
     local = local_of(full(4), 1, 0)
     sync.apply([message(full(1), 0)], local)
     sync.outgoing(1, local)
-    other = RankSync(SHAPES, 1, 0, fragments=2, codec="topk", overlap=True)
+    other = RankSync(SHAPES, 1, 0, codec=Codec("topk"), fragments=2, overlap=True)
     other.load_state_dict(sync.state_dict(with_anchor=True))
     assert set(other.sent_local) == {1}
     for n, (first, rows_as_sent) in sync.sent_local[1].items():
@@ -504,7 +505,7 @@ def test_state_dict_without_anchor_keeps_residuals_only():
     sync, _ = trained_sync()
     state = sync.state_dict(with_anchor=False)
     assert set(state) == {"residual"}
-    other = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, block=16)
+    other = RankSync(SHAPES, 2, 1, codec=Codec("int8", 16), servers=2, fragments=2, error_feedback=True)
     other.load_state_dict(state)
     assert other.anchor == {} and other.versions == [-1, -1]
     for n in SHAPES:
@@ -538,7 +539,7 @@ def measure_outgoing_memory() -> None:
     for codec, feedback in MEMORY_CASES:
 
         def ready(shapes):
-            sync = RankSync(shapes, world_size=1, rank=0, codec=codec, error_feedback=feedback)
+            sync = RankSync(shapes, codec=Codec(codec), world_size=1, rank=0, error_feedback=feedback)
             local = {n: torch.randn(s) for n, s in shapes.items()}
             sync.anchor = {n: t + 0.01 for n, t in local.items()}
             return sync, local

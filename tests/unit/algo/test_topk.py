@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import topk
-from diloco_ray.algo.codecs import codec_nbytes
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.compression import compress, pack, unpack
 
 
@@ -35,7 +35,7 @@ def levels(lo, hi):
 @pytest.mark.parametrize("numel,block,fraction", [(4096, 2048, 1 / 64), (5000, 2048, 1 / 64), (300, 64, 0.1)])
 def test_keeps_each_blocks_largest_values_with_their_signs(numel, block, fraction):
     x = torch.randn(numel, generator=gen(1))
-    y = unpack(pack({"x": x}, "topk", block=block, fraction=fraction))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("topk", block, fraction)))[0]["x"]
     width = topk.shape_of(numel, block, fraction)[0]
     for lo, keep in zip(range(0, numel, width), kept_per_block(numel, block, fraction)):
         part, got = x[lo : lo + width], y[lo : lo + width]
@@ -52,8 +52,8 @@ def test_keeps_each_blocks_largest_values_with_their_signs(numel, block, fractio
 @pytest.mark.parametrize("fraction,k,most", [(1 / 64, 32, 0.22), (1 / 16, 128, 0.845)])
 def test_bits_per_value(fraction, k, most):
     assert topk.shape_of(1 << 20, 2048, fraction)[1:] == (k, 11)
-    assert codec_nbytes(1 << 20, "topk", fraction=fraction) == 512 * 4 + 512 * k * 13 // 8
-    buf = pack({"w": torch.randn(1 << 20)}, "topk", fraction=fraction)
+    assert Codec("topk", fraction=fraction).nbytes(1 << 20) == 512 * 4 + 512 * k * 13 // 8
+    buf = pack({"w": torch.randn(1 << 20)}, Codec("topk", fraction=fraction))
     assert len(buf) * 8 / (1 << 20) <= most  # header and scales included
 
 
@@ -73,7 +73,7 @@ def test_the_default_fraction_is_the_configs():
 @pytest.mark.parametrize("shape", [(1,), (3,), (7, 5), (2049,), (4097,), (), (0,)])
 def test_odd_sizes_round_trip(shape):
     x = torch.randn(shape, generator=gen(2))
-    y = unpack(pack({"x": x}, "topk", fraction=0.25))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("topk", fraction=0.25)))[0]["x"]
     assert y.shape == x.shape
     if x.numel() == 1:  # a single value is kept, and decodes to its fp16 scale (lo == hi)
         assert torch.equal(y, x.half().float())
@@ -83,7 +83,7 @@ def test_odd_sizes_round_trip(shape):
 def test_constant_and_zero_blocks():
     x = torch.full((4096,), 0.5)
     x[2048:] = 0
-    y = unpack(pack({"x": x}, "topk"))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("topk")))[0]["x"]
     assert torch.equal(y[2048:], torch.zeros(2048))  # a zero block sends zeros
     kept = y[:2048][y[:2048] != 0]
     assert kept.numel() == 128 and torch.equal(kept, torch.full((128,), 0.5))  # lo == hi: exact
@@ -96,7 +96,7 @@ def test_a_kept_zero_decodes_to_zero(block, fraction):
     x = torch.zeros(2 * block)
     x[:2] = torch.tensor([1.0, 0.01])
     x[block + 5] = -3.0
-    y = unpack(pack({"x": x}, "topk", block=block, fraction=fraction))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("topk", block, fraction)))[0]["x"]
     assert (y[2:block] != 0).sum() == 0
     assert (y[block : block + 5] != 0).sum() == (y[block + 6 :] != 0).sum() == 0
     low, high = levels(0.01, 1.0)
@@ -116,7 +116,7 @@ def test_an_all_zero_tensor_decodes_to_zeros(numel):
 def test_a_one_value_tail_block_decodes_exactly(value):
     x = torch.randn(2048 + 1, generator=gen(9))
     x[-1] = value
-    y = unpack(pack({"x": x}, "topk"))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("topk")))[0]["x"]
     assert y[-1] == torch.tensor(value).half().float()  # its only slot: lo == hi == |value|
 
 
@@ -130,14 +130,14 @@ def test_the_tail_block_pays_for_its_own_length(numel, block, fraction):
     assert slots[:-1] == [k] * (len(slots) - 1)
     scales_len, payload_len = topk.sections(numel, block, fraction)
     assert (scales_len, payload_len) == (4 * len(slots), -(-sum(slots) * (bits + 2) // 8))
-    assert codec_nbytes(numel, "topk", block=block, fraction=fraction) == scales_len + payload_len
+    assert Codec("topk", block, fraction=fraction).nbytes(numel) == scales_len + payload_len
     s, p = topk.encode(torch.randn(numel, generator=gen(10)), numel, block, fraction)
     assert (s.nbytes, p.nbytes) == (scales_len, payload_len)
 
 
 def test_a_short_tail_block_costs_its_own_slots():
     # 10 full blocks of 128 slots of 13 bits, and a tail of 5 values: 1 slot, not 128.
-    assert codec_nbytes(2048 * 10 + 5, "topk", fraction=1 / 16) == 11 * 4 + -(-(10 * 128 + 1) * 13 // 8)
+    assert Codec("topk", fraction=1 / 16).nbytes(2048 * 10 + 5) == 11 * 4 + -(-(10 * 128 + 1) * 13 // 8)
 
 
 def test_decoding_any_block_aligned_range_that_reaches_the_tail():
@@ -161,14 +161,14 @@ def test_decoding_any_block_aligned_range_that_reaches_the_tail():
 def test_a_non_finite_block_never_decodes_finite(bad):
     x = torch.randn(6144, generator=gen(3))
     x[2050] = bad
-    y = unpack(pack({"x": x}, "topk"))[0]["x"]
+    y = unpack(pack({"x": x}, Codec("topk")))[0]["x"]
     assert not torch.isfinite(y[2048:4096]).all()
     assert torch.isfinite(y[:2048]).all() and torch.isfinite(y[4096:]).all()
 
 
 def test_chunked_decoding_equals_whole_decoding():
     x = torch.randn(300_001, generator=gen(4))
-    lazy = unpack(pack({"x": x}, "topk"), lazy=True)[0]["x"]
+    lazy = unpack(pack({"x": x}, Codec("topk")), lazy=True)[0]["x"]
     whole = lazy.decode()
     pieces = list(lazy.chunks())
     assert len(pieces) > 1
@@ -178,7 +178,7 @@ def test_chunked_decoding_equals_whole_decoding():
 def test_residual_is_exactly_what_was_not_sent():
     g = {"w": torch.randn(10_000, generator=gen(5)), "b": torch.randn(17, generator=gen(6))}
     old = {"w": torch.randn(10_000, generator=gen(7)) * 0.1}
-    buf, new = compress(g, "topk", {n: t.clone() for n, t in old.items()})
+    buf, new = compress(g, Codec("topk"), {n: t.clone() for n, t in old.items()})
     sent = unpack(buf)[0]
     assert torch.allclose(new["w"], g["w"] + old["w"] - sent["w"], atol=1e-6)
     assert torch.allclose(new["b"], g["b"] - sent["b"], atol=1e-6)
@@ -188,17 +188,17 @@ def test_error_feedback_sends_everything_in_the_end():
     g = {"w": torch.randn(4096, generator=gen(8)) * 0.01}
     residual, total = None, torch.zeros(4096)
     for step in range(1, 401):
-        buf, residual = compress(g, "topk", residual)
+        buf, residual = compress(g, Codec("topk"), residual)
         total += unpack(buf)[0]["w"]
     # The drift is the residual: bounded while the sum grows linearly, so the mean converges.
     assert torch.allclose(total, 400 * g["w"] - residual["w"], atol=1e-4)
     assert (total / 400 - g["w"]).abs().max() < 0.05 * g["w"].abs().max()
-    single = unpack(pack(g, "topk"))[0]["w"]
+    single = unpack(pack(g, Codec("topk")))[0]["w"]
     assert (single - g["w"]).abs().max() > 0.5 * g["w"].abs().max()  # so the check above can fail
 
 
 def test_a_corrupt_fraction_is_refused():
-    buf = bytes(pack({"x": torch.randn(100)}, "topk"))
+    buf = bytes(pack({"x": torch.randn(100)}, Codec("topk")))
     (length,) = struct.unpack("<I", buf[4:8])
     header = json.loads(buf[8 : 8 + length])
     header["fraction"] = 2.0

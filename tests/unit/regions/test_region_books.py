@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression, partition
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.regions import wire
 from diloco_ray.regions.books import RegionBooks
@@ -61,7 +62,7 @@ def packed(grads: dict, fragment: int, cfg, shapes=SHAPES) -> list[list]:
 def _pack(g: dict, target: dict, names: list):
     """The rows ``target`` of ``g``, fp32, as one uncompressed message of pieces."""
     pieces = {n: rows(g[n], iv).float() for n, iv in target.items()}
-    return compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, names, "none")[0]
+    return compression.pack_pieces(pieces, {n: iv[0] for n, iv in target.items()}, names, Codec("none"))[0]
 
 
 def add_decoded(into: dict, buffers, names) -> None:
@@ -165,7 +166,7 @@ def test_a_tensor_cut_by_fragments_keeps_each_pieces_residual_in_its_own_rows(tm
         fragment = attempt % 2
         iv = partition.fragments(shapes, 2)[fragment]["w"]
         piece = torch.randn(iv[1] - iv[0], 32, generator=g)
-        buf = compression.pack_pieces({"w": piece}, {"w": iv[0]}, ["w"], "none")[0]
+        buf = compression.pack_pieces({"w": piece}, {"w": iv[0]}, ["w"], Codec("none"))[0]
         message = merge.merge(fragment, [[Contribution(0, [buf], 1.0)]], attempt=attempt)
         sent = compression.unpack_pieces(message.buffers[0], ["w"])[0]["w"]
         assert sent[0] == iv[0]

@@ -10,14 +10,14 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from diloco_ray.algo import device_message
+from diloco_ray.algo import device_copy
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.rank_outbox import Outbox, PeriodFailed
 
 
 def copy_of(*values):
-    return device_message.DownCopy([torch.tensor(values, dtype=torch.uint8)])
+    return device_copy.DownCopy([torch.tensor(values, dtype=torch.uint8)])
 
 
 def test_a_send_waits_for_its_period_and_takes_its_messages():

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import torch
 
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.data import plan as data_plan
@@ -32,9 +33,11 @@ def test_a_rank_sync_built_of_the_codec_section_equals_the_plain_one():
         num_param_servers=2,
     )
     built = RankSync.of(cfg.sections().sync_codec, SHAPES, world_size=2, rank=1, servers=2)
-    plain = RankSync(SHAPES, 2, 1, servers=2, fragments=2, codec="int8", error_feedback=True, alpha=0.25, decay=0.5)
-    plain.block, plain.keeps_sent = 16, True
-    for attr in ("codec", "alpha", "block", "fraction", "error_feedback", "keeps_sent", "sends", "held"):
+    plain = RankSync(
+        SHAPES, 2, 1, codec=Codec("int8", 16), servers=2, fragments=2, error_feedback=True, alpha=0.25, decay=0.5
+    )
+    plain.keeps_sent = True
+    for attr in ("codec", "alpha", "error_feedback", "keeps_sent", "sends", "held"):
         assert getattr(built, attr) == getattr(plain, attr), attr
     assert built.ledger.decay == plain.ledger.decay == 0.5
 

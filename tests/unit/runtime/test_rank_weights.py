@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from diloco_ray.algo import compression, partition
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.rank_weights import receive_weights
@@ -25,7 +26,7 @@ def message(tensors: dict, version: int, fragment=None) -> np.ndarray:
     rows = partition.whole(SHAPES) if fragment is None else partition.fragments(SHAPES, 2)[fragment]
     meta = {"version": version, **({} if fragment is None else {"fragment": fragment})}
     pieces = {n: partition.take(tensors[n], iv) for n, iv in rows.items()}
-    return compression.pack_pieces(pieces, {n: iv[0] for n, iv in rows.items()}, list(SHAPES), "none", meta)[0]
+    return compression.pack_pieces(pieces, {n: iv[0] for n, iv in rows.items()}, list(SHAPES), Codec("none"), meta)[0]
 
 
 class Server:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.outer import Rejection
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.runtime.messages import Contribution
@@ -41,7 +42,7 @@ def contributions(layout: SliceLayout, sent: dict, weights: dict) -> list[Contri
     out = []
     for rid, g in sent.items():
         pieces = {n: g[n][a:b] for n, (a, b) in target.items()}
-        buf, _ = compression.pack_pieces(pieces, {n: a for n, (a, _) in target.items()}, layout.names, "none")
+        buf, _ = compression.pack_pieces(pieces, {n: a for n, (a, _) in target.items()}, layout.names, Codec("none"))
         out.append(Contribution(rid, [buf], weights[rid]))
     return out
 
@@ -51,7 +52,7 @@ def sync(sent: dict, weights: dict, servers: int, divisor=None) -> tuple[list[Ag
     aggregators = []
     for s in range(servers):
         layout = SliceLayout(SHAPES, s, servers, 1)
-        aggregators.append(Aggregator(layout, SliceCodec(layout, 16, 0.1)))
+        aggregators.append(Aggregator(layout, SliceCodec(layout)))
     prepared = [a.prepare(0, contributions(a.layout, sent, weights), divisor) for a in aggregators]
     reduced = [a.reduce(*prepared) for a in aggregators]
     agreed = [Agreement.of(reduced) for _ in aggregators]  # each server's commit forms its own

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.outer import OuterOptimizer, Rejection
 from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.runtime.messages import Contribution
@@ -48,7 +49,7 @@ def pseudo_grads(round_index: int) -> list[dict[str, torch.Tensor]]:
 def pack(tensors: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]]) -> list:
     """The rows ``rows`` of full ``tensors``, packed fp32 as one rank sends them."""
     pieces = {n: tensors[n][a:b].clone() for n, (a, b) in rows.items()}
-    buf, _ = compression.pack_pieces(pieces, {n: a for n, (a, _) in rows.items()}, list(SHAPES), "none")
+    buf, _ = compression.pack_pieces(pieces, {n: a for n, (a, _) in rows.items()}, list(SHAPES), Codec("none"))
     return [buf]
 
 

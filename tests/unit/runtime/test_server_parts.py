@@ -29,7 +29,7 @@ def test_the_sum_space_is_reused_zeroed_and_grows_only_when_it_must():
 
 def test_a_message_takes_the_sum_space_only_while_no_sum_is_pending():
     layout = SliceLayout(SHAPES, 0, 1, 1)
-    aggregator = Aggregator(layout, SliceCodec(layout, 16, 0.1))
+    aggregator = Aggregator(layout, SliceCodec(layout))
     space = aggregator.space.as_bytes(8).ctypes.data
     assert aggregator.message_space(8).ctypes.data == space
     aggregator.pending = PendingSync(0, [], [], 0.0)

@@ -10,6 +10,7 @@ import torch
 
 from diloco_ray.algo import compression
 from diloco_ray.algo.aggregate import Rejection
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.screening import NormScreen
 from diloco_ray.config.fields import REGION_ID_BASE
 from tests.unit.runtime.test_server_shards import Sim, max_diff
@@ -25,7 +26,7 @@ ACROSS_REGIONS = dict(
 
 def scaled(buf: np.ndarray, factor: float) -> np.ndarray:
     tensors, meta = compression.unpack(buf)
-    return compression.pack({n: t * factor for n, t in tensors.items()}, "none", meta)
+    return compression.pack({n: t * factor for n, t in tensors.items()}, Codec("none"), meta)
 
 
 def with_region(num_servers: int, fragments: int, **cfg) -> Sim:
@@ -142,4 +143,4 @@ def test_the_gateway_turns_a_reply_claiming_more_than_its_plan_into_a_refusal_ev
     assert refused_in(buffers[:1]) == "its reply was refused: 1000000000000 tokens claimed; its plan holds 48"
     honest = RoundStats(0, 5, 40, 1.0, 1.0, 0.0, 0, loss_tokens=40, region=RegionFacts(replica_ids=(0,)))
     buffers, stats = gateway._checked_reply("eu", job, wire.reply_payload([np.zeros(4, np.uint8)] * 2, honest))
-    assert stats == honest and refused_in([compression.pack({}, "none")]) is None
+    assert stats == honest and refused_in([compression.pack({}, Codec("none"))]) is None

@@ -15,6 +15,7 @@ import torch
 from conftest import seal
 
 from diloco_ray.algo import compression, partition
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import RankSync
 from diloco_ray.algo.sharding import shard_rows
 from diloco_ray.config.schema import TrainerConfig
@@ -70,10 +71,9 @@ class Rank:
             rank,
             cfg.num_param_servers,
             cfg.sync_fragments,
-            cfg.pseudo_grad_compression,
+            Codec(cfg.pseudo_grad_compression, cfg.compression_block),
             cfg.error_feedback,
             cfg.fragment_alpha,
-            cfg.compression_block,
         )
         self.local = {n: t[rows_of(t.shape, world_size, rank)].clone() for n, t in full.items()}
         self.rows = {n: rows_of(s, world_size, rank) for n, s in shapes.items()}
@@ -207,7 +207,7 @@ def with_value(buf: np.ndarray, value: float = float("nan"), count: int = 1) -> 
     tensors = {n: t.clone() for n, t in tensors.items()}
     first = next(iter(tensors.values()))
     first.view(-1)[:count] = value
-    return compression.pack(tensors, "none", meta)
+    return compression.pack(tensors, Codec("none"), meta)
 
 
 def run(num_servers: int, fragments: int, world_size: int, replicas: int, rounds: int, **cfg) -> dict:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from diloco_ray.algo import compression, links, wire_layout
+from diloco_ray.algo.codecs import Codec
 from diloco_ray.runtime import transport
 
 
@@ -19,7 +20,7 @@ def slept(monkeypatch):
 
 
 def message(meta):
-    return compression.pack({"w": torch.ones(1000)}, "none", meta)
+    return compression.pack({"w": torch.ones(1000)}, Codec("none"), meta)
 
 
 def test_unstamped_buffers_come_back_at_once(slept):
@@ -61,7 +62,7 @@ def test_prefetch_fetches_in_another_thread_and_receive_takes_its_result(monkeyp
         return [b"from " + bytes(r.binary()[:1]) for r in refs]
 
     monkeypatch.setattr(ray, "get", get)
-    msg = compression.pack({"w": torch.ones(3)}, "none")[0]
+    msg = compression.pack({"w": torch.ones(3)}, Codec("none"))[0]
     ref = ray.ObjectRef(b"\x01" * 28)
     future = transport.prefetch([ref, msg])
     monkeypatch.setattr(transport, "resolve", lambda items: pytest.fail("receive fetched again"))
