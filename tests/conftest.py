@@ -204,7 +204,7 @@ def whole_period(worker, job) -> tuple[list, object]:
     """An in-process RankWorker's sync period as the replica drives it: its stats from
     ``run_period``, then its messages from ``message`` (one buffer per server)."""
     stats = worker.run_period(job)
-    sent = worker.message(job.attempt)
+    sent = worker.message(job.period.attempt)
     return (sent if isinstance(sent, list) else [sent]), stats
 
 
@@ -212,14 +212,12 @@ def first_round(worker, plan, round_index=0):
     """Run sync period 0 of ``round_index`` on an in-process RankWorker, starting from
     the weights it built; returns (pseudo-gradient name -> fp32 tensor, RoundStats)."""
     from diloco_ray.algo import compression
-    from diloco_ray.runtime.messages import SyncPeriod
+    from diloco_ray.runtime.messages import PeriodId, SyncPeriod
     from diloco_ray.runtime.rank_state import local_rows
 
     job = SyncPeriod(
-        round=round_index,
-        fragment=0,
+        period=PeriodId(round_index, 0, round_index),
         plan=plan,
-        attempt=round_index,
         messages=worker.sync.seed(local_rows(worker.params)),
         full=True,
         version=0,

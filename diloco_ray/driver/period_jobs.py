@@ -17,7 +17,7 @@ from diloco_ray.algo import links
 from diloco_ray.algo.aggregate import poisoned
 from diloco_ray.config.sections import SyncCodecSection
 from diloco_ray.driver.host import Host
-from diloco_ray.runtime.messages import AppliedRound, SnapshotPlan, SyncPeriod
+from diloco_ray.runtime.messages import AppliedRound, PeriodId, SnapshotPlan, SyncPeriod
 
 
 @dataclass
@@ -72,10 +72,10 @@ class PeriodJobs:
         host: Host,
         rep,
         slot: int,
-        *,
         index: int,
         fragment: int,
         plan: list,
+        *,
         board,
         reset: bool,
         restart: bool = False,
@@ -83,14 +83,12 @@ class PeriodJobs:
         schedule_step: Optional[int] = None,
         time_budget_s: Optional[float] = None,
     ) -> SyncPeriod:
-        """What every rank of ``rep`` (in ``slot``) gets for one sync period of the round
-        (decoupled: the merge) ``index`` (see RankWorker.run_period)."""
+        """What every rank of ``rep`` (in ``slot``) gets for the sync period of ``fragment`` of
+        the round (decoupled: the merge) ``index``, launched now (see RankWorker.run_period)."""
         codec = self.sync_codec
         return SyncPeriod(
-            round=index,
-            fragment=fragment,
+            period=PeriodId(index, fragment, self.attempt),
             plan=plan,
-            attempt=self.attempt,
             messages=self.handout.messages,
             full=self.handout.full,
             version=self.handout.version,

@@ -194,8 +194,8 @@ class RegionAgent:
             return None
         notice = self.inbox.pop(0)
         dropped = {n.attempt for n in self.inbox if isinstance(n, Abort)}
-        if isinstance(notice, wire.Notice) and notice.attempt in dropped:
-            self.log(f"region: passed over job {notice.attempt}, which the home has dropped")
+        if isinstance(notice, wire.Notice) and notice.period.attempt in dropped:
+            self.log(f"region: passed over job {notice.period.attempt}, which the home has dropped")
             self.books.settle(notice.verdicts)
             if self.ahead is not None and self.ahead.notice == notice:
                 self._drop_ahead()
@@ -283,7 +283,7 @@ class RegionAgent:
         try:
             self._deliver(keys, full)
         except ChannelRefused:  # the home moved past this job: the replicas started on it stop
-            self._stop(notice.attempt, launched or {})
+            self._stop(notice.period.attempt, launched or {})
             raise
         self._reply(notice, launched if launched is not None else launch(), plans)
 
@@ -317,8 +317,8 @@ class RegionAgent:
     def _drop_ahead(self) -> None:
         """Stop the period started ahead: its notice will not come."""
         ahead, self.ahead = self.ahead, None
-        self.log(f"region: stopped job {ahead.notice.attempt}, started ahead: the home went another way")
-        self._stop(ahead.notice.attempt, ahead.launched)
+        self.log(f"region: stopped job {ahead.notice.period.attempt}, started ahead: the home went another way")
+        self._stop(ahead.notice.period.attempt, ahead.launched)
 
     def _stop(self, attempt: int, launched: dict) -> None:
         """Stop the replicas' period of launch ``attempt``, letting go of a replica that
@@ -346,7 +346,7 @@ class RegionAgent:
         """Collect the replicas' periods, merge them into one message and upload it; then
         refill the slots of replicas that were dropped (their successors load everything
         next period, so the reply asks for the full weights)."""
-        poll = self.replicas.collect(launched, notice.attempt)
+        poll = self.replicas.collect(launched, notice.period.attempt)
         stats = poll.reported
         if len(stats) == len(launched):
             self._start_ahead(notice)  # the replicas go on while their sends are merged and cross
@@ -355,7 +355,7 @@ class RegionAgent:
         contributions = [
             [Contribution(rid, launched[rid].buffers[s], weights[rid]) for rid in stats] for s in range(servers)
         ]
-        message = self.books.merge_period(notice.fragment, contributions, notice.attempt)
+        message = self.books.merge_period(notice.period.fragment, contributions, notice.period.attempt)
         summary = wire.summarize(stats, plans, message.accepted, message.weight)
         # What the home publishes for this region next: a refilled slot loads everything at once,
         # a replica rejected as non-finite at its next round's start.

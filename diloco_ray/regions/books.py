@@ -102,14 +102,14 @@ class RegionBooks:
         self._hear(verdicts)
         flags = {"reset_inner": notice.reset_inner, "reset": notice.reset, "restart": notice.restart}
         self.ledger.start_period(**flags, verdicts=verdicts, read=self.merge.read)
-        action = at_period_start(notice.fragment, notice.restart, self.restore_on_retry)
+        action = at_period_start(notice.period.fragment, notice.restart, self.restore_on_retry)
         if action == "rewind":
-            self._rewind(notice.round)
+            self._rewind(notice.period.round)
         elif action == "note":
-            self._note_round_start(notice.round)
+            self._note_round_start(notice.period.round)
         if notice.reset_inner:  # the home rejected the region's own message as non-finite
             start.reset_inner |= set(replica_ids)
-        if notice.fragment == 0:  # a rejected replica starts its next round fresh, as at home
+        if notice.period.fragment == 0:  # a rejected replica starts its next round fresh, as at home
             start.reset_inner |= self.poisoned & set(replica_ids)
             self.poisoned = set()
         return start

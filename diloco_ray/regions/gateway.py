@@ -130,18 +130,18 @@ class RegionGateway:
         """
         import ray
 
-        if job.reset and job.attempt not in self.reset_attempts:  # the servers were restored: versions start over
-            self.reset_attempts.add(job.attempt)
+        if job.reset and job.period.attempt not in self.reset_attempts:
+            self.reset_attempts.add(job.period.attempt)  # the servers were restored: versions start over
             self._unpublish_all()
         messages = self._publish(job.version, False, lambda: ray.get(list(job.messages)))
         full = []  # the full weights cost the servers a pass over the model: only for a region that may need them
         held = self._held(region)
-        if job.fragment == 0 and region in self.reload_at_round:  # a replica of it starts this round fresh
+        if job.period.fragment == 0 and region in self.reload_at_round:  # a replica of it starts this round fresh
             self.reload_at_round.discard(region)
             held = None
         if wire.needs_full(job, held):
             full = self._publish(job.version, True, lambda: ray.get([s.full_weights.remote() for s in job.servers]))
-        reply = wire.reply_key(self.home, region, job.attempt, job.fragment)
+        reply = wire.reply_key(self.home, region, job.period)
         before = self.channel.traffic(region)
         directive = self.directives[region]
         notice = wire.notice_of(job, messages, full, reply, directive, self.home, self.fragments, region)
@@ -161,14 +161,14 @@ class RegionGateway:
                     self.held[region] = (self.channel.instance_of(region), job.version)
                 self._note_reloads(region, stats.region)
                 return (*buffers, self._with_traffic(region, stats, before))
-            if self.aborted.get(region, -1) >= job.attempt:
+            if self.aborted.get(region, -1) >= job.period.attempt:
                 self.channel.discard(reply)
                 aborted = RoundStats.empty(aborted=True, region=RegionFacts())
                 return (*[b"" for _ in range(self.servers)], self._with_traffic(region, aborted, before))
             lost = any(self.channel.is_void(key) for key in keys)
             if lost or region not in self.channel.connected():
                 self.channel.discard(reply)
-                self.channel.notify(region, notices.to_wire(Abort(job.attempt)))  # what it finds when it is back
+                self.channel.notify(region, notices.to_wire(Abort(job.period.attempt)))  # what it finds when it is back
                 if lost:
                     raise WeightsLost(
                         f"the weights of version {job.version} died with a server before they were published"
@@ -261,7 +261,7 @@ class RegionGateway:
         if why is None:
             return (buffers if not stats.aborted else [b""] * self.servers), stats
         why = f"its reply was refused: {why}"
-        log.warning("channel: region %r's reply to launch %d: %s", region, job.attempt, why)
+        log.warning("channel: region %r's reply to launch %d: %s", region, job.period.attempt, why)
         refused = RoundStats.empty(region=RegionFacts(refused=why))
         return [refusal_message(why)] * self.servers, refused
 

@@ -1,7 +1,8 @@
 """What crosses the channel for one sync, and how a region shares it among its replicas.
 
 The home hands a region one job per sync period, as a *notice* (:class:`Notice`, a small
-JSON object: the round, fragment, launch attempt, the region's data plan, which weights
+JSON object: its period (:class:`~diloco_ray.runtime.messages.PeriodId`: the round, fragment
+and launch attempt), the region's data plan, which weights
 version to load and under which keys the channel holds those messages), and the region
 answers with one *reply*
 (its merged pseudo-gradient, one buffer per home server, and one summary of its replicas'
@@ -9,7 +10,7 @@ stats). Actor handles and object refs never cross: each side turns a notice into
 :class:`~diloco_ray.runtime.messages.SyncPeriod` with refs into its own object store.
 
 The channel keys of a period's messages and reply follow one rule (:func:`message_keys`,
-:func:`reply_key`), by which the home works out the round's next period
+:func:`reply_key`, the latter named by the period's id), by which the home works out the round's next period
 (:func:`next_in_round`) and sends it with each notice (``Notice.ahead``), so that with
 overlap a region starts its replicas on it before its notice comes. Every key
 names the home's run (``home``, one per start of the home: a resumed home counts its
@@ -39,7 +40,7 @@ import numpy as np
 
 from diloco_ray.channel import frames
 from diloco_ray.data.plan import take_from
-from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
+from diloco_ray.runtime.messages import PeriodId, RegionFacts, RoundStats, SyncPeriod
 
 Range = tuple[int, int]
 
@@ -47,7 +48,7 @@ Range = tuple[int, int]
 @dataclass(frozen=True)
 class Notice:
     """One sync period of a region as the home hands it over the channel: the job's own
-    fields (the round, fragment, launch attempt, the region's data plan, the weights version
+    fields (its period id, the region's data plan, the weights version
     and the flags), under which keys the channel holds the weights messages (``messages``,
     one per home server, and the full weights ``full_keys`` for a load after a gap), where
     the region uploads its reply, the home's restore directive (what the region's state
@@ -62,9 +63,7 @@ class Notice:
     period: two notices of one period are equal whatever they expect next.
     """
 
-    round: int
-    fragment: int
-    attempt: int
+    period: PeriodId
     full: bool
     version: int
     plan: tuple[Range, ...]
@@ -88,7 +87,8 @@ class Notice:
 
     def to_wire(self) -> dict:
         """The notice as the JSON object that crosses the channel."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "ahead"}
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("ahead", "period")}
+        out.update(dataclasses.asdict(self.period))
         out.update(plan=[list(r) for r in self.plan], sent_verdicts=[list(v) for v in self.sent_verdicts])
         out.update(messages=list(self.messages), full_keys=list(self.full_keys), restore=dict(self.restore))
         out["ahead"] = None if self.ahead is None else self.ahead.to_wire()
@@ -99,7 +99,8 @@ class Notice:
         """The notice the home sent (:meth:`to_wire`), each field as its type."""
         ahead = data.get("ahead")
         return cls(
-            **{name: int(data[name]) for name in ("round", "fragment", "attempt", "version")},
+            period=PeriodId(int(data["round"]), int(data["fragment"]), int(data["attempt"])),
+            version=int(data["version"]),
             **{name: bool(data.get(name, False)) for name in ("full", "reset", "restart", "reset_inner")},
             plan=tuple((int(s), int(c)) for s, c in data["plan"]),
             messages=tuple(str(k) for k in data["messages"]),
@@ -124,7 +125,7 @@ class Notice:
 
 
 # The SyncPeriod fields a notice carries as they are.
-PERIOD_FIELDS = ("round", "fragment", "attempt", "full", "version", "reset", "restart", "reset_inner")
+PERIOD_FIELDS = ("period", "full", "version", "reset", "restart", "reset_inner")
 PERIOD_FIELDS += ("schedule_step", "time_budget_s")
 
 
@@ -160,9 +161,9 @@ def message_keys(home: str, version: int, servers: int, full: bool = False) -> l
     return [f"{'f' if full else 'w'}/{home}/{version}/{s}" for s in range(servers)]
 
 
-def reply_key(home: str, region: str, attempt: int, fragment: int) -> str:
-    """Where ``region`` uploads its reply to the period launched as ``attempt`` in ``home``'s run."""
-    return f"r/{home}/{region}/{attempt}/{fragment}"
+def reply_key(home: str, region: str, period: PeriodId) -> str:
+    """Where ``region`` uploads its reply to ``period`` in ``home``'s run."""
+    return f"r/{home}/{region}/{period.attempt}/{period.fragment}"
 
 
 def next_in_round(notice: Notice, region: str, fragments: int) -> Optional[Notice]:
@@ -174,14 +175,13 @@ def next_in_round(notice: Notice, region: str, fragments: int) -> Optional[Notic
     ``version``, never a full load), with nothing to reset and no verdicts yet (the
     servers' commits are read at the round's end).
     """
-    fragment = notice.fragment + 1
-    if fragment >= fragments:
+    this = notice.period
+    if this.fragment + 1 >= fragments:
         return None
-    attempt, version = notice.attempt + 1, notice.version + 1
+    period, version = PeriodId(this.round, this.fragment + 1, this.attempt + 1), notice.version + 1
     return dataclasses.replace(
         notice,
-        fragment=fragment,
-        attempt=attempt,
+        period=period,
         version=version,
         full=False,
         reset=False,
@@ -190,7 +190,7 @@ def next_in_round(notice: Notice, region: str, fragments: int) -> Optional[Notic
         sent_verdicts=(),
         messages=tuple(message_keys(notice.home, version, len(notice.messages))),
         full_keys=(),
-        reply=reply_key(notice.home, region, attempt, fragment),
+        reply=reply_key(notice.home, region, period),
         ahead=None,
     )
 

@@ -18,6 +18,18 @@ if TYPE_CHECKING:  # for annotations only: these messages import no torch
     from diloco_ray.algo.outer import Rejected
 
 
+@dataclass(frozen=True, order=True)
+class PeriodId:
+    """Which sync period a job, a region's notice and its reply belong to: the outer round
+    (decoupled: the merge), the fragment synced at the period's end (0-based within the round;
+    always 0 without streaming), and the driver's launch counter (``attempt``: a round run
+    again is launched again, so an abort or a verdict names one launch, never an older one)."""
+
+    round: int
+    fragment: int
+    attempt: int
+
+
 @dataclass(frozen=True)
 class SnapshotPlan:
     """In-flight snapshots of a replica's progress inside a long round.
@@ -40,11 +52,9 @@ class SyncPeriod:
     """What every rank of a replica gets for one sync period (see ``RankWorker.run_period``).
 
     Args:
-        round: the outer round.
-        fragment: the fragment synced at the end of the period (0-based within the round;
-            always 0 without streaming).
+        period: which period (its round, fragment and launch attempt; an abort names the
+            attempt it stops).
         plan: the replica's stream ranges ``[(start, count), ...]`` for the round.
-        attempt: the driver's launch counter; an abort names the attempt it stops.
         messages: one packed weights message (or its object ref) per server, of sync
             ``version``.
         full: whether ``messages`` hold every parameter (not one fragment's).
@@ -68,10 +78,8 @@ class SyncPeriod:
             mode gets what remained of it. None: ``inner_time_s`` alone.
     """
 
-    round: int
-    fragment: int
+    period: PeriodId
     plan: Sequence[tuple[int, int]]
-    attempt: int
     messages: Sequence[Any]
     full: bool
     version: int

@@ -190,9 +190,9 @@ class RankWorker:
         try:
             sent, stats = self._period(job)
         except BaseException as e:
-            self.outbox.fail(job.attempt, f"{type(e).__name__}: {e}")
+            self.outbox.fail(job.period.attempt, f"{type(e).__name__}: {e}")
             raise
-        self.outbox.post(job.attempt, sent)
+        self.outbox.post(job.period.attempt, sent)
         return stats
 
     def message(self, attempt: int):
@@ -228,7 +228,7 @@ class RankWorker:
         self.sync.start_period(job.reset_inner, job.reset, job.restart, dict(job.sent_verdicts))
         received = receive_weights(self.sync, self.params, job, merge=False, full_only=late_merge)
         fetched = transport.prefetch(job.messages) if late_merge else None  # downloads while the steps run
-        restarted = job.fragment == 0 and self._begin_round(job, resuming=self._resuming(job))
+        restarted = job.period.fragment == 0 and self._begin_round(job, resuming=self._resuming(job))
         t1 = time.perf_counter()
         tally = self._run_steps(job, started=t1)
         t2 = time.perf_counter()
@@ -236,16 +236,13 @@ class RankWorker:
             received += receive_weights(self.sync, self.params, job, merge=True, fetched=fetched)
         t3 = time.perf_counter()
         # A dropped link (fault plan): the message never leaves; the driver gives up on it.
-        if not tally.aborted and self.faults.hold_link(lambda: self._abort_attempt == job.attempt):
+        if not tally.aborted and self.faults.hold_link(lambda: self._abort_attempt == job.period.attempt):
             tally.aborted = True
         # Kept under the launch's attempt until the driver's verdict on it (RankSync.settle).
-        sent = (
-            None
-            if tally.aborted
-            else self.sync.start_outgoing(
-                job.fragment, self.faults.scaled(local_rows(self.params), self.sync.anchor), job.link, job.attempt
-            )
-        )
+        sent = None
+        if not tally.aborted:
+            local = self.faults.scaled(local_rows(self.params), self.sync.anchor)
+            sent = self.sync.start_outgoing(job.period.fragment, local, job.link, job.period.attempt)
         unused = self.batches.unused_after(tally.last) if tally.out_of_time else []
         bytes_up = sum(sent.nbytes) if sent is not None else 0
         return sent, tally.stats(self.rank, bytes_up, received, restarted, t2 - t1, (t1 - t0) + (t3 - t2), unused)
@@ -254,8 +251,8 @@ class RankWorker:
         """This period's inner steps: from the first not yet run (after a snapshot's) to the
         period's last, or until an abort, or until the next step would not fit the budget."""
         self.model.train()
-        source, steps = self.batches.for_round(job.round, job.plan)
-        first, last = sync_period(job.fragment, len(steps), self.sections.sync_codec.sync_fragments)
+        source, steps = self.batches.for_round(job.period.round, job.plan)
+        first, last = sync_period(job.period.fragment, len(steps), self.sections.sync_codec.sync_fragments)
         tally = PeriodTally(first, last, torch.zeros((), device=self.device), logged=(first, 0.0), at=first)
         if self._resuming(job):
             tally.resumed, tally.tokens, tally.counted = self.state.restore_snapshot(
@@ -266,10 +263,10 @@ class RankWorker:
         budget = min((b for b in (self.sections.run.inner_time_s, job.time_budget_s) if b is not None), default=None)
         for t, batches in self.batches.step_batches(source, steps[:last], tally.first):
             tally.at = t
-            if self._stop_requested(job.attempt):
+            if self._stop_requested(job.period.attempt):
                 tally.aborted = True
                 break
-            self.faults.before_step(job.round, t)
+            self.faults.before_step(job.period.round, t)
             self.reports.beat(job, t)
             self._train_step(job, t, batches, tally)
             self._after_step(job, t + 1, len(steps), tally)
@@ -324,7 +321,7 @@ class RankWorker:
 
     def _schedule_start(self, job: SyncPeriod) -> int:
         """The inner lr schedule's step at the period's step 0."""
-        return job.round * self.sections.run.max_steps if job.schedule_step is None else job.schedule_step
+        return job.period.round * self.sections.run.max_steps if job.schedule_step is None else job.schedule_step
 
     # ---- a round's start, and a re-run of it --------------------------------------------
     @torch.no_grad()
@@ -339,11 +336,11 @@ class RankWorker:
         error-feedback residual of the round's start, so the re-run trains exactly as
         the first attempt did. Returns whether this was a re-run.
         """
-        action = at_period_start(job.fragment, job.restart, self.sections.membership.restore_on_retry, resuming)
+        action = at_period_start(job.period.fragment, job.restart, self.sections.membership.restore_on_retry, resuming)
         if action == "rewind":
-            self.state.rewind(job.round, keep=True)
+            self.state.rewind(job.period.round, keep=True)
         elif action == "note":
-            self.state.note_round_start(job.round)
+            self.state.note_round_start(job.period.round)
         return job.restart
 
     def rewind_round(self, round_index: int, keep: bool = False) -> None:

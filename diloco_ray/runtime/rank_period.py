@@ -88,7 +88,7 @@ class BoardReports:
         since = max(1, step - tally.logged[0])
         board.report.remote(
             StepEvent(
-                round=job.round,
+                round=job.period.round,
                 replica=self.replica_id,
                 step=step,
                 global_step=global_step,
@@ -107,4 +107,4 @@ class BoardReports:
         board, now = job.board, time.monotonic()
         if board is not None and now - self._last_beat >= BEAT_S:
             self._last_beat = now
-            board.beat.remote(self.replica_id, self.rank, job.attempt, step)
+            board.beat.remote(self.replica_id, self.rank, job.period.attempt, step)

@@ -159,7 +159,8 @@ class Replica:
         stats = [r.run_period.remote(job) for r in self.ranks]
         group = "messages"
         sends = [
-            r.message.options(num_returns=servers, concurrency_group=group).remote(job.attempt) for r in self.ranks
+            r.message.options(num_returns=servers, concurrency_group=group).remote(job.period.attempt)
+            for r in self.ranks
         ]
         return per_server(sends, servers), stats
 

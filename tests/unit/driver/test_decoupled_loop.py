@@ -505,7 +505,7 @@ def test_a_merged_replica_hears_with_its_next_period_that_what_it_sent_was_appli
     period (a rejected or lost one: False; see test_sync_loop for those)."""
     host, reps = make(tmp_path, delays={0: [0, 0, 9], 1: [1, 1]})
     host.merge()
-    first = reps[0].jobs[0].attempt
+    first = reps[0].jobs[0].period.attempt
     host.merge()
     assert reps[0].jobs[0].sent_verdicts == () and reps[0].jobs[1].sent_verdicts == ((first, True),)
 
@@ -533,7 +533,7 @@ def test_a_member_whose_period_was_lost_hears_when_it_is_back_that_its_send_was_
     reps[1].never = {0}
     host.loop.steps = Beats(host.loop, silent={1})
     assert host.loop.run_round(host).action is Action.RUN_AGAIN
-    lost = reps[1].jobs[0].attempt
+    lost = reps[1].jobs[0].period.attempt
     host.members.active.append(reps[1])  # back: it takes part from the next launch
     host.loop.steps = Beats(host.loop, silent=set())
     reps[1].never = set()

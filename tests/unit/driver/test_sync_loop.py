@@ -80,7 +80,7 @@ class Replica:
     def run_period(self, job):
         self.jobs.append(job)
         mine = fault_plan.for_rank(self.plan, self.id, 0)
-        due = [f for f in mine if f.round == job.round and f.key not in self.fired][:1]  # one per launch
+        due = [f for f in mine if f.round == job.period.round and f.key not in self.fired][:1]  # one per launch
         self.fired |= {f.key for f in due}
         self.kinds = {f.kind for f in due}
         payload = ("nan" if "nan" in self.kinds else "ok", self.id)
@@ -233,8 +233,8 @@ def test_too_few_reporting_runs_the_round_again_from_the_same_plan(tmp_path):
     assert len(host.server.synced) == 1 and record["replicas"] == 2 and loop.round_index == 1
     first, again = reps[0].jobs
     assert not first.restart and again.restart  # the re-run starts from the round's global weights
-    assert again.plan == first.plan and again.round == first.round == 0  # on the same data
-    assert again.version == first.version == 0 and again.attempt > first.attempt
+    assert again.plan == first.plan and again.period.round == first.period.round == 0  # on the same data
+    assert again.version == first.version == 0 and again.period.attempt > first.period.attempt
     assert loop.wasted_steps == 4  # replica 0's round, run twice
 
 
@@ -286,7 +286,7 @@ def test_streaming_hands_each_period_the_next_version_before_its_commit(tmp_path
     apply_next_update(loop, host)
     apply_next_update(loop, host)
     assert [j.version for j in reps[0].jobs] == [0, 1, 2, 3]
-    assert [j.fragment for j in reps[0].jobs] == [0, 1, 0, 1]
+    assert [j.period.fragment for j in reps[0].jobs] == [0, 1, 0, 1]
     assert loop.jobs.handout.version == host.server.version == 4  # one count, by one rule
 
 
@@ -319,9 +319,9 @@ def test_each_replica_hears_with_its_next_period_whether_what_it_sent_was_applie
         tmp_path, faults=faults, round_timeout_s=STEP_POLL_S / 100, abort_grace_s=0.01, sync_fragments=fragments
     )
     apply_next_update(loop, host)
-    round0 = [j.attempt for j in reps[0].jobs]
+    round0 = [j.period.attempt for j in reps[0].jobs]
     apply_next_update(loop, host)
-    round1 = [j.attempt for j in reps[0].jobs[fragments:]]
+    round1 = [j.period.attempt for j in reps[0].jobs[fragments:]]
     assert reps[0].jobs[fragments].sent_verdicts == tuple((a, True) for a in round0)
     assert reps[1].jobs[1].sent_verdicts == ((round0[0], False),)  # late, then sat the round out
     apply_next_update(loop, host)
@@ -378,12 +378,12 @@ def test_a_regions_next_notice_in_a_round_is_the_one_the_home_sends(tmp_path):
     def notice(job, region="eu"):
         keys = wire.message_keys("h1", job.version, 1)
         restore = {"id": "d1", "save": None}
-        reply = wire.reply_key("h1", region, job.attempt, job.fragment)
+        reply = wire.reply_key("h1", region, job.period)
         sent = wire.notice_of(job, keys, [], reply, restore, "h1", 2, region)
         return wire.Notice.from_wire(json.loads(json.dumps(sent.to_wire())))  # as it crosses
 
     sent = [notice(job) for job in reps[0].jobs]
-    assert [(n.round, n.fragment) for n in sent] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(n.period.round, n.period.fragment) for n in sent] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     assert sent[0].ahead == sent[1] and sent[2].ahead == sent[3]
     assert sent[1].ahead is None  # the round's last period: the next plan is not known
     assert notice(reps[0].jobs[0], "us").ahead != sent[1]  # another region's reply key
@@ -397,7 +397,7 @@ def test_a_member_lost_mid_period_hears_when_it_is_back_that_its_send_was_not_ap
     loop, host, reps = make(tmp_path, faults=[{"kind": "kill", "replica": 1, "round": 0}], sync_fragments=fragments)
     apply_next_update(loop, host)
     assert host.members.removed == [(1, "failed")]
-    lost = reps[1].jobs[0].attempt
+    lost = reps[1].jobs[0].period.attempt
     host.members.active.append(reps[1])  # it joins again at the boundary, as a region does
     apply_next_update(loop, host)
     assert reps[1].jobs[1].sent_verdicts == ((lost, False),)

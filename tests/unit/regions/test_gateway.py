@@ -11,7 +11,7 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.regions import gateway as gateway_module
 from diloco_ray.regions.gateway import RegionGateway, WeightsLost
-from diloco_ray.runtime.messages import SyncPeriod
+from diloco_ray.runtime.messages import PeriodId, SyncPeriod
 
 
 class Channel:
@@ -82,7 +82,7 @@ def test_a_period_whose_weights_died_with_a_server_fails_at_once(monkeypatch):
     monkeypatch.setattr(ray, "get", lost_with_its_server)
     channel = Channel()
     gateway = bare_gateway(channel)
-    job = SyncPeriod(round=1, fragment=0, attempt=7, full=False, version=3, plan=[(0, 6)], messages=["m"], servers=[])
+    job = SyncPeriod(period=PeriodId(1, 0, 7), full=False, version=3, plan=[(0, 6)], messages=["m"], servers=[])
     with pytest.raises(WeightsLost, match="version 3 died with a server"):
         gateway.run_period("eu", job)
     assert channel.notified[-1] == ("eu", {"abort": 7}) and channel.published == []

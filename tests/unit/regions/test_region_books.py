@@ -18,7 +18,7 @@ from diloco_ray.algo.slice_layout import SliceLayout
 from diloco_ray.regions import wire
 from diloco_ray.regions.books import RegionBooks
 from diloco_ray.regions.merge import RegionalMerge
-from diloco_ray.runtime.messages import Contribution
+from diloco_ray.runtime.messages import Contribution, PeriodId
 from tests.unit.runtime.test_server_shards import make_config
 
 SHAPES = {"embed": (40, 8), "norm": (8,), "up": (12, 8), "head": (36, 8)}  # fragments cut embed, up and head
@@ -81,9 +81,7 @@ def add_mean(into: dict, grads: dict, accepted: list, fragment: int, fragments: 
 
 def notice(round_index, fragment, attempt, verdicts=(), restart=False, reset=False, reset_inner=False, restore=FRESH):
     return wire.Notice(
-        round=round_index,
-        fragment=fragment,
-        attempt=attempt,
+        period=PeriodId(round_index, fragment, attempt),
         full=False,
         version=attempt,
         plan=(),
@@ -134,11 +132,11 @@ class Region:
         """The replicas' pseudo-gradients of the notice's period, merged into the region's message."""
         grads = grads_for(self.step, nan)
         self.step += 1
-        fragment = note.fragment
-        message = self.books.merge_period(fragment, packed(grads, fragment, self.cfg), note.attempt)
+        fragment = note.period.fragment
+        message = self.books.merge_period(fragment, packed(grads, fragment, self.cfg), note.period.attempt)
         if message.accepted:
             add_mean(self.merged, grads, message.accepted, fragment, self.cfg.sync_fragments)
-            self.sent[note.attempt] = message.buffers
+            self.sent[note.period.attempt] = message.buffers
         return message
 
     def period(self, note: wire.Notice, nan: tuple = ()) -> tuple:

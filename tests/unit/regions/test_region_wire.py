@@ -12,7 +12,7 @@ import pytest
 from diloco_ray.channel import frames
 from diloco_ray.data import plan as data
 from diloco_ray.regions import wire
-from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
+from diloco_ray.runtime.messages import PeriodId, RegionFacts, RoundStats, SyncPeriod
 
 
 @pytest.mark.parametrize("returned", [[], [(3, 5), (40, 2)], [(0, 100)]])
@@ -69,10 +69,8 @@ def test_a_reply_round_trips_and_a_damaged_one_is_refused():
 
 def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
     job = SyncPeriod(
-        round=3,
-        fragment=1,
+        period=PeriodId(3, 1, 9),
         plan=[(0, 24)],
-        attempt=9,
         messages=["ref-a", "ref-b"],
         full=False,
         version=7,
@@ -88,7 +86,7 @@ def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
     assert notice.ahead is None  # fragment 1 of 2: the round's last period
     share = wire.split_plan(notice.plan, [12, 12])[1]
     rebuilt = notice.job(share, ["local-a", "local-b"], ["regional"], board="board")
-    assert (rebuilt.round, rebuilt.fragment, rebuilt.attempt, rebuilt.version) == (3, 1, 9, 7)
+    assert (rebuilt.period, rebuilt.version) == (PeriodId(3, 1, 9), 7)
     assert rebuilt.plan == [(12, 12)] and rebuilt.messages == ["local-a", "local-b"]
     assert rebuilt.reset_inner and rebuilt.sent_verdicts == ((8, True), (6, False)) and rebuilt.schedule_step == 90
     assert rebuilt.servers == ["regional"] and rebuilt.board == "board" and not rebuilt.full
@@ -96,7 +94,7 @@ def test_a_notice_carries_a_job_and_the_region_rebuilds_it_with_its_own_refs():
 
 def test_the_full_weights_go_to_a_region_only_when_its_replicas_may_need_them():
     def job(version, full=False, **flags):
-        return SyncPeriod(round=0, fragment=0, plan=[], attempt=1, messages=[], full=full, version=version, **flags)
+        return SyncPeriod(period=PeriodId(0, 0, 1), plan=[], messages=[], full=full, version=version, **flags)
 
     assert wire.needs_full(job(0), held=None)  # no period completed yet
     assert not wire.needs_full(job(5, full=True), held=None)  # the messages are the full weights
@@ -109,18 +107,18 @@ def test_a_resumed_homes_keys_never_meet_the_last_homes():
     """A resumed home counts its launches and versions from its checkpoint again: an upload
     of the last home's launch 4 that crosses late must not be taken for the new home's launch
     4, nor a download of its version 3 for the new version 3."""
-    assert wire.reply_key("h1", "eu", 4, 0) != wire.reply_key("h2", "eu", 4, 0)
+    assert wire.reply_key("h1", "eu", PeriodId(0, 0, 4)) != wire.reply_key("h2", "eu", PeriodId(0, 0, 4))
     assert set(wire.message_keys("h1", 3, 2)).isdisjoint(wire.message_keys("h2", 3, 2))
-    job = SyncPeriod(round=0, fragment=0, plan=[(0, 8)], attempt=4, messages=[], full=False, version=3)
-    keys, reply = wire.message_keys("h2", 3, 1), wire.reply_key("h2", "eu", 4, 0)
+    job = SyncPeriod(period=PeriodId(0, 0, 4), plan=[(0, 8)], messages=[], full=False, version=3)
+    keys, reply = wire.message_keys("h2", 3, 1), wire.reply_key("h2", "eu", PeriodId(0, 0, 4))
     notice = wire.notice_of(job, keys, [], reply, {"id": "d1", "save": None}, "h2", 2, "eu")
     expected = notice.ahead  # the home works the round's next period out and sends it along
-    assert expected.reply == wire.reply_key("h2", "eu", 5, 1)  # the next period's keys, in this home's run
+    assert expected.reply == wire.reply_key("h2", "eu", PeriodId(0, 1, 5))  # the next period's keys, in this home's run
     assert expected.messages == tuple(wire.message_keys("h2", 4, 1)) and expected.restore == notice.restore
-    assert (expected.fragment, expected.attempt, expected.version, expected.ahead) == (1, 5, 4, None)
+    assert (expected.period, expected.version, expected.ahead) == (PeriodId(0, 1, 5), 4, None)
     # The notice the home then sends for that period is the one expected, whatever it expects next.
-    job = dataclasses.replace(job, fragment=1, attempt=5, version=4)
-    keys, reply = wire.message_keys("h2", 4, 1), wire.reply_key("h2", "eu", 5, 1)
+    job = dataclasses.replace(job, period=PeriodId(0, 1, 5), version=4)
+    keys, reply = wire.message_keys("h2", 4, 1), wire.reply_key("h2", "eu", PeriodId(0, 1, 5))
     assert wire.notice_of(job, keys, [], reply, {"id": "d1", "save": None}, "h2", 3, "eu") == expected
 
 
@@ -166,9 +164,7 @@ def test_every_notice_from_the_home_crosses_as_its_type_and_an_unknown_one_is_re
     from diloco_ray.regions.notices import Abort, SaveRequest, Stop
 
     job = wire.Notice(
-        round=2,
-        fragment=1,
-        attempt=5,
+        period=PeriodId(2, 1, 5),
         full=False,
         version=3,
         plan=((0, 4),),

@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_config
 
 from diloco_ray.algo import device_copy
-from diloco_ray.runtime.messages import RoundStats, SyncPeriod
+from diloco_ray.runtime.messages import PeriodId, RoundStats, SyncPeriod
 from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.rank_outbox import Outbox, PeriodFailed
 
@@ -68,7 +68,7 @@ def worker(tmp_path, overlap: bool) -> RankWorker:
 def test_the_period_returns_its_stats_and_the_send_its_bytes_with_or_without_overlap(tmp_path):
     apart, together = worker(tmp_path / "a", overlap=True), worker(tmp_path / "b", overlap=False)
     start = together.seed_pieces()
-    job = SyncPeriod(round=0, fragment=0, plan=[(0, 16)], attempt=3, messages=[start], full=True, version=0)
+    job = SyncPeriod(period=PeriodId(0, 0, 3), plan=[(0, 16)], messages=[start], full=True, version=0)
     without = together.run_period(job)
     returned = apart.run_period(job)
     assert isinstance(returned, RoundStats) and isinstance(without, RoundStats)  # the stats alone
@@ -77,10 +77,10 @@ def test_the_period_returns_its_stats_and_the_send_its_bytes_with_or_without_ove
     assert np.array_equal(sent, together.message(3)) and returned.bytes_up == sent.nbytes == without.bytes_up
 
     apart.abort(4)  # a stopped period: an empty buffer per server (the return count is fixed)
-    assert apart.run_period(dataclasses.replace(job, attempt=4, full=False, messages=[])).aborted
+    assert apart.run_period(dataclasses.replace(job, period=PeriodId(0, 0, 4), full=False, messages=[])).aborted
     assert apart.message(4).nbytes == 0
 
     with pytest.raises(Exception):  # a period that raises fails its send too, not the next one's
-        apart.run_period(dataclasses.replace(job, attempt=5, plan=None))
+        apart.run_period(dataclasses.replace(job, period=PeriodId(0, 0, 5), plan=None))
     with pytest.raises(PeriodFailed, match="launch 5"):
         apart.message(5)

@@ -10,7 +10,7 @@ import torch
 from diloco_ray.algo import compression, partition
 from diloco_ray.algo.codecs import Codec
 from diloco_ray.algo.rank_sync import RankSync
-from diloco_ray.runtime.messages import SyncPeriod
+from diloco_ray.runtime.messages import PeriodId, SyncPeriod
 from diloco_ray.runtime.rank_weights import receive_weights
 
 SHAPES = {"w": (6, 4), "b": (6,)}
@@ -48,7 +48,7 @@ def rank() -> tuple[RankSync, list, dict]:
 
 def period(version: int, messages: list, server: Server | None = None, full: bool = False) -> SyncPeriod:
     servers = [server] if server is not None else []
-    return SyncPeriod(0, 0, [], 0, messages=messages, full=full, version=version, servers=servers)
+    return SyncPeriod(PeriodId(0, 0, 0), [], messages=messages, full=full, version=version, servers=servers)
 
 
 def test_a_held_version_is_skipped_and_the_next_applied():

@@ -9,7 +9,7 @@ import torch
 from conftest import tiny_config, whole_period
 
 from diloco_ray.algo import compression
-from diloco_ray.runtime.messages import SyncPeriod
+from diloco_ray.runtime.messages import PeriodId, SyncPeriod
 from diloco_ray.runtime.rank import RankWorker
 
 
@@ -22,7 +22,7 @@ def rank(tmp_path, **overrides):
 
 def period(w, job_over=None):
     """Round 1's only sync period, from the weights of version 0."""
-    job = SyncPeriod(round=1, fragment=0, plan=[(0, 12)], attempt=7, messages=[w._start], full=True, version=0)
+    job = SyncPeriod(period=PeriodId(1, 0, 7), plan=[(0, 12)], messages=[w._start], full=True, version=0)
     job = dataclasses.replace(job, **(job_over or {}))
     buffers, stats = whole_period(w, job)
     grads = {}
@@ -37,7 +37,7 @@ def test_rerun_sends_the_first_attempts_pseudo_gradient(tmp_path, codec):
     w._start = w.seed_pieces()  # one server: one bare buffer
     first, stats = period(w)
     assert not stats.restarted and stats.inner_steps == 3
-    again, stats = period(w, {"restart": True, "attempt": 8})  # same version: nothing new to load
+    again, stats = period(w, {"restart": True, "period": PeriodId(1, 0, 8)})  # same version: nothing new to load
     assert stats.restarted and stats.inner_steps == 3  # not stopped by an old abort either
     for name in first:
         assert torch.equal(first[name], again[name]), name
@@ -49,7 +49,7 @@ def test_rerun_after_an_abort_is_not_aborted(tmp_path):
     w.abort(7)
     _, stats = period(w)
     assert stats.aborted and stats.inner_steps == 0
-    _, stats = period(w, {"restart": True, "attempt": 8})
+    _, stats = period(w, {"restart": True, "period": PeriodId(1, 0, 8)})
     assert not stats.aborted and stats.inner_steps == 3
 
 
@@ -60,5 +60,5 @@ def test_reset_inner_gives_a_fresh_optimizer(tmp_path):
     assert w.state.optimizer.state  # AdamW moments after a round
     for state in w.state.optimizer.state.values():
         state["exp_avg_sq"].fill_(float("nan"))
-    _, stats = period(w, {"restart": True, "reset_inner": True, "attempt": 8})
+    _, stats = period(w, {"restart": True, "reset_inner": True, "period": PeriodId(1, 0, 8)})
     assert all(torch.isfinite(s["exp_avg_sq"]).all() for s in w.state.optimizer.state.values())

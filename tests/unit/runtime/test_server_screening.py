@@ -131,12 +131,12 @@ def test_a_reply_the_home_refused_is_rejected_by_every_server_with_its_reason():
 def test_the_gateway_turns_a_reply_claiming_more_than_its_plan_into_a_refusal_every_server_rejects():
     from diloco_ray.regions import wire
     from diloco_ray.regions.gateway import RegionGateway
-    from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
+    from diloco_ray.runtime.messages import PeriodId, RegionFacts, RoundStats, SyncPeriod
     from diloco_ray.runtime.server_aggregator import refused_in
 
     gateway = RegionGateway.__new__(RegionGateway)
     gateway.max_bytes, gateway.seq_len, gateway.servers = 1 << 20, 8, 2
-    job = SyncPeriod(round=0, fragment=0, attempt=1, full=False, version=0, plan=[(0, 6)], messages=[], servers=[])
+    job = SyncPeriod(period=PeriodId(0, 0, 1), full=False, version=0, plan=[(0, 6)], messages=[], servers=[])
     greedy = RoundStats(0, 5, 10**12, 1.0, 1.0, 0.0, 0, loss_tokens=10**12, region=RegionFacts(replica_ids=(0,)))
     buffers, stats = gateway._checked_reply("eu", job, wire.reply_payload([np.zeros(4, np.uint8)] * 2, greedy))
     assert (stats.tokens, stats.loss_tokens, stats.aborted) == (0, 0, False)
