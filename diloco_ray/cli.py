@@ -11,15 +11,15 @@ nothing in a traceback the user could act on.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import textwrap
-import time
 from typing import Optional
 
 from diloco_ray import logs
 from diloco_ray.config.schema import field_help, parse_set
 from diloco_ray.errors import UsageError, UserInputError, disk_full, unwrap
+from diloco_ray.observe.console import ConsoleProgress
+from diloco_ray.persist.disk_full import disk_full_line
 
 EXIT_OK, EXIT_FAILURE, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -194,7 +194,8 @@ def _train(args) -> int:
     # line at once.
     from diloco_ray.driver.trainer import DilocoFSDPTrainer
 
-    shown = _ShowProgress(config, verbose=args.verbose)
+    s = config.sections()
+    shown = ConsoleProgress(s.run, s.membership, s.channel, verbose=args.verbose)
     if not args.verbose:
         _quiet_data_bars()
     # SIGTERM (a spot preemption, `ray job stop`) stops the run as Ctrl-C does: cleanly,
@@ -283,62 +284,6 @@ def _sweep(args) -> int:
     return EXIT_OK if result.best is not None else EXIT_FAILURE
 
 
-class _ShowProgress:
-    """Feeds the trainer's callbacks to a :class:`~diloco_ray.observe.progress.Progress` on
-    stdout: bars on a terminal, plain lines otherwise (logs, ``ray job submit``); and says
-    once what runs and where Ray's output went.
-
-    Args:
-        config: the run's config.
-        verbose: Ray's output stays on the console (nothing to point at).
-    """
-
-    def __init__(self, config, verbose: bool = False):
-        from diloco_ray.observe.progress import Progress
-
-        self.config, self.verbose = config, verbose
-        # stdout: bars on a terminal, and in a log the round lines users read as results.
-        self.progress = Progress(config.diloco_loops, config.max_steps, stream=sys.stdout)
-        self._started = time.monotonic()
-
-    def on_train_begin(self, trainer) -> None:
-        c = self.config
-        resumed = f", resumed at round {trainer.round_index + 1}" if trainer.round_index else ""
-        where = "" if self.verbose else f"; Ray's output: {os.path.join(trainer.run_dir.local, 'logs', 'ray.log')}"
-        regions = "".join(
-            f" + region {r['name']} ({r['replicas']} replica{'s' if r['replicas'] != 1 else ''}, one member)"
-            for r in c.regions or ()
-        )
-        print(
-            f"diloco-ray: {c.num_replicas} replicas{regions}, {c.diloco_loops} rounds of {c.max_steps} inner steps, "
-            f"{c.sync_mode} mode{resumed}{where}",
-            flush=True,
-        )
-        self.progress.start(trainer.round_index)
-
-    def on_round_begin(self, trainer, round_index: int, replicas: int) -> None:
-        # A round's members: the home's replicas, and each region as one (its merged message).
-        members = trainer.target_replicas + len(self.config.regions or ())
-        self.progress.begin_round(round_index, replicas, target=members)
-
-    def on_step(self, trainer, event: dict) -> None:
-        self.progress.step(event["replica"], event["step"], event["loss"], event["lr"], event["tokens"])
-
-    def on_round_end(self, trainer, record: dict) -> None:
-        self.progress.end_round(record)
-
-    def on_train_end(self, trainer) -> None:
-        self.progress.close()
-
-    def done_line(self, result) -> str:
-        loss = result.final_eval_loss
-        shown = "-" if loss is None else f"{loss:.4f}"
-        return (
-            f"done: {len(result.rounds)} rounds in {time.monotonic() - self._started:.0f}s, "
-            f"eval_loss {shown}, model in {result.final_path}"
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     args = None
     try:
@@ -367,55 +312,6 @@ def _disk_full_exit(error: OSError, output_dir: Optional[str], resumable: bool) 
     """Print a full disk as one line and return exit status 1 (see :func:`disk_full_line`)."""
     print(f"diloco-ray: error: {disk_full_line(error, output_dir, resumable)}", file=sys.stderr)
     return EXIT_FAILURE
-
-
-def disk_full_line(error: OSError, output_dir: Optional[str], resumable: bool = False) -> str:
-    """The one line for a full disk (or quota): the folder, the file, and how to go on.
-
-    Args:
-        error: the ENOSPC/EDQUOT error (:func:`~diloco_ray.errors.disk_full`); its
-            ``filename`` is None when a write to an open file failed.
-        output_dir: the run's folder, when the command has one.
-        resumable: whether to point at the last good checkpoint (``train``).
-    """
-    from diloco_ray.persist import storage
-
-    what = os.strerror(error.errno).lower()  # "no space left on device", "disk quota exceeded"
-    path = error.filename if isinstance(error.filename, str) else None
-    local = output_dir and not storage.is_remote(output_dir)
-    inside = local and (_is_under(path, output_dir) if path else _nearly_full(output_dir))
-    if not inside:
-        if path:
-            return f"{what} writing '{path}'; free space on that disk and run again"
-        # A write to an open file names no file; output_dir's disk has room, so it was another one.
-        return f"{what} on a disk the run writes to (not output_dir's; Ray's temp folder?); free space and run again"
-    line = f"output_dir: {what} writing '{path or output_dir}'; free space under '{output_dir}'"
-    if not resumable:
-        return line
-    from diloco_ray.persist import checkpoint
-
-    try:
-        last, _ = checkpoint.latest_valid(os.path.join(output_dir, "checkpoints"))
-    except OSError:
-        last = None
-    if last is None:
-        return f"{line}, then run again (no checkpoint was written to resume from)"
-    return f"{line}, then resume from its last good checkpoint ({last}) with --set resume_from={output_dir}"
-
-
-def _is_under(path: str, folder: str) -> bool:
-    path, folder = os.path.realpath(path), os.path.realpath(folder)
-    return path == folder or path.startswith(folder + os.sep)
-
-
-def _nearly_full(folder: str) -> bool:
-    """Whether ``folder``'s filesystem has (almost) nothing left: a write that failed with
-    no file name (a write to an open file) most likely failed there."""
-    try:
-        st = os.statvfs(folder)
-    except OSError:
-        return False
-    return st.f_bavail * st.f_frsize < max(64 << 20, st.f_blocks * st.f_frsize // 100)
 
 
 if __name__ == "__main__":

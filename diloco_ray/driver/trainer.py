@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray.config.schema import TrainerConfig, redacted, without_secrets
 from diloco_ray.control import ray_connection
+from diloco_ray.control.ray_session import RaySession
 from diloco_ray.driver import preflight
 from diloco_ray.driver.checkpointer import Checkpointer
 from diloco_ray.driver.loop import apply_next_update, loop_for
@@ -37,7 +38,7 @@ from diloco_ray.observe.events import (
     MembershipEvent,
     ServerEvent,
 )
-from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
+from diloco_ray.observe.ray_output import RAY_LOG
 from diloco_ray.observe.records import Evaluation
 from diloco_ray.persist import final_save
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
@@ -84,13 +85,12 @@ class DilocoFSDPTrainer:
         self.config = config
         self.sections = sections = config.sections()  # what each part reads; the config itself is shipped whole
         self.ray_output_to_file = ray_output_to_file
-        self._ray_output: Optional[RayOutputFile] = None
+        self.ray_session: Optional[RaySession] = None
         self.stop_on_sigterm = stop_on_sigterm
         self._previous_sigterm = None
         self.callbacks = list(callbacks or [])
         self._target = sections.membership.num_replicas
         self._lock = threading.Lock()
-        self._started_ray = False
         self._scale_mtime = 0.0
         self.records: list[dict] = []
         self.server: Optional[ServerGroup] = None
@@ -185,11 +185,8 @@ class DilocoFSDPTrainer:
         preflight.check(cfg, resuming=resume is not None)
         self.run_dir.lock()  # before anything in output_dir changes
         self.run_dir.prepare(resuming=resume is not None)
-        if self.ray_output_to_file:
-            self._ray_output = RayOutputFile(os.path.join(self.run_dir.local, "logs", RAY_LOG))
-            self._ray_output.around_connect(self._connect_ray)
-        else:
-            self._connect_ray()
+        output = os.path.join(self.run_dir.local, "logs", RAY_LOG) if self.ray_output_to_file else None
+        self.ray_session = RaySession(lambda: ray_connection.connect(s.membership, s.placement), output).open()
         self._catch_sigterm()
         self.device = ray_connection.resolve_device(s.placement.device)
         self._open_records(s)
@@ -271,11 +268,6 @@ class DilocoFSDPTrainer:
         in mapping fields are ``***`` in both (:func:`~diloco_ray.config.schema.redacted`)."""
         self.config.to_yaml(os.path.join(self.run_dir.local, "config.yaml"))
         self.events.open(sections.observability, redacted(self.config.to_dict()), self.run_dir)
-
-    def _connect_ray(self) -> None:
-        if not ray.is_initialized():
-            sections = self.sections
-            self._started_ray = ray_connection.connect(sections.membership, sections.placement)
 
     def _catch_sigterm(self) -> None:
         def stopped(name: str) -> None:
@@ -429,12 +421,8 @@ class DilocoFSDPTrainer:
             self.server.kill()
             self.server = None
         self.events.close(publish=self.run_dir.publish)
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
-        if self._ray_output is not None:
-            self._ray_output.close()
-            self._ray_output = None
+        if self.ray_session is not None:
+            self.ray_session.close()
         self.run_dir.unlock()
         if self._previous_sigterm is not None:
             import signal

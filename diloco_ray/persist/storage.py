@@ -10,7 +10,8 @@ This module owns everything that touches an object store, through pyarrow's file
   this module is the one API callers use).
 * :class:`Mirror` is one remote folder plus its staging copy. The run writes every file
   locally first (all existing code keeps working on plain paths) and pushes or pulls
-  files with :meth:`Mirror.upload` / :meth:`Mirror.download`. Object stores have no
+  files with :meth:`Mirror.upload` / :meth:`Mirror.download`; where a file lies on either
+  side is :class:`~diloco_ray.persist.mirror_paths.MirrorPaths`. Object stores have no
   rename, so atomicity comes from order instead: :meth:`Mirror.upload_files` sends a
   manifest *after* the files it lists, and readers trust only what a manifest lists.
 
@@ -26,9 +27,9 @@ import os
 import re
 import threading
 from typing import TYPE_CHECKING, Iterable, Iterator
-from urllib.parse import quote, unquote
 
 from diloco_ray.errors import ConfigError
+from diloco_ray.persist.mirror_paths import MirrorPaths
 from diloco_ray.persist.uris import (
     REMOTE_SCHEMES,
     _filesystem,
@@ -93,6 +94,7 @@ class Mirror:
         self._parts = _Parts(uri, "output_dir")
         self.uri = self._parts.uri
         self.local = os.path.abspath(os.fspath(local) if local is not None else staging_root(uri))
+        self.paths = MirrorPaths(self.uri, self._parts.path, self.local)
 
     def __repr__(self) -> str:
         return f"Mirror({self.uri!r}, local={self.local!r})"
@@ -107,50 +109,13 @@ class Mirror:
         """
         return _filesystem(self._parts)
 
-    # --- paths
-
-    def _relative(self, path: str) -> str:
-        """``path`` as a '/'-separated path relative to ``self.local`` ('' for the root)."""
-        p = os.fspath(path)
-        if "://" in p:
-            # A remote URI under ours is accepted; anything else would otherwise be joined
-            # onto self.local as a nonsense local path such as "<local>/s3:/b/x".
-            base = self.uri.split("?", 1)[0]
-            plain = p.split("?", 1)[0]
-            if plain == base:
-                return ""
-            if plain.startswith(base + "/"):
-                return unquote(plain[len(base) + 1 :]).strip("/")
-            raise ValueError(f"{p!r} is not under {self.uri!r}")
-        full = os.path.normpath(p if os.path.isabs(p) else os.path.join(self.local, p))
-        rel = os.path.relpath(full, self.local)
-        if _outside(rel):
-            # The same folder reached through a symlink (e.g. /tmp -> /private/tmp).
-            rel = os.path.relpath(os.path.realpath(full), os.path.realpath(self.local))
-        if _outside(rel):
-            raise ValueError(f"{p!r} is outside the staging folder {self.local!r} of {self.uri!r}")
-        return "" if rel == os.curdir else rel.replace(os.sep, "/")
-
-    def _remote_path(self, path: str) -> str:
-        """The path inside the filesystem for local ``path``."""
-        rel = self._relative(path)
-        return f"{self._parts.path}/{rel}" if rel else self._parts.path
-
     def remote(self, path: str) -> str:
-        """The full remote URI of a local path.
-
-        Args:
-            path: a path under ``self.local``, or relative to it.
-
-        Returns:
-            ``self.uri`` + ``/`` + the relative path (%-encoded; query options kept at the end).
+        """The full remote URI of a local path (under ``self.local``, or relative to it).
 
         Raises:
             ValueError: ``path`` is outside ``self.local``.
         """
-        rel = self._relative(path)
-        base, sep, query = self.uri.partition("?")
-        return (f"{base}/{quote(rel, safe='/')}" if rel else base) + sep + query
+        return self.paths.remote_uri(path)
 
     # --- transfers
 
@@ -193,33 +158,17 @@ class Mirror:
             ConfigError: the bucket does not exist.
             OSError: any other failure, as pyarrow raised it.
         """
-        late = [f for p in last for f in self._local_files(p)]
+        late = [f for p in last for f in self.paths.local_files(p)]
         late_set = {rel for _, rel in late}
-        early = [(f, rel) for p in paths for f, rel in self._local_files(p) if rel not in late_set]
+        early = [(f, rel) for p in paths for f, rel in self.paths.local_files(p) if rel not in late_set]
         sent, done = 0, set()
         with self._bucket_errors():
             for local, rel in early + late:
                 if rel in done:
                     continue
                 done.add(rel)
-                sent += put_file(self.fs, local, self._remote_path(rel))
+                sent += put_file(self.fs, local, self.paths.remote_path(rel))
         return sent
-
-    def _local_files(self, path: str) -> list[tuple[str, str]]:
-        """(absolute local file, relative path) for a file, or a folder's files sorted."""
-        rel = self._relative(path)
-        full = os.path.join(self.local, *rel.split("/")) if rel else self.local
-        if os.path.isfile(full):
-            return [(full, rel)]
-        if not os.path.isdir(full):
-            raise FileNotFoundError(f"cannot upload {full!r}: no such file or folder")
-        found = []
-        for root, dirs, files in os.walk(full):
-            dirs.sort()
-            for name in files:
-                f = os.path.join(root, name)
-                found.append((f, os.path.relpath(f, self.local).replace(os.sep, "/")))
-        return sorted(found, key=lambda item: item[1])
 
     def download(self, path: str, size: int | None = None) -> bool:
         """Copy a remote file, or a folder recursively, to its local path, overwriting.
@@ -242,9 +191,8 @@ class Mirror:
         """
         import pyarrow.fs as pafs
 
-        rel = self._relative(path)
-        target = os.path.join(self.local, *rel.split("/")) if rel else self.local
-        remote = self._remote_path(rel)
+        rel = self.paths.relative(path)
+        target, remote = self.paths.local_path(rel), self.paths.remote_path(rel)
         info = self.fs.get_file_info(remote)
         if info.type == pafs.FileType.NotFound:
             return False
@@ -267,10 +215,7 @@ class Mirror:
             i for i in self.fs.get_file_info(pafs.FileSelector(remote, recursive=True)) if i.type == pafs.FileType.File
         ]
         for item in sorted(files, key=lambda i: i.path):
-            rel = item.path[len(remote) :].strip("/")
-            local = os.path.normpath(os.path.join(target, *rel.split("/")))
-            if _outside(os.path.relpath(local, target)):  # a key with ".." in it
-                raise ValueError(f"remote object {item.path!r} maps outside {target!r}")
+            local = self.paths.under(target, item.path[len(remote) :].strip("/"))
             get_file(self.fs, item.path, local, item.size)
         os.makedirs(target, exist_ok=True)
 
@@ -284,7 +229,7 @@ class Mirror:
         """
         import pyarrow.fs as pafs
 
-        return self.fs.get_file_info(self._remote_path(path)).type != pafs.FileType.NotFound
+        return self.fs.get_file_info(self.paths.remote_path(path)).type != pafs.FileType.NotFound
 
     def listdir(self, path: str) -> list[str]:
         """Names directly under the remote counterpart of folder ``path``.
@@ -298,7 +243,7 @@ class Mirror:
         """
         import pyarrow.fs as pafs
 
-        remote = self._remote_path(path)
+        remote = self.paths.remote_path(path)
         infos = self.fs.get_file_info(pafs.FileSelector(remote, allow_not_found=True, recursive=False))
         return sorted({i.path[len(remote) :].strip("/") for i in infos} - {""})
 
@@ -308,7 +253,7 @@ class Mirror:
         no download: what a reader checks before deciding to fetch anything."""
         import pyarrow.fs as pafs
 
-        remote = self._remote_path(path)
+        remote = self.paths.remote_path(path)
         infos = self.fs.get_file_info(pafs.FileSelector(remote, allow_not_found=True, recursive=True))
         return {i.path[len(remote) :].strip("/"): i.size for i in infos if i.type == pafs.FileType.File}
 
@@ -324,7 +269,7 @@ class Mirror:
         """
         import pyarrow.fs as pafs
 
-        remote = self._remote_path(path)
+        remote = self.paths.remote_path(path)
         info = self.fs.get_file_info(remote)
         try:
             if info.type == pafs.FileType.File:
@@ -347,7 +292,7 @@ class Mirror:
             The bytes, or None if the file does not exist.
         """
         try:
-            with self.fs.open_input_stream(self._remote_path(path), compression=None) as src:
+            with self.fs.open_input_stream(self.paths.remote_path(path), compression=None) as src:
                 return src.read()
         except FileNotFoundError:
             return None
@@ -363,7 +308,7 @@ class Mirror:
             ConfigError: the bucket does not exist.
         """
         with self._bucket_errors():
-            self._write(self._remote_path(path), data)
+            self._write(self.paths.remote_path(path), data)
 
     def _write(self, remote: str, data: bytes) -> None:
         with self.fs.open_output_stream(remote, compression=None) as dst:
@@ -380,7 +325,7 @@ class Mirror:
         Returns:
             The time, or None if nothing is there or it is a folder (folders have none).
         """
-        info = self.fs.get_file_info(self._remote_path(path))
+        info = self.fs.get_file_info(self.paths.remote_path(path))
         return info.mtime.timestamp() if info.mtime is not None else None
 
     def check_writable(self) -> None:
@@ -394,7 +339,7 @@ class Mirror:
         """
         import pyarrow
 
-        remote = self._remote_path(_PROBE)
+        remote = self.paths.remote_path(_PROBE)
         try:
             self._write(remote, b"diloco-ray write probe\n")
             self.fs.delete_file(remote)
@@ -417,10 +362,6 @@ class Mirror:
             if isinstance(exc, FileNotFoundError) or not _NO_BUCKET.search(str(exc)):
                 raise
             raise ConfigError(self._bucket_message(exc)) from exc
-
-
-def _outside(rel: str) -> bool:
-    return rel == os.pardir or rel.startswith(os.pardir + os.sep) or os.path.isabs(rel)
 
 
 _MIRRORS: dict[str, Mirror] = {}

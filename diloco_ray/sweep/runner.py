@@ -67,41 +67,26 @@ def sweep(
     folder = prepare_folder(trials, output_dir)
     plans = write_plans(trials, folder)
     asha = {"grace_period": grace_rounds, "reduction_factor": reduction_factor}
-    with _ray_session(trials, folder, ray_output_to_file) as quiet:
-        with quiet.redirected() if quiet is not None else contextlib.nullcontext():
+    with _ray_session(trials, folder, ray_output_to_file) as session:
+        with session.quiet.redirected() if session.quiet is not None else contextlib.nullcontext():
             tune_results, seconds = _fit(trials, plans, folder, asha, max_concurrent, on_line)
     results = collect(trials, plans, tune_results, seconds, folder)
     write_results(results, trials)
     return results
 
 
-@contextlib.contextmanager
 def _ray_session(trials: list, folder: str, ray_output_to_file: bool):
     """The sweep's Ray: the one this process is connected to, or a private one sized for the
-    largest trial (a grid over num_replicas varies them), stopped at the end. Yields the
-    :class:`RayOutputFile` that holds Ray's output when asked for one, else None."""
-    import ray
-
+    largest trial (a grid over num_replicas varies them), stopped at the end; Ray's output
+    in ``folder/logs`` when asked."""
     from diloco_ray.control import ray_connection
-    from diloco_ray.observe.ray_output import RAY_LOG, RayOutputFile
+    from diloco_ray.control.ray_session import RaySession
+    from diloco_ray.observe.ray_output import RAY_LOG
 
-    def connect() -> bool:  # whether it started a private Ray
-        if ray.is_initialized():
-            return False
-        largest = max(trials, key=lambda t: grids.trial_need(t.config, cluster_has_gpus=False)["CPU"])
-        s = largest.config.sections()
-        return ray_connection.connect(s.membership, s.placement)
-
-    quiet = RayOutputFile(os.path.join(folder, "logs", RAY_LOG)) if ray_output_to_file else None
-    started = False
-    try:
-        started = quiet.around_connect(connect) if quiet is not None else connect()
-        yield quiet
-    finally:
-        if started:
-            ray.shutdown()
-        if quiet is not None:
-            quiet.close()
+    largest = max(trials, key=lambda t: grids.trial_need(t.config, cluster_has_gpus=False)["CPU"])
+    s = largest.config.sections()
+    output = os.path.join(folder, "logs", RAY_LOG) if ray_output_to_file else None
+    return RaySession(lambda: ray_connection.connect(s.membership, s.placement), output)
 
 
 def prepare_folder(trials: list, output_dir: str) -> str:

@@ -10,6 +10,7 @@ from conftest import ROOT
 
 from diloco_ray import cli
 from diloco_ray.errors import disk_full
+from diloco_ray.persist.disk_full import disk_full_line
 
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
 FULL = os.strerror(errno.ENOSPC)
@@ -125,6 +126,6 @@ def test_train_on_a_full_disk_is_one_line_exit_1_and_drops_the_half_checkpoint(t
 @pytest.mark.parametrize("inside", [True, False])
 def test_the_line_names_output_dir_only_when_the_file_is_in_it(tmp_path, inside):
     where = str(tmp_path / "run" / "metrics.jsonl") if inside else "/var/tmp/ray/session/spill"
-    line = cli.disk_full_line(OSError(errno.ENOSPC, FULL, where), str(tmp_path / "run"))
+    line = disk_full_line(OSError(errno.ENOSPC, FULL, where), str(tmp_path / "run"))
     assert line.startswith("output_dir: " if inside else "no space left on device writing '/var/tmp/ray")
     assert where in line

@@ -410,7 +410,7 @@ def test_a_download_is_held_to_the_size_listed(mirror):
         mirror.download("f.bin", size=50)  # grew since the listing: refused before the transfer
     # Replaced between the size check and the read: the transfer stops past the size.
     with pytest.raises(OSError, match="more than 10 bytes"):
-        uris.get_file(mirror.fs, mirror._remote_path("f.bin"), os.path.join(mirror.local, "f.bin"), 10)
+        uris.get_file(mirror.fs, mirror.paths.remote_path("f.bin"), os.path.join(mirror.local, "f.bin"), 10)
     assert os.listdir(mirror.local) == []  # neither left a file, partial or whole
     assert mirror.download("f.bin", size=100) and tree(mirror.local) == {"f.bin": b"x" * 100}
 
