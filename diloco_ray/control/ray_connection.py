@@ -1,5 +1,6 @@
 """How the driver reaches Ray: the cluster RAY_ADDRESS names, a live local head of the
-user's own, or a private instance of its own.
+user's own, or a private instance of its own; and how a region's agent reaches its own
+cluster (:func:`connect_region`).
 
 ``ray.init()`` without an address joins the cluster named in Ray's
 ``ray_current_cluster`` file (written by ``ray start --head``), and refuses
@@ -22,10 +23,11 @@ import os
 import socket
 import stat
 import tempfile
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 from diloco_ray.config.sections import MembershipSection, PlacementSection
-from diloco_ray.errors import ConfigError
+from diloco_ray.errors import ConfigError, first_line
 from diloco_ray.logs import log
 
 
@@ -110,6 +112,34 @@ def connect(membership: MembershipSection, placement: PlacementSection) -> bool:
         log.warning("not joining the local Ray cluster that %s names: %s; starting a private one", path, foreign)
     ray.init(address="local", num_cpus=logical_cpus(membership, placement), include_dashboard=False, log_to_driver=True)
     return True
+
+
+REGION_CPUS = 8  # a region's private Ray's logical CPUs at least: rank actors reserve fractions of them
+REGION_START_TRIES = 3  # starts of a region's private Ray before its agent gives up
+
+
+def connect_region(log_line: Callable[[str], None]) -> bool:
+    """Connect a region's agent to its cluster: the one ``RAY_ADDRESS`` names, else a
+    private Ray with room for several replicas (logical CPUs, as the trainer's private Ray
+    has), tried again when a busy machine's head misses Ray's own start-up deadline.
+    Returns whether it started the private one."""
+    import ray
+
+    address = os.environ.get("RAY_ADDRESS")
+    if address and address != "local":
+        ray.init(address=address)
+        return False
+    for attempt in range(1, REGION_START_TRIES + 1):
+        try:
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, REGION_CPUS), include_dashboard=False)
+            return True
+        except Exception as e:
+            ray.shutdown()
+            if attempt == REGION_START_TRIES:
+                raise
+            log_line(f"region: Ray did not start ({first_line(e)}); trying again ({attempt} of {REGION_START_TRIES})")
+            time.sleep(2.0 * attempt)
+    return False
 
 
 def logical_cpus(membership: MembershipSection, placement: PlacementSection) -> int:

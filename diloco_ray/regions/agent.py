@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
@@ -49,6 +48,8 @@ from diloco_ray.channel.client import ChannelClient, ChannelRefused
 from diloco_ray.channel.headers import MAX_WAIT_S
 from diloco_ray.config.fault_plan import for_region
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.control import ray_connection
+from diloco_ray.control.ray_session import RaySession
 from diloco_ray.errors import first_line
 from diloco_ray.logs import log
 from diloco_ray.regions import notices, wire
@@ -59,8 +60,6 @@ from diloco_ray.regions.notices import Abort, HomeNotice, SaveRequest, Stop
 from diloco_ray.regions.replicas import RegionReplicas, job_for
 from diloco_ray.runtime.messages import Contribution, RegionFacts, RoundStats
 
-LOCAL_CPUS = 8  # a private Ray's logical CPUs at least: rank actors reserve fractions of them
-START_TRIES = 3  # starts of a private Ray before the agent gives up
 MAILBOX_THREADS = 64  # takes waiting at once: every rank's messages of a period, and full weights
 
 
@@ -126,7 +125,7 @@ class RegionAgent:
         self.give_up_after_s = give_up_after_s
         self.replicas: Optional[RegionReplicas] = None
         self.mailbox = None
-        self.started_ray = False
+        self.ray = RaySession(lambda: ray_connection.connect_region(self.log))
         self.stopping = threading.Event()
         self.ahead: Optional[Ahead] = None  # with overlap: the next period, started before its notice
 
@@ -134,7 +133,7 @@ class RegionAgent:
         """Connect to this region's Ray, join, start the replicas, and run every job the
         home hands out until it says the run is over. Returns the syncs this region took
         part in. Ray comes first: a region that cannot start it never joins the round."""
-        self._connect_ray()
+        self.ray.open()
         self.log(f"region {self.client.region!r}: Ray is up; joining the home at {self.client.address}")
         info = self.client.join()
         home, region = info["config"], info["region"]
@@ -238,29 +237,6 @@ class RegionAgent:
         taken = self.books.load()
         if taken:
             self.log(f"region: {taken}")
-
-    def _connect_ray(self) -> None:
-        """This region's Ray: the cluster ``RAY_ADDRESS`` names, else a private one with room
-        for several replicas (logical CPUs, as the trainer's private Ray has)."""
-        import ray
-
-        if ray.is_initialized():
-            return
-        address = os.environ.get("RAY_ADDRESS")
-        if address and address != "local":
-            ray.init(address=address)
-            return
-        for attempt in range(1, START_TRIES + 1):
-            try:
-                ray.init(address="local", num_cpus=max(os.cpu_count() or 1, LOCAL_CPUS), include_dashboard=False)
-                break
-            except Exception as e:  # a busy machine's head may miss Ray's own start-up deadline
-                ray.shutdown()
-                if attempt == START_TRIES:
-                    raise
-                self.log(f"region: Ray did not start ({first_line(e)}); trying again ({attempt} of {START_TRIES})")
-                time.sleep(2.0 * attempt)
-        self.started_ray = True
 
     def _sync(self, notice: wire.Notice) -> None:
         """One sync period of every replica, merged into the region's one reply (the
@@ -388,12 +364,8 @@ class RegionAgent:
 
     def close(self) -> None:
         """Stop the replicas (and this cluster's Ray, when the agent started it)."""
-        import ray
-
         self.stopping.set()
         if self.replicas is not None:
             self.replicas.close()
-        if self.started_ray:
-            ray.shutdown()
-            self.started_ray = False
+        self.ray.close()
         self.client.close()
