@@ -1,7 +1,5 @@
 """transport.receive: buffers come back as sent, held until a simulated link delivers them."""
 
-import time
-
 import pytest
 import torch
 
@@ -9,13 +7,16 @@ from diloco_ray.algo import compression, links, wire_layout
 from diloco_ray.algo.codecs import Codec
 from diloco_ray.runtime import transport
 
+NOW = 1_800_000_000.0  # the wall clock, as the tests' links read it: the same however long a test takes
+
 
 @pytest.fixture
 def slept(monkeypatch):
-    """The seconds transport.receive asked to sleep (nothing sleeps for real)."""
+    """The seconds transport.receive asked to sleep (nothing sleeps for real), on a clock
+    that stands at NOW."""
     calls = []
     real = links.wait_for
-    monkeypatch.setattr(links, "wait_for", lambda arrivals: real(arrivals, sleep=calls.append))
+    monkeypatch.setattr(links, "wait_for", lambda arrivals: real(arrivals, sleep=calls.append, clock=lambda: NOW))
     return calls
 
 
@@ -24,7 +25,7 @@ def message(meta):
 
 
 def test_unstamped_buffers_come_back_at_once(slept):
-    bufs = [message({"version": 1}), message({}), message({"sent_at": time.time() + 60})]
+    bufs = [message({"version": 1}), message({}), message({"sent_at": NOW + 60})]
     got = transport.receive(bufs)
     # a bare sent_at (the servers stamp every weights message) is not a link stamp
     assert [b is a for a, b in zip(bufs, got)] == [True] * 3 and slept == []
@@ -32,19 +33,17 @@ def test_unstamped_buffers_come_back_at_once(slept):
 
 def test_a_stamped_uplink_holds_until_its_latest_arrival(slept):
     link = links.Link(mbps=8.0, latency_ms=100.0)  # 1 MB/s
-    now = time.time()
-    early = message(links.stamp(link, 100_000, clock=lambda: now - 10))  # arrived long ago
-    late = message(links.stamp(link, 1_000_000, clock=lambda: now))  # 0.1 s + 1 s from now
+    early = message(links.stamp(link, 100_000, clock=lambda: NOW - 10))  # arrived long ago
+    late = message(links.stamp(link, 1_000_000, clock=lambda: NOW))  # 0.1 s + 1 s from now
     transport.receive([early, late])
-    assert len(slept) == 1 and 1.0 < slept[0] <= 1.1
+    assert slept == [pytest.approx(1.1, abs=1e-6)]
 
 
 def test_the_readers_own_downlink_counts_every_byte_it_reads(slept):
     link = links.Link(mbps=8.0)
-    bufs = [message({"sent_at": time.time()}) for _ in range(2)]  # the servers' stamp
+    bufs = [message({"sent_at": NOW}) for _ in range(2)]  # the servers' stamp
     transport.receive(bufs, link)
-    expected = sum(len(b) for b in bufs) / 1e6  # bytes at 1 MB/s
-    assert len(slept) == 1 and expected * 0.95 < slept[0] <= expected
+    assert slept == [pytest.approx(sum(len(b) for b in bufs) / 1e6, abs=1e-6)]  # bytes at 1 MB/s
 
 
 def test_prefetch_fetches_in_another_thread_and_receive_takes_its_result(monkeypatch):
