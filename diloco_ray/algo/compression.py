@@ -215,6 +215,8 @@ def unpack(buf, lazy: bool = False, device: torch.device = HOST) -> tuple[dict, 
     codec = wire_layout.codec_of(header)
     for entry in header["tensors"]:
         wire_layout.check_entry(entry, codec, len(data) - start)
+    if data.ctypes.data % wire_layout.ALIGN:  # bytes that do not start on 8: sections view as fp32 from a copy
+        data = data.copy()
     if torch.device(device).type == "cpu":
         with warnings.catch_warnings():
             # Ray hands out read-only buffers; the decoded views are only read.

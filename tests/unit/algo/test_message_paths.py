@@ -148,3 +148,14 @@ def test_bit_packing_is_numpys(nbits, offset):
     assert np.array_equal(packed.numpy(), np.packbits(bits.numpy(), bitorder="little"))
     assert torch.equal(topk.unpackbits(packed)[: bits.numel()], bits)
     assert np.array_equal(topk.unpackbits(packed[1:]).numpy(), np.unpackbits(packed[1:].numpy(), bitorder="little"))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_message_whose_bytes_do_not_start_on_8_decodes_as_one_that_does(codec):
+    buf = compression.pack(tensors(6), Codec(codec, BLOCK, FRACTION))
+    raw = np.zeros(len(buf) + 1, dtype=np.uint8)
+    raw[1:] = buf
+    odd = raw[1:]  # as a bytes object or a slice of another buffer may start
+    assert odd.ctypes.data % 8
+    read, aligned = compression.unpack(odd)[0], compression.unpack(buf)[0]
+    assert all(same(read[n], aligned[n]) for n in SHAPES)
