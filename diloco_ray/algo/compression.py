@@ -33,7 +33,6 @@ must not hide them (a block holding one gets a NaN scale).
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import numpy as np
@@ -217,14 +216,8 @@ def unpack(buf, lazy: bool = False, device: torch.device = HOST) -> tuple[dict, 
         wire_layout.check_entry(entry, codec, len(data) - start)
     if data.ctypes.data % wire_layout.ALIGN:  # bytes that do not start on 8: sections view as fp32 from a copy
         data = data.copy()
-    if torch.device(device).type == "cpu":
-        with warnings.catch_warnings():
-            # Ray hands out read-only buffers; the decoded views are only read.
-            warnings.filterwarnings("ignore", message=".*not writable.*", category=UserWarning)
-            body = torch.from_numpy(data)[start:]
-    else:
-        check_byte_order()
-        body = device_copy.to_device(data, torch.device(device))[start:]
+    check_byte_order()
+    body = device_copy.to_device(data, torch.device(device))[start:]  # on the host: its own memory
     out = {}
     for entry in header["tensors"]:
         encoded = Encoded(body, entry, codec)
