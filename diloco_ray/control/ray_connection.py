@@ -129,17 +129,19 @@ def connect_region(log_line: Callable[[str], None]) -> bool:
     if address and address != "local":
         ray.init(address=address)
         return False
-    for attempt in range(1, REGION_START_TRIES + 1):
+    def start() -> None:
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, REGION_CPUS), include_dashboard=False)
+
+    for attempt in range(1, REGION_START_TRIES):
         try:
-            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, REGION_CPUS), include_dashboard=False)
+            start()
             return True
         except Exception as e:
             ray.shutdown()
-            if attempt == REGION_START_TRIES:
-                raise
             log_line(f"region: Ray did not start ({first_line(e)}); trying again ({attempt} of {REGION_START_TRIES})")
             time.sleep(2.0 * attempt)
-    return False
+    start()  # the last try: what stops it is the agent's error
+    return True
 
 
 def logical_cpus(membership: MembershipSection, placement: PlacementSection) -> int:

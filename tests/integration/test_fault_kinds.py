@@ -88,17 +88,19 @@ RUNS = {
                 {"kind": "nan", "replica": 0, "round": 1, "step": 1},
             ],
         ),
-        # Replica 1's first period 4 x 0.45 s longer than replica 0's, both paced by a fixed time
+        # Replica 1's first period 4 x 0.9 s longer than replica 0's, both paced by a fixed time
         # a step (no load changes the gap, where a multiple of the step's own time does): replica
-        # 0 arrives first and the first merge's wait for replica 1 (replica 0's period standing in
-        # for its pace, plus max(0.25 s, a quarter of a period)) ends before replica 1 arrives
-        # unless a period takes 7 s; replica 0 needs 20 periods of at least 0.2 s for the run, so
-        # it is still merging when replica 1 arrives, about 2 s and one period in.
+        # 0 arrives first, and the first merge's wait for replica 1 (replica 0's period standing
+        # in for its pace, plus max(0.25 s, a quarter of a period)) ends before replica 1 arrives
+        # unless the first period's own work (start-up included) takes 14 s, which a load of
+        # 10 on 2 cores reached with half this gap. Replica 0 needs 20 periods of at least
+        # 0.4 s for the run, twice replica 1's 4 s of pacing, so it is still merging when
+        # replica 1 arrives.
         "slow": (
             LONGER,
             [
-                *paced_by_rounds(replica=0, first_round=0, seconds=0.05),
-                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 0.5},
+                *paced_by_rounds(replica=0, first_round=0, seconds=0.1),
+                {"kind": "slow", "replica": 1, "round": 0, "step": 0, "seconds": 1.0},
             ],
         ),
         # Replica 0's periods take at least 0.8 s, so the run's 10 rounds' worth outlast the time

@@ -106,3 +106,61 @@ def test_a_private_ray_has_room_for_the_spares(monkeypatch):
     # A spare needs its own rank's CPU, or its placement group is never reserved.
     assert cpus(spare_replicas=1) == 4
     assert cpus(spare_replicas=1, ranks_per_replica=[2, 1]) == 7
+
+
+class FlakyRay:
+    """``ray.init`` that fails its first ``failures`` calls, as a busy machine's head that
+    misses Ray's start-up deadline does."""
+
+    def __init__(self, failures: int):
+        self.failures, self.inits, self.shutdowns, self.addresses = failures, 0, 0, []
+
+    def init(self, address=None, **kwargs):
+        self.inits += 1
+        self.addresses.append(address)
+        if self.inits <= self.failures:
+            raise RuntimeError("Timed out waiting for the head\nstack")
+
+    def shutdown(self):
+        self.shutdowns += 1
+
+
+@pytest.mark.parametrize("failures", [0, 1, ray_connection.REGION_START_TRIES - 1])
+def test_a_region_starts_its_private_ray_again_until_it_starts(monkeypatch, failures):
+    import ray
+
+    fake, lines = FlakyRay(failures), []
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", fake.init)
+    monkeypatch.setattr(ray, "shutdown", fake.shutdown)
+    monkeypatch.setattr(ray_connection.time, "sleep", lambda s: None)
+    assert ray_connection.connect_region(lines.append) is True
+    assert fake.inits == failures + 1 and fake.shutdowns == failures and set(fake.addresses) == {"local"}
+    assert lines == [
+        f"region: Ray did not start (Timed out waiting for the head); trying again ({n} of "
+        f"{ray_connection.REGION_START_TRIES})"
+        for n in range(1, failures + 1)
+    ]
+
+
+def test_a_region_gives_up_after_its_last_try_with_rays_error(monkeypatch):
+    import ray
+
+    fake = FlakyRay(ray_connection.REGION_START_TRIES)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(ray, "init", fake.init)
+    monkeypatch.setattr(ray, "shutdown", fake.shutdown)
+    monkeypatch.setattr(ray_connection.time, "sleep", lambda s: None)
+    with pytest.raises(RuntimeError, match="Timed out waiting for the head"):
+        ray_connection.connect_region(lambda line: None)
+    assert fake.inits == ray_connection.REGION_START_TRIES
+
+
+def test_a_region_joins_the_cluster_ray_address_names(monkeypatch):
+    import ray
+
+    fake = FlakyRay(0)
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    monkeypatch.setattr(ray, "init", fake.init)
+    assert ray_connection.connect_region(lambda line: None) is False
+    assert fake.addresses == ["10.0.0.1:6379"]
