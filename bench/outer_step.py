@@ -14,8 +14,9 @@ Two passes, as the sweep's cost asks on 2 cores:
   behind the others after ``--grace-rounds`` rounds;
 * ``--confirm lr/momentum,...``: the named steps over every seed, to the last round.
 
-``--outer-lr-schedule`` runs either pass under that outer lr schedule (its rows' step names
-end in it).
+``--outer-lr-schedule`` and ``--momentum-warmup N`` (``outer_momentum_warmup_rounds``) run
+either pass under that outer lr schedule or momentum warm-up (its rows' step names end in
+it: ``0.7/0.9 cosine``, ``0.7/0.9 warmup 4``).
 
 Each trial's row (setting, codec, step, seed, status, final eval loss, its curve) is
 appended to ``--log`` (JSON lines; a step already there for the same setting, codec and
@@ -72,8 +73,15 @@ def setting_values(setting: str, seed: int) -> dict:
     return cfg.to_dict()
 
 
-def step_name(lr: float, momentum: float, schedule: Optional[str] = None) -> str:
-    return f"{lr:g}/{momentum:g}" + (f" {schedule}" if schedule else "")
+def step_name(lr: float, momentum: float, variant: Optional[dict] = None) -> str:
+    """``lr/momentum``, then the variant's outer lr schedule and momentum warm-up, if any."""
+    variant = variant or {}
+    name = f"{lr:g}/{momentum:g}"
+    if variant.get("outer_lr_schedule"):
+        name += f" {variant['outer_lr_schedule']}"
+    if variant.get("outer_momentum_warmup_rounds"):
+        name += f" warmup {variant['outer_momentum_warmup_rounds']}"
+    return name
 
 
 def done_rows(log: str) -> list[dict]:
@@ -84,20 +92,21 @@ def done_rows(log: str) -> list[dict]:
 
 
 def run(
-    setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: Optional[int], log: str, schedule=None
+    setting: str, codec: str, seed: int, lrs: list, momenta: list, grace: Optional[int], log: str, variant=None
 ) -> None:
     """Sweep ``lrs`` x ``momenta`` for one setting, codec and seed; append a row a trial.
     ``grace``: rounds before ASHA may stop a trial (None: every trial runs to the end);
-    ``schedule``: the trials' ``outer_lr_schedule`` (None: constant), part of the step's name.
+    ``variant``: the trials' ``outer_lr_schedule`` and ``outer_momentum_warmup_rounds`` (None:
+    constant, none), part of the step's name.
 
     A step already in the log for this setting, codec and seed is not run again if it
     finished, or if it was stopped early and early stops are allowed now: a confirmation
     runs a step the screen stopped to the end."""
     done = {"finished"} if grace is None else {"finished", "stopped"}
     have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log) if r["status"] in done}
-    if all((setting, codec, step_name(lr, m, schedule), seed) in have for lr in lrs for m in momenta):
+    if all((setting, codec, step_name(lr, m, variant), seed) in have for lr in lrs for m in momenta):
         return
-    values = {**setting_values(setting, seed), **CODEC_FIELDS[codec], "outer_lr_schedule": schedule}
+    values = {**setting_values(setting, seed), **CODEC_FIELDS[codec], **(variant or {})}
     swept = sweep(
         values,
         {"outer_lr": lrs, "outer_momentum": momenta},
@@ -107,7 +116,7 @@ def run(
     )
     with open(log, "a") as f:
         for t in swept.trials:
-            step = step_name(t.overrides["outer_lr"], t.overrides["outer_momentum"], schedule)
+            step = step_name(t.overrides["outer_lr"], t.overrides["outer_momentum"], variant)
             row = {
                 "setting": setting,
                 "codec": codec,
@@ -174,6 +183,7 @@ def main(argv=None) -> int:
     parser.add_argument("--confirm", default="", help="steps LR/MOMENTUM,... over every seed, to the last round")
     parser.add_argument("--grace-rounds", type=int, default=4)
     parser.add_argument("--outer-lr-schedule", choices=["cosine", "linear", "polynomial"], default=None)
+    parser.add_argument("--momentum-warmup", type=int, default=0, help="outer_momentum_warmup_rounds of every trial")
     parser.add_argument("--log", default=os.path.join(HERE, "outer_step.jsonl"))
     parser.add_argument(
         "--markdown", action="store_true", help="print the summary of every setting as a table, run nothing"
@@ -183,13 +193,14 @@ def main(argv=None) -> int:
         print(markdown(done_rows(args.log)))
         return 0
     seeds = [int(s) for s in args.seeds.split(",")]
+    variant = {"outer_lr_schedule": args.outer_lr_schedule, "outer_momentum_warmup_rounds": args.momentum_warmup}
     for codec in args.codecs.split(","):
         if args.screen:
-            run(args.setting, codec, seeds[0], LRS, MOMENTA, args.grace_rounds, args.log, args.outer_lr_schedule)
+            run(args.setting, codec, seeds[0], LRS, MOMENTA, args.grace_rounds, args.log, variant)
         for step in filter(None, args.confirm.split(",")):
             lr, momentum = (float(x) for x in step.split("/"))
             for seed in seeds:
-                run(args.setting, codec, seed, [lr], [momentum], None, args.log, args.outer_lr_schedule)
+                run(args.setting, codec, seed, [lr], [momentum], None, args.log, variant)
     for row in summary(done_rows(args.log)):
         if row["setting"] == args.setting:
             print(

@@ -15,11 +15,11 @@ from typing import Mapping, Union
 from torch import Tensor
 
 from diloco_ray.algo import outer as outer_math
-from diloco_ray.algo.outer import clip_coefficient, outer_lr_at
+from diloco_ray.algo.outer import clip_coefficient, outer_lr_at, outer_momentum_at
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import OuterOptimSection, section_of
 
-__all__ = ["OuterOptimizer", "OuterOptimSection", "clip_coefficient", "outer_lr_at"]
+__all__ = ["OuterOptimizer", "OuterOptimSection", "clip_coefficient", "outer_lr_at", "outer_momentum_at"]
 
 
 class OuterOptimizer(outer_math.OuterOptimizer):

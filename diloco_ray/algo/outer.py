@@ -46,6 +46,7 @@ __all__ = [
     "clip_coefficient",
     "find_invalid",
     "outer_lr_at",
+    "outer_momentum_at",
     "sync_advances",
 ]
 
@@ -78,6 +79,18 @@ def outer_lr_at(base_lr: float, schedule: str | None, r: int, T: int) -> float:
     if schedule == "linear":
         return float(base_lr) * (1.0 - frac)
     return float(base_lr) * (1.0 - frac) ** 2
+
+
+def outer_momentum_at(momentum: float, warmup_updates: int, r: int) -> float:
+    """Outer momentum of outer update ``r`` (0-based) with ``warmup_updates``
+    (``outer_momentum_warmup_rounds``) of warm-up: ``momentum`` x (r + 1) / (warmup_updates + 1)
+    until update ``warmup_updates``, which has the whole of it (0: the whole throughout).
+    A short run's first pseudo-gradients, the largest, then do not compound through a
+    full-strength buffer. Never 0: torch's SGD keeps no buffer for a step at momentum 0, so
+    the first update's pseudo-gradient would be left out of it."""
+    if warmup_updates <= 0:
+        return float(momentum)
+    return float(momentum) * min(max(r, 0) + 1, warmup_updates + 1) / (warmup_updates + 1)
 
 
 def sync_advances(applied: bool, streaming: bool) -> bool:
@@ -155,6 +168,12 @@ class OuterOptimizer:
         self._schedule = outer.outer_lr_schedule
         self._loops = int(outer.diloco_loops)
         self._optimizer = build_outer_optimizer(list(self._params.values()), outer)
+        self._momentum_warmup = int(outer.outer_momentum_warmup_rounds)
+        if self._momentum_warmup and "momentum" not in self._optimizer.defaults:
+            raise ValueError(
+                f"outer_momentum_warmup_rounds needs an outer_opt with a momentum; {outer.outer_opt} has none (set 0)"
+            )
+        self._momentum = float(self._optimizer.defaults.get("momentum", 0.0))
         # An explicit lr in outer_opt_kwargs overrides outer_lr, schedule included.
         self._base_lr = float(self._optimizer.defaults["lr"])
         self._round = 0
@@ -237,6 +256,10 @@ class OuterOptimizer:
         """The outer lr of round ``round_index`` under the configured schedule."""
         return outer_lr_at(self._base_lr, self._schedule, round_index, self._loops)
 
+    def momentum_at(self, round_index: int) -> float:
+        """The outer momentum of update ``round_index`` under ``outer_momentum_warmup_rounds``."""
+        return outer_momentum_at(self._momentum, self._momentum_warmup, round_index)
+
     @property
     def max_norm(self) -> float | None:
         """``outer_grad_clip`` (None: no clipping)."""
@@ -280,6 +303,8 @@ class OuterOptimizer:
                 raise ValueError(f"outer gradient for {name!r} has shape {tuple(g.shape)}, want {tuple(p.shape)}")
         for group in self._optimizer.param_groups:
             group["lr"] = lr
+            if self._momentum_warmup:
+                group["momentum"] = self.momentum_at(self.round)
         if in_place:
             for name in list(mean):
                 p = self._params[name]
@@ -323,7 +348,7 @@ class OuterOptimizer:
         merge is clipped by its cycle instead of by ``clip_coef``
         (:func:`~diloco_ray.algo.decoupled.delayed_nesterov_clipped_`); the cycle's unclipped
         gradient lives in the optimizer's ``cycle_grad`` state, which checkpoints carry too."""
-        beta = float(self._optimizer.param_groups[0].get("momentum", 0.0))
+        beta = self.momentum_at(self.round)
         for name in list(mean):
             p = self._params[name]
             g = mean.pop(name).to(device=p.device, dtype=torch.float32)

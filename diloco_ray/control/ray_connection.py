@@ -129,6 +129,7 @@ def connect_region(log_line: Callable[[str], None]) -> bool:
     if address and address != "local":
         ray.init(address=address)
         return False
+
     def start() -> None:
         ray.init(address="local", num_cpus=max(os.cpu_count() or 1, REGION_CPUS), include_dashboard=False)
 

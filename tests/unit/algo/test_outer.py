@@ -20,7 +20,15 @@ from diloco_ray.algo.aggregate import (
     squares_by_part,
     weight_scale,
 )
-from diloco_ray.algo.outer import OuterOptimizer, OuterStepInfo, Rejected, Rejection, find_invalid, outer_lr_at
+from diloco_ray.algo.outer import (
+    OuterOptimizer,
+    OuterStepInfo,
+    Rejected,
+    Rejection,
+    find_invalid,
+    outer_lr_at,
+    outer_momentum_at,
+)
 from diloco_ray.config.sections import OuterOptimSection
 
 
@@ -32,6 +40,7 @@ def cfg(**overrides) -> OuterOptimSection:
         outer_opt_kwargs={},
         outer_lr_schedule=None,
         outer_grad_clip=None,
+        outer_momentum_warmup_rounds=0,
         diloco_loops=10,
     )
     base.update(overrides)
@@ -492,3 +501,36 @@ def test_in_place_one_parameter_at_a_time_equals_one_step(outer):
         assert scratch == {}  # consumed
         for k in start:
             assert torch.equal(alone.params[k], together.params[k]), (step, k)
+
+
+def test_outer_momentum_warms_up_linearly_then_holds():
+    assert [outer_momentum_at(0.9, 2, r) for r in range(5)] == pytest.approx([0.3, 0.6, 0.9, 0.9, 0.9])
+    assert outer_momentum_at(0.9, 0, 0) == 0.9
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"foreach": False}])  # fused (the default here) and not
+def test_sgd_nesterov_under_momentum_warmup_by_hand(kwargs):
+    opt = OuterOptimizer(
+        {"w": t(1.0)}, cfg(outer_lr=0.5, outer_momentum=0.9, outer_momentum_warmup_rounds=2, outer_opt_kwargs=kwargs)
+    )
+    # Update 0, momentum 0.3: buf = g = 1; step = g + 0.3 * buf = 1.3; w = 1 - 0.65
+    close(opt.step([{"w": t(1.0)}], [1.0])["w"], [0.35])
+    # Update 1, momentum 0.6: buf = 0.6 * 1 + 2 = 2.6; step = 2 + 0.6 * 2.6 = 3.56; w = 0.35 - 1.78
+    close(opt.step([{"w": t(2.0)}], [1.0])["w"], [-1.43])
+    # Update 2 on, momentum 0.9: buf = 0.9 * 2.6 - 1 = 1.34; step = -1 + 0.9 * 1.34 = 0.206
+    close(opt.step([{"w": t(-1.0)}], [1.0])["w"], [-1.533])
+    close(opt.momentum("w"), [1.34])
+
+
+def test_momentum_warmup_reaches_the_decoupled_step():
+    warm = OuterOptimizer({"w": t(1.0)}, cfg(outer_lr=0.5, outer_momentum=0.9, outer_momentum_warmup_rounds=2))
+    # delayed Nesterov at the end of a cycle with beta 0.3 (update 0): as SGD Nesterov's step
+    warm.apply_delayed({"w": t(1.0)}, lr=0.5, clip_coef=1.0, cycle_end=True)
+    cold = OuterOptimizer({"w": t(1.0)}, cfg(outer_lr=0.5, outer_momentum=0.3))
+    cold.apply_delayed({"w": t(1.0)}, lr=0.5, clip_coef=1.0, cycle_end=True)
+    torch.testing.assert_close(warm.params["w"], cold.params["w"], rtol=0, atol=0)
+
+
+def test_momentum_warmup_needs_an_outer_optimizer_with_a_momentum():
+    with pytest.raises(ValueError, match="outer_momentum_warmup_rounds needs an outer_opt with a momentum; Adam"):
+        OuterOptimizer({"w": t(1.0)}, cfg(outer_opt="Adam", outer_momentum_warmup_rounds=2))

@@ -40,9 +40,11 @@ def test_the_summary_takes_finished_seeds_and_compares_like_with_like():
     assert summary[("int8", "0.5/0.5")]["median_vs_best"] == 1.0
 
 
-def test_a_step_is_named_with_its_schedule():
+def test_a_step_is_named_with_its_schedule_and_momentum_warmup():
     assert outer_step.step_name(0.5, 0.5) == "0.5/0.5"
-    assert outer_step.step_name(1.0, 0.0, "cosine") == "1/0 cosine"
+    assert outer_step.step_name(1.0, 0.0, {"outer_lr_schedule": "cosine"}) == "1/0 cosine"
+    warm = {"outer_lr_schedule": None, "outer_momentum_warmup_rounds": 4}
+    assert outer_step.step_name(0.7, 0.9, warm) == "0.7/0.9 warmup 4"
 
 
 @pytest.fixture
@@ -74,14 +76,21 @@ def test_a_screened_step_is_not_run_again_but_a_confirmation_runs_a_stopped_one(
     assert values["outer_lr_schedule"] is None
 
 
-def test_a_schedule_is_a_step_of_its_own(tmp_path, sweeps):
+@pytest.mark.parametrize(
+    "variant, field",
+    [
+        ({"outer_lr_schedule": "cosine"}, "outer_lr_schedule"),
+        ({"outer_momentum_warmup_rounds": 4}, "outer_momentum_warmup_rounds"),
+    ],
+)
+def test_a_schedule_or_a_momentum_warmup_is_a_step_of_its_own(tmp_path, sweeps, variant, field):
     log = str(tmp_path / "log.jsonl")
     write(log, row("0.5/0.5", 0, 0.75, setting="tiny"))
     outer_step.run("tiny", "none", 0, [0.5], [0.5], None, log)
     assert sweeps == []
-    outer_step.run("tiny", "none", 0, [0.5], [0.5], None, log, schedule="cosine")
+    outer_step.run("tiny", "none", 0, [0.5], [0.5], None, log, variant=variant)
     ((values, _, _),) = sweeps
-    assert values["outer_lr_schedule"] == "cosine"
+    assert values[field] == variant[field]
 
 
 def test_the_markdown_table_lists_each_seed_under_its_step():

@@ -60,6 +60,7 @@ def outer_cfg(**overrides):
         outer_opt_kwargs={},
         outer_lr_schedule=None,
         outer_grad_clip=None,
+        outer_momentum_warmup_rounds=0,
         diloco_loops=4,
     )
     base.update(overrides)

@@ -53,8 +53,9 @@ def pack(tensors: dict[str, torch.Tensor], rows: dict[str, tuple[int, int]]) -> 
     return [buf]
 
 
-def make_servers(count: int) -> list[ParameterServer]:
+def make_servers(count: int, momentum_warmup: int = 0) -> list[ParameterServer]:
     cfg = make_config(
+        outer_momentum_warmup_rounds=momentum_warmup,
         num_param_servers=count,
         outer_grad_clip=CLIP,
         outer_lr=0.7,
@@ -86,9 +87,10 @@ def commit(servers: list[ParameterServer], grads: list[dict]) -> list:
     return [server.commit(plans, *reduced) for server in servers]
 
 
+@pytest.mark.parametrize("momentum_warmup", [0, 2])
 @pytest.mark.parametrize("count", [1, 2, 3])
-def test_the_public_step_is_the_servers_step(count):
-    servers = make_servers(count)
+def test_the_public_step_is_the_servers_step(count, momentum_warmup):
+    servers = make_servers(count, momentum_warmup)
     public = public_optimizer(servers)
     for r in range(4):
         grads = pseudo_grads(r)
