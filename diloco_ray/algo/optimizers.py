@@ -67,6 +67,12 @@ def build_outer_optimizer(params: list[torch.Tensor], outer: OuterOptimSection) 
     ):
         kwargs["fused"] = True
     try:
-        return cls(params, **kwargs)
+        optimizer = cls(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"outer_opt_kwargs: {e} (for {outer.outer_opt})") from None
+    if outer.outer_momentum_warmup_rounds and "momentum" not in optimizer.defaults:
+        raise ConfigError(
+            f"outer_momentum_warmup_rounds: {outer.outer_opt} has no momentum to warm up (set 0, or an outer_opt "
+            "with a momentum such as SGD)"
+        )
+    return optimizer

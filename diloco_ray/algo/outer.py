@@ -169,10 +169,6 @@ class OuterOptimizer:
         self._loops = int(outer.diloco_loops)
         self._optimizer = build_outer_optimizer(list(self._params.values()), outer)
         self._momentum_warmup = int(outer.outer_momentum_warmup_rounds)
-        if self._momentum_warmup and "momentum" not in self._optimizer.defaults:
-            raise ValueError(
-                f"outer_momentum_warmup_rounds needs an outer_opt with a momentum; {outer.outer_opt} has none (set 0)"
-            )
         self._momentum = float(self._optimizer.defaults.get("momentum", 0.0))
         # An explicit lr in outer_opt_kwargs overrides outer_lr, schedule included.
         self._base_lr = float(self._optimizer.defaults["lr"])

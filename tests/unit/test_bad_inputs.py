@@ -111,6 +111,8 @@ CASES = [
     Case("delayed-momentum-with-adamw", train("sync_mode=decoupled", "outer_opt=AdamW"), "decoupled_momentum: delayed", ("every_step",)),
     Case("grace-fraction-above-one", train("grace_fraction=2"), "grace_fraction: 2", ("<= 1.0",)),
     Case("inner-time-past-deadline", train("inner_time_s=9", "round_timeout_s=5"), "inner_time_s: 9", ("round_timeout_s=5",)),
+    Case("momentum-warmup-without-momentum", train("outer_opt=Adam", "outer_momentum_warmup_rounds=3"), "outer_momentum_warmup_rounds: Adam has no momentum", ("set 0", "SGD")),
+    Case("momentum-warmup-negative", train("outer_momentum_warmup_rounds=-1"), "outer_momentum_warmup_rounds: -1", (">= 0",)),
     Case("inner-opt-unknown", train("inner_opt=Adamm"), "inner_opt: 'Adamm'", ("did you mean 'Adam'", "allowed:")),
     Case("inner-opt-kwarg-unknown", train("inner_opt_kwargs={bogus: 1}"), "inner_opt_kwargs:", ("bogus",)),
     # --- fault_plan entries -------------------------------------------------------------------

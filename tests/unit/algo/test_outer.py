@@ -30,6 +30,7 @@ from diloco_ray.algo.outer import (
     outer_momentum_at,
 )
 from diloco_ray.config.sections import OuterOptimSection
+from diloco_ray.errors import ConfigError
 
 
 def cfg(**overrides) -> OuterOptimSection:
@@ -532,5 +533,5 @@ def test_momentum_warmup_reaches_the_decoupled_step():
 
 
 def test_momentum_warmup_needs_an_outer_optimizer_with_a_momentum():
-    with pytest.raises(ValueError, match="outer_momentum_warmup_rounds needs an outer_opt with a momentum; Adam"):
+    with pytest.raises(ConfigError, match="outer_momentum_warmup_rounds: Adam has no momentum to warm up"):
         OuterOptimizer({"w": t(1.0)}, cfg(outer_opt="Adam", outer_momentum_warmup_rounds=2))
