@@ -7,6 +7,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.pop("RAY_ADDRESS", None)
+# A run's ranks and servers are kept for the next run in this process (runtime.warm_actors):
+# a new actor imports torch and a rank transformers' model code, most of a tiny run's CPU.
+os.environ.setdefault("DILOCO_RAY_KEEP_ACTORS", "1")
 
 import pytest
 

@@ -328,7 +328,11 @@ class Membership:
             MembershipEvent("leave", self.round_of(), replica_id=rep.id, reason=reason, replicas=len(self.home))
         )
 
-    def stop_all(self) -> None:
-        for rep in self.home + self.spares + self.starting:
+    def stop_all(self, keep: bool = False) -> None:
+        """Stop every replica; ``keep``: keep the set-up ones' actors for the next run
+        (runtime.warm_actors), not those still starting."""
+        for rep in self.home + self.spares:
+            rep.stop(keep)
+        for rep in self.starting:
             rep.stop()
         self.home, self.spares, self.starting = [], [], []

@@ -43,6 +43,7 @@ from diloco_ray.observe.records import Evaluation
 from diloco_ray.persist import final_save
 from diloco_ray.persist.run_folder import RunFolder, resolve_resume
 from diloco_ray.regions.members import open_channel
+from diloco_ray.runtime import warm_actors
 from diloco_ray.runtime.faults import DriverFaults
 from diloco_ray.runtime.rank import RankWorker
 from diloco_ray.runtime.replica import Replica, start_token_data
@@ -111,6 +112,7 @@ class DilocoFSDPTrainer:
         self._global_refs: Optional[list] = None  # the servers' exact fp32 weights, once asked for
         self.stop_checkpoint: Optional[str] = None  # written when the run was told to stop
         self.stopped_by: Optional[str] = None  # the signal that stopped it (SIGTERM), when one did
+        self._ended_cleanly = False  # its actors may then be kept for the next run (runtime.warm_actors)
 
     # ---- public API -------------------------------------------------------------------
     def scale(self, n: int) -> int:
@@ -160,6 +162,7 @@ class DilocoFSDPTrainer:
                 self.run_round()
             result.final_path = self.save_final()
             self.notify("on_train_end")
+            self._ended_cleanly = True
         except RayTaskError as e:
             cause = unwrap(e)
             if isinstance(cause, UserInputError):
@@ -230,6 +233,7 @@ class DilocoFSDPTrainer:
             regions=self.regions,
         )
         self.members.place_initial(self.events.warn)
+        warm_actors.release()  # what this run's first members and servers did not take
         if self.regions is not None:
             self.regions.at_boundary(wait_s=s.membership.placement_timeout_s)
         self._inner_state_from = None
@@ -415,10 +419,12 @@ class DilocoFSDPTrainer:
         """Stop replicas and server; stop Ray if this trainer started it."""
         if self.regions is not None:
             self.regions.close()
+        # Kept only from a clean end, and only on a Ray that outlives this trainer.
+        keep = self._ended_cleanly and self.ray_session is not None and not self.ray_session.started
         if self.members is not None:
-            self.members.stop_all()
+            self.members.stop_all(keep)
         if self.server is not None:
-            self.server.kill()
+            self.server.kill(keep)
             self.server = None
         self.events.close(publish=self.run_dir.publish)
         if self.ray_session is not None:

@@ -58,8 +58,8 @@ class RegionMember:
         """The region's part of a checkpoint (see :meth:`RegionGateway.save_region`)."""
         return [self.gateway.save_region.remote(self.name, folder, self.round_of(), sent_verdicts)]
 
-    def stop(self) -> None:
-        """Nothing to stop here: the region's own cluster runs its replicas."""
+    def stop(self, keep: bool = False) -> None:
+        """Nothing to stop (or keep) here: the region's own cluster runs its replicas."""
 
 
 class RegionMembers:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import time
 
@@ -405,10 +406,23 @@ class RankWorker:
         """:meth:`RankOutput.describe`: what this rank actually built."""
         return self.output.describe()
 
-    def shutdown(self) -> None:
+    # ---- kept between runs (runtime.warm_actors) ----------------------------------------
+    def retire(self) -> bool:
+        """Let go of everything of this run (model, optimizer, data, process group) so the
+        process can be kept for the next run; False, keeping it all, while a period's
+        messages are still waiting to be sent."""
         import torch.distributed as dist
 
+        if not self.outbox.empty():
+            return False
         if self.state is not None:
             self.state.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.__dict__.clear()
+        gc.collect()
+        return True
+
+    def reset(self, config: dict, replica_id: int, rank: int, world_size: int, device: str = "cpu") -> None:
+        """Become rank ``rank`` of replica ``replica_id`` of a new run, as a new actor would."""
+        self.__init__(config, replica_id, rank, world_size, device)

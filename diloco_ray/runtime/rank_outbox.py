@@ -51,6 +51,11 @@ class Outbox:
             self._posted.append((attempt, sent, why))
             self._changed.notify_all()
 
+    def empty(self) -> bool:
+        """Whether every posted period's messages were taken."""
+        with self._changed:
+            return not self._posted
+
     def take(self, attempt: int) -> Optional[DownCopy]:
         """The messages of ``attempt``, once its period has posted them (None: it sends
         nothing).

@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DataSection, ModelSection
 from diloco_ray.data import samples, sources
+from diloco_ray.runtime import warm_actors
 from diloco_ray.runtime.messages import SyncPeriod
 from diloco_ray.runtime.placement import place_ranks, replica_layout
 from diloco_ray.runtime.rank import RankWorker
@@ -96,13 +97,33 @@ class Replica:
         self.setup_refs: list | None = None  # set once set-up has been started
         self.nodes: list[str] = []  # each rank's Ray node id, known once set-up has been started
         self.requested_at = 0.0
+        rank_args = [
+            (config.for_replica(replica_id).to_dict(), replica_id, r, self.world_size, device)
+            for r in range(self.world_size)
+        ]
+
+        def reset(ranks: list) -> list:
+            return [rank.reset.remote(*args) for rank, args in zip(ranks, rank_args)]
+
+        # Kept actors of this shape are taken first, with their placement group (runtime.warm_actors).
+        shape = (tuple(sorted(bundle.items())), self.world_size, self.placement.nodes_per_replica, device)
+        self.key = (worker_cls.__qualname__, worker_cls, *shape)
+        kept = warm_actors.take(self.key, reset)
+        if kept is not None:
+            self.pg, self.ranks = kept.pg, kept.actors
+        else:
+            self._start(bundle, worker_cls, device, rank_args)
+        self.placed_ref = self.pg.ready()
+
+    def _start(self, bundle: dict, worker_cls: type, device: str, rank_args: list) -> None:
+        """Reserve the placement group and start one new actor per rank."""
         layout = replica_layout(bundle, self.world_size, self.placement.nodes_per_replica)
         self.pg = placement_group(
             layout.bundles,
             strategy=layout.strategy,
             # Unique: a group whose removal (asynchronous) lags, or a crashed trainer's, must not
             # refuse the next trainer's in the same job (names are unique per Ray namespace).
-            name=f"diloco-replica-{replica_id}-{uuid.uuid4().hex[:8]}",
+            name=f"diloco-replica-{self.id}-{uuid.uuid4().hex[:8]}",
         )
         # "control" lets abort() reach a rank while run_period() is busy; "messages" lets a
         # period's messages leave while the next period runs; every other call stays in the
@@ -115,10 +136,9 @@ class Replica:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=layout.bundle_of_rank[r]
                 ),
-            ).remote(config.for_replica(replica_id).to_dict(), replica_id, r, self.world_size, device)
+            ).remote(*rank_args[r])
             for r in range(self.world_size)
         ]
-        self.placed_ref = self.pg.ready()
 
     def pending_refs(self) -> list:
         """What this replica's start is waiting on: placement, then the ranks' set-up."""
@@ -183,8 +203,12 @@ class Replica:
     def save_final(self, weight_refs: list, path: str, merged_path: str | None = None) -> list:
         return [r.save_final.remote(weight_refs, path, merged_path) for r in self.ranks]
 
-    def stop(self) -> None:
-        """Kill the rank actors and release the placement group (idempotent)."""
+    def stop(self, keep: bool = False) -> None:
+        """Kill the rank actors and release the placement group (idempotent); ``keep``: keep
+        them for the next run instead, where they can be (runtime.warm_actors)."""
+        if keep and self.ranks and warm_actors.keep(self.key, self.ranks, self.pg):
+            self.ranks = []
+            return
         for r in self.ranks:
             try:
                 ray.kill(r, no_restart=True)

@@ -34,6 +34,7 @@ stand are a :class:`~diloco_ray.runtime.server_store.SliceStore` (the data curso
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Optional
 
@@ -175,6 +176,17 @@ class ParameterServer:
     def alive(self) -> bool:
         """Answers (the driver's liveness question, :meth:`ServerGroup.ping`)."""
         return True
+
+    # ---- kept between runs (runtime.warm_actors) ----------------------------------------
+    def retire(self) -> bool:
+        """Let go of this run's state so the process can be kept for the next run."""
+        self.__dict__.clear()
+        gc.collect()
+        return True
+
+    def reset(self, config: dict, index: int = 0) -> None:
+        """Become server ``index`` of a new run, as a new actor would."""
+        self.__init__(config, index)
 
     def round_index(self) -> int:
         """The index of the next round to apply."""

@@ -19,6 +19,7 @@ import ray
 
 from diloco_ray.algo import compression
 from diloco_ray.config.schema import TrainerConfig
+from diloco_ray.runtime import warm_actors
 from diloco_ray.runtime.messages import Contribution
 from diloco_ray.runtime.server import ParameterServer
 
@@ -56,12 +57,22 @@ class ServerGroup:
         remote_cls = ray.remote(concurrency_groups={"control": 1})(server_cls)
         # A GPU only when asked for (server_gpus): Ray then shows the server that one GPU.
         gpus = {"num_gpus": placement.server_gpus} if placement.server_gpus else {}
-        self.actors = [
-            remote_cls.options(
-                num_cpus=placement.server_cpus, resources=per_server[s] or None, name=None, **gpus
-            ).remote(config.to_dict(), s)
-            for s in range(count)
-        ]
+        self.actors, self.keys = [], []
+        for s in range(count):
+            resources = per_server[s] or None
+            shape = (placement.server_cpus, tuple(sorted((resources or {}).items())), placement.server_gpus)
+            key = (server_cls.__qualname__, server_cls, *shape)
+
+            def reset(actors: list, s: int = s) -> list:
+                return [a.reset.remote(config.to_dict(), s) for a in actors]
+
+            # A kept server of this shape first (runtime.warm_actors).
+            kept = warm_actors.take(key, reset)
+            if kept is None:
+                options = dict(num_cpus=placement.server_cpus, resources=resources, name=None, **gpus)
+                kept = warm_actors.Kept(key, [remote_cls.options(**options).remote(config.to_dict(), s)])
+            self.actors += kept.actors
+            self.keys.append(key)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -160,8 +171,12 @@ class ServerGroup:
         slices = [r for r in ray.get([a.rows_of.remote(name) for a in self.actors]) if r is not None]
         return assemble_rows(name, shape, slices)
 
-    def kill(self) -> None:
-        for a in self.actors:
+    def kill(self, keep: bool = False) -> None:
+        """Kill the servers; ``keep``: keep them for the next run instead, where they can be
+        (runtime.warm_actors)."""
+        for a, key in zip(self.actors, self.keys):
+            if keep and warm_actors.keep(key, [a]):
+                continue
             try:
                 ray.kill(a, no_restart=True)
             except Exception:  # already gone

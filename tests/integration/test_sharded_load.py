@@ -75,7 +75,7 @@ def _rank(rank: int, meeting_points: list[str], jobs: list, out: str) -> None:
         rows = {n: (p.to_local() if hasattr(p, "to_local") else p.data).clone() for n, p in worker.params}
         listening = [c.laddr.ip for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
         results.append({"grew": grew, "rows": rows, "listening": listening})
-        worker.shutdown()
+        worker.retire()
         del worker
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
 
