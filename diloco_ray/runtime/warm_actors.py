@@ -24,6 +24,7 @@ they were started on: after ``ray.shutdown`` they are forgotten.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -71,6 +72,8 @@ class WarmActors:
     def __init__(self):
         self._kept: list[Kept] = []
         self._cluster: Optional[str] = None  # the Ray they were started on
+        # Trainers in threads of one process (a callback's, a test's) take and keep in turn.
+        self._lock = threading.RLock()
 
     def keep(self, key: tuple, actors: list, pg=None) -> bool:
         """Retire ``actors`` (of one placement group ``pg``, if any) and keep them under
@@ -85,22 +88,26 @@ class WarmActors:
             unit.kill()
             return False
         cluster = _cluster()
-        if self._cluster != cluster:
-            self._kept, self._cluster = [], cluster
-        self._kept.append(unit)
+        with self._lock:
+            if self._cluster != cluster:
+                self._kept, self._cluster = [], cluster
+            self._kept.append(unit)
         return True
 
     def take(self, key: tuple, reset: Callable[[list], list]) -> Optional[Kept]:
         """A kept unit of ``key``, its actors reset by ``reset(actors)`` (refs to wait on),
         or None: then nothing is kept any more, so a new unit finds the room it needs."""
-        if self._cluster != _cluster():
-            self._kept, self._cluster = [], None
+        cluster = _cluster()
         while True:
-            unit = next((u for u in self._kept if u.key == key), None)
+            with self._lock:
+                if self._cluster != cluster:
+                    self._kept, self._cluster = [], cluster
+                unit = next((u for u in self._kept if u.key == key), None)
+                if unit is not None:
+                    self._kept.remove(unit)
             if unit is None:
                 self.release()
                 return None
-            self._kept.remove(unit)
             try:
                 ray.get(reset(unit.actors), timeout=RESET_TIMEOUT_S)
                 return unit
@@ -110,9 +117,15 @@ class WarmActors:
 
     def release(self) -> None:
         """Kill every kept actor and free its reservation."""
-        kept, self._kept = self._kept, []
+        with self._lock:
+            kept, self._kept = self._kept, []
         for unit in kept:
             unit.kill()
+
+    def actors(self) -> list:
+        """Every kept actor's handle."""
+        with self._lock:
+            return [a for unit in self._kept for a in unit.actors]
 
     def __len__(self) -> int:
         return len(self._kept)

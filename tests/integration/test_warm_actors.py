@@ -15,7 +15,7 @@ SHAPE = dict(diloco_loops=2, max_steps=3, eval_batches=1)
 
 
 def kept_ids() -> set[str]:
-    return {a._actor_id.hex() for unit in warm_actors.POOL._kept for a in unit.actors}
+    return {a._actor_id.hex() for a in warm_actors.POOL.actors()}
 
 
 class FailAfterRound:
