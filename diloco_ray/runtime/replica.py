@@ -15,7 +15,7 @@ from __future__ import annotations
 import uuid
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from diloco_ray.config.schema import TrainerConfig
@@ -97,17 +97,15 @@ class Replica:
         self.setup_refs: list | None = None  # set once set-up has been started
         self.nodes: list[str] = []  # each rank's Ray node id, known once set-up has been started
         self.requested_at = 0.0
-        rank_args = [
-            (config.for_replica(replica_id).to_dict(), replica_id, r, self.world_size, device)
-            for r in range(self.world_size)
-        ]
+        own = config.for_replica(replica_id).to_dict()
+        rank_args = [(own, replica_id, r, self.world_size, device) for r in range(self.world_size)]
 
         def reset(ranks: list) -> list:
             return [rank.reset.remote(*args) for rank, args in zip(ranks, rank_args)]
 
         # Kept actors of this shape are taken first, with their placement group (runtime.warm_actors).
         shape = (tuple(sorted(bundle.items())), self.world_size, self.placement.nodes_per_replica, device)
-        self.key = (worker_cls.__qualname__, worker_cls, *shape)
+        self.key = (worker_cls, *shape)
         kept = warm_actors.take(self.key, reset)
         if kept is not None:
             self.pg, self.ranks = kept.pg, kept.actors
@@ -206,18 +204,8 @@ class Replica:
     def stop(self, keep: bool = False) -> None:
         """Kill the rank actors and release the placement group (idempotent); ``keep``: keep
         them for the next run instead, where they can be (runtime.warm_actors)."""
-        if keep and self.ranks and warm_actors.keep(self.key, self.ranks, self.pg):
-            self.ranks = []
-            return
-        for r in self.ranks:
-            try:
-                ray.kill(r, no_restart=True)
-            except Exception:  # already dead: nothing to release
-                pass
-        try:
-            remove_placement_group(self.pg)
-        except Exception:
-            pass
+        if not (keep and self.ranks and warm_actors.keep(self.key, self.ranks, self.pg)):
+            warm_actors.Kept(self.key, self.ranks, self.pg).kill()
         self.ranks = []
 
 

@@ -57,20 +57,21 @@ class ServerGroup:
         remote_cls = ray.remote(concurrency_groups={"control": 1})(server_cls)
         # A GPU only when asked for (server_gpus): Ray then shows the server that one GPU.
         gpus = {"num_gpus": placement.server_gpus} if placement.server_gpus else {}
+        job = config.to_dict()
         self.actors, self.keys = [], []
         for s in range(count):
             resources = per_server[s] or None
             shape = (placement.server_cpus, tuple(sorted((resources or {}).items())), placement.server_gpus)
-            key = (server_cls.__qualname__, server_cls, *shape)
+            key = (server_cls, *shape)
 
             def reset(actors: list, s: int = s) -> list:
-                return [a.reset.remote(config.to_dict(), s) for a in actors]
+                return [a.reset.remote(job, s) for a in actors]
 
             # A kept server of this shape first (runtime.warm_actors).
             kept = warm_actors.take(key, reset)
             if kept is None:
                 options = dict(num_cpus=placement.server_cpus, resources=resources, name=None, **gpus)
-                kept = warm_actors.Kept(key, [remote_cls.options(**options).remote(config.to_dict(), s)])
+                kept = warm_actors.Kept(key, [remote_cls.options(**options).remote(job, s)])
             self.actors += kept.actors
             self.keys.append(key)
 
@@ -175,12 +176,8 @@ class ServerGroup:
         """Kill the servers; ``keep``: keep them for the next run instead, where they can be
         (runtime.warm_actors)."""
         for a, key in zip(self.actors, self.keys):
-            if keep and warm_actors.keep(key, [a]):
-                continue
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception:  # already gone
-                pass
+            if not (keep and warm_actors.keep(key, [a])):
+                warm_actors.Kept(key, [a]).kill()
 
 
 def assemble_weights(buffers: list, shapes: dict) -> dict[str, np.ndarray]:

@@ -54,6 +54,7 @@ class Kept:
     pg: object = None
 
     def kill(self) -> None:
+        """Kill the actors and release the group (idempotent: what is gone stays gone)."""
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -82,7 +83,7 @@ class WarmActors:
         try:
             retired = ray.get([a.retire.remote() for a in unit.actors], timeout=RETIRE_TIMEOUT_S)
         except Exception as e:  # dead, or still busy with the run
-            log.info("not keeping actors %s: %s", key[0], e)
+            log.info("not keeping actors %s: %s", key, e)
             retired = [False]
         if not all(retired):
             unit.kill()
@@ -112,7 +113,7 @@ class WarmActors:
                 ray.get(reset(unit.actors), timeout=RESET_TIMEOUT_S)
                 return unit
             except Exception as e:  # died while kept (a killed process, a lost node)
-                log.info("a kept actor of %s is gone (%s): starting a new one", key[0], e)
+                log.info("a kept actor of %s is gone (%s): starting a new one", key, e)
                 unit.kill()
 
     def release(self) -> None:
