@@ -215,7 +215,13 @@ def test_a_flood_of_refusals_is_logged_once_per_interval(home):
 
 
 HOME_SCRIPT = """
-import os, sys, time
+import ctypes, signal, sys
+# SIGUSR1 asks the home to hand what the allocator keeps back to the system, then say so, so
+# that the test reads what the home holds rather than what malloc has not yet returned. It is
+# blocked before gRPC starts its threads (they inherit the mask) and taken by sigwait in the
+# main thread: a handler over a sleep waits out the sleep when the kernel hands the signal to
+# one of gRPC's threads, and a signal sent before the handler was set would kill the home.
+signal.pthread_sigmask(signal.SIG_BLOCK, {{signal.SIGUSR1}})
 sys.path.insert(0, {here!r})
 from diloco_ray.channel.credentials import RegionTokens
 from diloco_ray.channel.server import ChannelServer
@@ -223,14 +229,10 @@ server = ChannelServer(regions=["eu", "us"], tokens=RegionTokens({tokens!r}, ["e
     cert=open({cert!r}, "rb").read(), key=open({key!r}, "rb").read(), host="127.0.0.1", log=lambda line: None)
 print(server.start(), flush=True)
 server.expect("eu", "r/eu/1/0")
-# On SIGUSR1: hand what the allocator keeps back to the system, then say so, so that the
-# test reads what the home holds rather than what malloc has not yet returned.
-import ctypes, signal
-def trimmed(*_):
+while True:
+    signal.sigwait({{signal.SIGUSR1}})
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     print("trimmed", flush=True)
-signal.signal(signal.SIGUSR1, trimmed)
-time.sleep(600)
 """
 
 
