@@ -195,7 +195,7 @@ class ConfigFields(DerivedValues):
     outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.5; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings SparseLoCo's whole outer step; see docs/results.md, Outer step)", gt=0.0)
     outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5; 0 when pseudo_grad_compression: topk and outer_lr is null too, the decayed residual standing in for it; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(OUTER_OPTIM, None, "outer lr schedule over diloco_loops (null: constant)")
-    outer_momentum_warmup_rounds: int = _f(OUTER_OPTIM, 0, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start. Needs an outer_opt with a momentum (SGD)", ge=0)
+    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step, 0 with topk's or one set by hand, or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
     outer_grad_clip: Optional[float] = _f(OUTER_OPTIM, None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
     # --- decoupled mode ----------------------------------------------------------------
     sync_mode: Literal["sync", "decoupled"] = _f((RUN, CHECKPOINTING), "sync", "sync: every round waits for all replicas (up to round_timeout_s) and averages them; decoupled: each replica trains on its own clock and the server merges whatever has arrived (min_quorum, grace window, staleness discount; see docs/decoupled.md)")
@@ -294,30 +294,44 @@ class ConfigFields(DerivedValues):
 # SparseLoCo's outer step (no outer momentum, the decayed error-feedback residual standing in
 # for it, and 1/64 of each block), every other codec the plain step. The plain step is lr 0.5
 # under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
-# round: the DiLoCo paper's lr 0.7 under Nesterov 0.9 is tuned for hundreds of rounds and
-# overshoots in the tens of rounds a fine-tune or a short run has (docs/results.md, Outer
-# step, holds the sweep behind both). The outer step comes as a whole: a config that sets
-# outer_lr or outer_momentum has chosen its own, and the fields it leaves null take the plain
-# values. A value the user sets always wins.
+# round, with the momentum warmed up over the first 4 updates (an early update's momentum
+# otherwise carries the large first pseudo-gradients on for rounds): the DiLoCo paper's lr 0.7
+# under Nesterov 0.9 is tuned for hundreds of rounds and overshoots in the tens of rounds a
+# fine-tune or a short run has (docs/results.md, Outer step, holds the sweep behind all of
+# it). The outer step comes as a whole: a config that sets outer_lr or outer_momentum has
+# chosen its own, the fields it leaves null take the plain values and its momentum no
+# warm-up. A value the user sets always wins.
 CODEC_DEFAULTS: dict[str, dict[str, float]] = {
-    "topk": {"outer_lr": 1.3, "outer_momentum": 0.0, "error_feedback_decay": 0.95, "topk_fraction": 1 / 64},
+    "topk": {
+        "outer_lr": 1.3,
+        "outer_momentum": 0.0,
+        "error_feedback_decay": 0.95,
+        "topk_fraction": 1 / 64,
+        "outer_momentum_warmup_rounds": 0,
+    },
 }
 PLAIN_DEFAULTS: dict[str, float] = {
     "outer_lr": 0.5,
     "outer_momentum": 0.5,
     "error_feedback_decay": 1.0,
     "topk_fraction": 1 / 16,
+    "outer_momentum_warmup_rounds": 4,
 }
+# A step chosen by hand (or an outer_opt other than SGD, which may have no momentum) is taken as it is.
+OWN_STEP_DEFAULTS: dict[str, float] = {"outer_momentum_warmup_rounds": 0}
 OWN_OUTER_STEP = ("outer_lr", "outer_momentum")  # setting either is choosing the outer step
-CODEC_FIELDS = ("pseudo_grad_compression", *PLAIN_DEFAULTS)  # what codec_defaults reads
+CODEC_FIELDS = ("pseudo_grad_compression", "outer_opt", *PLAIN_DEFAULTS)  # what codec_defaults reads
 
 
 def codec_defaults(values: dict) -> dict[str, float]:
     """What the null codec-defaulted fields of ``values`` (field -> value) become: the
-    codec's bundle when the outer step is left to it, else the plain step's."""
+    codec's bundle when the outer step is left to it, else the plain step's (with no
+    momentum warm-up for a step chosen by hand)."""
     codec = values.get("pseudo_grad_compression")
     own_step = any(values.get(name) is not None for name in OWN_OUTER_STEP)
     bundle = {} if own_step or not isinstance(codec, str) else CODEC_DEFAULTS.get(codec, {})
+    if own_step or values.get("outer_opt", "SGD") != "SGD":
+        bundle = {**bundle, **OWN_STEP_DEFAULTS}
     return {name: bundle.get(name, plain) for name, plain in PLAIN_DEFAULTS.items() if values.get(name) is None}
 
 

@@ -646,6 +646,19 @@ def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
     assert TrainerConfig.from_dict(sparse.to_dict()).to_dict() == sparse.to_dict()
 
 
+def test_the_default_step_warms_its_momentum_up_and_a_chosen_one_is_taken_as_it_is():
+    base = dict(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic")
+    warm = lambda **f: TrainerConfig(**base, **f).outer_momentum_warmup_rounds  # noqa: E731
+    assert warm() == 4 and warm(pseudo_grad_compression="int8") == 4  # the plain default step
+    assert warm(pseudo_grad_compression="topk") == 0  # SparseLoCo's step has no momentum
+    assert warm(outer_lr=0.7) == 0 and warm(outer_momentum=0.9) == 0  # a step chosen by hand
+    assert warm(outer_opt="Adam") == 0  # no momentum to warm up
+    assert warm(outer_lr=0.7, outer_momentum_warmup_rounds=2) == 2  # a value set always wins
+    saved = TrainerConfig(**base).to_dict()
+    assert saved["outer_momentum_warmup_rounds"] == 4  # config.yaml says what the run used
+    assert TrainerConfig.from_dict(saved).outer_momentum_warmup_rounds == 4
+
+
 def test_the_config_a_region_is_handed_holds_no_secret():
     from diloco_ray.config.schema import without_secrets
 
