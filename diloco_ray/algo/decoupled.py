@@ -241,7 +241,13 @@ def cycle_ends(work_before: float, work_after: float) -> bool:
 
 @torch.no_grad()
 def delayed_nesterov_(
-    param: torch.Tensor, grad: torch.Tensor, buffer: torch.Tensor, lr: float, beta: float, cycle_end: bool
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    buffer: torch.Tensor,
+    lr: float,
+    beta: float,
+    cycle_end: bool,
+    beta_next: Optional[float] = None,
 ) -> None:
     """One merge's delayed-Nesterov update of one parameter, in place.
 
@@ -252,12 +258,16 @@ def delayed_nesterov_(
         lr: the outer learning rate.
         beta: the outer momentum.
         cycle_end: a round's worth has now been merged: apply the momentum part.
+        beta_next: the momentum of the next update, which the buffer is decayed by at a
+            cycle's end (None: ``beta``). torch's Nesterov decays the buffer by the momentum
+            of the update that adds to it, so under a momentum warm-up a cycle of one merge
+            is its synchronous step only when the decay waits for the next update's value.
     """
     param.sub_(grad, alpha=lr)
     buffer.add_(grad)
     if cycle_end:
         param.sub_(buffer, alpha=lr * beta)
-        buffer.mul_(beta)
+        buffer.mul_(beta if beta_next is None else beta_next)
 
 
 def cycle_sumsq(cycle: Optional[torch.Tensor], grad: torch.Tensor, chunk: int = 1 << 16) -> float:
@@ -311,6 +321,7 @@ def delayed_nesterov_clipped_(
     coef_before: float,
     coef_now: float,
     cycle_end: bool,
+    beta_next: Optional[float] = None,
 ) -> None:
     """One merge's delayed-Nesterov update of one parameter, clipped by its cycle, in place.
 
@@ -337,13 +348,14 @@ def delayed_nesterov_clipped_(
         coef_now: the clip coefficient of the cycle's gradient with this merge (of the norm
             whose parts :func:`cycle_sumsq` gives).
         cycle_end: a round's worth has now been merged: apply the momentum part.
+        beta_next: as :func:`delayed_nesterov_`'s.
     """
     cycle.add_(grad)
     if coef_before != 1.0:
         grad.mul_(coef_before)
     if coef_now != coef_before:
         grad.add_(cycle, alpha=coef_now - coef_before)
-    delayed_nesterov_(param, grad, buffer, lr, beta, cycle_end)
+    delayed_nesterov_(param, grad, buffer, lr, beta, cycle_end, beta_next)
     if cycle_end:
         cycle.zero_()
 

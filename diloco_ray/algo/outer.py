@@ -344,7 +344,7 @@ class OuterOptimizer:
         merge is clipped by its cycle instead of by ``clip_coef``
         (:func:`~diloco_ray.algo.decoupled.delayed_nesterov_clipped_`); the cycle's unclipped
         gradient lives in the optimizer's ``cycle_grad`` state, which checkpoints carry too."""
-        beta = self.momentum_at(self.round)
+        beta, beta_next = self.momentum_at(self.round), self.momentum_at(self.round + 1)
         for name in list(mean):
             p = self._params[name]
             g = mean.pop(name).to(device=p.device, dtype=torch.float32)
@@ -358,12 +358,21 @@ class OuterOptimizer:
                     state["cycle_grad"] = torch.zeros_like(p)
                 before, now = cycle_coefs
                 delayed_nesterov_clipped_(
-                    p.data, g, state["momentum_buffer"], state["cycle_grad"], lr, beta, before, now, cycle_end
+                    p.data,
+                    g,
+                    state["momentum_buffer"],
+                    state["cycle_grad"],
+                    lr,
+                    beta,
+                    before,
+                    now,
+                    cycle_end,
+                    beta_next,
                 )
                 continue
             if clip_coef != 1.0:
                 g.mul_(clip_coef)
-            delayed_nesterov_(p.data, g, state["momentum_buffer"], lr, beta, cycle_end)
+            delayed_nesterov_(p.data, g, state["momentum_buffer"], lr, beta, cycle_end, beta_next)
 
     def state_dict(self) -> dict[str, Any]:
         """Snapshot: ``{"params": name -> clone, "optimizer": torch state, "round": int,

@@ -532,6 +532,24 @@ def test_momentum_warmup_reaches_the_decoupled_step():
     torch.testing.assert_close(warm.params["w"], cold.params["w"], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("clipped", [False, True])
+def test_decoupled_merges_of_a_whole_round_each_are_the_synchronous_steps_under_warmup(clipped):
+    """Each merge a whole round (replicas in lockstep, quorum of all): decoupled mode's
+    delayed Nesterov is then torch's Nesterov step for step, warm-up included, as in
+    tests/integration/test_decoupled_training.py's lockstep run against the synchronous one."""
+    step = dict(outer_lr=0.5, outer_momentum=0.9, outer_momentum_warmup_rounds=3)
+    sync = OuterOptimizer({"w": torch.zeros(3)}, cfg(**step))
+    merged = OuterOptimizer({"w": torch.zeros(3)}, cfg(**step))
+    g = torch.Generator().manual_seed(0)
+    for r in range(6):
+        grad = torch.randn(3, generator=g)
+        sync.step([{"w": grad}], [1.0])
+        coefs = (1.0, 1.0) if clipped else None  # the cycle's clip coefficients, no clip
+        merged.apply_delayed({"w": grad.clone()}, merged.lr_at(r), 1.0, cycle_end=True, cycle_coefs=coefs)
+        merged.advance()
+        torch.testing.assert_close(merged.params["w"], sync.params["w"], rtol=0, atol=1e-6)
+
+
 def test_momentum_warmup_needs_an_outer_optimizer_with_a_momentum():
     with pytest.raises(ConfigError, match="outer_momentum_warmup_rounds: Adam has no momentum to warm up"):
         OuterOptimizer({"w": t(1.0)}, cfg(outer_opt="Adam", outer_momentum_warmup_rounds=2))
