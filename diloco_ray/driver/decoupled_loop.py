@@ -59,9 +59,8 @@ from diloco_ray.driver.host import Host
 from diloco_ray.driver.period_jobs import Handout, PeriodJobs
 from diloco_ray.driver.policies import Action, RoundOutcome
 from diloco_ray.driver.round_parts import (
-    evaluate_and_record,
+    RoundRecorder,
     per_server,
-    record_shape,
     token_weights,
     unused_ranges,
     wasted,
@@ -100,6 +99,7 @@ class DecoupledLoop:
         self.steps = steps
         self.round_index = 0  # the next merge (the servers' round index between merges)
         self.jobs = PeriodJobs(sync_codec)
+        self.recorder = RoundRecorder(run, sync_codec, membership, evaluation)
         self.reset = False  # the servers were restored: every replica reloads (see reload)
         self.wasted_steps = 0  # replica inner steps this merge whose work reached no applied update
         self.flights: dict[int, Flight] = {}
@@ -197,16 +197,13 @@ class DecoupledLoop:
             return dict(merge=merge, abandoned_steps=self._abandoned())
 
         # Evaluated on a replica just merged: it is idle, while the others go on training.
-        record = evaluate_and_record(
+        record = self.recorder.record(
             host,
             syncs,
-            wasted_steps=self.wasted_steps,
-            started=self.started,
-            applied_at=t_applied,
+            self.wasted_steps,
+            marks=(self.started, t_applied),
             progress=(self.work_before, self.work),
             finished=self.finished(),
-            eval_every=self.evaluation.eval_every,
-            shape=record_shape(self.run, self.sync_codec, self.membership),
             among=list(self.arrived),
             facts=facts,
         )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable, Mapping, Optional
 
+from diloco_ray.config.sections import EvalSection, MembershipSection, RunShapeSection, SyncCodecSection
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.policies import eval_due
 from diloco_ray.observe.records import RoundRecord, Syncs, Timing
@@ -63,35 +64,41 @@ def wasted(reported: Mapping[int, list], replica_ids: Iterable[int]) -> int:
     return sum(reported[rid][0].inner_steps for rid in replica_ids)
 
 
-def record_shape(run, sync_codec, membership) -> dict:
-    """What a round's record takes from the config: the round's steps and syncs, and the
-    home's name when other regions take part (their facts go under ``regions``)."""
-    home = membership.home_region if membership.regions else None
-    return dict(max_steps=run.max_steps, sync_fragments=sync_codec.sync_fragments, home_region=home)
+class RoundRecorder:
+    """What both loops record an applied update with, fixed for the run by its config: when
+    its weights are evaluated (``eval_every``) and the record's shape (the round's steps and
+    syncs, and the home's name when other regions take part: their facts go under
+    ``regions``)."""
 
+    def __init__(
+        self, run: RunShapeSection, sync_codec: SyncCodecSection, membership: MembershipSection, evaluation: EvalSection
+    ):
+        self.eval_every = evaluation.eval_every
+        home = membership.home_region if membership.regions else None
+        self.shape = dict(max_steps=run.max_steps, sync_fragments=sync_codec.sync_fragments, home_region=home)
 
-def evaluate_and_record(
-    host: Host,
-    syncs: Syncs,
-    *,
-    wasted_steps: int,
-    started: float,
-    applied_at: float,
-    progress: tuple[float, float],
-    finished: bool,
-    eval_every: int,
-    shape: dict,
-    among: Optional[list] = None,
-    facts: Callable[[], dict] = dict,
-) -> RoundRecord:
-    """The record of an update just applied: its weights evaluated when ``eval_every`` says
-    so (``progress``: rounds' worth done before and after it; ``among``: the replicas to
-    evaluate on first), its timing from ``started`` (perf_counter seconds), and the further
-    facts :meth:`RoundRecord.build` takes (a decoupled merge's), read once the eval is done."""
-    due = eval_due(*progress, eval_every, finished)
-    evaluation = host.evaluate(among=among, due=due)
-    timing = Timing(round_seconds=time.perf_counter() - started, until_applied=applied_at - started)
-    return RoundRecord.build(syncs, wasted_steps, evaluation, timing, **shape, **facts())
+    def record(
+        self,
+        host: Host,
+        syncs: Syncs,
+        wasted_steps: int,
+        *,
+        marks: tuple[float, float],
+        progress: tuple[float, float],
+        finished: bool,
+        among: Optional[list] = None,
+        facts: Callable[[], dict] = dict,
+    ) -> RoundRecord:
+        """The record of an update just applied: its weights evaluated when ``eval_every``
+        says so (``progress``: rounds' worth done before and after it; ``finished``: it ends
+        the run; ``among``: the replicas to evaluate on first), its timing from ``marks``
+        (perf_counter seconds at its start and when it was applied), and the further facts
+        :meth:`RoundRecord.build` takes (a decoupled merge's), read once the eval is done."""
+        due = eval_due(*progress, self.eval_every, finished)
+        evaluation = host.evaluate(among=among, due=due)
+        started, applied_at = marks
+        timing = Timing(round_seconds=time.perf_counter() - started, until_applied=applied_at - started)
+        return RoundRecord.build(syncs, wasted_steps, evaluation, timing, **self.shape, **facts())
 
 
 def eval_loss(members, weight_refs: list, among: Optional[list] = None) -> tuple[Optional[float], int]:

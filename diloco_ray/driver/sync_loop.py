@@ -44,9 +44,8 @@ from diloco_ray.driver.policies import (
     too_few_reported,
 )
 from diloco_ray.driver.round_parts import (
-    evaluate_and_record,
+    RoundRecorder,
     per_server,
-    record_shape,
     reported_counts,
     token_weights,
     unused_ranges,
@@ -115,6 +114,7 @@ class SyncLoop:
         self.steps, self.holdout = steps, holdout
         self.round_index = 0  # the next round (the servers' round index between rounds)
         self.jobs = PeriodJobs(sync_codec)
+        self.recorder = RoundRecorder(run, sync_codec, membership, evaluation)
         self.reset = False  # replicas must reload everything (the servers were restored)
         self.restart = False  # the next launch re-runs a round: replicas restart from the global weights
         self.resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
@@ -199,16 +199,13 @@ class SyncLoop:
         t_applied = time.perf_counter()
         self.round_index = applied[-1].round + 1
         syncs = Syncs(applied, [p.reported for p in periods], run.late, run.failed)
-        record = evaluate_and_record(
+        record = self.recorder.record(
             host,
             syncs,
-            wasted_steps=self.wasted_steps,
-            started=t_start,
-            applied_at=t_applied,
+            self.wasted_steps,
+            marks=(t_start, t_applied),
             progress=(self.round_index - 1, self.round_index),
             finished=self.finished(),
-            eval_every=self.evaluation.eval_every,
-            shape=record_shape(self.run, self.sync_codec, self.membership),
         )
         return RoundOutcome(Action.PROCEED, record=record)
 

@@ -29,6 +29,7 @@ def test_the_classes_it_names_exist():
     import diloco_ray.driver.loop as loop
     import diloco_ray.driver.period_jobs as period_jobs
     import diloco_ray.driver.policies as policies
+    import diloco_ray.driver.round_parts as round_parts
     import diloco_ray.driver.sync_loop as sync_loop
     import diloco_ray.runtime.faults as faults
 
@@ -38,6 +39,7 @@ def test_the_classes_it_names_exist():
         "OuterLoop": loop,
         "Host": host,
         "PeriodJobs": period_jobs,
+        "RoundRecorder": round_parts,
         "RoundOutcome": policies,
         "Action": policies,
         "RankFaults": faults,
