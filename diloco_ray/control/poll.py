@@ -38,7 +38,8 @@ class PeriodPoll:
         check_servers: called before a failed replica is dropped; raises
             :class:`~diloco_ray.control.calls.ServerLost` when a server died (the period
             failed for that, not for its replica), which ends the collection: the replicas
-            still running are told to stop, and none is dropped.
+            still running are told to stop, none is dropped, and the steps every replica
+            ran in the period count in ``wasted_steps`` (the period runs again).
     """
 
     def __init__(
@@ -69,6 +70,10 @@ class PeriodPoll:
         except ServerLost:
             for rid in sorted({self.owner[r][0] for r in self.pending}):
                 self.launched[rid].replica.abort(self.attempt)
+            # The period runs again on restored servers: none of its steps reach an update.
+            if self.steps is not None:
+                self.steps.beats()  # the ranks' latest steps, for those that report nothing now
+            self.wasted_steps += sum(self._steps_run(rid) for rid in self.launched)
             raise
         self._stop_late()
         return self._sorted()
@@ -141,14 +146,19 @@ class PeriodPoll:
                 self._drop(rid, "unresponsive")
         self.late = set(late)
 
-    def _sorted(self) -> RoundPoll:
+    def _steps_run(self, rid: int) -> int:
+        """The inner steps replica ``rid`` ran in this period: what its ranks reported, or
+        their last beat of this attempt where they reported nothing (failed, frozen)."""
         beats = self.steps.last_beats if self.steps is not None else {}
+        beat = max((b[1] for (r, _), b in beats.items() if r == rid and b[0] == self.attempt), default=0)
+        return max([s.inner_steps for s in self.results[rid]] + [beat])
+
+    def _sorted(self) -> RoundPoll:
         reported = {}
         for rid in self.launched:
             stats = self.results[rid]
             if rid in self.failed or rid in self.late or any(s.aborted for s in stats):
-                beat = max((b[1] for (r, _), b in beats.items() if r == rid and b[0] == self.attempt), default=0)
-                self.wasted_steps += max([s.inner_steps for s in stats] + [beat])
+                self.wasted_steps += self._steps_run(rid)
                 continue
             reported[rid] = sorted(stats, key=lambda s: s.rank)
         late = [rid for rid in self.launched if rid not in self.failed and rid not in reported]

@@ -119,6 +119,7 @@ class SyncLoop:
         self.restart = False  # the next launch re-runs a round: replicas restart from the global weights
         self.resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
         self.wasted_steps = 0  # replica inner steps this round whose work reached no applied update
+        self.attempt_steps = 0  # inner steps the periods of this attempt reported so far
         self.in_round = False  # a round has started and not yet been applied (see unmerged)
 
     # ---- what the trainer asks of its loop (driver.loop.OuterLoop) ----------------------
@@ -166,9 +167,13 @@ class SyncLoop:
         same data plan: the cursor only moves when a round is applied."""
         if not self.in_round:  # a new round: its wasted steps count from zero
             self.wasted_steps, self.in_round = 0, True
+        self.attempt_steps = 0
         try:
             outcome = self._attempt(host)
         except ServerLost as lost:
+            # The round runs again on restored servers: what this attempt's periods
+            # reported reaches no update (a period cut short counts in _collect).
+            self.wasted_steps += self.attempt_steps
             outcome = RoundOutcome(Action.RECOVER_SERVER, why=str(lost))
         if outcome.action is Action.PROCEED:
             self.in_round = False
@@ -232,6 +237,7 @@ class SyncLoop:
             if run.verdict is not None:
                 self.wasted_steps += wasted(poll.reported, poll.reported)
                 return run
+            self.attempt_steps += wasted(poll.reported, poll.reported)
             run.periods.append(self._sync(host, fragment, launched, poll.reported, plans))
             active = [rep for rep in active if rep.id in poll.reported]  # one that missed a sync sits out the round
         return run
@@ -276,9 +282,10 @@ class SyncLoop:
             deadlines.abort_grace_s,
             check_servers=lambda: check_servers(host.server, "during the round"),
         )
-        result = poll.collect(timeout)
-        self.wasted_steps += poll.wasted_steps
-        return result
+        try:
+            return poll.collect(timeout)
+        finally:  # a lost server ends the collection too: its periods' steps count
+            self.wasted_steps += poll.wasted_steps
 
     def _sync(self, host: Host, fragment: int, launched: dict, reported: dict, plans: dict) -> Period:
         """Hand the reports to the servers (a region's contribution tried first, with the

@@ -264,6 +264,7 @@ def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
     assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
     assert record["round"] == 0 and loop.round_index == 1
     assert [j.restart for j in reps[0].jobs] == [False, True]  # the re-run starts from the global weights
+    assert record["wasted_steps"] == 2 * 4  # both replicas' first periods reported, then were thrown away
 
 
 def test_a_period_failed_by_a_dead_server_restores_the_servers_and_keeps_its_replica(tmp_path):
@@ -274,7 +275,9 @@ def test_a_period_failed_by_a_dead_server_restores_the_servers_and_keeps_its_rep
     faults = [{"kind": "kill", "target": "server", "round": 0}, {"kind": "kill", "replica": 0, "round": 0}]
     loop, host, reps = make(tmp_path, faults=faults, round_timeout_s=10.0)  # (on the fake clock)
     reps[1].plan = fault_plan.parse([{"kind": "slow", "replica": 1, "round": 0, "seconds": 1}])
+    loop.steps = Beats(alive={1}, calls=loop.calls)  # replica 1 beats step 3 before it is stopped
     record = apply_next_update(loop, host).to_record()
+    assert record["wasted_steps"] == 3  # the steps of the cut-short attempt: replica 1's 3, replica 0's none
     assert host.calls.index("kill server 0") < host.calls.index("recover_server") < host.calls.index("reconcile")
     assert host.members.removed == [] and not reps[0].stopped and reps[1].aborted == [1]
     assert record["replica_ids"] == [0, 1] and record["round"] == 0 and record["dropped"] == []
