@@ -101,7 +101,9 @@ def run(
 
     A step already in the log for this setting, codec and seed is not run again if it
     finished, or if it was stopped early and early stops are allowed now: a confirmation
-    runs a step the screen stopped to the end."""
+    runs a step the screen stopped to the end. A screen with part of its grid missing runs
+    whole again, since ASHA judges each trial against those before it (a part alone would
+    stop other trials); the summary reads the newest row of a step and seed."""
     done = {"finished"} if grace is None else {"finished", "stopped"}
     have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log) if r["status"] in done}
     if all((setting, codec, step_name(lr, m, variant), seed) in have for lr in lrs for m in momenta):

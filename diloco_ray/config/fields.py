@@ -330,7 +330,7 @@ def codec_defaults(values: dict) -> dict[str, float]:
     codec = values.get("pseudo_grad_compression")
     own_step = any(values.get(name) is not None for name in OWN_OUTER_STEP)
     bundle = {} if own_step or not isinstance(codec, str) else CODEC_DEFAULTS.get(codec, {})
-    if own_step or values.get("outer_opt", "SGD") != "SGD":
+    if own_step or values.get("outer_opt", ConfigFields.outer_opt) != "SGD":  # (a missing field: its default)
         bundle = {**bundle, **OWN_STEP_DEFAULTS}
     return {name: bundle.get(name, plain) for name, plain in PLAIN_DEFAULTS.items() if values.get(name) is None}
 
