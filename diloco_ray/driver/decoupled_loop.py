@@ -94,7 +94,7 @@ class DecoupledLoop:
         steps=None,
     ):
         self.run, self.decoupled, self.sync_codec = run, decoupled, sync_codec
-        self.membership, self.evaluation = membership, evaluation
+        self.membership = membership
         self.calls = calls or RayCalls()
         self.steps = steps
         self.round_index = 0  # the next merge (the servers' round index between merges)

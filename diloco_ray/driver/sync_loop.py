@@ -108,7 +108,7 @@ class SyncLoop:
         holdout: Optional[HoldoutCheck] = None,
     ):
         self.run, self.sync_codec, self.membership = run, sync_codec, membership
-        self.evaluation, self.checkpointing = evaluation, checkpointing
+        self.checkpointing = checkpointing
         self.inflight_root = inflight_root
         self.calls = calls or RayCalls()
         self.steps, self.holdout = steps, holdout
