@@ -6,6 +6,7 @@ config is a list of mappings, each one fault::
     fault_plan:
       - {kind: slow, replica: 1, round: 2, step: 1, seconds: 5}   # a straggler
       - {kind: slowdown, replica: 1, round: 0, factor: 2}          # a 2x slower replica
+      - {kind: slowdown, replica: 1, round: 0, seconds: 0.4}       # 0.4 s a step slower
       - {kind: kill, replica: 0, rank: 1, round: 3, step: 2}      # a rank's process dies
       - {kind: kill, target: server, round: 4}                    # the parameter server dies
       - {kind: nan, replica: 1, round: 1}                         # a poisoned gradient
@@ -24,6 +25,9 @@ round: 0}``):
 * ``slow``: each remaining step of that round takes ``seconds`` longer.
 * ``slowdown``: from then on, for the rest of the run, every step takes ``factor`` times
   as long (a slower GPU type): the rank sleeps ``factor - 1`` times its last step's time.
+  With ``seconds`` instead of ``factor``, every step takes that much longer: a pace no load
+  on the machine changes, which tests of timing rules need (a multiple of a computed step
+  is a second on a busy machine and milliseconds on a quiet one).
 * ``nan``: that step's loss, and so its gradients and the inner optimizer's state, turn NaN.
 * ``drop_link``: the rank trains on, but its pseudo-gradient never leaves: it waits until
   the driver gives up on it (the round's deadline, then ``abort_grace_s``).
@@ -75,7 +79,7 @@ class Fault:
         replica: the replica id (replica faults).
         rank: the rank inside the replica (replica faults).
         step: the inner step of the round it fires at, 0-based (replica faults).
-        seconds: extra seconds per step (``slow``).
+        seconds: extra seconds per step (``slow``; ``slowdown`` given no ``factor``).
         factor: how many times as long every step takes from then on (``slowdown``); what
             the period's pseudo-gradient is multiplied by (``scale``).
         index: which server actor (server faults).
@@ -148,13 +152,19 @@ def _seconds(where: str, kind: str, entry: dict) -> float:
         raise ConfigError(f"{where}.seconds: {seconds!r} is not allowed; expected a number >= 0")
     if kind == "slow" and not seconds:
         raise ConfigError(f"{where}.seconds: a slow fault needs seconds > 0 (extra seconds per step)")
+    if kind == "slowdown" and seconds and "factor" in entry:
+        raise ConfigError(f"{where}.seconds: a slowdown takes factor (times as long) or seconds (longer by), not both")
     return float(seconds)
 
 
 def _factor(where: str, kind: str, entry: dict) -> float:
     factor = entry.get("factor", 0.0)
-    if kind == "slowdown" and (not isinstance(factor, (int, float)) or isinstance(factor, bool) or not factor > 1):
-        raise ConfigError(f"{where}.factor: {factor!r} is not allowed; a slowdown needs a number > 1")
+    paced = kind == "slowdown" and entry.get("seconds") and "factor" not in entry
+    number = isinstance(factor, (int, float)) and not isinstance(factor, bool)
+    if kind == "slowdown" and not paced and not (number and factor > 1):
+        raise ConfigError(
+            f"{where}.factor: {factor!r} is not allowed; a slowdown needs a factor > 1 (or seconds > 0 a step)"
+        )
     finite = isinstance(factor, (int, float)) and not isinstance(factor, bool) and math.isfinite(factor)
     if kind == "scale" and (not finite or factor in (0, 1)):
         raise ConfigError(

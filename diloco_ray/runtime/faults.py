@@ -10,7 +10,8 @@ A rank's inner loop (:class:`RankFaults`, one per rank, replica faults aimed at 
   last one period (a ``slowdown`` lasts the run).
 * ``before_step(round, step)``: before each inner step. ``kill`` (SIGKILL) and ``freeze``
   (SIGSTOP) fire here and never return; ``slow`` sleeps its extra seconds before each
-  remaining step of the period; ``slowdown`` sleeps ``factor - 1`` times the last step's time.
+  remaining step of the period; ``slowdown`` sleeps ``factor - 1`` times the last step's time
+  (or its fixed ``seconds``) before every step from then on.
 * ``poison(loss)``: each micro-batch's loss on its way to ``backward``: NaN on the step a
   ``nan`` fault names.
 * ``hold_link(released)``: when the period's steps are done, before the pseudo-gradient is
@@ -53,6 +54,7 @@ class RankFaults:
         self.extra_seconds = 0.0  # slow: added to each remaining step of the period
         self.drop_link = False  # drop_link: the pseudo-gradient of this period never leaves
         self.factor = 1.0  # slowdown: every step takes this many times as long, for the rest of the run
+        self.paced_seconds = 0.0  # slowdown by seconds: added to every step, for the rest of the run
         self.scale = 1.0  # scale: this period's pseudo-gradient leaves this many times what it is
         self._poison_step = False  # nan: the current step's loss turns NaN
         self._step_seconds = 0.0  # the last step's own time, which a slowdown multiplies
@@ -75,8 +77,8 @@ class RankFaults:
         for fault in fault_plan.due(self.plan, round_index, step, frozenset(self.fired), at_or_after=self.at_or_after):
             self.fired.add(fault.key)
             self._fire(fault)
-        if self.extra_seconds:
-            time.sleep(self.extra_seconds)
+        if self.extra_seconds or self.paced_seconds:
+            time.sleep(self.extra_seconds + self.paced_seconds)
         if self.factor > 1:
             now = time.monotonic()
             if self._since is not None:  # the step just run (the first of a period uses the last one seen)
@@ -91,8 +93,10 @@ class RankFaults:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif fault.kind == "slow":
             self.extra_seconds += fault.seconds
-        elif fault.kind == "slowdown":
+        elif fault.kind == "slowdown" and fault.factor:
             self.factor = fault.factor
+        elif fault.kind == "slowdown":
+            self.paced_seconds = fault.seconds
         elif fault.kind == "nan":
             self._poison_step = True
         elif fault.kind == "drop_link":

@@ -93,15 +93,17 @@ class ServerGroup:
     def round_index(self) -> int:
         return ray.get(self.actors[0].round_index.remote())
 
-    def ping(self, timeout_s: float = PING_TIMEOUT_S) -> None:
+    def ping(self, timeout_s: float = PING_TIMEOUT_S) -> bool:
         """Whether every server is alive: a dead one raises ``RayActorError``. Answered in
         the servers' control group, not behind a sync they are working on; one that does
-        not answer within ``timeout_s`` is taken as alive (busy, not dead)."""
+        not answer within ``timeout_s`` is taken as alive (busy, not dead). Returns whether
+        every server answered (False: taken as alive on the timeout)."""
         refs = [a.alive.options(concurrency_group="control").remote() for a in self.actors]
         try:
             ray.get(refs, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            pass
+            return False
+        return True
 
     def version(self) -> int:
         return ray.get(self.actors[0].sync_version.remote())

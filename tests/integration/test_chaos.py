@@ -7,7 +7,6 @@ every case each stream position trained on exactly once.
 """
 
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -101,12 +100,15 @@ def test_poison_then_a_dropped_link_then_a_freeze(ray_local, tmp_path):
         {"kind": "drop_link", "replica": 0, "round": 2},
         {"kind": "freeze", "replica": 1, "round": 3, "step": 1},
     ]
+    # The deadline is for the faulted replicas, which never answer: its length changes
+    # nothing but the wait, so it is long enough for a healthy round on a loaded machine
+    # (round 4's new replica sets up its optimizer in its first period).
     cfg = tiny_config(
         tmp_path / "run",
         diloco_loops=5,
         max_steps=4,
         eval_batches=1,
-        round_timeout_s=2.0,
+        round_timeout_s=10.0,
         abort_grace_s=1.0,
         join_timeout_s=60.0,
         fault_plan=plan,
@@ -196,30 +198,29 @@ def test_a_hot_spare_takes_a_lost_replicas_place_at_the_next_boundary(ray_local,
 
 
 class SlowPlanServer(ParameterServer):
-    """A server whose data plan takes seconds: a sync in progress, as far as a ping goes."""
+    """A server whose data plan takes ten minutes: a sync in progress, as far as a ping goes."""
 
     def data_plan(self, replica_ids):
         import time
 
-        time.sleep(20)
+        time.sleep(600)
         return super().data_plan(replica_ids)
 
 
 def test_a_ping_finds_a_dead_server_at_once_and_a_busy_one_alive(ray_local, tmp_path):
     """What a failed period is checked against (control.calls.check_servers): a server busy
-    with a long call answers beside it, and a dead one raises at once."""
+    with a long call answers beside it, and a dead one raises at once. No bound on this
+    machine's speed: the answer is checked while the busy call is still running, and the
+    dead server's error comes before a timeout that a live one would have answered in."""
     servers = ServerGroup(tiny_config(tmp_path / "run"), SlowPlanServer)
-    servers.ping()  # started
+    assert servers.ping(timeout_s=120.0)  # started
     busy = servers.actors[0].data_plan.remote([0])
-    started = time.monotonic()
-    servers.ping()
-    assert time.monotonic() - started < 10.0  # not behind the 20 s call
+    assert servers.ping(timeout_s=120.0)  # answered, not taken as alive on the timeout
+    assert ray.wait([busy], timeout=0)[1] == [busy]  # and the long call is still running
     servers.kill()
     # ray.kill is asynchronous: a ping sent at once can still be answered before the kill
     # lands (it did on a loaded CI machine). The busy call failing is the death seen.
     with pytest.raises(RayActorError):
         ray.get(busy)
-    started = time.monotonic()
     with pytest.raises(RayActorError):
-        servers.ping()
-    assert time.monotonic() - started < 10.0  # at once, not after the ping's timeout
+        servers.ping(timeout_s=600.0)  # raises: a timeout would have returned False

@@ -9,7 +9,14 @@ import threading
 
 import pytest
 import ray
-from conftest import EXACT_JOB, KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config, wait_for_a_spare
+from conftest import (
+    EXACT_JOB,
+    KillOnceTheSpareIsReady,
+    applied_positions,
+    max_abs_diff,
+    tiny_config,
+    wait_for_a_spare,
+)
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo.inner_schedule import inner_lr_at
@@ -101,13 +108,19 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
     assert max(e["global_step"] - e["step"] for e in steps) < cfg.diloco_loops * cfg.max_steps
 
 
+# Replica 1 4x replica 0's pace, both by a fixed time a step (``slowdown`` by seconds): the
+# paces the grace window is computed from stay what they are on a busy machine (a multiple of
+# a computed step does not: its jitter alone can move an arrival out of the window).
+PACED_4X = [{"kind": "slowdown", "replica": r, "round": 0, "seconds": s} for r, s in ((0, 0.1), (1, 0.4))]
+
+
 def test_the_grace_window_waits_for_a_replica_predicted_soon(ray_local, tmp_path):
-    """The same slow replica, its periods whole (``align_periods: false``), with a grace
+    """A replica 4x slower, its periods whole (``align_periods: false``), with a grace
     window of a whole period (``grace_fraction: 1``): once its pace is known, a merge
     waits for it, so it is merged fresh (staleness 0) with replica 0."""
     cfg = tiny_config(
         tmp_path / "run",
-        **{**DECOUPLED, "diloco_loops": 4, "grace_fraction": 1.0, "fault_plan": SLOW_1},
+        **{**DECOUPLED, "diloco_loops": 4, "grace_fraction": 1.0, "fault_plan": PACED_4X},
         align_periods=False,
     )
     rounds = DilocoFSDPTrainer(cfg).train().rounds

@@ -161,10 +161,11 @@ def check_freeze(mode, out, rounds, fault):
         e["time"] for e in read_events(out, "membership") if e["action"] == "leave" and e["replica_id"] == frozen
     )
     # Not before stall_timeout_s (its last beat may precede its last step by up to BEAT_S), and
-    # by its deadlines, not by the run's end: the slack is for a busy machine's driver, whose
-    # polls and step feed lag (the deadlines themselves: tests/unit/driver, test_*_loop.py).
-    deadlines = BASE["stall_timeout_s"] + BASE["abort_grace_s"]
-    assert BASE["stall_timeout_s"] - BEAT_S <= left - last_step <= deadlines + BEAT_S + 15.0, left - last_step
+    # by its deadlines, not by the run's end: the others still trained after it left. No bound
+    # in seconds above: a busy machine's driver polls late by any amount (the deadlines
+    # themselves, on a clock the tests control: tests/unit/driver, test_*_loop.py).
+    assert left - last_step >= BASE["stall_timeout_s"] - BEAT_S, left - last_step
+    assert left < max(e["time"] for e in read_events(out, "step") if e["replica"] != frozen)
 
 
 def check_slow(mode, out, rounds, fault):

@@ -33,6 +33,8 @@ def test_parse_keeps_every_field_and_defaults_the_rest():
         ({"kind": "slow", "round": 1, "seconds": -1}, "fault_plan[0].seconds"),
         ({"kind": "slowdown", "round": 0}, "fault_plan[0].factor"),
         ({"kind": "slowdown", "round": 0, "factor": 1.0}, "fault_plan[0].factor"),
+        ({"kind": "slowdown", "round": 0, "factor": 2, "seconds": 0.4}, "fault_plan[0].seconds"),
+        ({"kind": "slowdown", "round": 0, "seconds": -0.4}, "fault_plan[0].seconds"),
         ({"kind": "scale", "round": 0}, "fault_plan[0].factor"),
         ({"kind": "scale", "round": 0, "factor": 1}, "fault_plan[0].factor"),
         ({"kind": "scale", "round": 0, "factor": float("inf")}, "fault_plan[0].factor"),

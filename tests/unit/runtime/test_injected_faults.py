@@ -79,6 +79,21 @@ def test_a_slowdown_multiplies_every_later_step_and_outlasts_the_period(monkeypa
     assert slept == [0.0, 1.0, 1.0, 1.0]
 
 
+def test_a_slowdown_by_seconds_adds_them_to_every_later_step_whatever_the_step_took(monkeypatch):
+    """A fixed pace: no step time is read, so the machine's load changes nothing."""
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    monkeypatch.setattr(time, "monotonic", lambda: pytest.fail("a fixed pace reads no clock"))
+    rank = RankFaults(fault_plan.parse([{"kind": "slowdown", "round": 1, "step": 1, "seconds": 0.4}]))
+    rank.before_step(0, 1)  # not due yet
+    rank.before_step(1, 0)
+    rank.before_step(1, 1)  # fires
+    rank.before_step(1, 2)
+    rank.start_period()  # it outlasts the period
+    rank.before_step(2, 0)
+    assert slept == [0.4, 0.4, 0.4]
+
+
 def test_in_decoupled_mode_a_replica_fault_fires_in_the_first_period_at_or_after_its_merge():
     """A replica merged every other merge launches periods at merge 0, 2, 4: a fault at merge 1
     fires in its period of merge 2 (an exact match would never come), and only once."""
