@@ -73,7 +73,12 @@ def test_quick_rehearsal_counts_the_bytes_and_hides_topk_sync(tmp_path):
     # topk (1/16, 0.84 bits a parameter) sends under 4% of fp32's bytes up, and with overlap
     # (the merged message prefetched beside the steps) at most 10% of its wall time is sync.
     assert topk["reported_bytes_up"] < 0.04 * none["reported_bytes_up"]
-    assert topk["exposed_sync_fraction"] <= 0.10 < none["exposed_sync_fraction"]
+    assert topk["exposed_sync_fraction"] <= 0.10
+    # fp32 without overlap waits for its pseudo-gradients in the sync: its sync seconds hold
+    # at least the time the link needs to carry them (a floor no load lowers; a share of the
+    # wall time would fall as a busy machine's steps grow).
+    link_seconds = none["reported_bytes_up"] * 8 / (none["rate_mbit"] * 1e6)
+    assert sum(r["sync_seconds"] for r in none["rounds"]) >= 0.8 * link_seconds, none
     assert BridgedCluster.leftovers() == []
 
 
