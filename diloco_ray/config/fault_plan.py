@@ -6,7 +6,7 @@ config is a list of mappings, each one fault::
     fault_plan:
       - {kind: slow, replica: 1, round: 2, step: 1, seconds: 5}   # a straggler
       - {kind: slowdown, replica: 1, round: 0, factor: 2}          # a 2x slower replica
-      - {kind: slowdown, replica: 1, round: 0, seconds: 0.4}       # 0.4 s a step slower
+      - {kind: slowdown, replica: 1, round: 0, seconds: 0.4}       # a fixed pace: longer by that
       - {kind: kill, replica: 0, rank: 1, round: 3, step: 2}      # a rank's process dies
       - {kind: kill, target: server, round: 4}                    # the parameter server dies
       - {kind: nan, replica: 1, round: 1}                         # a poisoned gradient
