@@ -58,14 +58,14 @@ class HoldoutCheck:
         the sync's contributions."""
         if not tried:
             return {}
-        base, _ = eval_loss(host.members, host.server.global_weights())
+        base, _ = eval_loss(host.members, host.server, host.server.global_weights())
         if base is None or not math.isfinite(base):  # nothing to hold them against: none is applied
             why = "held-out check: no home replica could score the round's weights"
             return dict.fromkeys(tried, why)
         out = {}
         for rid in tried:
             parts = [next(c for c in per_server if c.replica_id == rid) for per_server in contributions]
-            trial, _ = eval_loss(host.members, host.server.trial_weights(parts))
+            trial, _ = eval_loss(host.members, host.server, host.server.trial_weights(parts))
             why = worse_than_margin(trial, base, self.margin)
             if why is not None:
                 out[rid] = why

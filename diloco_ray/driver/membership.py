@@ -197,15 +197,20 @@ class Membership:
                     f"placement_timeout_s={membership.placement_timeout_s:g}s; min_replicas={membership.min_replicas}"
                 )
 
-    def first_answer(self, call: Callable, among: Optional[list] = None):
+    def first_answer(self, call: Callable, among: Optional[list] = None, check: Optional[Callable[[], None]] = None):
         """``ray.get(call(replica))`` on the first active replica that is alive and answers
         within ``call_timeout_s`` (dead or frozen ones met on the way are removed), or
-        None when none is left. Replicas whose ids are in ``among`` are asked first."""
+        None when none is left. Replicas whose ids are in ``among`` are asked first.
+        ``check`` is called before a failed replica is removed and raises when the call
+        failed for another party (a server whose weights it read died: every replica's
+        call would fail, and none of them is to blame)."""
         first = set(among or ())
         for rep in sorted(self.home, key=lambda r: r.id not in first):
             try:
                 return ray.get(call(rep), timeout=self.membership.call_timeout_s)
             except ray.exceptions.RayActorError:
+                if check is not None:
+                    check()
                 self.remove(rep, "failed")
             except ray.exceptions.GetTimeoutError:
                 self.remove(rep, "unresponsive")

@@ -13,9 +13,11 @@ over the periods' stats.
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Callable, Iterable, Mapping, Optional
 
 from diloco_ray.config.sections import EvalSection, MembershipSection, RunShapeSection, SyncCodecSection
+from diloco_ray.control.calls import check_servers
 from diloco_ray.driver.host import Host
 from diloco_ray.driver.policies import eval_due
 from diloco_ray.observe.records import RoundRecord, Syncs, Timing
@@ -101,11 +103,14 @@ class RoundRecorder:
         return RoundRecord.build(syncs, wasted_steps, evaluation, timing, **self.shape, **facts())
 
 
-def eval_loss(members, weight_refs: list, among: Optional[list] = None) -> tuple[Optional[float], int]:
-    """The per-token eval loss of the weights ``weight_refs`` (one packed ref per server) on
-    the first home replica that answers (``among`` first), and the bytes it read; (None, 0)
-    when no replica is left."""
-    results = members.first_answer(lambda rep: rep.evaluate(weight_refs), among)
+def eval_loss(members, server, weight_refs: list, among: Optional[list] = None) -> tuple[Optional[float], int]:
+    """The per-token eval loss of the weights ``weight_refs`` (one packed ref per server of
+    the group ``server``) on the first home replica that answers (``among`` first), and the
+    bytes it read; (None, 0) when no replica is left. A server that died raises
+    :class:`~diloco_ray.control.calls.ServerLost` (its weights could not be read: the
+    replicas are not at fault)."""
+    check = partial(check_servers, server, "during the eval")
+    results = members.first_answer(lambda rep: rep.evaluate(weight_refs), among, check)
     if results is None:
         return None, 0
     # The eval replica's ranks share its node's object store: the weights crossed once.

@@ -119,7 +119,7 @@ class SyncLoop:
         self.restart = False  # the next launch re-runs a round: replicas restart from the global weights
         self.resume_steps: dict[int, int] = {}  # slot -> in-flight step to continue from
         self.wasted_steps = 0  # replica inner steps this round whose work reached no applied update
-        self.attempt_steps = 0  # inner steps the periods of this attempt reported so far
+        self.attempt_steps = 0  # inner steps this attempt's periods reported, less those counted wasted (rejected)
         self.in_round = False  # a round has started and not yet been applied (see unmerged)
 
     # ---- what the trainer asks of its loop (driver.loop.OuterLoop) ----------------------
@@ -304,9 +304,13 @@ class SyncLoop:
         return Period(reported, refs, self.jobs.attempt)
 
     def _count_rejected(self, applied: list, periods: list[Period]) -> None:
+        """The commits' rejected replicas: their steps move from the attempt's tally to the
+        wasted ones (counted once, should the attempt still be lost with a server)."""
         for info, period in zip(applied, periods):
             self.jobs.note_sync(period.attempt, info, period.reported)
-            self.wasted_steps += wasted(period.reported, [rid for rid in period.reported if rid not in info.accepted])
+            rejected = wasted(period.reported, [rid for rid in period.reported if rid not in info.accepted])
+            self.wasted_steps += rejected
+            self.attempt_steps -= rejected
 
     def _snapshot_plan(self, slot: int) -> Optional[SnapshotPlan]:
         """In-flight snapshot settings for the replica in ``slot`` (None: not needed,

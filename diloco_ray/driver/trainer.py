@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from functools import partial
 from typing import Optional
 
 import ray
@@ -21,6 +22,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from diloco_ray.config.schema import TrainerConfig, redacted, without_secrets
 from diloco_ray.control import ray_connection
+from diloco_ray.control.calls import check_servers
 from diloco_ray.control.ray_session import RaySession
 from diloco_ray.driver import preflight
 from diloco_ray.driver.checkpointer import Checkpointer
@@ -320,7 +322,7 @@ class DilocoFSDPTrainer:
     def _eval_loss(self, among: Optional[list]) -> tuple[Optional[float], int]:
         """The eval loss, and the bytes of global weights it fetched to a replica (None:
         every replica died since the update; the next boundary replaces them)."""
-        return eval_loss(self.members, self._current_globals(), among)
+        return eval_loss(self.members, self.server, self._current_globals(), among)
 
     def inject_faults(self) -> None:
         """Carry out the fault plan's server and driver faults due in this round."""
@@ -408,7 +410,9 @@ class DilocoFSDPTrainer:
             # Merging needs the base weights beside the adapter: a replica, which has
             # them, writes both folders (that rank builds the whole base model).
             merged = self.run_dir.path("final_merged")
-            if self.members.first_answer(lambda rep: rep.save_final(self._current_globals(), path, merged)) is None:
+            write = lambda rep: rep.save_final(self._current_globals(), path, merged)  # noqa: E731
+            check = partial(check_servers, self.server, "while final/ was written")
+            if self.members.first_answer(write, check=check) is None:
                 raise RuntimeError("no replica is left to write final/")
             return path
         s = self.sections

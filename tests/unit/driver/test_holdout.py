@@ -36,7 +36,7 @@ class Members:
     def __init__(self, scores):
         self.scores, self.asked = scores, []
 
-    def first_answer(self, call, among=None):
+    def first_answer(self, call, among=None, check=None):
         if self.scores is None:
             return None
         return call(self)

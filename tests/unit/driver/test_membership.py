@@ -1,9 +1,13 @@
 """The pure membership policies: how to move towards a target, and whether a cluster can
-hold the job at all."""
+hold the job at all; and who is blamed when a call to the first replica that answers fails."""
 
+import pytest
+import ray
 from conftest import tiny_config
+from ray.exceptions import RayActorError
 
-from diloco_ray.driver.membership import Decision, capacity_shortfall, decide
+from diloco_ray.control.calls import ServerLost, check_servers
+from diloco_ray.driver.membership import Decision, Membership, capacity_shortfall, decide
 
 
 def test_decide_starts_the_shortfall_counting_starting_replicas():
@@ -51,3 +55,46 @@ def test_spares_are_kept_at_their_count_and_stopped_first_when_fewer_are_wanted(
     # Without spares wanted, decide is what it always was.
     assert decide(3, [0, 1], [2]) == Decision()
     assert decide(1, [0, 1], [2]) == Decision(stop=[1], cancel=[2])
+
+
+class Rep:
+    def __init__(self, rid):
+        self.id, self.stopped = rid, False
+
+    def stop(self, keep=False):
+        self.stopped = True
+
+
+class DeadServers:
+    def ping(self):
+        raise RayActorError()
+
+
+def test_a_call_failed_by_a_dead_server_blames_no_replica(tmp_path, monkeypatch):
+    """An eval reads the servers' weights: when a server died every replica's call fails,
+    and none of them is removed for it (bug: each was removed as failed in turn)."""
+    s = tiny_config(tmp_path, num_replicas=2).sections()
+    events = []
+    members = Membership(s.membership, s.placement, "cpu", None, events.append, lambda: 3)
+    members.home = [Rep(0), Rep(1)]
+
+    def failing(refs, timeout=None):
+        raise RayActorError()
+
+    monkeypatch.setattr(ray, "get", failing)
+    check = lambda: check_servers(DeadServers(), "during the eval")  # noqa: E731
+    with pytest.raises(ServerLost, match="during the eval"):
+        members.first_answer(lambda rep: rep.id, check=check)
+    assert [r.id for r in members.home] == [0, 1] and not events
+    # Servers alive: the call failed for the replica, which is removed; the next one answers.
+    answers = iter([RayActorError(), "answered"])
+
+    def once_failing(refs, timeout=None):
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    monkeypatch.setattr(ray, "get", once_failing)
+    assert members.first_answer(lambda rep: rep.id, check=lambda: None) == "answered"
+    assert [r.id for r in members.home] == [1] and [(e.replica_id, e.reason) for e in events] == [(0, "failed")]

@@ -21,6 +21,7 @@ from ray.exceptions import RayActorError
 
 from diloco_ray.algo.outer import Rejected, Rejection
 from diloco_ray.config import fault_plan
+from diloco_ray.control.calls import ServerLost
 from diloco_ray.control.poll import STEP_POLL_S
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.observe.records import Evaluation
@@ -265,6 +266,24 @@ def test_a_lost_server_is_recovered_and_the_round_runs_again(tmp_path):
     assert record["round"] == 0 and loop.round_index == 1
     assert [j.restart for j in reps[0].jobs] == [False, True]  # the re-run starts from the global weights
     assert record["wasted_steps"] == 2 * 4  # both replicas' first periods reported, then were thrown away
+
+
+def test_an_update_whose_server_dies_in_its_eval_counts_each_wasted_step_once(tmp_path):
+    """The commit rejected replica 0 (NaN) and applied replica 1; then the eval finds a
+    server dead: the round runs again on restored servers. Each first-attempt period is
+    wasted once (bug: the rejected one was counted at the commit and again with the attempt)."""
+    loop, host, reps = make(tmp_path, faults=[{"kind": "nan", "replica": 0, "round": 0}])
+    lost = iter([ServerLost("a server died during the eval")])
+
+    def evaluate(among=None, due=True):
+        for error in lost:
+            raise error
+        return Evaluation(1.5)
+
+    host.evaluate = evaluate
+    record = apply_next_update(loop, host).to_record()
+    assert "recover_server" in host.calls and [j.restart for j in reps[1].jobs] == [False, True]
+    assert record["wasted_steps"] == 2 * 4
 
 
 def test_a_period_failed_by_a_dead_server_restores_the_servers_and_keeps_its_replica(tmp_path):
