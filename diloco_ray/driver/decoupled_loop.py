@@ -104,6 +104,7 @@ class DecoupledLoop:
         self.wasted_steps = 0  # replica inner steps this merge whose work reached no applied update
         self.flights: dict[int, Flight] = {}
         self.arrived: dict[int, Flight] = {}
+        self.rejected: set[int] = set()  # arrived, and rejected by the merge: already in wasted_steps
         self.pace = Pace(run.max_steps)
         self.timing = MergeTiming(
             self.pace, decoupled.grace_fraction, decoupled.grace_window_s, decoupled.align_periods
@@ -207,7 +208,7 @@ class DecoupledLoop:
             among=list(self.arrived),
             facts=facts,
         )
-        self.arrived = {}
+        self.arrived, self.rejected = {}, set()
         return record
 
     def _abandoned(self) -> Optional[int]:
@@ -242,8 +243,9 @@ class DecoupledLoop:
         """A server died: let every period in flight finish and throw it away (the trainer
         then restores the servers from the last checkpoint, and every replica reloads the
         weights: see :meth:`restore`)."""
-        self.wasted_steps += sum(f.stats[0].inner_steps for f in self.arrived.values())
-        self.arrived = {}
+        # Lost with the server: what arrived (merged or not), less what its merge rejected.
+        self.wasted_steps += sum(f.stats[0].inner_steps for rid, f in self.arrived.items() if rid not in self.rejected)
+        self.arrived, self.rejected = {}, set()
         poll = self._flight_poll()
         while self.flights:  # their plans went with the dead servers; the restored cursor has them
             done, lost = poll.poll(self.flights, STEP_POLL_S)
@@ -392,7 +394,8 @@ class DecoupledLoop:
         applied = server_call(lambda: self.calls.get(refs.commits)[0], "during the merge")
         for rid, flight in self.arrived.items():
             self.jobs.note_sync(flight.attempt, applied, [rid])
-        self.wasted_steps += wasted(merged, [rid for rid in merged if rid not in applied.accepted])
+        self.rejected = {rid for rid in merged if rid not in applied.accepted}
+        self.wasted_steps += wasted(merged, list(self.rejected))
         self.work_before = self.work
         if applied.applied:
             self.jobs.handout = Handout(refs.weights, full=False, version=version + 1)

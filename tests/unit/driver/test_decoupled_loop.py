@@ -20,6 +20,7 @@ from conftest import seal
 from ray.exceptions import RayActorError
 
 from diloco_ray.config import fault_plan
+from diloco_ray.control.calls import ServerLost
 from diloco_ray.data import plan as data
 from diloco_ray.driver.loop import apply_next_update, loop_for
 from diloco_ray.driver.policies import Action
@@ -131,12 +132,13 @@ class Servers:
 class Replica:
     """A replica whose period moves its weights by ``STEP`` x noise keyed by its plan's first
     position (so a period run again on the same data sends the same pseudo-gradient), and
-    whose report arrives ``delays[k]`` polls after its k-th launch."""
+    whose report arrives ``delays[k]`` polls after its k-th launch; its launches in ``nan``
+    send NaN (the server rejects them)."""
 
     judged_by_steps = True  # its ranks beat (the Beats below), as a real replica's
 
-    def __init__(self, rid: int, cfg, calls: Calls, delays=(), steps: Optional[int] = None, never=()):
-        self.id, self.cfg, self.calls = rid, cfg, calls
+    def __init__(self, rid: int, cfg, calls: Calls, delays=(), steps: Optional[int] = None, never=(), nan=()):
+        self.id, self.cfg, self.calls, self.nan = rid, cfg, calls, set(nan)
         self.world_size = cfg.ranks_of(rid)
         self.rank = Rank(cfg, SHAPES, 1, 0, initial_weights())
         self.delays, self.steps, self.never = list(delays), steps or cfg.max_steps, set(never)
@@ -153,8 +155,9 @@ class Replica:
         if decision == "apply":
             sync.apply(job.messages, local)
         moved = noise(SHAPES, job.plan[0][0], 0, 0)
+        step = float("nan") if len(self.jobs) in self.nan else STEP
         for n, t in local.items():
-            t.sub_(STEP * moved[n])
+            t.sub_(step * moved[n])
         per_step = self.cfg.sequences_per_replica_round // self.cfg.max_steps
         unused = data.ranges_of(data.plan_positions(job.plan)[self.steps * per_step :])
         tokens = 10 * self.steps  # equal replicas train equal tokens per step
@@ -434,6 +437,29 @@ def test_a_server_killed_mid_merge_is_restored_and_the_merges_since_run_again_ex
     assert sorted(positions) == list(range(len(positions)))
     # Both abandoned periods (a failed one's steps are known by its beats: none here).
     assert records[2]["wasted_steps"] == (2 - len(fails)) * killed.server.cfg.max_steps
+
+
+def test_a_merge_whose_server_dies_in_its_eval_counts_each_wasted_period_once(tmp_path):
+    """Merge 0 holds both replicas and rejects replica 0's NaN; then its eval finds the
+    server dead. Each of the two periods is wasted once (bug: the rejected one was counted
+    at the merge and again when the merge was thrown away with the server)."""
+    host, reps = make(tmp_path, min_quorum=2, checkpoint_steps=4)
+    host.checkpoints = True
+    host.server.actors[0].save(host.folder)
+    seal(host.folder)
+    reps[0].nan = {0}
+    lost = iter([ServerLost("a server died during the eval")])
+
+    def evaluate(among=None, due=True):
+        for error in lost:
+            host.server.dead = True
+            raise error
+        return Evaluation(1.0)
+
+    host.evaluate = evaluate
+    record = host.merge()
+    assert host.calls.count("recover_server") == 1 and record["round"] == 0
+    assert record["wasted_steps"] == 2 * host.server.cfg.max_steps
 
 
 def test_staleness_starts_at_zero_after_a_full_reload_from_a_checkpoint(tmp_path):
