@@ -9,14 +9,7 @@ import threading
 
 import pytest
 import ray
-from conftest import (
-    EXACT_JOB,
-    KillOnceTheSpareIsReady,
-    applied_positions,
-    max_abs_diff,
-    tiny_config,
-    wait_for_a_spare,
-)
+from conftest import EXACT_JOB, KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config, wait_for_a_spare
 
 from diloco_ray import DilocoFSDPTrainer
 from diloco_ray.algo.inner_schedule import inner_lr_at
