@@ -137,8 +137,9 @@ class Replica:
 
     judged_by_steps = True  # its ranks beat (the Beats below), as a real replica's
 
-    def __init__(self, rid: int, cfg, calls: Calls, delays=(), steps: Optional[int] = None, never=(), nan=()):
-        self.id, self.cfg, self.calls, self.nan = rid, cfg, calls, set(nan)
+    def __init__(self, rid: int, cfg, calls: Calls, delays=(), steps: Optional[int] = None, never=()):
+        self.id, self.cfg, self.calls = rid, cfg, calls
+        self.nan: set[int] = set()  # launches that send NaN (a test sets them)
         self.world_size = cfg.ranks_of(rid)
         self.rank = Rank(cfg, SHAPES, 1, 0, initial_weights())
         self.delays, self.steps, self.never = list(delays), steps or cfg.max_steps, set(never)
