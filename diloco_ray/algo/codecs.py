@@ -32,7 +32,7 @@ CODECS = ("none", "fp16", "bf16", "int8", "int4", "topk")
 DEFAULT_BLOCK = 2048  # values per absmax scale for int8/int4: one 4-byte scale per 2048 values
 # topk: values kept per block where no config says otherwise (weights_compression: topk, and
 # callers that name no fraction): 0.828 bits per value at block 2048, headers not counted. The
-# config's default for topk pseudo-gradients is 1/64 with SparseLoCo's outer step
+# config's default for topk pseudo-gradients is 1/64 with topk's own outer step
 # (diloco_ray.config.fields.CODEC_DEFAULTS; docs/slow-links.md's codec frontier says why).
 DEFAULT_FRACTION = 1 / 16
 # Values encoded or decoded at a time. On the host a chunk's scratch stays in cache (~3 MB);

@@ -192,10 +192,10 @@ class ConfigFields(DerivedValues):
     diloco_loops: int = _f((RUN, INNER_OPTIM, OUTER_OPTIM), 10, "outer rounds to run", ge=1)
     outer_opt: str = _f(OUTER_OPTIM, "SGD", "outer optimizer: a torch.optim class name")
     outer_opt_kwargs: dict = _f(OUTER_OPTIM, {}, "extra keyword arguments for the outer optimizer (SGD: nesterov defaults to true)")
-    outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.5; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings SparseLoCo's whole outer step; see docs/results.md, Outer step)", gt=0.0)
-    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5; 0 when pseudo_grad_compression: topk and outer_lr is null too, the decayed residual standing in for it; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
+    outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.5; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings its whole outer step; see docs/results.md, Outer step)", gt=0.0)
+    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5, with topk's outer step too; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(OUTER_OPTIM, None, "outer lr schedule over diloco_loops (null: constant)")
-    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step, 0 with topk's or one set by hand, or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
+    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step or topk's, 0 with one set by hand or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
     outer_grad_clip: Optional[float] = _f(OUTER_OPTIM, None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
     # --- decoupled mode ----------------------------------------------------------------
     sync_mode: Literal["sync", "decoupled"] = _f((RUN, CHECKPOINTING), "sync", "sync: every round waits for all replicas (up to round_timeout_s) and averages them; decoupled: each replica trains on its own clock and the server merges whatever has arrived (min_quorum, grace window, staleness discount; see docs/decoupled.md)")
@@ -232,7 +232,7 @@ class ConfigFields(DerivedValues):
     # --- sync over slow links -----------------------------------------------------------
     pseudo_grad_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f(SYNC_CODEC, "none", "codec for pseudo-gradients sent to the server (int8/int4: blockwise absmax scales; topk: per block the topk_fraction largest values, 2 bits each, with error feedback always on)")
     error_feedback: bool = _f(SYNC_CODEC, False, "carry each replica's compression residual into its next sync (reset when a replica joins; no effect with none; always on with topk)")
-    error_feedback_decay: Optional[float] = _f(SYNC_CODEC, None, "with error feedback, each sync sends the codec's share of pseudo-gradient + decay x residual (null: 1.0; 0.95 with topk's outer step, SparseLoCo's: pseudo_grad_compression: topk with outer_lr and outer_momentum null)", ge=0.0, le=1.0)
+    error_feedback_decay: Optional[float] = _f(SYNC_CODEC, None, "with error feedback, each sync sends the codec's share of pseudo-gradient + decay x residual (null: 1.0; 0.95, SparseLoCo's, with topk's outer step: pseudo_grad_compression: topk with outer_lr and outer_momentum null)", ge=0.0, le=1.0)
     anchor_on_host: bool = _f(SYNC_CODEC, False, "on GPU, keep each rank's anchor (its rows of the global weights, 4 bytes per parameter over the replica's ranks) in pinned host memory instead of GPU memory, as torchft does; the pseudo-gradient is then taken on the host")
     weights_compression: Literal["none", "fp16", "bf16", "int8", "int4", "topk"] = _f(SYNC_CODEC, "none", "codec for the weights sent back to replicas, as a delta against what they hold (none: full fp32)")
     compression_block: int = _f(SYNC_CODEC, 2048, "values per absmax scale for the int8/int4 codecs, and per top-k selection for topk", ge=16)
@@ -290,10 +290,11 @@ class ConfigFields(DerivedValues):
     # fmt: on
 
 
-# The null outer-step fields take the pseudo-gradient codec's defaults: ``topk`` brings
-# SparseLoCo's outer step (no outer momentum, the decayed error-feedback residual standing in
-# for it, and 1/64 of each block), every other codec the plain step. The plain step is lr 0.5
-# under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
+# The null outer-step fields take the pseudo-gradient codec's defaults: ``topk`` brings its
+# own outer step (SparseLoCo's lr 1.3, decayed error-feedback residual and 1/64 of each block,
+# under Nesterov 0.5 warmed up like the plain step's: SparseLoCo's momentum-free step trailed it
+# on real text with 4 and 8 replicas), every other codec the plain step. The plain step is lr
+# 0.5 under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
 # round, with the momentum warmed up over the first 4 updates (an early update's momentum
 # otherwise carries the large first pseudo-gradients on for rounds): the DiLoCo paper's lr 0.7
 # under Nesterov 0.9 is tuned for hundreds of rounds and overshoots in the tens of rounds a
@@ -304,10 +305,10 @@ class ConfigFields(DerivedValues):
 CODEC_DEFAULTS: dict[str, dict[str, float]] = {
     "topk": {
         "outer_lr": 1.3,
-        "outer_momentum": 0.0,
+        "outer_momentum": 0.5,
         "error_feedback_decay": 0.95,
         "topk_fraction": 1 / 64,
-        "outer_momentum_warmup_rounds": 0,
+        "outer_momentum_warmup_rounds": 4,
     },
 }
 PLAIN_DEFAULTS: dict[str, float] = {

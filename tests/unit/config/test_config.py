@@ -625,14 +625,14 @@ def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
     sparse = TrainerConfig(**base, pseudo_grad_compression="topk")
     assert (sparse.outer_lr, sparse.outer_momentum, sparse.error_feedback_decay, sparse.topk_fraction) == (
         1.3,
-        0.0,
+        0.5,
         0.95,
         1 / 64,
     )
     mine = TrainerConfig(**base, pseudo_grad_compression="topk", topk_fraction=1 / 32)
     assert (mine.outer_lr, mine.outer_momentum, mine.error_feedback_decay, mine.topk_fraction) == (
         1.3,
-        0.0,
+        0.5,
         0.95,
         1 / 32,
     )
@@ -650,7 +650,7 @@ def test_the_default_step_warms_its_momentum_up_and_a_chosen_one_is_taken_as_it_
     base = dict(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic")
     warm = lambda **f: TrainerConfig(**base, **f).outer_momentum_warmup_rounds  # noqa: E731
     assert warm() == 4 and warm(pseudo_grad_compression="int8") == 4  # the plain default step
-    assert warm(pseudo_grad_compression="topk") == 0  # SparseLoCo's step has no momentum
+    assert warm(pseudo_grad_compression="topk") == 4  # topk's own step warms its momentum up the same way
     assert warm(outer_lr=0.7) == 0 and warm(outer_momentum=0.9) == 0  # a step chosen by hand
     assert warm(outer_opt="Adam") == 0  # no momentum to warm up
     assert warm(outer_lr=0.7, outer_momentum_warmup_rounds=2) == 2  # a value set always wins
