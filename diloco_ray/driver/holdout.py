@@ -29,6 +29,8 @@ from diloco_ray.driver.round_parts import eval_loss
 from diloco_ray.runtime.messages import Contribution, RoundStats
 from diloco_ray.runtime.server_aggregator import refusal_message
 
+HELD_OUT = "the held-out check"  # what a server lost while it scores weights died during
+
 
 def worse_than_margin(trial: Optional[float], base: float, margin: float) -> Optional[str]:
     """Why an update whose weights score ``trial`` is refused, against the round's weights'
@@ -58,14 +60,14 @@ class HoldoutCheck:
         the sync's contributions."""
         if not tried:
             return {}
-        base, _ = eval_loss(host.members, host.server, host.server.global_weights())
+        base, _ = eval_loss(host.members, host.server, host.server.global_weights(), what=HELD_OUT)
         if base is None or not math.isfinite(base):  # nothing to hold them against: none is applied
             why = "held-out check: no home replica could score the round's weights"
             return dict.fromkeys(tried, why)
         out = {}
         for rid in tried:
             parts = [next(c for c in per_server if c.replica_id == rid) for per_server in contributions]
-            trial, _ = eval_loss(host.members, host.server, host.server.trial_weights(parts))
+            trial, _ = eval_loss(host.members, host.server, host.server.trial_weights(parts), what=HELD_OUT)
             why = worse_than_margin(trial, base, self.margin)
             if why is not None:
                 out[rid] = why

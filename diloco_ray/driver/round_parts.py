@@ -103,13 +103,15 @@ class RoundRecorder:
         return RoundRecord.build(syncs, wasted_steps, evaluation, timing, **self.shape, **facts())
 
 
-def eval_loss(members, server, weight_refs: list, among: Optional[list] = None) -> tuple[Optional[float], int]:
+def eval_loss(
+    members, server, weight_refs: list, among: Optional[list] = None, what: str = "the eval"
+) -> tuple[Optional[float], int]:
     """The per-token eval loss of the weights ``weight_refs`` (one packed ref per server of
     the group ``server``) on the first home replica that answers (``among`` first), and the
     bytes it read; (None, 0) when no replica is left. A server that died raises
-    :class:`~diloco_ray.control.calls.ServerLost` (its weights could not be read: the
-    replicas are not at fault)."""
-    check = partial(check_servers, server, "during the eval")
+    :class:`~diloco_ray.control.calls.ServerLost` naming ``what`` it died during (its
+    weights could not be read: the replicas are not at fault)."""
+    check = partial(check_servers, server, f"during {what}")
     results = members.first_answer(lambda rep: rep.evaluate(weight_refs), among, check)
     if results is None:
         return None, 0

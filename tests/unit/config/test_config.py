@@ -652,7 +652,7 @@ def test_the_default_step_warms_its_momentum_up_and_a_chosen_one_is_taken_as_it_
     assert warm() == 4 and warm(pseudo_grad_compression="int8") == 4  # the plain default step
     assert warm(pseudo_grad_compression="topk") == 4  # topk's own step warms its momentum up the same way
     assert warm(outer_lr=0.7) == 0 and warm(outer_momentum=0.9) == 0  # a step chosen by hand
-    assert warm(outer_opt="Adam") == 0  # no momentum to warm up
+    assert warm(outer_opt="Adam") == 0 and warm(outer_opt="Adam", pseudo_grad_compression="topk") == 0  # no momentum
     assert warm(outer_lr=0.7, outer_momentum_warmup_rounds=2) == 2  # a value set always wins
     saved = TrainerConfig(**base).to_dict()
     assert saved["outer_momentum_warmup_rounds"] == 4  # config.yaml says what the run used

@@ -5,9 +5,11 @@ weights minus one contribution's pseudo-gradient on every server."""
 from __future__ import annotations
 
 import pytest
+from ray.exceptions import RayActorError
 
 from diloco_ray.algo.aggregate import Rejection
 from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.control.calls import ServerLost
 from diloco_ray.driver.holdout import HoldoutCheck, carries_update, refused, worse_than_margin
 from diloco_ray.runtime.messages import Contribution, RegionFacts, RoundStats
 from diloco_ray.runtime.server_aggregator import refusal_message
@@ -76,6 +78,18 @@ def test_each_region_tried_is_scored_against_the_rounds_weights_and_only_a_worse
 def test_with_no_home_replica_to_score_on_no_region_is_applied():
     why = HoldoutCheck(0.05).refusals(Home(None), contributions([0, EU]), tried=[EU])
     assert why == {EU: "held-out check: no home replica could score the round's weights"}
+
+
+def test_a_server_lost_while_it_scores_says_it_died_during_the_held_out_check():
+    class DeadServers(Servers):
+        def ping(self):
+            raise RayActorError()
+
+    home = Home({"round": 3.0})
+    home.server = DeadServers()
+    home.members.first_answer = lambda call, among=None, check=None: check()  # every call failed: ask the servers
+    with pytest.raises(ServerLost, match="a server died during the held-out check"):
+        HoldoutCheck(0.05).refusals(home, contributions([0, EU]), tried=[EU])
 
 
 def test_only_a_regions_reply_that_carries_an_update_is_tried():
