@@ -11,13 +11,13 @@ launches each replica on its own clock. Neither knows the other.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable
 
 from diloco_ray.algo import links
 from diloco_ray.algo.aggregate import poisoned
 from diloco_ray.config.sections import SyncCodecSection
 from diloco_ray.driver.host import Host
-from diloco_ray.runtime.messages import AppliedRound, PeriodId, SnapshotPlan, SyncPeriod
+from diloco_ray.runtime.messages import AppliedRound, PeriodId, SyncPeriod
 
 
 @dataclass
@@ -67,25 +67,13 @@ class PeriodJobs:
         self.attempt += 1
         return self.attempt
 
-    def job(
-        self,
-        host: Host,
-        rep,
-        slot: int,
-        index: int,
-        fragment: int,
-        plan: list,
-        *,
-        board,
-        reset: bool,
-        restart: bool = False,
-        snapshots: Optional[SnapshotPlan] = None,
-        schedule_step: Optional[int] = None,
-        time_budget_s: Optional[float] = None,
-    ) -> SyncPeriod:
+    def job(self, host: Host, rep, slot: int, index: int, fragment: int, plan: list, **fields) -> SyncPeriod:
         """What every rank of ``rep`` (in ``slot``) gets for the sync period of ``fragment`` of
-        the round (decoupled: the merge) ``index``, launched now (see RankWorker.run_period)."""
-        codec = self.sync_codec
+        the round (decoupled: the merge) ``index``, launched now (see RankWorker.run_period).
+        What the period starts from (the handout, the launch, the replica's fresh start and
+        verdicts, its slot's link) is filled in here; ``fields`` are the :class:`SyncPeriod`
+        fields the loop decides (step board, reload and re-run flags, snapshots, schedule
+        position, time budget)."""
         return SyncPeriod(
             period=PeriodId(index, fragment, self.attempt),
             plan=plan,
@@ -93,15 +81,10 @@ class PeriodJobs:
             full=self.handout.full,
             version=self.handout.version,
             servers=host.server.actors,
-            reset=reset,
-            restart=restart,
             reset_inner=rep.id in self.reset_inner,
             sent_verdicts=self.verdicts_for(rep.id),
-            board=board,
-            link=links.link_for_slot(codec.link_mbps, codec.link_latency_ms, slot),
-            snapshots=snapshots,
-            schedule_step=schedule_step,
-            time_budget_s=time_budget_s,
+            link=links.link_for_slot(self.sync_codec.link_mbps, self.sync_codec.link_latency_ms, slot),
+            **fields,
         )
 
     def launched(self, replica_ids) -> None:
