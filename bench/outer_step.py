@@ -48,6 +48,7 @@ from diloco_ray.sweep.runner import sweep  # noqa: E402
 TINY = os.path.join(os.path.dirname(HERE), "configs", "tiny.yaml")
 LRS = [0.5, 0.7, 1.0, 1.3]
 MOMENTA = [0.0, 0.5, 0.9]
+UNRECORDED = "unrecorded"  # a row's corpus before rows named theirs
 # What the codec brings beside its outer step (kept when a trial sets the step).
 CODEC_FIELDS = {
     "none": {"pseudo_grad_compression": "none"},
@@ -71,6 +72,16 @@ def setting_values(setting: str, seed: int) -> dict:
     replicas, rounds = {"text4": (4, 16), "text4-64": (4, 64), "text8": (8, 16)}[setting]
     cfg = decoupled.config(seed, "sync", "equal", rounds, {"num_replicas": replicas, "output_dir": out})
     return cfg.to_dict()
+
+
+def corpus_of(setting: str) -> str:
+    """The data a setting trains on: ``builtin`` (tiny's arithmetic), else the text corpus's
+    identity (:func:`text_corpus.identity`)."""
+    if setting == "tiny":
+        return "builtin"
+    import text_corpus
+
+    return text_corpus.identity(text_corpus.build()[0])
 
 
 def step_name(lr: float, momentum: float, variant: Optional[dict] = None) -> str:
@@ -105,7 +116,12 @@ def run(
     whole again, since ASHA judges each trial against those before it (a part alone would
     stop other trials); the summary reads the newest row of a step and seed."""
     done = {"finished"} if grace is None else {"finished", "stopped"}
-    have = {(r["setting"], r["codec"], r["step"], r["seed"]) for r in done_rows(log) if r["status"] in done}
+    corpus = corpus_of(setting)
+    have = {
+        (r["setting"], r["codec"], r["step"], r["seed"])
+        for r in done_rows(log)
+        if r["status"] in done and r.get("corpus") == corpus
+    }
     if all((setting, codec, step_name(lr, m, variant), seed) in have for lr in lrs for m in momenta):
         return
     values = {**setting_values(setting, seed), **CODEC_FIELDS[codec], **(variant or {})}
@@ -121,6 +137,7 @@ def run(
             step = step_name(t.overrides["outer_lr"], t.overrides["outer_momentum"], variant)
             row = {
                 "setting": setting,
+                "corpus": corpus,
                 "codec": codec,
                 "step": step,
                 "seed": seed,
@@ -134,23 +151,28 @@ def run(
 
 
 def summary(rows: list[dict]) -> list[dict]:
-    """Per (setting, codec, step) over its finished seeds: each seed's loss (``per_seed``, in
-    seed order), median, max, and each against the best median and the best max of the same
-    setting and codec on the same seeds (1.0: the best; a one-seed screen is held against
-    every step that ran that seed)."""
+    """Per (setting, corpus, codec, step) over its finished seeds: each seed's loss
+    (``per_seed``, in seed order), median, max, and each against the best median and the
+    best max of the same setting, corpus and codec on the same seeds (1.0: the best; a
+    one-seed screen is held against every step that ran that seed). A row without a corpus
+    is from before rows named theirs (``unrecorded``): it is compared with its own kind only."""
     groups: dict = {}
     for r in rows:
         if r["status"] == "finished":
-            groups.setdefault((r["setting"], r["codec"], r["step"]), {})[r["seed"]] = r["final_eval_loss"]
+            key = (r["setting"], r.get("corpus", UNRECORDED), r["codec"], r["step"])
+            groups.setdefault(key, {})[r["seed"]] = r["final_eval_loss"]
     out = []
-    for (setting, codec, step), by_seed in groups.items():
+    for (setting, corpus, codec, step), by_seed in groups.items():
         seeds = sorted(by_seed)
-        peers = [g for (s, c, _), g in groups.items() if (s, c) == (setting, codec) and set(seeds) <= set(g)]
+        peers = [
+            g for (s, d, c, _), g in groups.items() if (s, d, c) == (setting, corpus, codec) and set(seeds) <= set(g)
+        ]
         losses = [by_seed[seed] for seed in seeds]
         median, worst = statistics.median(losses), max(losses)
         out.append(
             {
                 "setting": setting,
+                "corpus": corpus,
                 "codec": codec,
                 "step": step,
                 "seeds": len(losses),
@@ -161,17 +183,18 @@ def summary(rows: list[dict]) -> list[dict]:
                 "max_vs_best": worst / min(max(g[x] for x in seeds) for g in peers),
             }
         )
-    return sorted(out, key=lambda o: (o["setting"], o["codec"], -o["seeds"], o["median"]))
+    return sorted(out, key=lambda o: (o["setting"], o["corpus"], o["codec"], -o["seeds"], o["median"]))
 
 
 def markdown(rows: list[dict]) -> str:
     """The summary as a Markdown table (docs/results.md, Outer step), seeds listed per step."""
-    lines = ["| setting | codec | step | per seed | median | max | median / best | max / best |", "|---" * 8 + "|"]
+    head = "| setting | corpus | codec | step | per seed | median | max | median / best | max / best |"
+    lines = [head, "|---" * 9 + "|"]
     for o in summary(rows):
         each = " / ".join(f"{loss:.4f}" for loss in o["per_seed"])
         lines.append(
-            f"| {o['setting']} | {o['codec']} | {o['step']} | {each} | {o['median']:.4f} | {o['max']:.4f} "
-            f"| {o['median_vs_best']:.3f} | {o['max_vs_best']:.3f} |"
+            f"| {o['setting']} | {o['corpus']} | {o['codec']} | {o['step']} | {each} | {o['median']:.4f} "
+            f"| {o['max']:.4f} | {o['median_vs_best']:.3f} | {o['max_vs_best']:.3f} |"
         )
     return "\n".join(lines)
 

@@ -12,8 +12,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "..", "be
 import outer_step  # noqa: E402
 
 
-def row(step, seed, loss, status="finished", setting="text4", codec="none"):
-    return {"setting": setting, "codec": codec, "step": step, "seed": seed, "status": status, "final_eval_loss": loss}
+def row(step, seed, loss, status="finished", setting="text4", codec="none", corpus=None):
+    corpus = corpus or ("builtin" if setting == "tiny" else "text-a")
+    return {
+        "setting": setting,
+        "corpus": corpus,
+        "codec": codec,
+        "step": step,
+        "seed": seed,
+        "status": status,
+        "final_eval_loss": loss,
+    }
 
 
 def test_the_summary_takes_finished_seeds_and_compares_like_with_like():
@@ -38,6 +47,27 @@ def test_the_summary_takes_finished_seeds_and_compares_like_with_like():
     assert summary[("none", "0.7/0")]["median_vs_best"] == pytest.approx(4.05 / 4.0)
     assert summary[("none", "1.3/0")]["median_vs_best"] == 1.0
     assert summary[("int8", "0.5/0.5")]["median_vs_best"] == 1.0
+
+
+def test_runs_on_another_corpus_are_neither_compared_nor_taken_as_done(tmp_path, sweeps, monkeypatch):
+    """A text task is its corpus: a new transformers rebuilds it from other docstrings, and
+    the same job's losses move with it from the first eval on. Rows name their corpus, and
+    only rows of one corpus are compared, or count as a step already run."""
+    rows = [
+        row("0.5/0.5", 0, 4.0, corpus="text-a"),
+        row("1/0", 0, 3.0, corpus="text-b"),
+        {k: v for k, v in row("1/0", 0, 2.0).items() if k != "corpus"},  # from before rows named one
+    ]
+    summary = {(r["corpus"], r["step"]): r for r in outer_step.summary(rows)}
+    assert summary[("text-a", "0.5/0.5")]["median_vs_best"] == 1.0
+    assert summary[("text-b", "1/0")]["median_vs_best"] == 1.0
+    assert summary[(outer_step.UNRECORDED, "1/0")]["median_vs_best"] == 1.0
+    log = str(tmp_path / "log.jsonl")
+    write(log, row("1/0", 0, 3.0, corpus="text-b"))
+    monkeypatch.setattr(outer_step, "corpus_of", lambda setting: "text-a")
+    monkeypatch.setattr(outer_step, "setting_values", lambda setting, seed: {"diloco_loops": 16})
+    outer_step.run("text4", "none", 0, [1.0], [0.0], None, log)  # done on text-b only: runs
+    assert len(sweeps) == 1
 
 
 def test_a_step_is_named_with_its_schedule_and_momentum_warmup():
@@ -96,5 +126,5 @@ def test_a_schedule_or_a_momentum_warmup_is_a_step_of_its_own(tmp_path, sweeps, 
 def test_the_markdown_table_lists_each_seed_under_its_step():
     table = outer_step.markdown([row("1/0", 1, 4.3), row("1/0", 0, 4.1), row("1/0", 2, 4.6, status="stopped")])
     header, rule, line = table.splitlines()
-    assert rule == "|---" * 8 + "|"
-    assert line == "| text4 | none | 1/0 | 4.1000 / 4.3000 | 4.2000 | 4.3000 | 1.000 | 1.000 |"
+    assert rule == "|---" * 9 + "|"
+    assert line == "| text4 | text-a | none | 1/0 | 4.1000 / 4.3000 | 4.2000 | 4.3000 | 1.000 | 1.000 |"
