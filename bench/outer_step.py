@@ -81,7 +81,7 @@ def corpus_of(setting: str) -> str:
         return "builtin"
     import text_corpus
 
-    return text_corpus.identity(text_corpus.build()[0])
+    return text_corpus.identity(*text_corpus.build())
 
 
 def step_name(lr: float, momentum: float, variant: Optional[dict] = None) -> str:

@@ -89,15 +89,16 @@ def build(cache: str = DEFAULT_CACHE) -> tuple[str, str]:
     return data, tok
 
 
-def identity(data: str) -> str:
+def identity(data: str, tokenizer: str) -> str:
     """What names the task a corpus makes: its folder (Python and ``transformers`` versions)
-    and the first 12 hex digits of the SHA-256 of its rows. Runs on different identities
-    trained on different text and are not compared (a new ``transformers`` changes its
-    docstrings, and so the corpus and the losses)."""
+    and the first 12 hex digits of the SHA-256 of its rows and its tokenizer. Runs on
+    different identities trained on different tokens and are not compared (a new
+    ``transformers`` changes its docstrings, a new ``tokenizers`` may merge them otherwise)."""
     digest = hashlib.sha256()
-    with open(data, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
+    for path in (data, os.path.join(tokenizer, "tokenizer.json")):
+        with open(path, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
     return f"{os.path.basename(os.path.dirname(data))}:{digest.hexdigest()[:12]}"
 
 
