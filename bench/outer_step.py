@@ -6,7 +6,8 @@ one of these settings:
 
 * ``tiny``: the embedded default (``configs/tiny.yaml``: 2 replicas, 10 rounds of H = 30);
 * ``text4``: ``bench/decoupled.py``'s model still learning English text, 4 replicas, 16
-  rounds of H = 25, synchronous; ``text4-64``: the same over 64 rounds; ``text8``: 8 replicas.
+  rounds of H = 25, synchronous; ``text4-32`` and ``text4-64``: the same over 32 and 64
+  rounds; ``text8``: 8 replicas.
 
 Two passes, as the sweep's cost asks on 2 cores:
 
@@ -69,7 +70,7 @@ def setting_values(setting: str, seed: int) -> dict:
         return TrainerConfig.from_yaml(TINY, overrides={"output_dir": out, "seed": seed}).to_dict()
     import decoupled  # the text model and corpus of bench/decoupled.py
 
-    replicas, rounds = {"text4": (4, 16), "text4-64": (4, 64), "text8": (8, 16)}[setting]
+    replicas, rounds = {"text4": (4, 16), "text4-32": (4, 32), "text4-64": (4, 64), "text8": (8, 16)}[setting]
     cfg = decoupled.config(seed, "sync", "equal", rounds, {"num_replicas": replicas, "output_dir": out})
     return cfg.to_dict()
 
@@ -201,7 +202,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setting", choices=["tiny", "text4", "text4-64", "text8"], default="text4")
+    parser.add_argument("--setting", choices=["tiny", "text4", "text4-32", "text4-64", "text8"], default="text4")
     parser.add_argument("--codecs", default="none,int8,topk")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--screen", action="store_true", help="every step of the grid on the first seed, ASHA on")

@@ -193,9 +193,9 @@ class ConfigFields(DerivedValues):
     outer_opt: str = _f(OUTER_OPTIM, "SGD", "outer optimizer: a torch.optim class name")
     outer_opt_kwargs: dict = _f(OUTER_OPTIM, {}, "extra keyword arguments for the outer optimizer (SGD: nesterov defaults to true)")
     outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.5; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings its whole outer step; see docs/results.md, Outer step)", gt=0.0)
-    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5, with topk's outer step too; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
+    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5, with topk's outer step too, and 0 in topk's step when diloco_loops >= 32, as SparseLoCo runs it; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(OUTER_OPTIM, None, "outer lr schedule over diloco_loops (null: constant)")
-    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step or topk's, 0 with one set by hand or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
+    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step or topk's, 0 with topk's over 32 rounds or more or one set by hand or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
     outer_grad_clip: Optional[float] = _f(OUTER_OPTIM, None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
     # --- decoupled mode ----------------------------------------------------------------
     sync_mode: Literal["sync", "decoupled"] = _f((RUN, CHECKPOINTING), "sync", "sync: every round waits for all replicas (up to round_timeout_s) and averages them; decoupled: each replica trains on its own clock and the server merges whatever has arrived (min_quorum, grace window, staleness discount; see docs/decoupled.md)")
@@ -291,10 +291,11 @@ class ConfigFields(DerivedValues):
 
 
 # The null outer-step fields take the pseudo-gradient codec's defaults: ``topk`` brings its
-# own outer step (SparseLoCo's lr 1.3, decayed error-feedback residual and 1/64 of each block,
-# under Nesterov 0.5 warmed up like the plain step's: SparseLoCo's momentum-free step trailed it
-# with 8 replicas and on the tiny task, was level with 4, and led only over many more rounds),
-# every other codec the plain step. The plain step is lr
+# own outer step (SparseLoCo's lr 1.3, decayed error-feedback residual and 1/64 of each block),
+# under Nesterov 0.5 warmed up like the plain step's in a run of fewer than 32 rounds, and
+# without momentum, as SparseLoCo runs it, in one of 32 or more: momentum led with 8 replicas
+# and on the tiny task, was level with 4 over 16 rounds, and fell behind over 32 and 64, where
+# the decayed residual already carries past rounds on. Every other codec takes the plain step, lr
 # 0.5 under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
 # round, with the momentum warmed up over the first 4 updates (an early update's momentum
 # otherwise carries the large first pseudo-gradients on for rounds): the DiLoCo paper's lr 0.7
@@ -319,19 +320,28 @@ PLAIN_DEFAULTS: dict[str, float] = {
     "topk_fraction": 1 / 16,
     "outer_momentum_warmup_rounds": 4,
 }
+# A codec's step over a run of at least this many rounds (diloco_loops): what changes.
+LONG_RUN_DEFAULTS: dict[str, tuple[int, dict[str, float]]] = {
+    "topk": (32, {"outer_momentum": 0.0, "outer_momentum_warmup_rounds": 0}),
+}
 # A step chosen by hand (or an outer_opt other than SGD, which may have no momentum) is taken as it is.
 OWN_STEP_DEFAULTS: dict[str, float] = {"outer_momentum_warmup_rounds": 0}
 OWN_OUTER_STEP = ("outer_lr", "outer_momentum")  # setting either is choosing the outer step
-CODEC_FIELDS = ("pseudo_grad_compression", "outer_opt", *PLAIN_DEFAULTS)  # what codec_defaults reads
+CODEC_FIELDS = ("pseudo_grad_compression", "outer_opt", "diloco_loops", *PLAIN_DEFAULTS)  # what codec_defaults reads
 
 
 def codec_defaults(values: dict) -> dict[str, float]:
     """What the null codec-defaulted fields of ``values`` (field -> value) become: the
-    codec's bundle when the outer step is left to it, else the plain step's (with no
-    momentum warm-up for a step chosen by hand)."""
+    codec's bundle (its long-run step when ``diloco_loops`` reaches the codec's long run)
+    when the outer step is left to it, else the plain step's (with no momentum warm-up for a
+    step chosen by hand)."""
     codec = values.get("pseudo_grad_compression")
     own_step = any(values.get(name) is not None for name in OWN_OUTER_STEP)
     bundle = {} if own_step or not isinstance(codec, str) else CODEC_DEFAULTS.get(codec, {})
+    rounds = values.get("diloco_loops", ConfigFields.diloco_loops)  # (not an int: validate says so)
+    long_run = LONG_RUN_DEFAULTS.get(codec) if bundle else None
+    if long_run and isinstance(rounds, int) and rounds >= long_run[0]:
+        bundle = {**bundle, **long_run[1]}
     if own_step or values.get("outer_opt", ConfigFields.outer_opt) != "SGD":  # (a missing field: its default)
         bundle = {**bundle, **OWN_STEP_DEFAULTS}
     return {name: bundle.get(name, plain) for name, plain in PLAIN_DEFAULTS.items() if values.get(name) is None}

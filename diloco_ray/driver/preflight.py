@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from diloco_ray.config.fields import CODEC_DEFAULTS
+from diloco_ray.config.fields import codec_defaults
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import (
     ChannelSection,
@@ -207,16 +207,19 @@ def loosened_settings(checkpointing: CheckpointSection, data: DataSection) -> li
 def drifting_outer_step(outer: OuterOptimSection, codec: SyncCodecSection) -> Optional[str]:
     """One line when the outer step is one that drifts with its codec: ``topk`` under Nesterov
     momentum of 0.9 or more, which only a config that sets it gets (topk's own step and the
-    plain default have 0.5). The measurement it cites is docs/slow-links.md's."""
+    plain default have 0.5 or none). The measurement it cites is docs/slow-links.md's; the step
+    it offers is topk's own for this run's length."""
     if codec.pseudo_grad_compression != "topk" or outer.outer_opt != "SGD" or outer.outer_momentum < 0.9:
         return None
-    own = CODEC_DEFAULTS["topk"]
+    own = codec_defaults({"pseudo_grad_compression": "topk", "diloco_loops": outer.diloco_loops})
+    warmup = own["outer_momentum_warmup_rounds"]
+    momentum = f"Nesterov {own['outer_momentum']:g} warmed up over {warmup:g} updates" if warmup else "no momentum"
     return (
         f"outer_momentum: {outer.outer_momentum:g} with pseudo_grad_compression: topk drifts: on the text "
         "benchmark (4 replicas, 16 rounds, 3 seeds) topk at 1/16 under Nesterov 0.9 ended 12-18% above the "
         "same topk at lr 1.3 without momentum (docs/slow-links.md, Codec frontier); leave outer_lr and "
-        f"outer_momentum null for topk's own step (lr {own['outer_lr']:g}, Nesterov {own['outer_momentum']:g} "
-        f"warmed up over {own['outer_momentum_warmup_rounds']:g} updates), or set outer_lr: 1.3 and outer_momentum: 0.5"
+        f"outer_momentum null for topk's own step over {outer.diloco_loops} rounds (lr {own['outer_lr']:g}, "
+        f"{momentum}), or set outer_lr: {own['outer_lr']:g} and outer_momentum: {own['outer_momentum']:g}"
     )
 
 

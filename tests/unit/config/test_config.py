@@ -646,6 +646,19 @@ def test_topk_brings_its_own_outer_step_as_a_whole_and_a_value_set_wins():
     assert TrainerConfig.from_dict(sparse.to_dict()).to_dict() == sparse.to_dict()
 
 
+@pytest.mark.parametrize("rounds, momentum, warmup", [(31, 0.5, 4), (32, 0.0, 0), (500, 0.0, 0)])
+def test_topk_takes_sparselocos_momentum_free_step_over_a_long_run(rounds, momentum, warmup):
+    base = dict(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic", diloco_loops=rounds)
+    sparse = TrainerConfig(**base, pseudo_grad_compression="topk")
+    assert (sparse.outer_lr, sparse.outer_momentum, sparse.outer_momentum_warmup_rounds) == (1.3, momentum, warmup)
+    assert (sparse.error_feedback_decay, sparse.topk_fraction) == (0.95, 1 / 64)
+    assert TrainerConfig.from_dict(sparse.to_dict()).to_dict() == sparse.to_dict()
+    # The rule is topk's: the plain step keeps its momentum however long the run, and a value set wins.
+    assert (TrainerConfig(**base).outer_momentum, TrainerConfig(**base).outer_momentum_warmup_rounds) == (0.5, 4)
+    mine = TrainerConfig(**base, pseudo_grad_compression="topk", outer_momentum_warmup_rounds=2)
+    assert (mine.outer_momentum, mine.outer_momentum_warmup_rounds) == (momentum, 2)
+
+
 def test_the_default_step_warms_its_momentum_up_and_a_chosen_one_is_taken_as_it_is():
     base = dict(model_config={"model_type": "llama"}, dataset_name="builtin:arithmetic")
     warm = lambda **f: TrainerConfig(**base, **f).outer_momentum_warmup_rounds  # noqa: E731

@@ -71,8 +71,12 @@ def test_topk_under_nesterov_momentum_set_by_hand_gets_one_line_saying_what_to_s
     line = drift(pseudo_grad_compression="topk", outer_momentum=0.9)
     assert line.startswith("outer_momentum: 0.9 with pseudo_grad_compression: topk drifts: ")
     assert line.endswith(
-        "leave outer_lr and outer_momentum null for topk's own step (lr 1.3, Nesterov 0.5 warmed up over 4 "
-        "updates), or set outer_lr: 1.3 and outer_momentum: 0.5"
+        "leave outer_lr and outer_momentum null for topk's own step over 10 rounds (lr 1.3, Nesterov 0.5 warmed "
+        "up over 4 updates), or set outer_lr: 1.3 and outer_momentum: 0.5"
+    )
+    # Over a long run topk's own step has no momentum, and the line offers that one.
+    assert drift(pseudo_grad_compression="topk", outer_momentum=0.9, diloco_loops=32).endswith(
+        "null for topk's own step over 32 rounds (lr 1.3, no momentum), or set outer_lr: 1.3 and outer_momentum: 0"
     )
     assert drift(pseudo_grad_compression="topk", outer_lr=0.7, outer_momentum=0.95).startswith("outer_momentum: 0.95 ")
 
