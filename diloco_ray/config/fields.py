@@ -52,6 +52,9 @@ SECTION_NAMES = (
 # A region joins the home's round as one member, under an id of its own: this plus the
 # region's index in ``regions``, far above any replica's id.
 REGION_ID_BASE = 1_000_000
+# From this many rounds (diloco_loops) topk's own outer step drops its momentum (see
+# CODEC_DEFAULTS below); the fields' help cites it, so it is named before them.
+TOPK_LONG_RUN_ROUNDS = 32
 
 
 def is_region_member(replica_id: int) -> bool:
@@ -193,9 +196,9 @@ class ConfigFields(DerivedValues):
     outer_opt: str = _f(OUTER_OPTIM, "SGD", "outer optimizer: a torch.optim class name")
     outer_opt_kwargs: dict = _f(OUTER_OPTIM, {}, "extra keyword arguments for the outer optimizer (SGD: nesterov defaults to true)")
     outer_lr: Optional[float] = _f(OUTER_OPTIM, None, "outer learning rate (null: 0.5; 1.3 when pseudo_grad_compression: topk and outer_momentum is null too: topk then brings its whole outer step; see docs/results.md, Outer step)", gt=0.0)
-    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, "outer momentum, Nesterov with SGD (null: 0.5, with topk's outer step too, and 0 in topk's step when diloco_loops >= 32, as SparseLoCo runs it; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
+    outer_momentum: Optional[float] = _f(OUTER_OPTIM, None, f"outer momentum, Nesterov with SGD (null: 0.5, with topk's outer step too, and 0 in topk's step when diloco_loops >= {TOPK_LONG_RUN_ROUNDS}, as SparseLoCo runs it; the DiLoCo paper's 0.9 with lr 0.7 is for runs of hundreds of rounds)", ge=0.0, lt=1.0)
     outer_lr_schedule: Optional[Literal["cosine", "linear", "polynomial"]] = _f(OUTER_OPTIM, None, "outer lr schedule over diloco_loops (null: constant)")
-    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, "outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step or topk's, 0 with topk's over 32 rounds or more or one set by hand or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
+    outer_momentum_warmup_rounds: Optional[int] = _f(OUTER_OPTIM, None, f"outer updates (rounds; decoupled: merges) over which the outer momentum rises linearly to outer_momentum: update r (from 0) uses outer_momentum x (r + 1) / (this + 1); 0: the whole outer_momentum from the start (null: 4 with the default outer step or topk's, 0 with topk's over {TOPK_LONG_RUN_ROUNDS} rounds or more or one set by hand or an outer_opt other than SGD). Needs an outer_opt with a momentum (SGD)", ge=0)
     outer_grad_clip: Optional[float] = _f(OUTER_OPTIM, None, "clip the outer gradient to this global L2 norm (null: off)", gt=0.0)
     # --- decoupled mode ----------------------------------------------------------------
     sync_mode: Literal["sync", "decoupled"] = _f((RUN, CHECKPOINTING), "sync", "sync: every round waits for all replicas (up to round_timeout_s) and averages them; decoupled: each replica trains on its own clock and the server merges whatever has arrived (min_quorum, grace window, staleness discount; see docs/decoupled.md)")
@@ -292,10 +295,10 @@ class ConfigFields(DerivedValues):
 
 # The null outer-step fields take the pseudo-gradient codec's defaults: ``topk`` brings its
 # own outer step (SparseLoCo's lr 1.3, decayed error-feedback residual and 1/64 of each block),
-# under Nesterov 0.5 warmed up like the plain step's in a run of fewer than 32 rounds, and
-# without momentum, as SparseLoCo runs it, in one of 32 or more: momentum led with 8 replicas
-# and on the tiny task, was level with 4 over 16 rounds, and fell behind over 32 and 64, where
-# the decayed residual already carries past rounds on. Every other codec takes the plain step, lr
+# under Nesterov 0.5 warmed up like the plain step's in a run of fewer than
+# TOPK_LONG_RUN_ROUNDS rounds, and without momentum, as SparseLoCo runs it, in a longer one:
+# momentum led with 8 replicas and on the tiny task, was level with 4 over 16 rounds, and fell
+# behind over 32 and 64, where the decayed residual already carries past rounds on. Every other codec takes the plain step, lr
 # 0.5 under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
 # round, with the momentum warmed up over the first 4 updates (an early update's momentum
 # otherwise carries the large first pseudo-gradients on for rounds): the DiLoCo paper's lr 0.7
@@ -322,7 +325,7 @@ PLAIN_DEFAULTS: dict[str, float] = {
 }
 # A codec's step over a run of at least this many rounds (diloco_loops): what changes.
 LONG_RUN_DEFAULTS: dict[str, tuple[int, dict[str, float]]] = {
-    "topk": (32, {"outer_momentum": 0.0, "outer_momentum_warmup_rounds": 0}),
+    "topk": (TOPK_LONG_RUN_ROUNDS, {"outer_momentum": 0.0, "outer_momentum_warmup_rounds": 0}),
 }
 # A step chosen by hand (or an outer_opt other than SGD, which may have no momentum) is taken as it is.
 OWN_STEP_DEFAULTS: dict[str, float] = {"outer_momentum_warmup_rounds": 0}
