@@ -12,6 +12,7 @@ import ray
 from conftest import EXACT_JOB, KillOnceTheSpareIsReady, applied_positions, max_abs_diff, tiny_config, wait_for_a_spare
 
 from diloco_ray import DilocoFSDPTrainer
+from diloco_ray.algo import merge_timing
 from diloco_ray.algo.inner_schedule import inner_lr_at
 from diloco_ray.observe.metrics import read_events
 
@@ -111,10 +112,17 @@ def test_a_slow_replica_is_merged_stale_and_the_fast_one_does_not_wait(ray_local
 PACED_4X = [{"kind": "slowdown", "replica": r, "round": 0, "seconds": s} for r, s in ((0, 0.1), (1, 0.4))]
 
 
-def test_the_grace_window_waits_for_a_replica_predicted_soon(ray_local, tmp_path):
+def test_the_grace_window_waits_for_a_replica_predicted_soon(ray_local, tmp_path, monkeypatch):
     """A replica 4x slower, its periods whole (``align_periods: false``), with a grace
     window of a whole period (``grace_fraction: 1``): once its pace is known, a merge
-    waits for it, so it is merged fresh (staleness 0) with replica 0."""
+    waits for it, so it is merged fresh (staleness 0) with replica 0.
+
+    What is checked here is the wiring: the driver learns the pace and its merge waits for
+    the arrival it predicts. How late an arrival may be and still be waited for (a quarter
+    of a period) is the rule's own, checked on a clock the test controls
+    (tests/unit/algo/test_merge_timing.py); here the driver tolerates a whole period, so
+    that a busy machine's jitter in a period's seconds cannot move an arrival out."""
+    monkeypatch.setattr(merge_timing, "TOLERANCE_SHARE", 1.0)
     cfg = tiny_config(
         tmp_path / "run",
         **{**DECOUPLED, "diloco_loops": 4, "grace_fraction": 1.0, "fault_plan": PACED_4X},
