@@ -15,13 +15,23 @@ import ray
 from ray.exceptions import RayActorError
 
 from diloco_ray.observe.metrics import StepBoard
+from diloco_ray.runtime import warm_actors
+
+
+def board_key() -> tuple:
+    """What a kept board must match to be taken (runtime.warm_actors): this node."""
+    return ("step-board", ray.get_runtime_context().get_node_id())
 
 
 def new_board():
     """The StepBoard actor, on the driver's own node: a lost worker node must not take the
-    board (and the driver's polling) with it."""
+    board (and the driver's polling) with it. A board kept by the last run on this node is
+    taken first (it reserves nothing: a miss lets nothing else go)."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    kept = warm_actors.take(board_key(), lambda boards: [b.reset.remote() for b in boards], release_on_miss=False)
+    if kept is not None:
+        return kept.actors[0]
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
     return ray.remote(num_cpus=0, scheduling_strategy=here)(StepBoard).remote()
 
@@ -60,5 +70,8 @@ class StepFeed:
             return None
         return self.last_beats
 
-    def close(self) -> None:
-        ray.kill(self.board)
+    def close(self, keep: bool = False) -> None:
+        """Let the board go: kept for the next run in this process when ``keep`` (a run that
+        ended cleanly, runtime.warm_actors), else killed."""
+        if not (keep and warm_actors.keep(board_key(), [self.board])):
+            ray.kill(self.board)

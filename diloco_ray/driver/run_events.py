@@ -71,8 +71,9 @@ class RunEvents:
         self.log(record)
         self.ray_metrics.record(record)
 
-    def close(self, publish: Callable[[], None]) -> None:
-        """Close every outlet; ``publish`` runs once metrics.jsonl is complete (a bucket's copy)."""
+    def close(self, publish: Callable[[], None], keep: bool = False) -> None:
+        """Close every outlet; ``publish`` runs once metrics.jsonl is complete (a bucket's copy);
+        ``keep``: the step board is kept for the next run (runtime.warm_actors)."""
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
@@ -81,5 +82,5 @@ class RunEvents:
             self.ray_metrics.close()
             self.ray_metrics = None
         if self.steps is not None:
-            self.steps.close()
+            self.steps.close(keep)
             self.steps = None

@@ -430,7 +430,7 @@ class DilocoFSDPTrainer:
         if self.server is not None:
             self.server.kill(keep)
             self.server = None
-        self.events.close(publish=self.run_dir.publish)
+        self.events.close(publish=self.run_dir.publish, keep=keep)
         if self.ray_session is not None:
             self.ray_session.close()
         self.run_dir.unlock()

@@ -46,6 +46,14 @@ class StepBoard:
         events, self._events = self._events, []
         return events
 
+    def reset(self) -> bool:
+        """Forget every event and beat: a kept board taken by a new run
+        (:mod:`diloco_ray.runtime.warm_actors`), or one let go to be kept (``retire``)."""
+        self._events, self._beats = [], {}
+        return True
+
+    retire = reset
+
 
 class MetricsLogger:
     """Writes events to ``output_dir/metrics.jsonl`` and the configured trackers.

@@ -5,8 +5,8 @@ torch and, on a rank, transformers' model code, FSDP and ``torch._dynamo`` (whic
 optimizers import at their first use). That is seconds of CPU a process, and on a small job
 most of its start-up. A process that runs several jobs one after another on the same Ray
 (a notebook, a script of runs, a test suite) can set ``DILOCO_RAY_KEEP_ACTORS=1``: a run
-that ends cleanly then keeps its ranks (with their placement group) and its servers, and the
-next run takes those whose resources match instead of starting new ones.
+that ends cleanly then keeps its ranks (with their placement group), its servers and its step
+board, and the next run takes those whose resources match instead of starting new ones.
 
 What is kept is a process, never a run's state. Kept, an actor has let go of everything of
 its run (``retire``: model, optimizer, process group); taken, it is built again from the new
@@ -16,8 +16,9 @@ An actor that does not answer either call in time, or says it still holds work, 
 instead. A run that ends with an error keeps nothing.
 
 Only the last run's actors are kept: the first actor a run cannot take from what is kept
-lets all of it go (their reservations must not hold up the new one), and so does the end of
-a run's set-up (the trainer calls :meth:`WarmActors.release`). Kept actors belong to the Ray
+lets all of it go (their reservations must not hold up the new one; the step board, which
+reserves nothing, is the exception), and so does the end of a run's set-up (the trainer
+calls :meth:`WarmActors.release`). Kept actors belong to the Ray
 they were started on: after ``ray.shutdown`` they are forgotten.
 """
 
@@ -95,9 +96,10 @@ class WarmActors:
             self._kept.append(unit)
         return True
 
-    def take(self, key: tuple, reset: Callable[[list], list]) -> Optional[Kept]:
+    def take(self, key: tuple, reset: Callable[[list], list], release_on_miss: bool = True) -> Optional[Kept]:
         """A kept unit of ``key``, its actors reset by ``reset(actors)`` (refs to wait on),
-        or None: then nothing is kept any more, so a new unit finds the room it needs."""
+        or None: then nothing is kept any more, so a new unit finds the room it needs
+        (``release_on_miss=False``, for an actor that reserves nothing: the rest stays kept)."""
         cluster = _cluster()
         while True:
             with self._lock:
@@ -107,7 +109,8 @@ class WarmActors:
                 if unit is not None:
                     self._kept.remove(unit)
             if unit is None:
-                self.release()
+                if release_on_miss:
+                    self.release()
                 return None
             try:
                 ray.get(reset(unit.actors), timeout=RESET_TIMEOUT_S)
@@ -143,9 +146,9 @@ def _cluster() -> Optional[str]:
 POOL = WarmActors()
 
 
-def take(key: tuple, reset: Callable[[list], list]) -> Optional[Kept]:
+def take(key: tuple, reset: Callable[[list], list], release_on_miss: bool = True) -> Optional[Kept]:
     """:meth:`WarmActors.take` from this process's kept actors, when it keeps any."""
-    return POOL.take(key, reset) if enabled() else None
+    return POOL.take(key, reset, release_on_miss) if enabled() else None
 
 
 def keep(key: tuple, actors: list, pg=None) -> bool:

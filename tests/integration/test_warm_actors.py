@@ -33,17 +33,18 @@ def test_kept_actors_train_as_new_ones_do_and_are_let_go_when_they_do_not_fit(ra
     # Another run's state in the processes: its seed, lr and data all differ.
     DilocoFSDPTrainer(tiny_config(tmp_path / "other", seed=2, lr=1e-3, max_steps=5, eval_batches=2)).train()
     first = kept_ids()
-    assert len(warm_actors.POOL) == 3 and len(first) == 3  # two one-rank replicas and a server
+    assert len(warm_actors.POOL) == 4 and len(first) == 4  # two one-rank replicas, a server, the step board
 
     DilocoFSDPTrainer(tiny_config(tmp_path / "kept", seed=1, **SHAPE)).train()
     assert kept_ids() == first  # the same processes ran it, and are kept again
     assert max_abs_diff(str(tmp_path / "kept"), str(tmp_path / "new")) == 0.0
 
     # Ranks of another size: the kept ranks are let go, not left holding their reservation
-    # (the server, whose shape did not change, is taken before them and kept again).
+    # (the step board and the server, whose shapes did not change, are taken before them
+    # and kept again).
     DilocoFSDPTrainer(tiny_config(tmp_path / "smaller", cpus_per_rank=0.25, **SHAPE)).train()
     second = kept_ids()
-    assert len(second) == 3 and len(second & first) == 1
+    assert len(second) == 4 and len(second & first) == 2
 
     with pytest.raises(RuntimeError, match="a callback failed"):
         DilocoFSDPTrainer(tiny_config(tmp_path / "failed", cpus_per_rank=0.25, **SHAPE), [FailAfterRound()]).train()

@@ -64,6 +64,19 @@ def test_a_miss_lets_everything_kept_go_first(pool):
     assert len(pool) == 0 and all(a.killed for a in kept)
 
 
+def test_a_miss_of_an_actor_that_reserves_nothing_lets_nothing_go(pool):
+    """The step board: a run that finds none kept starts one, and the ranks and servers kept
+    stay for the run to take."""
+    kept = [FakeActor("r0"), FakeActor("s")]
+    pool.keep(("ranks", 0.5), kept[:1])
+    pool.keep(("server",), kept[1:])
+    assert pool.take(("step-board",), reset, release_on_miss=False) is None
+    assert len(pool) == 2 and not any(a.killed for a in kept)
+    board = FakeActor("b")
+    pool.keep(("step-board",), [board])
+    assert pool.take(("step-board",), reset, release_on_miss=False).actors == [board]
+
+
 def test_an_actor_that_cannot_retire_is_killed_not_kept(pool):
     busy = [FakeActor("r0"), FakeActor("r1", retire=False)]
     assert not pool.keep(("ranks",), busy)
