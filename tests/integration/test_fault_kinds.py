@@ -186,9 +186,13 @@ def check_slow(mode, out, rounds, fault):
 def check_slowdown(mode, out, rounds, fault):
     slowed = fault["replica"]
     assert slowed not in leaves(out)
-    # 4x as long as a replica without a slow fault (``against``), measured on a busy machine
+    # It fired: from its round on, the slowed replica steps slower than one without a slow
+    # fault (``against``). Not by a set multiple: ``factor`` multiplies the replica's own
+    # step, and on a saturated machine the replica that sleeps computes faster than the busy
+    # one, so a slowed replica's steps can be less than twice as long as the other's. The
+    # multiple itself, on a clock the test controls: tests/unit/runtime/test_injected_faults.py.
     since = fault["round"]
-    assert step_seconds(out, slowed, since) >= 2.0 * step_seconds(out, fault["against"], since)
+    assert step_seconds(out, slowed, since) > step_seconds(out, fault["against"], since)
 
 
 def check_nan(mode, out, rounds, fault):
