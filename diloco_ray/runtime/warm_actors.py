@@ -18,8 +18,8 @@ instead. A run that ends with an error keeps nothing.
 Only the last run's actors are kept: the first actor a run cannot take from what is kept
 lets all of it go (their reservations must not hold up the new one; the step board, which
 reserves nothing, is the exception), and so does the end of a run's set-up (the trainer
-calls :meth:`WarmActors.release`). Kept actors belong to the Ray
-they were started on: after ``ray.shutdown`` they are forgotten.
+calls :meth:`WarmActors.release`). Kept actors belong to the Ray they were started on:
+after ``ray.shutdown`` they are forgotten.
 """
 
 from __future__ import annotations
