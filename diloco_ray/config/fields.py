@@ -298,15 +298,15 @@ class ConfigFields(DerivedValues):
 # under Nesterov 0.5 warmed up like the plain step's in a run of fewer than
 # TOPK_LONG_RUN_ROUNDS rounds, and without momentum, as SparseLoCo runs it, in a longer one:
 # momentum led with 8 replicas and on the tiny task, was level with 4 over 16 rounds, and fell
-# behind over 32 and 64, where the decayed residual already carries past rounds on. Every other codec takes the plain step, lr
-# 0.5 under Nesterov 0.5, whose momentum-compounded step is one whole mean pseudo-gradient a
-# round, with the momentum warmed up over the first 4 updates (an early update's momentum
-# otherwise carries the large first pseudo-gradients on for rounds): the DiLoCo paper's lr 0.7
-# under Nesterov 0.9 is tuned for hundreds of rounds and overshoots in the tens of rounds a
-# fine-tune or a short run has (docs/results.md, Outer step, holds the sweep behind all of
-# it). The outer step comes as a whole: a config that sets outer_lr or outer_momentum has
-# chosen its own, the fields it leaves null take the plain values and its momentum no
-# warm-up. A value the user sets always wins.
+# behind over 32 and 64, where the decayed residual already carries past rounds on. Every
+# other codec takes the plain step, lr 0.5 under Nesterov 0.5, whose momentum-compounded step
+# is one whole mean pseudo-gradient a round, with the momentum warmed up over the first 4
+# updates (an early update's momentum otherwise carries the large first pseudo-gradients on
+# for rounds): the DiLoCo paper's lr 0.7 under Nesterov 0.9 is tuned for hundreds of rounds
+# and overshoots in the tens of rounds a fine-tune or a short run has (docs/results.md, Outer
+# step, holds the sweep behind all of it). The outer step comes as a whole: a config that sets
+# outer_lr or outer_momentum has chosen its own, the fields it leaves null take the plain
+# values and its momentum no warm-up. A value the user sets always wins.
 CODEC_DEFAULTS: dict[str, dict[str, float]] = {
     "topk": {
         "outer_lr": 1.3,
