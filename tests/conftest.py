@@ -1,6 +1,8 @@
 """Shared test set-up: offline Hugging Face, a tiny job config, a local Ray kept from module to module."""
 
 import os
+import random
+import socket
 
 # Before anything imports huggingface_hub: tests never touch the network.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -65,6 +67,26 @@ def seal(folder, round: int = 0) -> str:
     with open(os.path.join(folder, checkpoint.MANIFEST), "w") as f:
         f.write(checkpoint.manifest_text(round, {}, files))
     return folder
+
+
+# Ports a test hands to a server it starts later. Not the kernel's pick (bind to 0): that comes
+# from the ephemeral range, where any process's next outgoing connection may take it before
+# the server binds (a region gateway failed so in CI). Below the ephemeral range (from 32768)
+# and above Ray's worker ports (10002-19999), only another test's pick can collide.
+FREE_PORTS = range(20000, 32000)
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on, outside the kernel's ephemeral range."""
+    for _ in range(100):
+        port = random.choice(FREE_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {FREE_PORTS}")
 
 
 def tiny_config(output_dir, **overrides) -> TrainerConfig:

@@ -4,11 +4,11 @@ Prometheus endpoint of the node's metrics agent, and gauges stay there between r
 import math
 import os
 import re
-import socket
 import time
 import urllib.request
 
 import pytest
+from conftest import free_port
 
 from diloco_ray.observe.ray_metrics import RoundMetrics
 
@@ -26,9 +26,7 @@ def metrics_port():
     """A local Ray with its Prometheus endpoint on a known port; yields the port."""
     import ray
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # The environment rather than _system_config: the agent reads this setting from its
     # own environment (inherited from here) to age out gauges, the driver reads it at init.
     old = os.environ.get("RAY_metrics_report_interval_ms")

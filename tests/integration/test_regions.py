@@ -11,13 +11,12 @@ each region's replicas and its channel bytes."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
-from conftest import ROOT, applied_positions, max_abs_diff, tiny_config
+from conftest import ROOT, applied_positions, free_port, max_abs_diff, tiny_config
 
 from diloco_ray import DilocoFSDPTrainer
 from tests.unit.channel.tls_files import make_tls
@@ -28,12 +27,6 @@ pytestmark = pytest.mark.clusters  # regions: each its own Ray cluster (started 
 def region_token(name: str) -> str:
     """Region ``name``'s own channel token in these tests."""
     return f"{name}-region-test-token"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_line(path, text: str, process, timeout_s: float = 180.0) -> None:
