@@ -77,19 +77,24 @@ def test_without_an_error_line_the_traceback_or_the_status_says_it(tmp_path):
     assert failure(-9, str(plain)) == f"the run was killed by SIGKILL; its console: {plain}"
 
 
+def started_with(handler: str) -> subprocess.Popen:
+    """A Python process that sets ``handler`` for SIGTERM, says so on stdout, and sleeps."""
+    code = f"import signal,sys,time; signal.signal(signal.SIGTERM, {handler}); print('set', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "set\n"  # its handler is in place, however slow its start
+    return proc
+
+
 def test_a_stopped_trial_stops_its_run_cleanly_first(tmp_path):
     """SIGTERM first (the trainer's clean stop); a run that ignores it is killed after the grace."""
-    exits = "import signal,sys,time; signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); time.sleep(60)"
-    handled = subprocess.Popen([sys.executable, "-c", exits])
-    ignoring = subprocess.Popen(
-        [sys.executable, "-c", "import signal,time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"]
-    )
-    time.sleep(0.5)  # both have set their handlers
+    handled = started_with("lambda *a: sys.exit(143)")
+    ignoring = started_with("signal.SIG_IGN")
     stop(handled, grace_s=5)
     assert handled.returncode == 143
     started = time.monotonic()
     stop(ignoring, grace_s=0.5)
-    assert ignoring.returncode == -9 and time.monotonic() - started < 5
+    # Killed after the grace, not left to sleep its 60 s (a bound no load reaches).
+    assert ignoring.returncode == -9 and time.monotonic() - started < 30
 
 
 def test_tune_stopping_the_trial_stops_its_run(fake_run, tmp_path):
