@@ -246,6 +246,7 @@ class RankWorker:
             sent = self.sync.start_outgoing(job.period.fragment, local, job.link, job.period.attempt)
         unused = self.batches.unused_after(tally.last) if tally.out_of_time else []
         bytes_up = sum(sent.nbytes) if sent is not None else 0
+        self.reports.flush()  # the driver reads the period's step events before its stats
         return sent, tally.stats(self.rank, bytes_up, received, restarted, t2 - t1, (t1 - t0) + (t3 - t2), unused)
 
     def _run_steps(self, job: SyncPeriod, started: float) -> PeriodTally:

@@ -11,12 +11,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import ray
 import torch
 
 from diloco_ray.observe.events import StepEvent
 from diloco_ray.runtime.messages import RoundStats, SyncPeriod
 
 BEAT_S = 2.0  # how often a rank tells the driver it is alive (seconds)
+FLUSH_S = 5.0  # the most a period's end waits for the board to take its last step event
 
 
 @dataclass
@@ -76,6 +78,7 @@ class BoardReports:
     def __init__(self, replica_id: int, rank: int, world_size: int):
         self.replica_id, self.rank, self.world_size = replica_id, rank, world_size
         self._last_beat = 0.0
+        self._last_step = None  # the ref of the last step event sent, until flushed
 
     def step(self, job: SyncPeriod, step: int, tally: PeriodTally, lr: float, global_step: int) -> None:
         """Rank 0 sends a step event (mean loss since the last one, lr, tokens) after
@@ -86,7 +89,7 @@ class BoardReports:
             return
         total = float(tally.loss_sum)
         since = max(1, step - tally.logged[0])
-        board.report.remote(
+        self._last_step = board.report.remote(
             StepEvent(
                 round=job.period.round,
                 replica=self.replica_id,
@@ -100,6 +103,16 @@ class BoardReports:
             )
         )
         tally.logged = (step, total)
+
+    def flush(self) -> None:
+        """Wait (up to FLUSH_S) until the board has taken the last step event sent. Ray
+        keeps one caller's calls to an actor in order, not the driver's drain after this
+        rank's report: without the wait, a period's last events could reach the driver
+        after the period's stats, and so after its round had ended. A lost board answers
+        at once (with its error)."""
+        if self._last_step is not None:
+            ray.wait([self._last_step], timeout=FLUSH_S)
+            self._last_step = None
 
     def beat(self, job: SyncPeriod, step: int) -> None:
         """Tell the driver this rank is alive and at ``step`` (at most every BEAT_S), so a
