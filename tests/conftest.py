@@ -73,13 +73,15 @@ def seal(folder, round: int = 0) -> str:
 # from the ephemeral range, where any process's next outgoing connection may take it before
 # the server binds (a region gateway failed so in CI). Below the ephemeral range (from 32768)
 # and above Ray's worker ports (10002-19999), only another test's pick can collide.
-FREE_PORTS = range(20000, 32000)
+# Drawn from the OS, not the global generator: a library seeding that (a trainer's set-up,
+# say) would give both suite workers the same sequence of picks.
+FREE_PORTS, PORT_DRAWS = range(20000, 32000), random.SystemRandom()
 
 
 def free_port() -> int:
     """A port on 127.0.0.1 that nothing listens on, outside the kernel's ephemeral range."""
     for _ in range(100):
-        port = random.choice(FREE_PORTS)
+        port = PORT_DRAWS.choice(FREE_PORTS)
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))

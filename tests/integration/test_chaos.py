@@ -151,8 +151,8 @@ def test_a_slow_replica_with_a_time_budget_contributes_every_round(ray_local, tm
     """inner_time_s: replica 1, each of its steps 2 s slower every round, runs the steps
     that fit its budget instead of missing the deadline; it is applied every round with
     fewer steps, and what it had no time for is handed out again first, so every stream
-    position is still trained on exactly once. The budget leaves replica 0 a second a step
-    (a tiny step takes 0.05-0.5 s here, busy or not), so only replica 1 leaves data behind."""
+    position is still trained on exactly once. The budget leaves replica 0 a second a step,
+    several times a tiny step even on a busy machine, so only replica 1 leaves data behind."""
     slow = [{"kind": "slow", "replica": 1, "round": r, "seconds": 2.0} for r in range(3)]
     cfg = tiny_config(
         tmp_path / "run",
