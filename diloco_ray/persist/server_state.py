@@ -155,6 +155,11 @@ class ServerCheckpoint:
         replicas hold and the last message (``outbox``, a ``WeightsOutbox``), and the data
         cursor with in-flight plans given back (``plans``, a ``PlanLedger``). Returns
         :func:`staging.publish`'s hashes."""
+        return self._write(where, self.gather(store, outbox, plans))
+
+    def gather(self, store, outbox, plans) -> SavedServer:
+        """The server's state as :meth:`save` writes it, in memory (what a region's copy of
+        the server starts from: :mod:`diloco_ray.regions.mirror`)."""
         sd = store.optimizer.state_dict()
         layout = store.layout
         weights = {n: layout.rows(sd["params"], n, iv).contiguous() for n, iv in layout.owned.items()}
@@ -181,7 +186,7 @@ class ServerCheckpoint:
             "sync_fragments": self.checkpointing.sync_fragments,
             "shapes": {n: list(s) for n, s in layout.shapes.items()},
         }
-        return self._write(where, SavedServer(meta=meta, weights=weights, outer=outer))
+        return SavedServer(meta=meta, weights=weights, outer=outer)
 
     def _write(self, where: str, state: SavedServer) -> dict:
         folder = staging.scratch(where)

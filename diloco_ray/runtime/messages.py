@@ -184,6 +184,7 @@ class AppliedRound:
     round_done: bool = False  # this sync completed its round
     seconds: float = 0.0  # from the first piece received to the step taken
     work: float = 0.0  # decoupled mode: rounds' worth of tokens merged so far
+    versions: tuple[int, int] = (0, 0)  # the servers' version before the commit and after it
 
 
 # ---- what a rank reports of its sync period -------------------------------------------

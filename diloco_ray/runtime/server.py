@@ -34,6 +34,7 @@ stand are a :class:`~diloco_ray.runtime.server_store.SliceStore` (the data curso
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import time
 from typing import Optional
@@ -51,7 +52,7 @@ from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.config.sections import DecoupledSection, OuterOptimSection, SyncCodecSection
 from diloco_ray.data import plan as data
 from diloco_ray.errors import ConfigError
-from diloco_ray.persist.server_state import ServerCheckpoint
+from diloco_ray.persist.server_state import SavedServer, ServerCheckpoint
 from diloco_ray.runtime import host_memory
 from diloco_ray.runtime.messages import AppliedRound, Contribution, Prepared, Reduced
 from diloco_ray.runtime.server_aggregator import Aggregator, Agreement
@@ -250,6 +251,12 @@ class ParameterServer:
         that starts from scratch or missed a sync). Changes nothing."""
         return self.outbox.full()
 
+    def weights_digest(self) -> str:
+        """A digest of this slice's fp32 global weights and their version: two copies of the
+        server (the home's and a region's, :mod:`diloco_ray.regions.mirror`) hold the same
+        bits exactly when their digests agree."""
+        return self.store.digest()
+
     def new_weights_message(self, fragment: int) -> np.ndarray:
         """The message every replica applies after the sync of ``fragment``, packed; built
         once per committed version (see :meth:`WeightsOutbox.after_sync
@@ -257,15 +264,23 @@ class ParameterServer:
         return self.outbox.after_sync(fragment)
 
     # ---- one sync: prepare -> reduce -> commit -------------------------------------------
-    def prepare(self, fragment: int, contributions: list[Contribution], divisor: Optional[float] = None) -> Prepared:
+    def prepare(
+        self,
+        fragment: int,
+        contributions: list[Contribution],
+        divisor: Optional[float] = None,
+        scale: Optional[float] = None,
+    ) -> Prepared:
         """Fetch, decode and check every contribution; accumulate the valid ones' weighted
         sum in fp32, one replica at a time (never more than one decoded copy held).
-        ``divisor`` (decoupled mode) replaces the accepted weights as the sum's divisor."""
+        ``divisor`` (decoupled mode) replaces the accepted weights as the sum's divisor;
+        ``scale`` the power of two the weights are divided by (None: their own, see
+        :meth:`Aggregator.prepare <diloco_ray.runtime.server_aggregator.Aggregator.prepare>`)."""
         if fragment != self.store.fragment:
             raise RuntimeError(
                 f"server {self.index}: asked to sync fragment {fragment}, expected {self.store.fragment}"
             )
-        return self.aggregator.prepare(fragment, contributions, divisor)
+        return self.aggregator.prepare(fragment, contributions, divisor, scale)
 
     def reduce(self, *prepared: Prepared) -> Reduced:
         """Agree on the accepted replicas (rejected anywhere means rejected everywhere),
@@ -286,6 +301,11 @@ class ParameterServer:
             shares: decoupled mode: replica id -> the share of a round's worth of tokens its
                 contribution holds (see :meth:`_merge`).
         """
+        before = self.store.version
+        applied = self._commit(plans, reduced, unused, shares)
+        return dataclasses.replace(applied, versions=(before, self.store.version))
+
+    def _commit(self, plans: dict, reduced: tuple, unused: Optional[dict], shares: Optional[dict]) -> AppliedRound:
         agreed = Agreement.of(reduced)
         mean = self.aggregator.take_mean()  # the sync ends here, whether it commits or aborts
         if self.decoupled:
@@ -353,7 +373,14 @@ class ParameterServer:
 
     def load(self, where: str) -> None:
         """Restore the state :meth:`save` wrote (a folder or a bucket URI)."""
-        saved = self.checkpoint.load(where)
+        self.restore(self.checkpoint.load(where))
+
+    def state(self) -> SavedServer:
+        """This server's state as :meth:`save` writes it, in memory."""
+        return self.checkpoint.gather(self.store, self.outbox, self.plans)
+
+    def restore(self, saved: SavedServer) -> None:
+        """Take up a state :meth:`state` gave (or a checkpoint held)."""
         self._lay_out(saved.meta["shapes"])
         params = self.layout.split(saved.weights)
         optimizer = self._hold(params)

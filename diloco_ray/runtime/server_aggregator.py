@@ -120,6 +120,13 @@ class Agreement:
         return cls(accepted, norm, rejected, reduced[0].started, cycle)
 
 
+def contribution_scale(contributions: Sequence[Contribution]) -> float:
+    """What every weight of one sync's ``contributions`` is divided by before its pieces are
+    added. Every weight is known up front: scaled by their total's power of two, the sum of
+    any of them holds a mean's worth, whichever turn out accepted."""
+    return weight_scale(sum(float(c.weight) for c in contributions))
+
+
 class SumSpace:
     """One fp32 buffer kept from sync to sync, where a sync's sum is built and, once the sum
     is consumed, an uncompressed weights message (on the host). A fresh sum each sync would
@@ -191,16 +198,22 @@ class Aggregator:
         self.pending: Optional[PendingSync] = None
         self.space = SumSpace(codec.device)  # the sum lives where the pieces are decoded
 
-    def prepare(self, fragment: int, contributions: list[Contribution], divisor: Optional[float] = None) -> Prepared:
+    def prepare(
+        self,
+        fragment: int,
+        contributions: list[Contribution],
+        divisor: Optional[float] = None,
+        scale: Optional[float] = None,
+    ) -> Prepared:
         """Fetch, decode and check every contribution; add the valid ones' weighted sum in
         fp32, one replica at a time (never more than one decoded copy held), and keep it
         until :meth:`reduce`. ``divisor`` (decoupled mode) replaces the accepted weights as
-        the sum's divisor."""
+        the sum's divisor. ``scale``: what each weight is divided by, when the sum must be
+        the one another set of contributions gave (a region repeating the home's sync from
+        the accepted ones alone); None: :func:`contribution_scale` of these."""
         started = time.time()
         target = self.layout.target(fragment)
-        # Every weight is known up front: scaled by their total's power of two, the sum of
-        # any of them holds a mean's worth, whichever turn out accepted.
-        scale = weight_scale(sum(float(c.weight) for c in contributions))
+        scale = contribution_scale(contributions) if scale is None else scale
         acc = self._zeroed(target)
         reasons, valid = {}, []
         self.sumsq = {}

@@ -11,8 +11,9 @@ remote here, at creation, so tests can pass a subclass.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 import ray
@@ -33,10 +34,45 @@ class SyncRefs:
     Args:
         commits: one ``AppliedRound`` ref per server (server 0's is the one reported).
         weights: one packed weights-message ref per server, for the replicas.
+        digests: one ref per server to the digest of its rows after the sync
+            (:meth:`~diloco_ray.runtime.server.ParameterServer.weights_digest`).
     """
 
     commits: list
     weights: list
+    digests: list = dataclasses.field(default_factory=list)
+
+
+def remote_call(actor, method: str, *args, **kwargs):
+    """``actor.method.remote(*args, **kwargs)``: a server call of :func:`chain_sync` on an actor."""
+    return getattr(actor, method).remote(*args, **kwargs)
+
+
+def chain_sync(
+    servers: list,
+    call: Callable,
+    fragment: int,
+    contributions: list[list[Contribution]],
+    plans: dict,
+    unused: Optional[dict] = None,
+    merge: Optional[tuple] = None,
+    scale: Optional[float] = None,
+    digest: bool = False,
+) -> SyncRefs:
+    """One sync of ``fragment`` on every server, in the order every copy of the servers
+    takes it: prepare, reduce, commit, then the weights message (and, with ``digest``, the
+    digest of the weights it leaves). ``call(server, method, *args, **kwargs)`` makes each call: on actors
+    (:func:`remote_call`, Ray chains them and this returns refs at once) or on servers held
+    in this process (a region's copy of the home's: :mod:`diloco_ray.regions.mirror`).
+    ``scale``: what the weights are divided by before the sum (None: the
+    :func:`~diloco_ray.algo.aggregate.weight_scale` of these contributions' weights)."""
+    divisor, shares = merge if merge is not None else (None, None)
+    prepared = [call(a, "prepare", fragment, contributions[s], divisor, scale) for s, a in enumerate(servers)]
+    reduced = [call(a, "reduce", *prepared) for a in servers]
+    commits = [call(a, "commit", plans, *reduced, unused=unused, shares=shares) for a in servers]
+    weights = [call(a, "new_weights_message", fragment) for a in servers]
+    digests = [call(a, "weights_digest") for a in servers] if digest else []
+    return SyncRefs(commits=commits, weights=weights, digests=digests)
 
 
 class ServerGroup:
@@ -143,12 +179,7 @@ class ServerGroup:
             merge: decoupled mode: (divisor, shares): one round's worth of tokens, and
                 replica id -> its contribution's share of it.
         """
-        divisor, shares = merge if merge is not None else (None, None)
-        prepared = [a.prepare.remote(fragment, contributions[s], divisor) for s, a in enumerate(self.actors)]
-        reduced = [a.reduce.remote(*prepared) for a in self.actors]
-        commits = [a.commit.remote(plans, *reduced, unused=unused, shares=shares) for a in self.actors]
-        weights = [a.new_weights_message.remote(fragment) for a in self.actors]
-        return SyncRefs(commits=commits, weights=weights)
+        return chain_sync(self.actors, remote_call, fragment, contributions, plans, unused, merge)
 
     def full_weights(self) -> list:
         """Refs to what replicas hold, every parameter (for a replica starting out)."""

@@ -11,6 +11,7 @@ round counter are :class:`~diloco_ray.algo.outer.OuterOptimizer`'s (the same cal
 
 from __future__ import annotations
 
+import hashlib
 from typing import Callable, Mapping, Optional
 
 import numpy as np
@@ -61,6 +62,16 @@ class SliceStore:
         if iv is None:
             return None
         return iv[0], self.layout.rows(self.params, name, iv).cpu().numpy()
+
+    def digest(self) -> str:
+        """A digest of the rows' fp32 bits (in the layout's order) and the version."""
+        h = hashlib.blake2b(digest_size=16)
+        h.update(str(self.version).encode())
+        for name, iv in self.layout.owned.items():
+            rows = self.layout.rows(self.params, name, iv).detach().cpu().contiguous().reshape(-1)
+            h.update(name.encode())
+            h.update(rows.view(torch.uint8).numpy())
+        return h.hexdigest()
 
     # ---- a sync's commit ---------------------------------------------------------------
     def step(self, mean: dict, lr: float, norm: float) -> None:

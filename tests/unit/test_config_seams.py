@@ -48,6 +48,7 @@ WHOLE_CONFIG_HOLDERS: dict[str, dict[str, str]] = {
     "observe": {},
     "regions": {
         "diloco_ray.regions.agent": "builds the region's own view of the home's job, as the trainer builds its parts",
+        "diloco_ray.regions.mirror": "builds the region's copy of the home's servers, each with the home's job",
     },
 }
 

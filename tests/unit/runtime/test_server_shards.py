@@ -175,6 +175,7 @@ class Sim:
                 bufs[lost[1]] = [LostInTransit() for _ in bufs[lost[1]]]
             for s in range(len(self.servers)):
                 contributions[s].append(Contribution(rid, bufs[s], 1.0 + rid))
+        self.contributions = contributions  # what the servers were handed (a region's copy repeats it)
         prepared = [srv.prepare(fragment, contributions[s]) for s, srv in enumerate(self.servers)]
         reduced = [srv.reduce(*prepared) for srv in self.servers]
         applied = [srv.commit(plans, *reduced) for srv in self.servers]
