@@ -201,6 +201,16 @@ class Rehearsal:
         for way in ("up", "down"):
             entries = [(r.get("regions") or {}).get(n, {}) for r in rounds for n in others]
             row[f"reported_bytes_{way}"] = sum(e.get(f"bytes_{way}", 0) for e in entries)
+        # What each region applies per sync: every applied member's message (the home's
+        # replicas' and every region's, its own among them); with region_downlink: step that
+        # is what comes down, as records.
+        applied = sum(
+            e.get("bytes_up", 0) for r in rounds for e in (r.get("regions") or {}).values() if e.get("applied")
+        )
+        row["applied_bytes_per_region"] = applied
+        row["wire_down_net_per_applied"] = (row["wan_wire_bytes_down"] - row["wire_down_ack_bytes"]) / (
+            len(others) * applied or float("nan")
+        )
         row["records_with_regions"] = sum("regions" in r for r in every)
         row["rounds"] = [
             {**{k: r.get(k) for k in runs.ROUND_KEYS}, "time": r["time"], "regions": r.get("regions")} for r in every

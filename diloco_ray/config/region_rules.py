@@ -15,6 +15,10 @@ def check_regions(cfg: ConfigFields) -> None:
     if cfg.regions is None:
         if cfg.region_holdout_margin is not None:
             raise ConfigError("region_holdout_margin: tries a region's contribution; this run has no regions")
+        if cfg.region_downlink != "auto":
+            raise ConfigError(
+                f"region_downlink: {cfg.region_downlink} says what a region gets; this run has no regions"
+            )
         return
     _check_holdout(cfg)
     names = []
@@ -65,3 +69,16 @@ def _check_holdout(cfg: ConfigFields) -> None:
             "and eval_batches > 0 (the home's replicas score each region's update on the eval batches "
             "between reporting and the round's weights); set it to null otherwise"
         )
+
+
+def regions_take_the_step(sections) -> bool:
+    """Whether each region takes the home's outer step itself from the sync's contributions
+    rather than getting the weights messages (``sections``: a config's
+    :class:`~diloco_ray.config.sections.Sections`): ``region_downlink: step``, or ``auto``
+    with topk's pseudo-gradients (a sync's sparse contributions are then a fraction of the
+    weights' bytes) and servers on the host (a region's copy steps on its CPU; the same step
+    on a GPU rounds differently, and every sync would send the whole state again)."""
+    downlink = sections.sync_codec.region_downlink
+    if downlink != "auto":
+        return downlink == "step"
+    return sections.sync_codec.pseudo_grad_compression == "topk" and not sections.placement.server_gpus

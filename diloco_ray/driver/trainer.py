@@ -234,11 +234,17 @@ class DilocoFSDPTrainer:
             on_admit=self._restore_inner,
             regions=self.regions,
         )
+        self._tell_regions_of_syncs()
         self.members.place_initial(self.events.warn)
         warm_actors.release()  # what this run's first members and servers did not take
         if self.regions is not None:
             self.regions.at_boundary(wait_s=s.membership.placement_timeout_s)
         self._inner_state_from = None
+
+    def _tell_regions_of_syncs(self) -> None:
+        """Regions that take the outer step themselves hear of every sync the servers chain."""
+        if self.regions is not None and self.server.digest:
+            self.server.on_sync = self.regions.note_sync
 
     def _after_restore(self, reset: bool) -> None:
         """Point the loop at the servers' state: their index, what replicas load (see
@@ -386,6 +392,7 @@ class DilocoFSDPTrainer:
         self.events.log(ServerEvent("restart", self.round_index, from_path=path))
         self.server.kill()
         self.server = ServerGroup(self.config, self.server_cls)
+        self._tell_regions_of_syncs()
         was_at = self.round_index
         self._load_server(path, skipped, reason="server_restart")
         if self.round_index < was_at or self.sections.run.sync_mode == "decoupled":

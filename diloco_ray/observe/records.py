@@ -297,6 +297,8 @@ def _regions(reported: list[dict], accepted: list[int], home_region: str) -> dic
             entry = out.setdefault(name, {"replica_ids": [], "applied": False, "bytes_up": 0, "bytes_down": 0})
             entry["bytes_up"] += sum(s.bytes_up for s in ranks)
             entry["bytes_down"] += max(s.bytes_down for s in ranks)
+            if facts and facts.resends:  # the servers' whole state sent down to it so far, by reason
+                entry["state_resends"] = dict(facts.resends)
             if rid in accepted:
                 entry["applied"] = True
                 ids = facts.replica_ids if facts else [rid]

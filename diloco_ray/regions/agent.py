@@ -47,6 +47,7 @@ import numpy as np
 from diloco_ray.channel.client import ChannelClient, ChannelRefused
 from diloco_ray.channel.headers import MAX_WAIT_S
 from diloco_ray.config.fault_plan import for_region
+from diloco_ray.config.region_rules import regions_take_the_step
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.control import ray_connection
 from diloco_ray.control.ray_session import RaySession
@@ -56,6 +57,7 @@ from diloco_ray.regions import notices, wire
 from diloco_ray.regions.books import PeriodStart, RegionBooks
 from diloco_ray.regions.mailbox import FullWeightsOf, Mailbox, full_key
 from diloco_ray.regions.merge import RegionalMerge
+from diloco_ray.regions.mirror import Behind, Diverged, ServerMirror
 from diloco_ray.regions.notices import Abort, HomeNotice, SaveRequest, Stop
 from diloco_ray.regions.replicas import RegionReplicas, job_for
 from diloco_ray.runtime.messages import Contribution, RegionFacts, RoundStats
@@ -228,6 +230,9 @@ class RegionAgent:
             *(sizes, s.membership, s.sync_codec, s.run.sync_mode, self.log),
         )
         servers = s.placement.num_param_servers
+        # region_downlink: step: the region's copy of the home's servers takes every sync itself.
+        self.copy = ServerMirror(home.to_dict()) if regions_take_the_step(home.sections()) else None
+        self.copy_differed = False  # its digest differed at the last sync (told to the home once)
         self.mailbox = ray.remote(Mailbox).options(num_cpus=0, max_concurrency=MAILBOX_THREADS).remote()
         self.servers = [FullWeightsOf(self.mailbox, i) for i in range(servers)]
         self.overlap = s.sync_codec.overlap_communication
@@ -241,7 +246,7 @@ class RegionAgent:
     def _sync(self, notice: wire.Notice) -> None:
         """One sync period of every replica, merged into the region's one reply (the
         period started ahead of this notice, when it is the one expected)."""
-        keys, full = list(notice.messages), list(notice.full_keys)
+        full = list(notice.full_keys)
         start = self.books.begin(notice, self.replicas.ids)
         if start.note:
             self.log(f"region: {start.note}")
@@ -257,7 +262,7 @@ class RegionAgent:
             launch, plans = self._launcher(notice, start)
             launched = launch() if early else None
         try:
-            self._deliver(keys, full)
+            self._deliver(notice)
         except ChannelRefused:  # the home moved past this job: the replicas started on it stop
             self._stop(notice.period.attempt, launched or {})
             raise
@@ -306,17 +311,51 @@ class RegionAgent:
         """Answer a job this region did not run, so the home does not wait for it: nothing
         merged, and its whole plan handed back to the cursor."""
         plan = list(notice.plan)
-        declined = RoundStats.empty(aborted=True, unused=plan, region=RegionFacts())
+        declined = RoundStats.empty(aborted=True, unused=plan, region=RegionFacts(**self._copy_facts()))
         empty = [np.zeros(0, dtype=np.uint8)] * len(self.servers)
         self.client.upload(notice.reply, wire.reply_payload(empty, declined), give_up_after_s=self.give_up_after_s)
 
-    def _deliver(self, keys: list, full: list) -> None:
-        """Download the period's messages (and the full weights, when sent: the replicas
-        may need to load everything) into the mailbox, where the replicas take them."""
-        for key in keys:
-            self.mailbox.put.remote(key, self._download(key))
-        for index, key in enumerate(full):
-            self.mailbox.put.remote(full_key(index), self._download(key))
+    def _deliver(self, notice: wire.Notice) -> None:
+        """Put the period's messages (and the full weights, when sent: the replicas may need
+        to load everything) into the mailbox, where the replicas take them: made by the
+        region's copy of the servers when it reaches the period's weights, else downloaded."""
+        made = self._from_copy(notice) if self.copy is not None else None
+        if made is not None:
+            messages, full = made
+        else:
+            messages = [self._download(key) for key in notice.messages]
+            full = [self._download(key) for key in notice.full_keys]
+        for key, message in zip(notice.messages, messages):
+            self.mailbox.put.remote(key, message)
+        for index, weights in enumerate(full):
+            self.mailbox.put.remote(full_key(index), weights)
+
+    def _from_copy(self, notice: wire.Notice) -> Optional[tuple[list, list]]:
+        """The period's messages (and the full weights when asked for) made by the region's
+        copy of the servers, brought to the notice's weights by what the home sent for it;
+        None where it cannot get there (they are downloaded)."""
+        copy, download = self.copy, self._download
+        try:
+            made = copy.catch_up([download(k) for k in notice.states], map(download, notice.records), notice.version)
+        except Diverged as e:
+            self.copy_differed = True
+            self.log(f"region: {e}; downloading, and the home sends the whole state")
+            return None
+        except Behind as e:
+            self.log(f"region: {e}: downloading")
+            return None
+        if notice.states:
+            self.log(f"region: took up the home's servers' whole state at version {notice.version}")
+        full = copy.full_weights() if notice.full_keys else []
+        if notice.full:
+            return copy.full_weights(), full
+        return (made if made is not None else copy.last_weights()), full
+
+    def _copy_facts(self) -> dict:
+        """What the region's replies say of its copy of the servers (the differed flag once)."""
+        version = -1 if self.copy is None or self.copy.version is None else self.copy.version
+        differed, self.copy_differed = self.copy_differed, False
+        return {"copy_version": version, "copy_differed": differed}
 
     def _reply(self, notice: wire.Notice, launched: dict, plans: dict) -> None:
         """Collect the replicas' periods, merge them into one message and upload it; then
@@ -336,7 +375,7 @@ class RegionAgent:
         # What the home publishes for this region next: a refilled slot loads everything at once,
         # a replica rejected as non-finite at its next round's start.
         reload = {"reload": bool(self.replicas.lost), "reload_at_round": self.books.resets_at_round_start}
-        summary = replace(summary, region=replace(summary.region, **reload))
+        summary = replace(summary, region=replace(summary.region, **reload, **self._copy_facts()))
         out = message.buffers or [np.zeros(0, dtype=np.uint8)] * servers
         self.books.save()  # before the upload: what it carries is in the books
         self.client.upload(notice.reply, wire.reply_payload(out, summary), give_up_after_s=self.give_up_after_s)

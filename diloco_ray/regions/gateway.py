@@ -37,6 +37,7 @@ from diloco_ray.channel.server import ChannelServer
 from diloco_ray.config.sections import ChannelSection
 from diloco_ray.logs import log
 from diloco_ray.regions import notices, wire
+from diloco_ray.regions.downlink import StepDownlink
 from diloco_ray.regions.notices import Abort, SaveRequest, Stop
 from diloco_ray.runtime.messages import RegionFacts, RoundStats, SyncPeriod
 from diloco_ray.runtime.server_aggregator import refusal_message
@@ -67,6 +68,8 @@ class RegionGateway:
         seq_len: tokens per sequence: what a region's plan can hold.
         fragments: ``sync_fragments``: the sync periods of a round (a notice carries the
             round's next one, :attr:`~diloco_ray.regions.wire.Notice.ahead`).
+        steps: ``region_downlink: step``: the regions take the outer step themselves
+            (:mod:`~diloco_ray.regions.downlink`).
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class RegionGateway:
         seq_len: int,
         save_timeout_s: float = 60.0,
         fragments: int = 1,
+        steps: bool = False,
     ):
         self.fragments = fragments
         self.servers, self.max_bytes = servers, int(regions.channel_max_frame_mb * (1 << 20))
@@ -109,6 +113,8 @@ class RegionGateway:
         # Region -> what its state starts from in this home's run: a new home starts every
         # region fresh (its servers start from nothing) until restore() names a checkpoint.
         self.directives = {name: _directive(None) for name in self.channel.regions}
+        # region_downlink: step: the records and states of the regions' copies of the servers.
+        self.downlink = StepDownlink(self.channel, self.home) if steps else None
 
     def address(self) -> int:
         """The port the channel listens on."""
@@ -118,10 +124,15 @@ class RegionGateway:
         """The regions connected now whose replicas are up."""
         return sorted(self.channel.connected(ready=True))
 
-    def run_period(self, region: str, job: SyncPeriod) -> tuple:
+    def note_sync(self, serial: int, refs) -> None:
+        """The driver chained its sync ``serial`` (``region_downlink: step``)."""
+        self.downlink.note(serial, refs)
+
+    def run_period(self, region: str, job: SyncPeriod, serial: int = 0) -> tuple:
         """Hand ``region`` one sync period of ``job`` and wait for its reply: one buffer per
         server and its stats, with the channel bytes of the period (an empty buffer per
         server and aborted stats when it was told to stop, or merged no replica).
+        ``serial``: the driver's count of the syncs it chained before this period.
 
         Raises:
             RegionLost: the region was not heard from for ``channel_timeout_s`` (its link
@@ -145,9 +156,14 @@ class RegionGateway:
         before = self.channel.traffic(region)
         directive = self.directives[region]
         notice = wire.notice_of(job, messages, full, reply, directive, self.home, self.fragments, region)
+        steps = []
+        if self.downlink is not None:
+            records, states = self.downlink.inputs(region, job.version, serial, list(job.servers))
+            notice = dataclasses.replace(notice, records=tuple(records), states=tuple(states))
+            steps = [*records, *states]
         self.channel.expect(region, reply)
         self.channel.notify(region, notices.to_wire(notice))
-        return self._await_reply(region, job, reply, [*messages, *full], before)
+        return self._await_reply(region, job, reply, [*messages, *full, *steps], before)
 
     def _await_reply(self, region: str, job: SyncPeriod, reply: str, keys: list, before: tuple) -> tuple:
         """``run_period``'s wait for ``region``'s ``reply``, until it comes, the period is
@@ -159,6 +175,11 @@ class RegionGateway:
                 buffers, stats = self._checked_reply(region, job, payload)
                 if not stats.aborted and stats.region.refused is None:  # its replicas hold job.version
                     self.held[region] = (self.channel.instance_of(region), job.version)
+                if self.downlink is not None:
+                    if stats.region.refused is None:
+                        self.downlink.heard(region, stats.region.copy_version, stats.region.copy_differed)
+                    resends = tuple(sorted(self.downlink.resends.get(region, {}).items()))
+                    stats = dataclasses.replace(stats, region=dataclasses.replace(stats.region, resends=resends))
                 self._note_reloads(region, stats.region)
                 return (*buffers, self._with_traffic(region, stats, before))
             if self.aborted.get(region, -1) >= job.period.attempt:
@@ -228,6 +249,8 @@ class RegionGateway:
                     with open(os.path.join(local, name), encoding="utf-8") as f:
                         saved = json.load(f)
             self.directives[region] = _directive(saved)
+        if self.downlink is not None:
+            self.downlink.servers_restored()
 
     def stop(self) -> None:
         """Tell every region the run is over, give them a moment to hear it, and close."""

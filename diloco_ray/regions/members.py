@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from diloco_ray.channel.credentials import RegionTokens, read_pem
 from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.config.region_rules import regions_take_the_step
 from diloco_ray.config.sections import ChannelSection
 from diloco_ray.logs import log
 from diloco_ray.observe.events import MembershipEvent
@@ -37,18 +38,21 @@ class RegionMember:
         gateway: the :class:`RegionGateway` actor.
         servers: ``num_param_servers``.
         round_of: the index of the round the run is at (a checkpoint's, when one is taken).
+        syncs: how many syncs the driver has chained (the last one made the period's weights).
     """
 
-    def __init__(self, index: int, name: str, gateway, servers: int, round_of: Callable[[], int]):
+    def __init__(
+        self, index: int, name: str, gateway, servers: int, round_of: Callable[[], int], syncs: Callable[[], int]
+    ):
         self.id, self.name, self.gateway, self.servers = REGION_ID_BASE + index, name, gateway, servers
-        self.round_of = round_of
+        self.round_of, self.syncs = round_of, syncs
         self.world_size = 1  # one message per sync, whatever runs behind it
         self.judged_by_steps = False
         self.shapes: dict = {}
 
     def run_period(self, job: SyncPeriod) -> tuple[list[list], list]:
         """Start the region's sync period: (per server, its buffer's ref; its stats' ref)."""
-        outs = self.gateway.run_period.options(num_returns=self.servers + 1).remote(self.name, job)
+        outs = self.gateway.run_period.options(num_returns=self.servers + 1).remote(self.name, job, self.syncs())
         return [[outs[s]] for s in range(self.servers)], [outs[-1]]
 
     def abort(self, attempt: int) -> None:
@@ -75,12 +79,22 @@ class RegionMembers:
 
     def __init__(self, regions: ChannelSection, gateway, servers: int, on_event: Callable, round_of: Callable):
         self.gateway, self.on_event, self.round_of = gateway, on_event, round_of
-        self.members = [RegionMember(i, r["name"], gateway, servers, round_of) for i, r in enumerate(regions.regions)]
+        self.serial = 0  # syncs chained (region_downlink: step: the gateway is told of each)
+        self.members = [
+            RegionMember(i, r["name"], gateway, servers, round_of, lambda: self.serial)
+            for i, r in enumerate(regions.regions)
+        ]
         self.taking_part: list[RegionMember] = []
 
     @property
     def active(self) -> list[RegionMember]:
         return list(self.taking_part)
+
+    def note_sync(self, refs) -> None:
+        """The driver chained a sync (its :class:`~diloco_ray.runtime.server_group.SyncRefs`):
+        the regions that take the outer step themselves get its record from the gateway."""
+        self.serial += 1
+        self.gateway.note_sync.remote(self.serial, refs)
 
     def at_boundary(self, wait_s: float = 0.0) -> None:
         """Let every connected region take part (waiting up to ``wait_s`` for all of them)."""
@@ -148,6 +162,7 @@ def open_channel(job: dict, sections, on_event: Callable, round_of: Callable) ->
             sections.data.seq_len,
             save_timeout_s=sections.membership.call_timeout_s / 2,
             fragments=sections.sync_codec.sync_fragments,
+            steps=regions_take_the_step(sections),
         )
     )
     port = ray.get(gateway.address.remote(), timeout=sections.membership.call_timeout_s)

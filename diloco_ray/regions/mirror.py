@@ -18,12 +18,13 @@ is handed only the contributions the home accepted, so it screens nothing.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.persist.server_state import SavedServer
+from diloco_ray.regions import records
 from diloco_ray.regions.records import SyncRecord
 from diloco_ray.runtime.server import ParameterServer
 from diloco_ray.runtime.server_group import chain_sync
@@ -43,10 +44,14 @@ def local_call(server: ParameterServer, method: str, *args, **kwargs):
 
 
 def mirror_config(home: dict) -> dict:
-    """The home's job as its servers read it, less its regions: the copy screens nothing and
-    has no channel of its own."""
-    regionless = dict(regions=None, region_holdout_margin=None, channel_tls_cert=None, channel_tls_key=None)
-    return TrainerConfig.from_dict({**home, **regionless}).to_dict()
+    """The home's job as its servers read it, less its regions, its faults and its members'
+    rules (left at their defaults): the copy screens nothing, has no channel of its own, no
+    fault is aimed at it, and it runs no replicas."""
+    own = ("fault_plan", "min_quorum", "min_regions", "min_replicas", "max_replicas", "spare_replicas")
+    regionless = {k: v for k, v in home.items() if k not in own and not k.startswith(("region", "channel_"))}
+    # On the host: the region's agent holds the copy (a home with server_gpus takes the step on
+    # a GPU, whose rounding the host's does not repeat: docs/slow-links.md).
+    return TrainerConfig.from_dict({**regionless, "regions": None, "server_gpus": 0}).to_dict()
 
 
 class ServerMirror:
@@ -105,6 +110,27 @@ class ServerMirror:
             self.drop()
             raise Diverged(f"the copy's weights after version {record.version} are not the home's")
         return list(done.weights)
+
+    def catch_up(self, states: Sequence[bytes], syncs: Iterable[bytes], version: int) -> Optional[list[np.ndarray]]:
+        """Bring the copy to weights ``version``: from the servers' whole states first (their
+        frames, when sent), then each sync's record (frames, oldest first; those the copy is
+        already past, or that start past a gap, are passed over). Returns the last sync's
+        weights messages (None: the copy took none, it held ``version`` already).
+
+        Raises:
+            Behind: the records do not bring it to ``version``.
+            Diverged: a sync left it off the home's weights (it then holds nothing).
+        """
+        if states:
+            self.restore([records.state_from(data, len(data)) for data in states])
+        made = None
+        for data in syncs:
+            record = records.record_from(data, len(data))
+            if self.servers is not None and record.from_version == self.version:
+                made = self.apply(record)
+        if self.version != version:
+            raise Behind(f"its copy of the servers holds version {self.version}, not {version}")
+        return made
 
     def full_weights(self) -> list[np.ndarray]:
         """Per server, every parameter as replicas hold it (a replica loading everything)."""

@@ -78,6 +78,11 @@ class Notice:
     time_budget_s: Optional[float] = None
     sent_verdicts: tuple[tuple[int, bool], ...] = ()
     restore: Mapping = dataclasses.field(default_factory=dict)
+    # region_downlink: step: how the region's copy of the servers reaches this period's weights
+    # (how, not which period: not compared). The channel keys of the home's syncs' records,
+    # oldest first, and of each server's whole state, when sent.
+    records: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    states: tuple[str, ...] = dataclasses.field(default=(), compare=False)
     ahead: Optional[Notice] = dataclasses.field(default=None, compare=False)
 
     @property
@@ -91,6 +96,7 @@ class Notice:
         out.update(dataclasses.asdict(self.period))
         out.update(plan=[list(r) for r in self.plan], sent_verdicts=[list(v) for v in self.sent_verdicts])
         out.update(messages=list(self.messages), full_keys=list(self.full_keys), restore=dict(self.restore))
+        out.update(records=list(self.records), states=list(self.states))
         out["ahead"] = None if self.ahead is None else self.ahead.to_wire()
         return out
 
@@ -111,6 +117,8 @@ class Notice:
             time_budget_s=None if data.get("time_budget_s") is None else float(data["time_budget_s"]),
             sent_verdicts=tuple((int(a), bool(ok)) for a, ok in data.get("sent_verdicts", ())),
             restore=dict(data.get("restore") or {}),
+            records=tuple(str(k) for k in data.get("records", ())),
+            states=tuple(str(k) for k in data.get("states", ())),
             ahead=None if ahead is None else cls.from_wire(ahead),
         )
 
@@ -191,6 +199,8 @@ def next_in_round(notice: Notice, region: str, fragments: int) -> Optional[Notic
         messages=tuple(message_keys(notice.home, version, len(notice.messages))),
         full_keys=(),
         reply=reply_key(notice.home, region, period),
+        records=(),
+        states=(),
         ahead=None,
     )
 
@@ -338,6 +348,7 @@ def facts_of(claims) -> RegionFacts:
     known = RegionFacts.CLAIMS
     ok = isinstance(claims, dict) and not set(claims) - set(known)
     ok = ok and all(isinstance(claims.get(k, t()), t) for k, t in known.items())
+    ok = ok and type(claims.get("copy_version", -1)) is int and claims.get("copy_version", -1) >= -1
     if not ok or not all(type(i) is int for i in claims.get("replica_ids", [])):
         raise frames.BadFrame(f"malformed: its facts are not {{{', '.join(known)}}} of their types")
     return RegionFacts(**{**claims, "replica_ids": tuple(claims.get("replica_ids", []))})

@@ -200,21 +200,41 @@ class RegionFacts:
         replica_ids: the region's replicas its message merged.
         reload: a replica of it was replaced: it loads the full weights at its next period.
         reload_at_round: a replica was reset: it loads them at its next round's start.
+        copy_version: with ``region_downlink: step``, the version of the global weights the
+            region's copy of the servers holds; -1: none (it asks for the whole state).
+        copy_differed: its copy's digest differed from the home's (the reason it holds nothing).
         name: the region's name (the home's gateway sets it).
         refused: why the home refused the region's reply (None: it did not; the gateway sets it).
+        resends: how often the home has sent the region its servers' whole state in this
+            home's run, by reason (``region_downlink: step``; the gateway sets it).
     """
 
     replica_ids: tuple[int, ...] = ()
     reload: bool = False
     reload_at_round: bool = False
+    copy_version: int = -1
+    copy_differed: bool = False
     name: str = ""
     refused: Optional[str] = None
+    resends: tuple[tuple[str, int], ...] = ()
 
-    CLAIMS: ClassVar[dict[str, type]] = {"replica_ids": list, "reload": bool, "reload_at_round": bool}
+    CLAIMS: ClassVar[dict[str, type]] = {
+        "replica_ids": list,
+        "reload": bool,
+        "reload_at_round": bool,
+        "copy_version": int,
+        "copy_differed": bool,
+    }
 
     def claims(self) -> dict:
         """What the region sends of these facts: its claims, as JSON values."""
-        return {"replica_ids": list(self.replica_ids), "reload": self.reload, "reload_at_round": self.reload_at_round}
+        return {
+            "replica_ids": list(self.replica_ids),
+            "reload": self.reload,
+            "reload_at_round": self.reload_at_round,
+            "copy_version": self.copy_version,
+            "copy_differed": self.copy_differed,
+        }
 
 
 @dataclass

@@ -376,8 +376,14 @@ class ParameterServer:
         self.restore(self.checkpoint.load(where))
 
     def state(self) -> SavedServer:
-        """This server's state as :meth:`save` writes it, in memory."""
-        return self.checkpoint.gather(self.store, self.outbox, self.plans)
+        """This server's state as :meth:`save` writes it, in memory; without what replicas
+        hold when that is the weights themselves (before the first sync: :meth:`restore`
+        then takes the weights for it), which halves what a region joining then downloads."""
+        saved = self.checkpoint.gather(self.store, self.outbox, self.plans)
+        held, params = self.outbox.held, self.store.params
+        if held and held.keys() == params.keys() and all(torch.equal(held[k], params[k]) for k in held):
+            saved.outer = {k: v for k, v in saved.outer.items() if k != "held"}
+        return saved
 
     def restore(self, saved: SavedServer) -> None:
         """Take up a state :meth:`state` gave (or a checkpoint held)."""

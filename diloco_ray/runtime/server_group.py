@@ -19,6 +19,7 @@ import numpy as np
 import ray
 
 from diloco_ray.algo import compression
+from diloco_ray.config.region_rules import regions_take_the_step
 from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.runtime import warm_actors
 from diloco_ray.runtime.messages import Contribution
@@ -35,12 +36,17 @@ class SyncRefs:
         commits: one ``AppliedRound`` ref per server (server 0's is the one reported).
         weights: one packed weights-message ref per server, for the replicas.
         digests: one ref per server to the digest of its rows after the sync
-            (:meth:`~diloco_ray.runtime.server.ParameterServer.weights_digest`).
+            (:meth:`~diloco_ray.runtime.server.ParameterServer.weights_digest`), when asked for.
+        fragment, contributions, merge: what the sync was handed (a region repeating it
+            needs them: :mod:`diloco_ray.regions.records`).
     """
 
     commits: list
     weights: list
     digests: list = dataclasses.field(default_factory=list)
+    fragment: int = 0
+    contributions: list = dataclasses.field(default_factory=list)
+    merge: Optional[tuple] = None
 
 
 def remote_call(actor, method: str, *args, **kwargs):
@@ -72,7 +78,7 @@ def chain_sync(
     commits = [call(a, "commit", plans, *reduced, unused=unused, shares=shares) for a in servers]
     weights = [call(a, "new_weights_message", fragment) for a in servers]
     digests = [call(a, "weights_digest") for a in servers] if digest else []
-    return SyncRefs(commits=commits, weights=weights, digests=digests)
+    return SyncRefs(commits, weights, digests, fragment, contributions, merge)
 
 
 class ServerGroup:
@@ -85,7 +91,8 @@ class ServerGroup:
     """
 
     def __init__(self, config: TrainerConfig, server_cls: type = ParameterServer):
-        placement = config.sections().placement
+        sections = config.sections()
+        placement = sections.placement
         count = placement.num_param_servers
         resources = placement.server_resources
         per_server = resources if isinstance(resources, list) else [resources] * count
@@ -94,6 +101,9 @@ class ServerGroup:
         # A GPU only when asked for (server_gpus): Ray then shows the server that one GPU.
         gpus = {"num_gpus": placement.server_gpus} if placement.server_gpus else {}
         job = config.to_dict()
+        # Regions that take the outer step themselves check every sync by the servers' digests.
+        self.digest = bool(sections.channel.regions) and regions_take_the_step(sections)
+        self.on_sync: Optional[Callable[[SyncRefs], None]] = None  # told of every sync chained
         self.actors, self.keys = [], []
         for s in range(count):
             resources = per_server[s] or None
@@ -179,7 +189,10 @@ class ServerGroup:
             merge: decoupled mode: (divisor, shares): one round's worth of tokens, and
                 replica id -> its contribution's share of it.
         """
-        return chain_sync(self.actors, remote_call, fragment, contributions, plans, unused, merge)
+        refs = chain_sync(self.actors, remote_call, fragment, contributions, plans, unused, merge, digest=self.digest)
+        if self.on_sync is not None:
+            self.on_sync(refs)
+        return refs
 
     def full_weights(self) -> list:
         """Refs to what replicas hold, every parameter (for a replica starting out)."""

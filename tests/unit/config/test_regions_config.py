@@ -5,6 +5,7 @@ import pytest
 from conftest import tiny_config
 
 from diloco_ray.config.fields import REGION_ID_BASE
+from diloco_ray.config.schema import TrainerConfig
 from diloco_ray.errors import ConfigError
 
 CHANNEL = dict(channel_tls_cert="home.pem", channel_tls_key="home.key", channel_tokens_file="tokens")
@@ -34,6 +35,8 @@ def test_a_region_member_plans_its_replicas_worth_of_data(tmp_path):
             "min_regions: 2 needs whole rounds",
         ),
         (dict(region_holdout_margin=0.01), "region_holdout_margin: tries a region's contribution; this run has no"),
+        (dict(region_downlink="step"), "region_downlink: step says what a region gets; this run has no regions"),
+        (dict(regions=[{"name": "eu", "replicas": 1}], region_downlink="both", **CHANNEL), "region_downlink"),
         *(
             (dict(regions=[{"name": "eu", "replicas": 1}], region_holdout_margin=0.01, **other, **CHANNEL), needs)
             for needs in ["region_holdout_margin: 0.01 needs sync_mode: sync, sync_fragments: 1 and eval_batches > 0"]
@@ -71,3 +74,33 @@ def test_a_region_s_own_view_of_the_home_s_job_is_a_valid_one_cluster_config(tmp
         assert own.num_replicas == region["replicas"] and own.regions is None and own.region_holdout_margin is None
         assert own.pseudo_grad_compression == "none" and not own.error_feedback  # the leg inside is plain
         assert own.sync_mode == mode and own.seed == home.seed and own.output_dir == str(tmp_path / region["name"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "decoupled"])
+def test_a_region_s_copy_of_the_home_s_servers_is_built_from_the_home_s_job(tmp_path, mode):
+    """regions.mirror: the home's job, less what is the home's own (its regions, its channel,
+    its faults, its members' rules), is a valid config of the same servers."""
+    from diloco_ray.config.region_rules import regions_take_the_step
+    from diloco_ray.regions.mirror import mirror_config
+
+    home = tiny_config(
+        tmp_path / "home",
+        regions=[{"name": "eu", "replicas": 3}],
+        pseudo_grad_compression="topk",
+        num_param_servers=2,
+        sync_mode=mode,
+        fault_plan=[{"kind": "nan", "region": "eu", "replica": 1, "round": 0}],
+        **({"min_quorum": 2} if mode == "decoupled" else {"min_regions": 2, "round_timeout_s": 60}),
+        **CHANNEL,
+    )
+    assert regions_take_the_step(home.sections())  # auto, with topk
+    copy = TrainerConfig.from_dict(mirror_config(home.to_dict()))
+    assert copy.regions is None and copy.fault_plan is None
+    for name in ("sync_codec", "outer_optim", "checkpointing"):
+        assert getattr(copy.sections(), name) == getattr(home.sections(), name), name
+    merging, home_merging = copy.sections().decoupled, home.sections().decoupled  # all but min_quorum
+    assert (merging.decoupled_momentum, merging.stale_correction) == (
+        home_merging.decoupled_momentum,
+        home_merging.stale_correction,
+    )
+    assert copy.sections().placement.num_param_servers == 2

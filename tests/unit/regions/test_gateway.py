@@ -66,6 +66,7 @@ def bare_gateway(channel) -> RegionGateway:
     gateway.published, gateway.held, gateway.aborted = {}, {}, {}
     gateway.reset_attempts, gateway.reload_at_round = set(), set()
     gateway.directives = {"eu": gateway_module._directive(None)}
+    gateway.downlink = None  # region_downlink: weights
     return gateway
 
 
