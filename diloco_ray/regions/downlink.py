@@ -30,7 +30,10 @@ from diloco_ray.logs import log
 from diloco_ray.regions import records
 from diloco_ray.runtime import transport
 
-SYNCS_KEPT = 32  # the latest syncs whose records a region behind by a few can still be sent
+# The latest syncs whose records a region behind by a few can still be sent: the gateway holds
+# their contributions (until the record is made) or their records, each about the sync's
+# messages up; further behind, a region gets the whole state.
+SYNCS_KEPT = 16
 # Whole states sent on a region's own word (its copy differed, or holds nothing) at most this
 # often in a run: past it, the region gets the weights messages, as with region_downlink:
 # weights, so a region cannot make the home gather and send its state every sync.
@@ -157,6 +160,7 @@ class StepDownlink:
             applied, *digests = transport.resolve([refs.commits[0], *refs.digests])
             resolve = transport.resolve
             record = records.record_of(refs.fragment, refs.contributions, applied, digests, resolve, refs.merge)
+            refs.contributions = []  # published from here on: the messages' objects may go
             return [records.record_payload(record)]
 
         self._publish([key], make)

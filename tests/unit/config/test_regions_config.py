@@ -67,6 +67,7 @@ def test_a_region_s_own_view_of_the_home_s_job_is_a_valid_one_cluster_config(tmp
         sync_mode=mode,
         **({"min_quorum": 4} if mode == "decoupled" else {"min_regions": 3, "round_timeout_s": 60}),
         **({} if mode == "decoupled" else {"region_holdout_margin": 0.02}),  # the home's alone
+        region_downlink="weights",  # the home's alone
         **CHANNEL,
     )
     for region in home.regions:
