@@ -28,12 +28,12 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class RecordingServer(ParameterServer):
     """Keeps every rank's pieces it was sent, so the test can redo the outer step itself."""
 
-    def prepare(self, fragment, contributions, divisor=None):
+    def prepare(self, fragment, contributions, divisor=None, scale=None):
         self.recorded = [
             (c.replica_id, c.weight, [compression.unpack_pieces(b, self.layout.names)[0] for b in resolve(c.refs)])
             for c in contributions
         ]
-        return super().prepare(fragment, contributions, divisor)
+        return super().prepare(fragment, contributions, divisor, scale)
 
     def get_recorded(self):
         return self.recorded
