@@ -15,7 +15,7 @@ def check_regions(cfg: ConfigFields) -> None:
     if cfg.regions is None:
         if cfg.region_holdout_margin is not None:
             raise ConfigError("region_holdout_margin: tries a region's contribution; this run has no regions")
-        if cfg.region_downlink != "auto":
+        if cfg.region_downlink != "weights":
             raise ConfigError(
                 f"region_downlink: {cfg.region_downlink} says what a region gets; this run has no regions"
             )

@@ -89,7 +89,7 @@ def in_region_config(home: dict, region: dict, output_dir: str) -> TrainerConfig
         channel_tls_cert=None,
         channel_tls_key=None,
         region_holdout_margin=None,  # the home tries what a region sends; a region has no regions
-        region_downlink="auto",  # (what crosses to the region is the home's choice)
+        region_downlink="weights",  # (what crosses to the region is the home's choice)
         pseudo_grad_compression="none",
         error_feedback=False,
         error_feedback_decay=None,

@@ -3,8 +3,9 @@ without the region, the region's agent and replicas never restart, and once the 
 back the region reconnects, loads the current global weights and is applied again within
 two syncs. No stream position is applied twice, and none below the furthest applied is
 lost. Both modes; in sync mode a server is also killed later, and the region goes on
-through its restore. With topk the region takes the outer step itself (``region_downlink:
-step``): its copy of the servers holds the home's weights after every sync it takes.
+through its restore. In decoupled mode the region takes the outer step itself
+(``region_downlink: step``): its copy of the servers holds the home's weights after every
+merge it takes.
 
 The link is a relay on the channel's one port (``bench/wanlab/relay.py``) that the test cuts:
 in sync mode every connection through it is reset and new ones are refused until it is
@@ -106,7 +107,7 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
         # Error feedback's path: the message the region merged when its link was cut is put
         # back once the home's verdict reaches it (the region's books, tests/unit/regions).
         pseudo_grad_compression="topk",
-        **({"min_quorum": 2} if mode == "decoupled" else {}),  # both, while both are active
+        **({"min_quorum": 2, "region_downlink": "step"} if mode == "decoupled" else {}),  # both, while both are active
     )
     agent = start_region("eu", relay_port, tls, tmp_path)
     done, times = threading.Event(), {}
@@ -149,11 +150,11 @@ def test_a_region_cut_off_is_left_out_then_applied_again(ray_local, tmp_path, mo
         assert not eu[0].get("replica_ids") and eu[1]["replica_ids"] == [0]  # NaN in round 0, reset, back
         assert [e["round"] for e in events if e.get("event") == "server"], "the killed server was restored"
         assert with_region[-1] and rounds[-1]["round"] > SERVER_KILLED_AT  # applied after the restore
-    # region_downlink: step (auto, with topk): the region's copy of the home's servers took
-    # every sync it was sent (the ones it missed while cut off among them) and held the home's
-    # weights after each, bit for bit (each sync's digests checked, regions.mirror); it never
-    # fell back to downloading the weights messages, and the servers' whole state went down
-    # once, when it joined: not after the cut (the syncs it missed came as records), nor after
-    # the server's restore from the round's own checkpoint (the copy held those weights).
-    assert "differed" not in log and "downloading" not in log, log[-3000:]
-    assert rounds[-1]["regions"]["eu"]["state_resends"] == {"joined": 1}
+    if mode == "decoupled":
+        # region_downlink: step: the region's copy of the home's servers took every sync it
+        # was sent (the ones it missed while cut off among them) and held the home's weights
+        # after each, bit for bit (each sync's digests checked, regions.mirror); it never fell
+        # back to downloading the weights messages, and the servers' whole state went down
+        # once, when it joined (the syncs it missed came as records).
+        assert "differed" not in log and "downloading" not in log, log[-3000:]
+        assert rounds[-1]["regions"]["eu"]["state_resends"] == {"joined": 1}

@@ -1,6 +1,8 @@
 """The regions fields: what a run across regions may say, one line for what it may not,
 and a region's member counting its replicas' data."""
 
+import dataclasses
+
 import pytest
 from conftest import tiny_config
 
@@ -67,7 +69,7 @@ def test_a_region_s_own_view_of_the_home_s_job_is_a_valid_one_cluster_config(tmp
         sync_mode=mode,
         **({"min_quorum": 4} if mode == "decoupled" else {"min_regions": 3, "round_timeout_s": 60}),
         **({} if mode == "decoupled" else {"region_holdout_margin": 0.02}),  # the home's alone
-        region_downlink="weights",  # the home's alone
+        region_downlink="step",  # the home's alone
         **CHANNEL,
     )
     for region in home.regions:
@@ -88,6 +90,7 @@ def test_a_region_s_copy_of_the_home_s_servers_is_built_from_the_home_s_job(tmp_
         tmp_path / "home",
         regions=[{"name": "eu", "replicas": 3}],
         pseudo_grad_compression="topk",
+        region_downlink="auto",
         num_param_servers=2,
         sync_mode=mode,
         fault_plan=[{"kind": "nan", "region": "eu", "replica": 1, "round": 0}],
@@ -97,8 +100,10 @@ def test_a_region_s_copy_of_the_home_s_servers_is_built_from_the_home_s_job(tmp_
     assert regions_take_the_step(home.sections())  # auto, with topk
     copy = TrainerConfig.from_dict(mirror_config(home.to_dict()))
     assert copy.regions is None and copy.fault_plan is None
-    for name in ("sync_codec", "outer_optim", "checkpointing"):
+    for name in ("outer_optim", "checkpointing"):
         assert getattr(copy.sections(), name) == getattr(home.sections(), name), name
+    codec, home_codec = copy.sections().sync_codec, home.sections().sync_codec  # all but region_downlink
+    assert dataclasses.replace(codec, region_downlink=home_codec.region_downlink) == home_codec
     merging, home_merging = copy.sections().decoupled, home.sections().decoupled  # all but min_quorum
     assert (merging.decoupled_momentum, merging.stale_correction) == (
         home_merging.decoupled_momentum,
