@@ -86,10 +86,6 @@ class SyncRecord:
             for server in self.pieces
         ]
 
-    def nbytes(self) -> int:
-        """The bytes of the accepted contributions' pieces."""
-        return sum(int(b.nbytes) for server in self.pieces for bufs in server for b in bufs)
-
 
 def record_of(
     fragment: int,
